@@ -1,0 +1,136 @@
+"""``rlvr-kernels bench``: every op's benchmark, as a table, a plot and result files.
+
+Benchmarks live in the package (not only in ``benchmarks/``) so that the installed CLI
+runs them; ``benchmarks/bench_*.py`` are the pytest-benchmark entry points.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from typing import Dict, List, Optional
+
+import torch
+
+from . import advantages
+
+SUITES = {"group_advantages": advantages.WORKLOADS}
+
+
+def machine_info(device: str) -> Dict:
+    from ..cli import _cpu_name
+    from .. import __version__
+
+    info = {
+        "date": datetime.date.today().isoformat(),
+        "device": device,
+        "cpu": _cpu_name(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "rlvr_kernels": __version__,
+        "python": platform.python_version(),
+    }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    for peer in ("verl", "trl"):
+        try:
+            from importlib.metadata import version
+
+            info[peer] = version(peer)
+        except Exception:
+            info[peer] = "not installed"
+    return info
+
+
+def device_tag(info: Dict) -> str:
+    if info["device"] == "cuda":
+        return info["gpu"].lower().replace("nvidia", "").strip().replace(" ", "-") or "cuda"
+    return "cpu"
+
+
+def run_all(out_dir: str, device: Optional[str] = None, quick: bool = False) -> int:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the `bench` extra brings it; without it, no bar
+        tqdm = None
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    info = machine_info(device)
+    jobs = [(op, name, fn) for op, workloads in SUITES.items() for name, fn in workloads.items()]
+    results: List[Dict] = []
+    bar = tqdm(jobs, desc="bench", unit="workload", file=sys.stderr) if tqdm else jobs
+    for op, name, fn in bar:
+        if tqdm:
+            bar.set_postfix_str(f"{op}/{name}")
+        res = fn(device, quick=quick)
+        res["op"] = op
+        results.append(res)
+    report = {"machine": info, "quick": quick, "results": results}
+    md = to_markdown(report)
+    print(md)
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"{info['date']}-{device_tag(info)}{'-quick' if quick else ''}")
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=2)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    plotted = plot(report, stem + ".png")
+    print(f"results: {stem}.json, {stem}.md" + (f", {stem}.png" if plotted else " (no plot: matplotlib missing)"))
+    return 0
+
+
+def to_markdown(report: Dict) -> str:
+    m = report["machine"]
+    where = m.get("gpu") or f"{m['cpu']}, {m['torch_threads']} threads"
+    lines = [f"### rlvr-kernels bench — {m['date']}, {where}", "",
+             f"torch {m['torch']}, verl {m['verl']}, trl {m['trl']}; median of repeated runs; "
+             "ratio = method time / fused op time.", ""]  # fmt: skip
+    for res in report["results"]:
+        lines += [f"**{res['op']} — {res['name']}**", "", "| method | ms | ratio |", "|---|---:|---:|"]
+        for r in res["rows"]:
+            ms = f"{r['ms']:.2f}" if r.get("ms") is not None else "—"
+            ratio = f"{r['ratio']:.2f}×" if r.get("ratio") is not None else "—"
+            extra = ""
+            if "gbps" in r:
+                extra = f" ({r['gbps']:.1f} GB/s, {100 * r['copy_fraction']:.0f}% of measured copy {res['copy_gbps']:.1f} GB/s)"
+            lines.append(f"| {r['method']}{extra} | {ms} | {ratio} |")
+        for t in res["targets"]:
+            got = "—" if t["measured"] is None else f"{t['measured']:.2f}"
+            verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+            lines.append(f"| target: {t['target']} | measured {got} | {verdict} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: Dict, path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    results = report["results"]
+    fig, axes = plt.subplots(len(results), 1, figsize=(10, 2.2 + 0.55 * sum(len(r["rows"]) for r in results)))
+    axes = axes if hasattr(axes, "__len__") else [axes]
+    for ax, res in zip(axes, results):
+        rows = [r for r in res["rows"] if r.get("ms") is not None]
+        labels = [r["method"][:70] for r in rows]
+        values = [r["ms"] for r in rows]
+        colors = ["tab:green" if r["key"] in ("fused", "dropin") else "tab:gray" for r in rows]
+        ax.barh(labels, values, color=colors)
+        ax.set_xscale("log")
+        ax.invert_yaxis()
+        ax.set_xlabel("ms (log scale, lower is better)")
+        ax.set_title(f"{res['op']}: {res['name']}", fontsize=9)
+        for i, r in enumerate(rows):
+            ax.text(r["ms"], i, f" {r['ms']:.2f} ms ({r['ratio']:.1f}×)", va="center", fontsize=8)
+        ax.tick_params(axis="y", labelsize=8)
+    m = report["machine"]
+    fig.suptitle(f"rlvr-kernels bench {m['date']} on {m.get('gpu') or m['cpu']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,153 @@
+"""Benchmark of ``group_advantages`` against verl and eager PyTorch (issue #2's table).
+
+Workloads (the driver-side call of a verl GRPO step):
+- tokens: 512 prompts × 16 samples, L = 4096, response lengths uniform in [1, L], binary
+  rewards, float32 ``response_mask``; token advantages are written.
+- groups: B = 2^20 samples in groups of 16, group statistics and per-sample advantages only.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from .. import group_advantages, uids_to_group_index
+from ..integrations import verl as verl_dropin
+from .timing import copy_bandwidth, time_fn
+
+
+def _eager_grpo(scores, group_index, num_groups, response_mask=None, eps=1e-6):
+    """The best plain-PyTorch version we know: two-pass index_add statistics, one mul."""
+    ones = torch.ones_like(scores)
+    count = scores.new_zeros(num_groups).index_add_(0, group_index, ones)
+    mean = scores.new_zeros(num_groups).index_add_(0, group_index, scores) / count.clamp_min(1)
+    centered = scores - mean[group_index]
+    var = scores.new_zeros(num_groups).index_add_(0, group_index, centered * centered) / (count - 1).clamp_min(1)
+    adv = centered / (var.sqrt()[group_index] + eps)
+    return adv if response_mask is None else adv[:, None] * response_mask
+
+
+def _peer(name: str) -> Optional[object]:
+    try:
+        if name == "verl":
+            from verl.trainer.ppo import core_algos
+
+            return core_algos
+        if name == "verl_groupwise":
+            from verl.utils import groupwise
+
+            return groupwise
+    except Exception as e:  # reported as a row, not hidden
+        return e
+    raise KeyError(name)
+
+
+def token_workload(device: str, quick: bool = False) -> Dict:
+    P, G, L = (64, 16, 512) if quick else (512, 16, 4096)
+    B = P * G
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, L + 1, (B,), generator=gen)
+    response_mask = (torch.arange(L)[None, :] < lengths[:, None]).to(torch.float32).to(device)
+    rewards = torch.randint(0, 2, (B,), generator=gen).to(torch.float32).to(device)
+    token_level_rewards = torch.zeros(B, L, device=device)
+    token_level_rewards[torch.arange(B), (lengths - 1).to(device)] = rewards
+    uids = np.array([str(uuid.UUID(int=int(x))) for x in torch.randint(0, 2**62, (P,), generator=gen)], dtype=object)
+    index = uids.repeat(G)
+    group_index, num_groups = uids_to_group_index(index, device=device, return_num_groups=True)
+    adv = torch.randn(B, device=device)
+    out_buf = torch.empty(B, L, device=device)
+
+    methods: List[tuple] = [
+        ("rlvr_kernels.group_advantages (fused op: scores -> token advantages)",
+         lambda: group_advantages(rewards, group_index, num_groups=num_groups, response_mask=response_mask,
+                                  preset="verl"), "fused"),
+        ("rlvr_kernels verl drop-in (token_level_rewards + uids, as verl)",
+         lambda: verl_dropin.compute_grpo_outcome_advantage(token_level_rewards, response_mask, index), "dropin"),
+        ("eager torch, vectorised (index_add stats + mul)",
+         lambda: _eager_grpo(rewards, group_index, num_groups, response_mask), "eager"),
+        ("torch.mul(response_mask, adv[:, None]) alone", lambda: torch.mul(response_mask, adv[:, None]), "floor"),
+        ("torch.mul(..., out=preallocated) alone", lambda: torch.mul(response_mask, adv[:, None], out=out_buf),
+         "floor_out"),
+    ]  # fmt: skip
+    verl = _peer("verl")
+    if isinstance(verl, Exception):
+        methods.append((f"verl (not importable: {verl!r})"[:90], None, "verl_loop"))
+    else:
+        methods += [
+            ("verl compute_grpo_outcome_advantage (default loop)",
+             lambda: verl.compute_grpo_outcome_advantage(token_level_rewards, response_mask, index), "verl_loop"),
+            ("verl compute_grpo_vectorized_outcome_advantage",
+             lambda: verl.compute_grpo_vectorized_outcome_advantage(token_level_rewards, response_mask, index),
+             "verl_vec"),
+        ]  # fmt: skip
+
+    rows = _time_methods(methods, device, slow={"verl_loop"})
+    fused = rows["fused"]["ms"]
+    tokens_bytes = 2 * B * L * 4  # read the fp32 mask once, write fp32 token advantages once
+    bw = copy_bandwidth(device)
+    for r in rows.values():
+        r["ratio"] = r["ms"] / fused if r.get("ms") else None
+    rows["fused"]["gbps"] = tokens_bytes / (fused * 1e-3) / 1e9
+    rows["fused"]["copy_fraction"] = rows["fused"]["gbps"] / bw
+    targets = [
+        _target("verl loop / fused", rows, "verl_loop", "fused", ">=", 15.0),
+        _target("verl vectorised / fused", rows, "verl_vec", "fused", ">=", 6.0),
+        _target("fused / torch.mul alone", rows, "fused", "floor", "<=", 1.3),
+    ]
+    return {
+        "name": f"tokens: {P} prompts x {G} samples, L={L}, fp32 response_mask, binary rewards",
+        "rows": list(rows.values()),
+        "targets": targets,
+        "copy_gbps": bw,
+    }
+
+
+def group_workload(device: str, quick: bool = False) -> Dict:
+    B, G = (1 << 14, 16) if quick else (1 << 20, 16)
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randint(0, 2, (B,), generator=gen).to(torch.float32).to(device)
+    group_index = (torch.randperm(B, generator=gen) // G).to(device)  # shuffled group ids
+    num_groups = B // G
+    methods = [
+        ("rlvr_kernels.group_advantages (group-only)",
+         lambda: group_advantages(scores, group_index, num_groups=num_groups, preset="verl"), "fused"),
+        ("eager torch, vectorised (index_add stats)", lambda: _eager_grpo(scores, group_index, num_groups), "eager"),
+    ]  # fmt: skip
+    gw = _peer("verl_groupwise")
+    if not isinstance(gw, Exception):
+
+        def verl_groups():
+            mean, std, _ = gw.group_mean_std(scores, group_index, eps=0.0, device=scores.device)
+            return (scores - mean[group_index]) / (std[group_index] + 1e-6)
+
+        methods.append(("verl group_mean_std + GRPO formula (verl's vectorised core)", verl_groups, "verl_vec"))
+    rows = _time_methods(methods, device)
+    fused = rows["fused"]["ms"]
+    for r in rows.values():
+        r["ratio"] = r["ms"] / fused if r.get("ms") else None
+    return {"name": f"groups only: B = {B} samples, groups of {G}, shuffled ids", "rows": list(rows.values()),
+            "targets": [], "copy_gbps": None}  # fmt: skip
+
+
+def _time_methods(methods, device, slow=frozenset()) -> Dict[str, Dict]:
+    rows = {}
+    for label, fn, key in methods:
+        row = {"method": label, "key": key}
+        if fn is not None:
+            t = time_fn(fn, device, repeats=3 if key in slow else 9, warmup=1)
+            row.update(t)
+        rows[key] = row
+    return rows
+
+
+def _target(label, rows, num, den, op, value):
+    a, b = rows.get(num, {}).get("ms"), rows.get(den, {}).get("ms")
+    ratio = a / b if a and b else None
+    met = None if ratio is None else (ratio >= value if op == ">=" else ratio <= value)
+    return {"target": f"{label} {op} {value}", "measured": ratio, "met": met}
+
+
+WORKLOADS: Dict[str, Callable] = {"tokens": token_workload, "groups": group_workload}

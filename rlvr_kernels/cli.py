@@ -1,0 +1,131 @@
+"""``rlvr-kernels info | check | bench`` (also ``python -m rlvr_kernels``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+
+
+def _prepare_triton_env() -> None:
+    # Triton decides at kernel-definition time whether to interpret; without a GPU the
+    # only way to run the Triton backend is the interpreter, so opt in before any import.
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _triton_mode() -> str:
+    import torch
+
+    from .ops import _dispatch
+
+    if not _dispatch.triton_available():
+        return "not installed"
+    import triton
+
+    if _dispatch.triton_interpreted():
+        return f"{triton.__version__}, interpreted (TRITON_INTERPRET=1)"
+    if torch.cuda.is_available():
+        return f"{triton.__version__}, compiled for {torch.cuda.get_device_name()}"
+    return f"{triton.__version__}, no GPU (set TRITON_INTERPRET=1 to interpret on CPU)"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cmd_info(_args) -> int:
+    import torch
+
+    from . import __version__, cpu_cache_stats
+    from .ops import _dispatch
+
+    rows = [
+        ("rlvr_kernels", __version__),
+        ("python", platform.python_version()),
+        ("torch", torch.__version__),
+        ("compiled extension (rlvr_kernels._C)", "present" if _dispatch.load_extension() else "MISSING"),
+        ("triton", _triton_mode()),
+        ("cpu", f"{_cpu_name()}, {torch.get_num_threads()} torch threads"),
+        ("cuda", torch.cuda.get_device_name() if torch.cuda.is_available() else "not available"),
+        ("cpu output cache", "{cached_bytes} B cached, limit {limit_bytes} B".format(**cpu_cache_stats())),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def available_backends(device: str):
+    from .ops import _dispatch
+
+    backends = ["reference"]
+    if device == "cpu" and _dispatch.load_extension():
+        backends.append("cpu")
+    if _dispatch.triton_available() and (device == "cuda" or _dispatch.triton_interpreted()):
+        backends.append("triton")
+    return backends
+
+
+def cmd_check(args) -> int:
+    import torch
+
+    from .testing import check_case_count, check_group_advantages
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backends = args.backend or available_backends(device)
+    total = check_case_count() * len(backends)
+    done = [0]
+
+    def progress():
+        done[0] += 1
+        print(f"\r  checking {done[0]}/{total}", end="", file=sys.stderr, flush=True)
+
+    rows = check_group_advantages(backends, device=device, seed=args.seed, progress=progress)
+    print("", file=sys.stderr)
+    header = f"{'op':<17} {'backend':<9} {'case':<44} {'max abs err':>11} {'max rel err':>11}  result"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        status = "pass" if r.ok else f"FAIL ({r.note})"
+        print(f"{r.op:<17} {r.backend:<9} {r.case[:44]:<44} {r.max_abs:>11.2e} {r.max_rel:>11.2e}  {status}")
+    failed = sum(not r.ok for r in rows)
+    print(f"\n{len(rows) - failed}/{len(rows)} passed on {device} (backends: {', '.join(backends)})")
+    return 1 if failed else 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_all
+
+    return run_all(out_dir=args.out, device=args.device, quick=args.quick)
+
+
+def main(argv=None) -> int:
+    _prepare_triton_env()
+    parser = argparse.ArgumentParser(prog="rlvr-kernels", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, compiled extension, Triton mode, device")
+    p = sub.add_parser("check", help="every op x backend against the fp64 reference")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    p.add_argument("--backend", action="append", choices=["reference", "cpu", "triton"], default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("bench", help="benchmark table, plot and result files")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"), help="where result files go")
+    p.add_argument("--quick", action="store_true", help="small workloads (a smoke test, not for reporting)")
+    args = parser.parse_args(argv)
+    return {"info": cmd_info, "check": cmd_check, "bench": cmd_bench}[args.command](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

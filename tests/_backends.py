@@ -1,0 +1,18 @@
+"""Which backends the tests run, and on which device."""
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (backend, device): the C++ kernel on CPU tensors; Triton on CUDA tensors when there is
+# a GPU, else interpreted on CPU tensors.
+FAST = [
+    pytest.param("cpu", "cpu", id="cpu", marks=pytest.mark.cpu_kernel),
+    pytest.param("triton", DEVICE, id=f"triton-{DEVICE}"),
+]
+ALL = [pytest.param("reference", "cpu", id="reference")] + FAST
+
+
+def to(kwargs, device):
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
