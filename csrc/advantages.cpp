@@ -17,6 +17,7 @@
 #include <torch/types.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <vector>
 
@@ -109,17 +110,25 @@ std::vector<double> token_weights_from_layout(const torch::Tensor& mask, const s
   return w;
 }
 
-// out[t] = a · m[t] for t in [0, n), computed in float like `adv[:, None] * mask`.
+// Token values are computed in float (what `adv[:, None] * mask` gives for a float32
+// result) and in double for a float64 result.
+template <typename out_t>
+using token_math_t = std::conditional_t<std::is_same<out_t, double>::value, double, float>;
+
+// out[t] = a · m[t] for t in [0, n).
 template <typename mask_t, typename out_t>
-inline void scale_row(out_t* out, const mask_t* m, float a, int64_t n) {
-  for (int64_t t = 0; t < n; ++t) out[t] = static_cast<out_t>(a * static_cast<float>(m[t]));
+inline void scale_row(out_t* out, const mask_t* m, double a, int64_t n) {
+  using T = token_math_t<out_t>;
+  const T av = static_cast<T>(a);
+  for (int64_t t = 0; t < n; ++t) out[t] = static_cast<out_t>(av * static_cast<T>(m[t]));
 }
 
 #if defined(__SSE2__)
 // The common case (fp32 mask, fp32 output): streaming stores skip the read-for-ownership
 // of the output lines, a third of the memory traffic of a plain `torch.mul`.
 template <>
-inline void scale_row<float, float>(float* out, const float* m, float a, int64_t n) {
+inline void scale_row<float, float>(float* out, const float* m, double a_in, int64_t n) {
+  const float a = static_cast<float>(a_in);
   int64_t t = 0;
   for (; t < n && (reinterpret_cast<uintptr_t>(out + t) & 15) != 0; ++t) out[t] = a * m[t];
   const __m128 va = _mm_set1_ps(a);
@@ -135,12 +144,12 @@ inline void scale_row<float, float>(float* out, const float* m, float a, int64_t
 #endif
 
 template <typename out_t>
-inline void fill_row(out_t* out, float a, int64_t n) {
-  const out_t v = static_cast<out_t>(a);
+inline void fill_row(out_t* out, double a, int64_t n) {
+  const out_t v = static_cast<out_t>(static_cast<token_math_t<out_t>>(a));
   for (int64_t t = 0; t < n; ++t) out[t] = v;
 }
 
-void broadcast_to_tokens(const std::vector<float>& adv, const torch::Tensor& mask, const std::vector<int64_t>& cu,
+void broadcast_to_tokens(const std::vector<double>& adv, const torch::Tensor& mask, const std::vector<int64_t>& cu,
                          torch::Tensor& out) {
   const int64_t B = int64_t(adv.size());
   const bool packed = !cu.empty();
@@ -154,8 +163,8 @@ void broadcast_to_tokens(const std::vector<float>& adv, const torch::Tensor& mas
       // Tokens outside every span (only possible with validate=False) are zeroed.
       const int64_t first = std::min(std::max(cu[0], int64_t(0)), T);
       const int64_t last = std::min(std::max(cu[B], first), T);
-      fill_row(o, 0.f, first);
-      fill_row(o + last, 0.f, T - last);
+      fill_row(o, 0.0, first);
+      fill_row(o + last, 0.0, T - last);
     }
     auto rows = [&](auto* mp) {
       at::parallel_for(0, B, 16, [&](int64_t i0, int64_t i1) {
@@ -393,14 +402,11 @@ group_advantages_cpu(const torch::Tensor& scores, const torch::Tensor& group_ind
 
   torch::Tensor token_adv;
   if (has_layout) {
-    // The token values are A_i rounded to float, times m (what `adv[:, None] * mask` gives).
-    std::vector<float> af(B);
-    for (int64_t i = 0; i < B; ++i) af[i] = static_cast<float>(a[i]);
     if (cu.empty())
       token_adv = empty_output({B, mask.size(1)}, out_dtype);
     else
       token_adv = empty_output({mask.defined() ? mask.size(0) : std::max<int64_t>(num_tokens, 0)}, out_dtype);
-    broadcast_to_tokens(af, mask, cu, token_adv);
+    broadcast_to_tokens(a, mask, cu, token_adv);
   } else {
     token_adv = torch::empty({0}, torch::TensorOptions().dtype(out_dtype));
   }

@@ -8,13 +8,17 @@ import platform
 import sys
 
 
-def _prepare_triton_env() -> None:
-    # Triton decides at kernel-definition time whether to interpret; without a GPU the
-    # only way to run the Triton backend is the interpreter, so opt in before any import.
+def _reexec_with_triton_interpreter(argv) -> None:
+    """Without a GPU, Triton kernels only run in Triton's interpreter, which must be
+    switched on before Triton is first imported (torch imports it early). So the CLI
+    restarts itself once with TRITON_INTERPRET=1."""
     import torch
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if torch.cuda.is_available() or "TRITON_INTERPRET" in os.environ:
+        return
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    args = sys.argv[1:] if argv is None else list(argv)
+    os.execve(sys.executable, [sys.executable, "-m", "rlvr_kernels", *args], env)
 
 
 def _triton_mode() -> str:
@@ -111,7 +115,7 @@ def cmd_bench(args) -> int:
 
 
 def main(argv=None) -> int:
-    _prepare_triton_env()
+    _reexec_with_triton_interpreter(argv)
     parser = argparse.ArgumentParser(prog="rlvr-kernels", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, compiled extension, Triton mode, device")

@@ -6,7 +6,7 @@ while every backend resolves presets the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Optional
 
 import torch
@@ -69,7 +69,8 @@ class AdvantageOptions:
     singleton: Literal["zero", "raw"] = "zero"
     nan_policy: Literal["error", "unscorable"] = "error"
     k: Optional[int] = None
-    whitening: Whitening = Whitening()
+    # A factory, not a shared default instance: torch.compile traces the construction.
+    whitening: Whitening = field(default_factory=Whitening)
 
     def __post_init__(self):
         _check_choice("estimator", self.estimator, ESTIMATORS)
@@ -108,8 +109,12 @@ _PRESET_FIELDS = {
 }
 
 
+@torch.compiler.assume_constant_result
 def resolve_advantage_options(preset: Optional[str] = None, **overrides) -> AdvantageOptions:
-    """Merge a preset's fields with explicit overrides (``None`` means "not given")."""
+    """Merge a preset's fields with explicit overrides (``None`` means "not given").
+
+    Pure Python on constants: torch.compile runs it once while tracing and keeps the result.
+    """
     if preset not in _PRESET_FIELDS:
         raise ValueError(f"preset: expected one of {PRESETS} or None, got {preset!r}")
     fields = dict(_PRESET_FIELDS[preset])

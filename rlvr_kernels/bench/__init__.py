@@ -98,8 +98,9 @@ def to_markdown(report: Dict) -> str:
             lines.append(f"| {r['method']}{extra} | {ms} | {ratio} |")
         for t in res["targets"]:
             got = "—" if t["measured"] is None else f"{t['measured']:.2f}"
-            verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
-            lines.append(f"| target: {t['target']} | measured {got} | {verdict} |")
+            verdict = {True: "met", False: "MISSED", None: "not measured", "info": "(no target)"}[t["met"]]
+            kind = "ratio" if t["met"] == "info" else "target"
+            lines.append(f"| {kind}: {t['target']} | measured {got} | {verdict} |")
         lines.append("")
     return "\n".join(lines)
 

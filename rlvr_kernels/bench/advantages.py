@@ -45,7 +45,8 @@ def _peer(name: str) -> Optional[object]:
     raise KeyError(name)
 
 
-def token_workload(device: str, quick: bool = False) -> Dict:
+def token_methods(device: str, quick: bool = False):
+    """The token workload's inputs and the (label, fn, key) of every method compared."""
     P, G, L = (64, 16, 512) if quick else (512, 16, 4096)
     B = P * G
     gen = torch.Generator().manual_seed(0)
@@ -83,7 +84,12 @@ def token_workload(device: str, quick: bool = False) -> Dict:
              lambda: verl.compute_grpo_vectorized_outcome_advantage(token_level_rewards, response_mask, index),
              "verl_vec"),
         ]  # fmt: skip
+    return dict(P=P, G=G, L=L, B=B), methods
 
+
+def token_workload(device: str, quick: bool = False) -> Dict:
+    shape, methods = token_methods(device, quick)
+    P, G, L, B = shape["P"], shape["G"], shape["L"], shape["B"]
     rows = _time_methods(methods, device, slow={"verl_loop"})
     fused = rows["fused"]["ms"]
     tokens_bytes = 2 * B * L * 4  # read the fp32 mask once, write fp32 token advantages once
@@ -96,6 +102,8 @@ def token_workload(device: str, quick: bool = False) -> Dict:
         _target("verl loop / fused", rows, "verl_loop", "fused", ">=", 15.0),
         _target("verl vectorised / fused", rows, "verl_vec", "fused", ">=", 6.0),
         _target("fused / torch.mul alone", rows, "fused", "floor", "<=", 1.3),
+        _target("verl loop / verl drop-in", rows, "verl_loop", "dropin", "info", None),
+        _target("verl vectorised / verl drop-in", rows, "verl_vec", "dropin", "info", None),
     ]
     return {
         "name": f"tokens: {P} prompts x {G} samples, L={L}, fp32 response_mask, binary rewards",
@@ -105,7 +113,8 @@ def token_workload(device: str, quick: bool = False) -> Dict:
     }
 
 
-def group_workload(device: str, quick: bool = False) -> Dict:
+def group_methods(device: str, quick: bool = False):
+    """The group-only workload's inputs and methods."""
     B, G = (1 << 14, 16) if quick else (1 << 20, 16)
     gen = torch.Generator().manual_seed(1)
     scores = torch.randint(0, 2, (B,), generator=gen).to(torch.float32).to(device)
@@ -124,6 +133,12 @@ def group_workload(device: str, quick: bool = False) -> Dict:
             return (scores - mean[group_index]) / (std[group_index] + 1e-6)
 
         methods.append(("verl group_mean_std + GRPO formula (verl's vectorised core)", verl_groups, "verl_vec"))
+    return dict(B=B, G=G), methods
+
+
+def group_workload(device: str, quick: bool = False) -> Dict:
+    shape, methods = group_methods(device, quick)
+    B, G = shape["B"], shape["G"]
     rows = _time_methods(methods, device)
     fused = rows["fused"]["ms"]
     for r in rows.values():
@@ -146,6 +161,8 @@ def _time_methods(methods, device, slow=frozenset()) -> Dict[str, Dict]:
 def _target(label, rows, num, den, op, value):
     a, b = rows.get(num, {}).get("ms"), rows.get(den, {}).get("ms")
     ratio = a / b if a and b else None
+    if op == "info":  # a ratio worth showing, with no target attached
+        return {"target": label, "measured": ratio, "met": "info"}
     met = None if ratio is None else (ratio >= value if op == ">=" else ratio <= value)
     return {"target": f"{label} {op} {value}", "measured": ratio, "met": met}
 

@@ -36,18 +36,24 @@ def compute_grpo_advantages(
             "multi_objective_aggregation: expected 'sum_then_normalize' or 'normalize_then_sum', "
             f"got {multi_objective_aggregation!r}"
         )
+    # TRL's result has the dtype of `rewards_per_func * reward_weights` (float32 weights by default).
+    out_dtype = torch.promote_types(rewards_per_func.dtype,
+                                    reward_weights.dtype if reward_weights is not None else torch.float32)  # fmt: skip
     if multi_objective_aggregation == "normalize_then_sum":
         out = group_advantages(rewards_per_func, group_size=num_generations, preset="trl", estimator="gdpo",
-                               reward_weights=reward_weights)  # fmt: skip
+                               reward_weights=reward_weights, out_dtype=out_dtype)  # fmt: skip
     else:
         estimator = "dr_grpo" if scale_rewards == "none" else "grpo"
         scale = None if scale_rewards == "none" else scale_rewards
         out = group_advantages(rewards_per_func, group_size=num_generations, preset="trl", estimator=estimator,
-                               scale=scale, reward_weights=reward_weights)  # fmt: skip
+                               scale=scale, reward_weights=reward_weights, out_dtype=out_dtype)  # fmt: skip
     return out.advantages
 
 
 def compute_async_grpo_advantages(rewards_per_func: torch.Tensor, num_generations: int) -> torch.Tensor:
     """TRL AsyncGRPO's rollout-worker advantages: per group, (r − mean)/(std + 1e-8) with
     the population std over the scorable completions; unscorable ones get 0."""
+    # The worker works in float64 (`np.array(all_rewards, dtype=float)`), the sum over reward
+    # functions included: a float32 sum can merge two rewards that TRL tells apart.
+    rewards_per_func = rewards_per_func.to(torch.float64)
     return group_advantages(rewards_per_func, group_size=num_generations, preset="trl_async").advantages

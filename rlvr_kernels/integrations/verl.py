@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
+import numpy as np
 import torch
 
 from ..ops.advantages import group_advantages
@@ -147,7 +148,8 @@ def compute_gdpo_outcome_advantage(
     """
     keys = config.get("gdpo_reward_keys", None) if config is not None else None
     if keys and non_tensor_batch is not None and batch is not None:
-        terms = torch.stack([torch.as_tensor(non_tensor_batch[k], dtype=torch.float32) for k in keys], dim=1)
+        # verl: np.asarray(comp, dtype=np.float32), which also takes DataProto's dtype=object arrays.
+        terms = torch.stack([torch.from_numpy(np.asarray(non_tensor_batch[k], dtype=np.float32)) for k in keys], dim=1)
         weights = config.get("gdpo_reward_weights", None)
         weights = torch.tensor(list(weights), dtype=torch.float32) if weights is not None else None
         terms = terms.to(token_level_rewards.device)
@@ -155,7 +157,9 @@ def compute_gdpo_outcome_advantage(
     else:
         terms, weights = token_level_rewards.sum(dim=-1), None
     group_index, num_groups = uids_to_group_index(index, device=terms.device, return_num_groups=True)
+    # verl's result has the dtype of its per-term GRPO output, `term_scores.unsqueeze(-1) * response_mask`.
+    out_dtype = torch.promote_types(terms.dtype, response_mask.dtype)
     out = group_advantages(terms, group_index, num_groups=num_groups, preset="verl", estimator="gdpo", eps=epsilon,
                            scale="group" if norm_adv_by_std_in_grpo else "none", reward_weights=weights,
-                           response_mask=response_mask)  # fmt: skip
+                           response_mask=response_mask, out_dtype=out_dtype)  # fmt: skip
     return out.token_advantages, out.token_advantages

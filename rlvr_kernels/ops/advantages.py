@@ -178,6 +178,7 @@ def group_advantages(
     inputs = _validate(scores, group_index, group_size, num_groups, sample_mask, response_mask, cu_seqlens,
                        lengths, reward_weights, opts, validate)  # fmt: skip
     scores, group_index, num_groups, sample_mask, num_tokens = inputs
+    scores = scores.detach()  # advantages are constants of the loss: no gradient to rewards
 
     if backend == "reference":
         return reference.group_advantages(
@@ -199,6 +200,7 @@ def group_advantages(
         cols = scores if scores.dim() == 2 else scores[:, None]
         if scores.dim() == 1:
             finite, w = torch.isfinite(cols), scores.new_ones(1, dtype=dtype)
+            valid = finite[:, 0] if valid is None else valid & finite[:, 0]  # NaN rows are unscorable
         total = torch.zeros(B, dtype=torch.float64, device=scores.device)
         means, stds, degs = [], [], []
         for j in range(cols.shape[1]):

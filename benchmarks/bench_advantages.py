@@ -1,0 +1,31 @@
+"""pytest-benchmark entry point for group_advantages (the same workloads as
+`rlvr-kernels bench`, which prints the side-by-side table with ratios).
+
+    .venv/bin/python -m pytest benchmarks/bench_advantages.py --benchmark-enable
+"""
+
+import pytest
+import torch
+
+from rlvr_kernels.bench.advantages import group_methods, token_methods
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_CACHE = {}
+
+
+def _methods(kind):
+    if kind not in _CACHE:
+        _CACHE[kind] = dict((key, fn) for _, fn, key in (token_methods if kind == "tokens" else group_methods)(DEVICE)[1])
+    return _CACHE[kind]
+
+
+@pytest.mark.parametrize("key", ["fused", "dropin", "eager", "floor", "floor_out", "verl_vec", "verl_loop"])
+def test_tokens(benchmark, key):
+    fn = _methods("tokens")[key]
+    assert fn is not None, f"{key} is not available here"
+    benchmark.pedantic(fn, rounds=3 if key == "verl_loop" else 9, warmup_rounds=1)
+
+
+@pytest.mark.parametrize("key", ["fused", "eager", "verl_vec"])
+def test_groups(benchmark, key):
+    benchmark.pedantic(_methods("groups")[key], rounds=9, warmup_rounds=1)

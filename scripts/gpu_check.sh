@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Everything a lent GPU runs, in one call, within 8 minutes (DEVELOPERS.md).
+#
+# Here first:  bash scripts/fetch_gpu_wheels.sh        (peer wheels into .whl/, ~6 MB)
+# Then:        device run  command="bash scripts/gpu_check.sh"  carry=[".whl"]  timeout_s=540
+#
+# It builds the package against the machine's own torch, runs the test suite with the
+# Triton kernels compiled for the GPU (CUDA tensors, checked against the fp64 reference),
+# `rlvr-kernels check` and `rlvr-kernels bench` on CUDA, and leaves logs and result files
+# in $OUT (commit them as benchmarks/results/<date>-h200.*).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/rlvr-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+start=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$OUT/wheels.log" 2>&1 || { stamp "wheel install failed"; tail -20 "$OUT/wheels.log"; }
+  # ray (imported by verl at module level, never used by the functions we call) is stubbed.
+  export PYTHONPATH=/tmp/site:$PWD/scripts/gpu_stubs${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+stamp "build"
+if ! $PY -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"; exit 1
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+$PY -m rlvr_kernels info | tee "$OUT/info.txt"
+$PY -c "import verl.trainer.ppo.core_algos, trl" > "$OUT/peers.txt" 2>&1 && echo "peers importable" || { echo "peers NOT importable:"; tail -3 "$OUT/peers.txt"; }
+
+stamp "tests on CUDA"
+# The CLI tests re-run check and a quick bench, both done below on the real workload.
+timeout 270 $PY -m pytest -q -p no:cacheprovider --ignore=tests/test_cli.py tests 2>&1 | tee "$OUT/tests.log" | tail -12
+
+stamp "check"
+timeout 60 $PY -m rlvr_kernels check > "$OUT/check.txt" 2>&1; echo "check exit code $?"; tail -3 "$OUT/check.txt"
+
+stamp "bench"
+timeout 150 $PY -m rlvr_kernels bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^bench" | tail -40
+stamp "done"
