@@ -11,7 +11,8 @@ import os
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
+# No -std here: torch adds the C++ standard its own headers need (C++20 for torch 2.13).
+cxx_flags = ["-O3", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
 link_flags = ["-fopenmp"]
 if os.environ.get("RLVR_KERNELS_SANITIZE") == "1":
     san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]

@@ -15,7 +15,8 @@ _CACHE = {}
 
 def _methods(kind):
     if kind not in _CACHE:
-        _CACHE[kind] = dict((key, fn) for _, fn, key in (token_methods if kind == "tokens" else group_methods)(DEVICE)[1])
+        make = token_methods if kind == "tokens" else group_methods
+        _CACHE[kind] = dict((key, fn) for _, fn, key in make(DEVICE)[1])
     return _CACHE[kind]
 
 

@@ -2,13 +2,16 @@
 //
 // Phases, each deterministic whatever the thread count:
 //   1. token weights w_i (row sums of the mask) when OPO or token whitening needs them;
-//   2. a counting sort of the valid samples by group (serial, O(B));
-//   3. per-group statistics in float64, two-pass (never Σr² − (Σr)²/n), parallel over
-//      groups, each group summed in sample order;
-//   4. batch scalars (batch σ, GPG α) and whitening moments: partial sums over fixed
-//      chunks of kChunk samples, combined in chunk order;
-//   5. per-sample advantages, then the token broadcast A_i · m_{i,t} written with
-//      streaming stores (the output is not read back by this op).
+//   2. batch scalars (batch σ, GPG α): partial sums over fixed chunks of kChunk samples,
+//      combined in chunk order;
+//   3. per-group statistics in float64 by Welford's update (never Σr² − (Σr)²/n), in one
+//      scan of the batch that visits each group's samples in sample order (parallel over
+//      group-id ranges; one cache line of accumulators per group, since with shuffled
+//      group ids every sample's update is a random access);
+//   4. per group, the affine map A = (r − b_g)·f_g (or pass@k's two values) that every
+//      estimator reduces to, in a 16-byte table that stays in cache for the next pass;
+//   5. per-sample advantages (and optional batch whitening, chunked as in 2), then the
+//      token broadcast A_i · m_{i,t} written with streaming stores.
 // Inputs were validated in Python; anything that would index out of bounds (a group id
 // outside [0, G), cu_seqlens out of order) is still made harmless here: such samples are
 // treated as excluded and offsets are clamped.
@@ -17,8 +20,8 @@
 #include <torch/types.h>
 
 #include <algorithm>
-#include <type_traits>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -62,12 +65,49 @@ double chunked_sum(int64_t n, const F& term) {
   return total;
 }
 
-std::vector<double> to_double(const torch::Tensor& t) {
+// Calls f(i, g[i]) for every valid sample, each group's samples in sample order. The
+// groups are split into id ranges, one scan of the batch per range in parallel: results do
+// not depend on the split, and no two tasks touch the same group.
+// With shuffled group ids every update is a random access into a group table: prefetch
+// the entry kPrefetch samples ahead so the misses overlap instead of stalling one by one.
+constexpr int64_t kPrefetch = 16;
+
+template <typename T>
+inline void prefetch_group(const T* table, const int64_t* g, int64_t i, int64_t B, int64_t G) {
+#if defined(__GNUC__)
+  if (i + kPrefetch < B) {
+    const int64_t k = g[i + kPrefetch];
+    if (k >= 0 && k < G) __builtin_prefetch(table + k, 1);
+  }
+#endif
+}
+
+template <typename T, typename F>
+void for_each_in_group_ranges(int64_t B, int64_t G, const int64_t* g, const uint8_t* valid, T* table, const F& f) {
+  if (B == 0 || G == 0) return;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>({int64_t(at::get_num_threads()), G, 8, B / 32768 + 1}));
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t lo = G * p / parts, hi = G * (p + 1) / parts;
+      for (int64_t i = 0; i < B; ++i) {
+        prefetch_group(table, g, i, B, G);
+        const int64_t k = g[i];
+        if (valid[i] && k >= lo && k < hi) f(i, k);
+      }
+    }
+  });
+}
+
+// A float64 copy of t in a workspace from the output cache (no page faults once warm).
+torch::Tensor to_double(const torch::Tensor& t) {
   auto c = t.contiguous();
-  std::vector<double> out(c.numel());
+  torch::Tensor out = empty_output({c.numel()}, torch::kFloat64);
+  double* o = out.data_ptr<double>();
   AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, c.scalar_type(), "rlvr_to_double", [&] {
     const scalar_t* p = c.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < c.numel(); ++i) out[i] = static_cast<double>(p[i]);
+    at::parallel_for(0, c.numel(), 1 << 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) o[i] = static_cast<double>(p[i]);
+    });
   });
   return out;
 }
@@ -79,9 +119,10 @@ inline void packed_span(const int64_t* cu, int64_t i, int64_t T, int64_t& b, int
 }
 
 // w_i = Σ_t m_{i,t} (padded rows, or packed spans; no mask in a packed layout: lengths).
-std::vector<double> token_weights_from_layout(const torch::Tensor& mask, const std::vector<int64_t>& cu, int64_t B,
-                                              int64_t num_tokens) {
-  std::vector<double> w(B, 0.0);
+torch::Tensor token_weights_from_layout(const torch::Tensor& mask, const std::vector<int64_t>& cu, int64_t B,
+                                        int64_t num_tokens) {
+  torch::Tensor wt = empty_output({B}, torch::kFloat64);
+  double* w = wt.data_ptr<double>();
   const bool packed = !cu.empty();
   if (!mask.defined()) {
     const int64_t T = std::max<int64_t>(num_tokens, 0);
@@ -90,7 +131,7 @@ std::vector<double> token_weights_from_layout(const torch::Tensor& mask, const s
       packed_span(cu.data(), i, T, b, e);
       w[i] = double(e - b);
     }
-    return w;
+    return wt;
   }
   auto m = mask.contiguous();
   const int64_t L = packed ? 0 : m.size(1);
@@ -107,7 +148,7 @@ std::vector<double> token_weights_from_layout(const torch::Tensor& mask, const s
       }
     });
   });
-  return w;
+  return wt;
 }
 
 // Token values are computed in float (what `adv[:, None] * mask` gives for a float32
@@ -149,9 +190,8 @@ inline void fill_row(out_t* out, double a, int64_t n) {
   for (int64_t t = 0; t < n; ++t) out[t] = v;
 }
 
-void broadcast_to_tokens(const std::vector<double>& adv, const torch::Tensor& mask, const std::vector<int64_t>& cu,
+void broadcast_to_tokens(const double* adv, int64_t B, const torch::Tensor& mask, const std::vector<int64_t>& cu,
                          torch::Tensor& out) {
-  const int64_t B = int64_t(adv.size());
   const bool packed = !cu.empty();
   const int64_t T = packed ? out.size(0) : 0;
   const int64_t L = packed ? 0 : out.size(1);
@@ -200,7 +240,8 @@ void passk_values(int64_t n, int64_t n_neg, int64_t k, double eps, bool eps_in_s
   double all_neg = 1.0;
   for (int64_t j = 0; j < k; ++j) all_neg *= double(std::max<int64_t>(n_neg - j, 0)) / double(n - j);
   double drop = n_neg >= 1 ? 1.0 : 0.0;  // C(n_neg − 1, k − 1)/C(n − 1, k − 1)
-  for (int64_t j = 0; n_neg >= 1 && j < k - 1; ++j) drop *= double(std::max<int64_t>(n_neg - 1 - j, 0)) / double(n - 1 - j);
+  for (int64_t j = 0; n_neg >= 1 && j < k - 1; ++j)
+    drop *= double(std::max<int64_t>(n_neg - 1 - j, 0)) / double(n - 1 - j);
   // Written with a = 1 − R̄ = C(n_neg, k)/C(n, k) directly: 1 − (1 − a) would cancel.
   const double s = std::sqrt(all_neg * (1.0 - all_neg));
   pos = divide(all_neg, s, eps, eps_in_sqrt);
@@ -213,204 +254,213 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
 group_advantages_cpu(const torch::Tensor& scores, const torch::Tensor& group_index, int64_t num_groups,
                      const c10::optional<torch::Tensor>& valid_opt, const c10::optional<torch::Tensor>& lengths_opt,
                      const c10::optional<torch::Tensor>& response_mask_opt,
-                     const c10::optional<torch::Tensor>& cu_seqlens_opt, int64_t num_tokens, int64_t baseline, int64_t scale,
-                     bool std_unbiased, double eps, bool eps_in_sqrt, bool singleton_raw, int64_t passk_k,
-                     int64_t whiten, double whiten_eps, bool whiten_eps_in_sqrt, at::ScalarType out_dtype) {
+                     const c10::optional<torch::Tensor>& cu_seqlens_opt, int64_t num_tokens, int64_t baseline,
+                     int64_t scale, bool std_unbiased, double eps, bool eps_in_sqrt, bool singleton_raw,
+                     int64_t passk_k, int64_t whiten, double whiten_eps, bool whiten_eps_in_sqrt,
+                     at::ScalarType out_dtype) {
   TORCH_CHECK(scores.dim() == 1, "scores: expected [B]");
   TORCH_CHECK(group_index.dim() == 1 && group_index.numel() == scores.numel(), "group_index: expected [B]");
   TORCH_CHECK(num_groups >= 0, "num_groups: expected >= 0");
+  TORCH_CHECK(baseline >= kNone && baseline <= kPassk, "unknown baseline ", baseline);
   const int64_t B = scores.numel();
   const int64_t G = num_groups;
 
-  const std::vector<double> r = to_double(scores);
-  const torch::Tensor gi = group_index.to(torch::kInt64).contiguous();
-  const int64_t* g = gi.data_ptr<int64_t>();
-  std::vector<uint8_t> valid(B, 1);
-  if (valid_opt.has_value()) {
-    const std::vector<double> v = to_double(*valid_opt);
-    TORCH_CHECK(int64_t(v.size()) == B, "valid: expected [B]");
-    for (int64_t i = 0; i < B; ++i) valid[i] = v[i] != 0.0;
-  }
-  for (int64_t i = 0; i < B; ++i) valid[i] = valid[i] && std::isfinite(r[i]) && g[i] >= 0 && g[i] < G;
+  using Result = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                            torch::Tensor>;
+  // The body reads the scores in place (float or double; half types are widened to float).
+  auto body = [&](const auto* r) -> Result {
+    const torch::Tensor gi = group_index.to(torch::kInt64).contiguous();
+    const int64_t* g = gi.data_ptr<int64_t>();
+    torch::Tensor vmask = valid_opt.has_value() ? valid_opt->to(torch::kBool).contiguous() : torch::Tensor();
+    TORCH_CHECK(!vmask.defined() || vmask.numel() == B, "valid: expected [B]");
+    const bool* vm = vmask.defined() ? vmask.data_ptr<bool>() : nullptr;
+    torch::Tensor valid_t = empty_output({B}, torch::kUInt8);
+    uint8_t* valid = valid_t.data_ptr<uint8_t>();
+    at::parallel_for(0, B, 1 << 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i)
+        valid[i] = (vm == nullptr || vm[i]) && std::isfinite(r[i]) && g[i] >= 0 && g[i] < G;
+    });
 
-  torch::Tensor mask = response_mask_opt.has_value() ? *response_mask_opt : torch::Tensor();
-  std::vector<int64_t> cu;
-  if (cu_seqlens_opt.has_value()) {
-    auto c = cu_seqlens_opt->to(torch::kInt64).contiguous();
-    TORCH_CHECK(c.numel() == B + 1, "cu_seqlens: expected [B + 1]");
-    cu.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + B + 1);
-  }
-  const bool has_layout = mask.defined() || !cu.empty();
-
-  // 1. Token weights w_i, only when something uses them.
-  const bool need_w = baseline == kOpo || whiten == kWhitenTokens;
-  std::vector<double> w;
-  if (need_w) {
-    if (lengths_opt.has_value())
-      w = to_double(*lengths_opt);
-    else if (has_layout)
-      w = token_weights_from_layout(mask, cu, B, num_tokens);
-  }
-  const bool have_w = !w.empty();
-
-  // 2. Counting sort of valid samples by group, stable in sample order.
-  std::vector<int64_t> offset(G + 1, 0), member;
-  for (int64_t i = 0; i < B; ++i)
-    if (valid[i]) offset[g[i] + 1] += 1;
-  for (int64_t k = 0; k < G; ++k) offset[k + 1] += offset[k];
-  member.resize(offset[G]);
-  {
-    std::vector<int64_t> cursor(offset.begin(), offset.end() - 1);
-    for (int64_t i = 0; i < B; ++i)
-      if (valid[i]) member[cursor[g[i]]++] = i;
-  }
-
-  // 3. Group statistics.
-  std::vector<double> mean(G, 0.0), sd(G, 0.0), ext_a(G, 0.0), ext_b(G, 0.0);
-  std::vector<uint8_t> degenerate(G, 1);
-  at::parallel_for(0, G, 256, [&](int64_t g0, int64_t g1) {
-    for (int64_t k = g0; k < g1; ++k) {
-      const int64_t b = offset[k], e = offset[k + 1], n = e - b;
-      if (n == 0) continue;
-      // Shifted by the first score: a constant group sums to exactly 0, so its mean is
-      // exact and its advantages exactly 0.
-      const double shift = r[member[b]];
-      double s = 0.0;
-      for (int64_t j = b; j < e; ++j) s += r[member[j]] - shift;
-      const double mu = shift + s / double(n);
-      double m2 = 0.0, lo = r[member[b]], hi = lo;
-      for (int64_t j = b; j < e; ++j) {
-        const double x = r[member[j]];
-        m2 += (x - mu) * (x - mu);
-        lo = std::min(lo, x);
-        hi = std::max(hi, x);
-      }
-      mean[k] = mu;
-      const double denom = std_unbiased ? double(n - 1) : double(n);
-      sd[k] = denom > 0 ? std::sqrt(m2 / denom) : 0.0;
-      degenerate[k] = lo == hi;
-      if (baseline == kOpo) {
-        double swr = 0.0, sw = 0.0;
-        for (int64_t j = b; j < e; ++j) {
-          const double wi = have_w ? w[member[j]] : 1.0;
-          swr += wi * r[member[j]];
-          sw += wi;
-        }
-        ext_a[k] = sw > 0 ? swr / sw : mu;  // no tokens at all: equal weights
-      } else if (baseline == kPassk) {
-        int64_t n_neg = 0;
-        for (int64_t j = b; j < e; ++j) n_neg += r[member[j]] <= 0.0;
-        passk_values(n, n_neg, passk_k, eps, eps_in_sqrt, ext_a[k], ext_b[k]);
-      }
+    torch::Tensor mask = response_mask_opt.has_value() ? *response_mask_opt : torch::Tensor();
+    std::vector<int64_t> cu;
+    if (cu_seqlens_opt.has_value()) {
+      auto c = cu_seqlens_opt->to(torch::kInt64).contiguous();
+      TORCH_CHECK(c.numel() == B + 1, "cu_seqlens: expected [B + 1]");
+      cu.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + B + 1);
     }
-  });
+    const bool has_layout = mask.defined() || !cu.empty();
 
-  // 4. Batch scalars.
-  const double n_valid = chunked_sum(B, [&](int64_t i) { return double(valid[i]); });
-  double batch_sigma = 0.0, gpg_alpha = 1.0;
-  if (baseline == kMean && scale == kScaleBatch && n_valid > 0) {
-    const double mu = chunked_sum(B, [&](int64_t i) { return valid[i] ? r[i] : 0.0; }) / n_valid;
-    const double m2 = chunked_sum(B, [&](int64_t i) { return valid[i] ? (r[i] - mu) * (r[i] - mu) : 0.0; });
-    const double denom = std_unbiased ? n_valid - 1 : n_valid;
-    batch_sigma = denom > 0 ? std::sqrt(m2 / denom) : 0.0;
-  }
-  if (baseline == kGpg) {
-    const double nonzero = chunked_sum(B, [&](int64_t i) { return double(valid[i] && r[i] != 0.0); });
-    gpg_alpha = n_valid / std::max(nonzero, 1.0);
-  }
+    // 1. Token weights w_i, only when something uses them.
+    torch::Tensor w_t;
+    if (baseline == kOpo || whiten == kWhitenTokens) {
+      if (lengths_opt.has_value())
+        w_t = to_double(*lengths_opt);
+      else if (has_layout)
+        w_t = token_weights_from_layout(mask, cu, B, num_tokens);
+    }
+    const bool have_w = w_t.defined();
+    const double* w = have_w ? w_t.data_ptr<double>() : nullptr;
 
-  // 5. Per-sample advantages.
-  std::vector<double> a(B, 0.0);
-  at::parallel_for(0, B, 4096, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      if (!valid[i]) continue;
-      const int64_t k = g[i];
-      const int64_t n = offset[k + 1] - offset[k];
+    // 2. Batch scalars.
+    const double n_valid = chunked_sum(B, [&](int64_t i) { return double(valid[i]); });
+    double batch_sigma = 0.0, gpg_alpha = 1.0;
+    if (baseline == kMean && scale == kScaleBatch && n_valid > 0) {
+      const double mu = chunked_sum(B, [&](int64_t i) { return valid[i] ? double(r[i]) : 0.0; }) / n_valid;
+      const double m2 =
+          chunked_sum(B, [&](int64_t i) { return valid[i] ? (double(r[i]) - mu) * (double(r[i]) - mu) : 0.0; });
+      const double denom = std_unbiased ? n_valid - 1 : n_valid;
+      batch_sigma = denom > 0 ? std::sqrt(m2 / denom) : 0.0;
+    }
+    if (baseline == kGpg) {
+      const double nonzero = chunked_sum(B, [&](int64_t i) { return double(valid[i] && r[i] != 0.0); });
+      gpg_alpha = n_valid / std::max(nonzero, 1.0);
+    }
+
+    // 3. Group statistics. Welford's update is exact for a constant group (r − mean = 0 at
+    // every step), so such a group has σ = 0 and A = 0 exactly. "Degenerate" compares each
+    // score with the group's first: all valid scores equal, exactly.
+    struct alignas(32) Acc {  // two groups per cache line
+      double mean = 0, m2 = 0, first = 0;
+      int32_t n = 0, differs = 0;  // differs: some valid score differs from the first one
+    };
+    static_assert(sizeof(Acc) == 32, "Acc layout");
+    TORCH_CHECK(B < (int64_t(1) << 31), "group_advantages: B must be < 2^31 on the CPU");
+    std::vector<Acc> acc(G);
+    // OPO (Σ w·r, Σ w) and pass@k (incorrect count) need more, only for those estimators.
+    std::vector<double> extra(baseline == kOpo || baseline == kPassk ? G : 0, 0.0);
+    std::vector<double> extra_w(baseline == kOpo ? G : 0, 0.0);
+    for_each_in_group_ranges(B, G, g, valid, acc.data(), [&](int64_t i, int64_t k) {
+      Acc& a = acc[k];
       const double x = r[i];
-      if (baseline == kNone) {
-        a[i] = x;
-        continue;
+      if (a.n++ == 0) {
+        a.mean = a.first = x;
+      } else {
+        const double d = x - a.mean;
+        a.mean += d / double(a.n);
+        a.m2 += d * (x - a.mean);
+        a.differs |= x != a.first;
       }
-      if (baseline == kPassk) {
-        a[i] = x > 0.0 ? ext_a[k] : ext_b[k];
-        continue;
+      if (baseline == kOpo) {
+        const double wi = have_w ? w[i] : 1.0;
+        extra[k] += wi * x;
+        extra_w[k] += wi;
+      } else if (baseline == kPassk) {
+        extra[k] += x <= 0.0 ? 1.0 : 0.0;
       }
-      if (n == 1) {
-        if (!singleton_raw) continue;  // A = 0
-        // verl's loop rule: mean 0 and std 1 for a lone sample.
-        if (baseline == kMean && scale != kScaleNone)
-          a[i] = divide(x, 1.0, eps, eps_in_sqrt);
-        else
-          a[i] = baseline == kGpg ? gpg_alpha * x : x;
-        continue;
-      }
-      switch (baseline) {
-        case kMean:
-          a[i] = scale == kScaleGroup   ? divide(x - mean[k], sd[k], eps, eps_in_sqrt)
-                 : scale == kScaleBatch ? divide(x - mean[k], batch_sigma, eps, eps_in_sqrt)
-                                        : x - mean[k];
-          break;
-        case kRloo:
-          a[i] = double(n) / double(n - 1) * (x - mean[k]);
-          break;
-        case kOpo:
-          a[i] = x - ext_a[k];
-          break;
-        case kGpg:
-          a[i] = gpg_alpha * (x - mean[k]);
-          break;
-        default:
-          TORCH_CHECK(false, "unknown baseline ", baseline);
-      }
-    }
-  });
+    });
 
-  // Whitening: A ← (A − mean_w)/σ_w with weights w_i (tokens) or 1 (samples), unbiased.
-  if (whiten != kWhitenOff) {
-    const bool by_tokens = whiten == kWhitenTokens && have_w;
-    auto weight = [&](int64_t i) { return valid[i] ? (by_tokens ? w[i] : 1.0) : 0.0; };
-    const double W = chunked_sum(B, weight);
-    if (W > 0) {
-      const double mu = chunked_sum(B, [&](int64_t i) { return weight(i) * a[i]; }) / W;
+    // 4. Per group: A = (r − b)·f, or pass@k's (correct, incorrect) values in (b, f).
+    struct Affine {
+      double b, f;
+    };
+    std::vector<Affine> affine(G, Affine{0.0, 0.0});
+    std::vector<double> mean(G, 0.0), sd(G, 0.0);
+    std::vector<uint8_t> degenerate(G, 1);
+    auto inverse = [&](double sigma) {  // 1/(σ + eps) or 1/sqrt(σ² + eps); 0 for a zero divisor
+      const double d = eps_in_sqrt ? std::sqrt(sigma * sigma + eps) : sigma + eps;
+      return d > 0.0 ? 1.0 / d : 0.0;
+    };
+    at::parallel_for(0, G, 1024, [&](int64_t g0, int64_t g1) {
+      for (int64_t k = g0; k < g1; ++k) {
+        const Acc& a = acc[k];
+        const int64_t n = a.n;
+        if (n == 0) continue;
+        mean[k] = a.mean;
+        const double denom = std_unbiased ? double(n - 1) : double(n);
+        sd[k] = denom > 0 ? std::sqrt(a.m2 / denom) : 0.0;
+        degenerate[k] = !a.differs;
+        Affine& t = affine[k];
+        if (baseline == kNone) {
+          t = {0.0, 1.0};
+        } else if (baseline == kPassk) {
+          passk_values(n, int64_t(extra[k]), passk_k, eps, eps_in_sqrt, t.b, t.f);
+        } else if (n == 1) {
+          // singleton: A = 0, or verl's loop rule (mean 0 and std 1 for a lone sample)
+          const double f = baseline == kMean && scale != kScaleNone ? inverse(1.0) : baseline == kGpg ? gpg_alpha : 1.0;
+          t = {0.0, singleton_raw ? f : 0.0};
+        } else if (baseline == kMean) {
+          t = {a.mean, scale == kScaleGroup ? inverse(sd[k]) : scale == kScaleBatch ? inverse(batch_sigma) : 1.0};
+        } else if (baseline == kRloo) {
+          t = {a.mean, double(n) / double(n - 1)};
+        } else if (baseline == kOpo) {
+          t = {extra_w[k] > 0 ? extra[k] / extra_w[k] : a.mean, 1.0};  // no tokens at all: equal weights
+        } else {                                                       // kGpg
+          t = {a.mean, gpg_alpha};
+        }
+      }
+    });
+
+    // 5. Per-sample advantages and keep flags.
+    torch::Tensor a_t = empty_output({B}, torch::kFloat64);
+    double* a = a_t.data_ptr<double>();
+    torch::Tensor keep_t = empty_output({B}, torch::kBool);
+    bool* keep = keep_t.data_ptr<bool>();
+    at::parallel_for(0, B, 1 << 14, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        prefetch_group(affine.data(), g, i, i1, G);
+        if (!valid[i]) {
+          a[i] = 0.0;
+          keep[i] = false;
+          continue;
+        }
+        const int64_t k = g[i];
+        const Affine t = affine[k];
+        const double x = r[i];
+        a[i] = baseline == kPassk ? (x > 0.0 ? t.b : t.f) : (x - t.b) * t.f;
+        keep[i] = !degenerate[k];
+      }
+    });
+
+    // Whitening: A ← (A − mean_w)/σ_w with weights w_i (tokens) or 1 (samples), unbiased.
+    if (whiten != kWhitenOff) {
+      const bool by_tokens = whiten == kWhitenTokens && have_w;
+      auto weight = [&](int64_t i) { return valid[i] ? (by_tokens ? w[i] : 1.0) : 0.0; };
+      const double W = chunked_sum(B, weight);
+      const double mu = W > 0 ? chunked_sum(B, [&](int64_t i) { return weight(i) * a[i]; }) / W : 0.0;
       const double m2 = chunked_sum(B, [&](int64_t i) { return weight(i) * (a[i] - mu) * (a[i] - mu); });
       const double sigma = W > 1 ? std::sqrt(m2 / (W - 1)) : 0.0;
-      for (int64_t i = 0; i < B; ++i) a[i] = weight(i) > 0 ? divide(a[i] - mu, sigma, whiten_eps, whiten_eps_in_sqrt) : 0.0;
-    } else {
-      std::fill(a.begin(), a.end(), 0.0);
+      at::parallel_for(0, B, 1 << 14, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i)
+          a[i] = weight(i) > 0 ? divide(a[i] - mu, sigma, whiten_eps, whiten_eps_in_sqrt) : 0.0;
+      });
     }
-  }
 
-  // Outputs.
-  const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
-  // copy=true: the vectors die with this frame, even when out_dtype is float64.
-  torch::Tensor adv = torch::from_blob(a.data(), {B}, f64).to(out_dtype, false, true);
-  torch::Tensor mean_t = torch::from_blob(mean.data(), {G}, f64).to(out_dtype, false, true);
-  torch::Tensor std_t = torch::from_blob(sd.data(), {G}, f64).to(out_dtype, false, true);
-  torch::Tensor count_t = torch::empty({G}, torch::kInt64);
-  torch::Tensor deg_t = torch::empty({G}, torch::kBool);
-  torch::Tensor keep_t = torch::empty({B}, torch::kBool);
-  {
+    // Outputs.
+    torch::Tensor adv = empty_output({B}, out_dtype);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "rlvr_adv_out", [&] {
+      scalar_t* o = adv.data_ptr<scalar_t>();
+      at::parallel_for(0, B, 1 << 16, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) o[i] = static_cast<scalar_t>(a[i]);
+      });
+    });
+    const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+    // copy=true: the vectors die with this frame, even when out_dtype is float64.
+    torch::Tensor mean_t = torch::from_blob(mean.data(), {G}, f64).to(out_dtype, false, true);
+    torch::Tensor std_t = torch::from_blob(sd.data(), {G}, f64).to(out_dtype, false, true);
+    torch::Tensor count_t = torch::empty({G}, torch::kInt64);
+    torch::Tensor deg_t = torch::empty({G}, torch::kBool);
     int64_t* c = count_t.data_ptr<int64_t>();
     bool* d = deg_t.data_ptr<bool>();
     for (int64_t k = 0; k < G; ++k) {
-      c[k] = offset[k + 1] - offset[k];
+      c[k] = acc[k].n;
       d[k] = degenerate[k] != 0;
     }
-    bool* kp = keep_t.data_ptr<bool>();
-    for (int64_t i = 0; i < B; ++i) kp[i] = valid[i] && !degenerate[g[i]];
-  }
 
-  torch::Tensor token_adv;
-  if (has_layout) {
-    if (cu.empty())
-      token_adv = empty_output({B, mask.size(1)}, out_dtype);
-    else
-      token_adv = empty_output({mask.defined() ? mask.size(0) : std::max<int64_t>(num_tokens, 0)}, out_dtype);
-    broadcast_to_tokens(a, mask, cu, token_adv);
-  } else {
-    token_adv = torch::empty({0}, torch::TensorOptions().dtype(out_dtype));
-  }
-  return {adv, token_adv, mean_t, std_t, count_t, deg_t, keep_t};
+    torch::Tensor token_adv;
+    if (has_layout) {
+      if (cu.empty())
+        token_adv = empty_output({B, mask.size(1)}, out_dtype);
+      else
+        token_adv = empty_output({mask.defined() ? mask.size(0) : std::max<int64_t>(num_tokens, 0)}, out_dtype);
+      broadcast_to_tokens(a, B, mask, cu, token_adv);
+    } else {
+      token_adv = torch::empty({0}, torch::TensorOptions().dtype(out_dtype));
+    }
+    return {adv, token_adv, mean_t, std_t, count_t, deg_t, keep_t};
+  };
+  if (scores.scalar_type() == torch::kFloat64) return body(scores.contiguous().data_ptr<double>());
+  const torch::Tensor scores_f = scores.to(torch::kFloat32).contiguous();
+  return body(scores_f.data_ptr<float>());
 }
 
 }  // namespace rlvr

@@ -113,12 +113,14 @@ def token_workload(device: str, quick: bool = False) -> Dict:
     }
 
 
-def group_methods(device: str, quick: bool = False):
-    """The group-only workload's inputs and methods."""
+def group_methods(device: str, quick: bool = False, shuffled: bool = True):
+    """The group-only workload's inputs and methods: group ids contiguous (a group's
+    samples side by side, as verl and TRL lay out a batch) or shuffled."""
     B, G = (1 << 14, 16) if quick else (1 << 20, 16)
     gen = torch.Generator().manual_seed(1)
     scores = torch.randint(0, 2, (B,), generator=gen).to(torch.float32).to(device)
-    group_index = (torch.randperm(B, generator=gen) // G).to(device)  # shuffled group ids
+    order = torch.randperm(B, generator=gen) if shuffled else torch.arange(B)
+    group_index = (order // G).to(device)
     num_groups = B // G
     methods = [
         ("rlvr_kernels.group_advantages (group-only)",
@@ -136,14 +138,15 @@ def group_methods(device: str, quick: bool = False):
     return dict(B=B, G=G), methods
 
 
-def group_workload(device: str, quick: bool = False) -> Dict:
-    shape, methods = group_methods(device, quick)
+def group_workload(device: str, quick: bool = False, shuffled: bool = True) -> Dict:
+    shape, methods = group_methods(device, quick, shuffled)
     B, G = shape["B"], shape["G"]
     rows = _time_methods(methods, device)
     fused = rows["fused"]["ms"]
     for r in rows.values():
         r["ratio"] = r["ms"] / fused if r.get("ms") else None
-    return {"name": f"groups only: B = {B} samples, groups of {G}, shuffled ids", "rows": list(rows.values()),
+    ids = "shuffled" if shuffled else "contiguous"
+    return {"name": f"groups only: B = {B} samples, groups of {G}, {ids} ids", "rows": list(rows.values()),
             "targets": [], "copy_gbps": None}  # fmt: skip
 
 
@@ -167,4 +170,8 @@ def _target(label, rows, num, den, op, value):
     return {"target": f"{label} {op} {value}", "measured": ratio, "met": met}
 
 
-WORKLOADS: Dict[str, Callable] = {"tokens": token_workload, "groups": group_workload}
+WORKLOADS: Dict[str, Callable] = {
+    "tokens": token_workload,
+    "groups_contiguous": lambda device, quick=False: group_workload(device, quick, shuffled=False),
+    "groups_shuffled": lambda device, quick=False: group_workload(device, quick, shuffled=True),
+}

@@ -301,12 +301,16 @@ def _validate(scores, group_index, group_size, num_groups, sample_mask, response
         raise ValueError("lengths: estimator='opo' needs lengths, response_mask or cu_seqlens for its length weights")
 
     if checks_enabled(validate) and B:
+        # One reduction each on the common (valid) path; the exact, slower search for the
+        # offending row only runs when that reduction says something is wrong.
         if group_size is None:
-            bad = (group_index < 0) | (group_index >= num_groups)
-            if bool(bad.any()):
+            lo, hi = torch.aminmax(group_index)
+            if int(lo) < 0 or int(hi) >= num_groups:
+                bad = (group_index < 0) | (group_index >= num_groups)
                 i = int(bad.nonzero()[0])
                 raise ValueError(f"group_index: expected ids in [0, num_groups={num_groups}), got {int(group_index[i])} at row {i}")
-        if opts.nan_policy == "error":
+        # A float64 sum is finite iff every score is (no overflow below 1e308 · B).
+        if opts.nan_policy == "error" and not bool(torch.isfinite(scores.sum(dtype=torch.float64))):
             finite = torch.isfinite(scores) if scores.dim() == 1 else torch.isfinite(scores).all(dim=1)
             counted = ~finite if sample_mask is None else ~finite & sample_mask
             if bool(counted.any()):
