@@ -65,26 +65,49 @@ double chunked_sum(int64_t n, const F& term) {
   return total;
 }
 
-// Calls f(i, g[i]) for every valid sample, each group's samples in sample order. The
-// groups are split into id ranges, one scan of the batch per range in parallel: results do
-// not depend on the split, and no two tasks touch the same group.
+// 1/n for Welford's update: a table lookup for small n takes the division (the slowest
+// step of the update's dependency chain) off the per-sample path.
+inline double reciprocal(int64_t n) {
+  constexpr int kTable = 4096;
+  static const std::vector<double> table = [] {
+    std::vector<double> t(kTable);
+    for (int i = 1; i < kTable; ++i) t[i] = 1.0 / double(i);
+    return t;
+  }();
+  return n < kTable ? table[n] : 1.0 / double(n);
+}
+
 // With shuffled group ids every update is a random access into a group table: prefetch
 // the entry kPrefetch samples ahead so the misses overlap instead of stalling one by one.
 constexpr int64_t kPrefetch = 16;
 
 template <typename T>
-inline void prefetch_group(const T* table, const int64_t* g, int64_t i, int64_t B, int64_t G) {
+inline void prefetch_group(const T* table, const int64_t* g, int64_t i, int64_t end, int64_t G) {
 #if defined(__GNUC__)
-  if (i + kPrefetch < B) {
+  if (g != nullptr && i + kPrefetch < end) {
     const int64_t k = g[i + kPrefetch];
     if (k >= 0 && k < G) __builtin_prefetch(table + k, 1);
   }
 #endif
 }
 
+// Calls f(i, k) for every valid sample i of group k, each group's samples in sample order.
+// Contiguous groups (group_size > 0: group k is rows [k·G, (k+1)·G)) are walked one group
+// per task. Arbitrary ids are split into id ranges, one scan of the batch per range in
+// parallel. Either way results do not depend on the split, and no two tasks touch the
+// same group.
 template <typename T, typename F>
-void for_each_in_group_ranges(int64_t B, int64_t G, const int64_t* g, const uint8_t* valid, T* table, const F& f) {
+void for_each_by_group(int64_t B, int64_t G, int64_t group_size, const int64_t* g, const uint8_t* valid, T* table,
+                       const F& f) {
   if (B == 0 || G == 0) return;
+  if (group_size > 0) {
+    at::parallel_for(0, G, std::max<int64_t>(1, 16384 / group_size), [&](int64_t k0, int64_t k1) {
+      for (int64_t k = k0; k < k1; ++k)
+        for (int64_t i = k * group_size, end = std::min(B, (k + 1) * group_size); i < end; ++i)
+          if (valid[i]) f(i, k);
+    });
+    return;
+  }
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>({int64_t(at::get_num_threads()), G, 8, B / 32768 + 1}));
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
@@ -252,15 +275,18 @@ void passk_values(int64_t n, int64_t n_neg, int64_t k, double eps, bool eps_in_s
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>
 group_advantages_cpu(const torch::Tensor& scores, const torch::Tensor& group_index, int64_t num_groups,
-                     const c10::optional<torch::Tensor>& valid_opt, const c10::optional<torch::Tensor>& lengths_opt,
+                     int64_t group_size, const c10::optional<torch::Tensor>& valid_opt,
+                     const c10::optional<torch::Tensor>& lengths_opt,
                      const c10::optional<torch::Tensor>& response_mask_opt,
                      const c10::optional<torch::Tensor>& cu_seqlens_opt, int64_t num_tokens, int64_t baseline,
                      int64_t scale, bool std_unbiased, double eps, bool eps_in_sqrt, bool singleton_raw,
                      int64_t passk_k, int64_t whiten, double whiten_eps, bool whiten_eps_in_sqrt,
                      at::ScalarType out_dtype) {
   TORCH_CHECK(scores.dim() == 1, "scores: expected [B]");
-  TORCH_CHECK(group_index.dim() == 1 && group_index.numel() == scores.numel(), "group_index: expected [B]");
+  TORCH_CHECK(group_size > 0 || (group_index.dim() == 1 && group_index.numel() == scores.numel()),
+              "group_index: expected [B]");
   TORCH_CHECK(num_groups >= 0, "num_groups: expected >= 0");
+  TORCH_CHECK(group_size >= 0, "group_size: expected >= 0");
   TORCH_CHECK(baseline >= kNone && baseline <= kPassk, "unknown baseline ", baseline);
   const int64_t B = scores.numel();
   const int64_t G = num_groups;
@@ -269,8 +295,11 @@ group_advantages_cpu(const torch::Tensor& scores, const torch::Tensor& group_ind
                             torch::Tensor>;
   // The body reads the scores in place (float or double; half types are widened to float).
   auto body = [&](const auto* r) -> Result {
-    const torch::Tensor gi = group_index.to(torch::kInt64).contiguous();
-    const int64_t* g = gi.data_ptr<int64_t>();
+    // Contiguous groups need no ids: group k is rows [k·group_size, (k+1)·group_size).
+    const torch::Tensor gi = group_size > 0 ? torch::Tensor() : group_index.to(torch::kInt64).contiguous();
+    const int64_t* g = group_size > 0 ? nullptr : gi.data_ptr<int64_t>();
+    // Rows [0, G·group_size) all have a group when groups are contiguous.
+    const int64_t covered = g != nullptr ? 0 : G * group_size;
     torch::Tensor vmask = valid_opt.has_value() ? valid_opt->to(torch::kBool).contiguous() : torch::Tensor();
     TORCH_CHECK(!vmask.defined() || vmask.numel() == B, "valid: expected [B]");
     const bool* vm = vmask.defined() ? vmask.data_ptr<bool>() : nullptr;
@@ -278,7 +307,8 @@ group_advantages_cpu(const torch::Tensor& scores, const torch::Tensor& group_ind
     uint8_t* valid = valid_t.data_ptr<uint8_t>();
     at::parallel_for(0, B, 1 << 16, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i)
-        valid[i] = (vm == nullptr || vm[i]) && std::isfinite(r[i]) && g[i] >= 0 && g[i] < G;
+        valid[i] =
+            (vm == nullptr || vm[i]) && std::isfinite(r[i]) && (g != nullptr ? g[i] >= 0 && g[i] < G : i < covered);
     });
 
     torch::Tensor mask = response_mask_opt.has_value() ? *response_mask_opt : torch::Tensor();
@@ -302,7 +332,8 @@ group_advantages_cpu(const torch::Tensor& scores, const torch::Tensor& group_ind
     const double* w = have_w ? w_t.data_ptr<double>() : nullptr;
 
     // 2. Batch scalars.
-    const double n_valid = chunked_sum(B, [&](int64_t i) { return double(valid[i]); });
+    const bool need_batch = (baseline == kMean && scale == kScaleBatch) || baseline == kGpg;
+    const double n_valid = need_batch ? chunked_sum(B, [&](int64_t i) { return double(valid[i]); }) : 0.0;
     double batch_sigma = 0.0, gpg_alpha = 1.0;
     if (baseline == kMean && scale == kScaleBatch && n_valid > 0) {
       const double mu = chunked_sum(B, [&](int64_t i) { return valid[i] ? double(r[i]) : 0.0; }) / n_valid;
@@ -329,14 +360,14 @@ group_advantages_cpu(const torch::Tensor& scores, const torch::Tensor& group_ind
     // OPO (Σ w·r, Σ w) and pass@k (incorrect count) need more, only for those estimators.
     std::vector<double> extra(baseline == kOpo || baseline == kPassk ? G : 0, 0.0);
     std::vector<double> extra_w(baseline == kOpo ? G : 0, 0.0);
-    for_each_in_group_ranges(B, G, g, valid, acc.data(), [&](int64_t i, int64_t k) {
+    for_each_by_group(B, G, group_size, g, valid, acc.data(), [&](int64_t i, int64_t k) {
       Acc& a = acc[k];
       const double x = r[i];
       if (a.n++ == 0) {
         a.mean = a.first = x;
       } else {
         const double d = x - a.mean;
-        a.mean += d / double(a.n);
+        a.mean += d * reciprocal(a.n);
         a.m2 += d * (x - a.mean);
         a.differs |= x != a.first;
       }
@@ -395,21 +426,31 @@ group_advantages_cpu(const torch::Tensor& scores, const torch::Tensor& group_ind
     double* a = a_t.data_ptr<double>();
     torch::Tensor keep_t = empty_output({B}, torch::kBool);
     bool* keep = keep_t.data_ptr<bool>();
-    at::parallel_for(0, B, 1 << 14, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        prefetch_group(affine.data(), g, i, i1, G);
-        if (!valid[i]) {
-          a[i] = 0.0;
-          keep[i] = false;
-          continue;
-        }
-        const int64_t k = g[i];
-        const Affine t = affine[k];
-        const double x = r[i];
-        a[i] = baseline == kPassk ? (x > 0.0 ? t.b : t.f) : (x - t.b) * t.f;
-        keep[i] = !degenerate[k];
+    auto sample = [&](int64_t i, int64_t k) {
+      if (!valid[i]) {
+        a[i] = 0.0;
+        keep[i] = false;
+        return;
       }
-    });
+      const Affine t = affine[k];
+      const double x = r[i];
+      a[i] = baseline == kPassk ? (x > 0.0 ? t.b : t.f) : (x - t.b) * t.f;
+      keep[i] = !degenerate[k];
+    };
+    if (g != nullptr) {
+      at::parallel_for(0, B, 1 << 14, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          prefetch_group(affine.data(), g, i, i1, G);
+          sample(i, std::min(std::max(g[i], int64_t(0)), std::max(G - 1, int64_t(0))));
+        }
+      });
+    } else {
+      at::parallel_for(0, G, std::max<int64_t>(1, 16384 / group_size), [&](int64_t k0, int64_t k1) {
+        for (int64_t k = k0; k < k1; ++k)
+          for (int64_t i = k * group_size; i < (k + 1) * group_size; ++i) sample(i, k);
+      });
+      for (int64_t i = covered; i < B; ++i) a[i] = 0.0, keep[i] = false;
+    }
 
     // Whitening: A ← (A − mean_w)/σ_w with weights w_i (tokens) or 1 (samples), unbiased.
     if (whiten != kWhitenOff) {

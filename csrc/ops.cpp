@@ -8,7 +8,8 @@
 
 TORCH_LIBRARY(rlvr_kernels_C, m) {
   m.def(
-      "group_advantages(Tensor scores, Tensor group_index, int num_groups, Tensor? valid, Tensor? lengths, "
+      "group_advantages(Tensor scores, Tensor group_index, int num_groups, int group_size, Tensor? valid, Tensor? "
+      "lengths, "
       "Tensor? response_mask, Tensor? cu_seqlens, int num_tokens, int baseline, int scale, bool std_unbiased, "
       "float eps, bool eps_in_sqrt, bool singleton_raw, int passk_k, int whiten, float whiten_eps, "
       "bool whiten_eps_in_sqrt, ScalarType out_dtype) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");

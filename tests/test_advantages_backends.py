@@ -200,3 +200,19 @@ def test_gdpo_single_term_with_unscorable_rows(backend, device):
     check_against_reference(backend, device, kw, dict(estimator="gdpo", preset="trl"))
     out = rk.group_advantages(**to(kw, device), estimator="gdpo", preset="trl", backend=backend)
     assert out.group_count.tolist() == [3, 3]
+
+
+@pytest.mark.parametrize("backend,device", FAST)
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "opo", "passk", "reinforce_pp_baseline", "gdpo"])
+def test_group_size_equals_contiguous_group_index(backend, device, estimator):
+    # The contiguous-groups fast path (no ids read) gives bitwise the same numbers.
+    gen = torch.Generator().manual_seed(8)
+    B, G = 96, 8
+    kw = to(dict(scores=torch.randint(-1, 3, (B,), generator=gen).float(), response_mask=torch.rand(B, 5, generator=gen) > 0.3,
+                 sample_mask=torch.rand(B, generator=gen) > 0.2), device)  # fmt: skip
+    extra = dict(k=2) if estimator == "passk" else {}
+    a = rk.group_advantages(**kw, group_size=G, estimator=estimator, backend=backend, **extra)
+    b = rk.group_advantages(**kw, group_index=torch.arange(B, device=device) // G, num_groups=B // G,
+                            estimator=estimator, backend=backend, **extra)  # fmt: skip
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)

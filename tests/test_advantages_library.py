@@ -25,7 +25,7 @@ def op_args(device, backend, layout):
         mask = torch.rand(int(cu[-1]), generator=gen) > 0.3
         num_tokens = int(cu[-1])
     valid = torch.rand(B, generator=gen) > 0.2
-    args = (scores, gi, 5, valid, None, mask, cu, num_tokens, 1, 1, True, 1e-6, False, False, 0, 1, 1e-8, True,
+    args = (scores, gi, 5, 0, valid, None, mask, cu, num_tokens, 1, 1, True, 1e-6, False, False, 0, 1, 1e-8, True,
             torch.float32, backend)  # fmt: skip
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 

@@ -127,6 +127,9 @@ def group_methods(device: str, quick: bool = False, shuffled: bool = True):
          lambda: group_advantages(scores, group_index, num_groups=num_groups, preset="verl"), "fused"),
         ("eager torch, vectorised (index_add stats)", lambda: _eager_grpo(scores, group_index, num_groups), "eager"),
     ]  # fmt: skip
+    if not shuffled:  # TRL's layout: groups are contiguous rows, no ids to read
+        methods.insert(1, ("rlvr_kernels.group_advantages(group_size=16) (no ids)",
+                           lambda: group_advantages(scores, group_size=G, preset="verl"), "fused_group_size"))  # fmt: skip
     gw = _peer("verl_groupwise")
     if not isinstance(gw, Exception):
 

@@ -53,6 +53,7 @@ def _group_advantages_op(
     scores: torch.Tensor,
     group_index: torch.Tensor,
     num_groups: int,
+    group_size: int,
     valid: Optional[torch.Tensor],
     lengths: Optional[torch.Tensor],
     response_mask: Optional[torch.Tensor],
@@ -73,8 +74,9 @@ def _group_advantages_op(
 ) -> _Out:
     """One score column → (advantages [B], token_advantages ([B, L], [T] or [0]),
     group_mean [Gn], group_std [Gn], group_count [Gn] int64, group_degenerate [Gn] bool,
-    sample_keep [B] bool)."""
-    args = (scores, group_index, num_groups, valid, lengths, response_mask, cu_seqlens, num_tokens, baseline,
+    sample_keep [B] bool). With ``group_size > 0`` groups are contiguous rows and
+    ``group_index`` is empty (not read)."""
+    args = (scores, group_index, num_groups, group_size, valid, lengths, response_mask, cu_seqlens, num_tokens, baseline,
             scale, std_unbiased, eps, eps_in_sqrt, singleton_raw, passk_k, whiten, whiten_eps,
             whiten_eps_in_sqrt, out_dtype)  # fmt: skip
     if _dispatch.resolve_backend(backend, scores.device) == "cpu":
@@ -85,7 +87,7 @@ def _group_advantages_op(
 
 
 @_group_advantages_op.register_fake
-def _(scores, group_index, num_groups, valid, lengths, response_mask, cu_seqlens, num_tokens, *rest):
+def _(scores, group_index, num_groups, group_size, valid, lengths, response_mask, cu_seqlens, num_tokens, *rest):
     out_dtype = rest[-2]
     B = scores.shape[0]
     if cu_seqlens is not None:
@@ -177,10 +179,12 @@ def group_advantages(
     out_dtype = check_out_dtype(out_dtype)
     inputs = _validate(scores, group_index, group_size, num_groups, sample_mask, response_mask, cu_seqlens,
                        lengths, reward_weights, opts, validate)  # fmt: skip
-    scores, group_index, num_groups, sample_mask, num_tokens = inputs
+    scores, group_index, num_groups, group_size, sample_mask, num_tokens = inputs
     scores = scores.detach()  # advantages are constants of the loss: no gradient to rewards
 
     if backend == "reference":
+        if group_size:
+            group_index = torch.arange(scores.shape[0], device=scores.device) // group_size
         return reference.group_advantages(
             scores, group_index, num_groups, opts, sample_mask=sample_mask, response_mask=response_mask,
             cu_seqlens=cu_seqlens, lengths=lengths, reward_weights=reward_weights, out_dtype=out_dtype,
@@ -205,18 +209,23 @@ def group_advantages(
         means, stds, degs = [], [], []
         for j in range(cols.shape[1]):
             term_valid = finite[:, j] if valid is None else valid & finite[:, j]
-            a, _, mean, sd, _, deg, _ = _call(cols[:, j], group_index, num_groups, term_valid, dict(lengths=lengths),
-                                              opts, "mean", opts.scale, "off", torch.float64, backend)  # fmt: skip
+            a, _, mean, sd, _, deg, _ = _call(cols[:, j], group_index, num_groups, group_size, term_valid,
+                                              dict(lengths=lengths), opts, "mean", opts.scale, "off", torch.float64,
+                                              backend)  # fmt: skip
             total = total + w[j].double() * a
             means.append(mean)
             stds.append(sd)
             degs.append(deg)
-        adv, tok, _, _, count, _, _ = _call(total, group_index, num_groups, valid, layout, opts, "none", "none",
-                                            opts.whitening.over, out_dtype, backend)  # fmt: skip
+        adv, tok, _, _, count, _, _ = _call(total, group_index, num_groups, group_size, valid, layout, opts, "none",
+                                            "none", opts.whitening.over, out_dtype, backend)  # fmt: skip
+        # keep: a valid row in a group where not every reward term is constant
         degenerate = torch.stack(degs, dim=1).all(dim=1)
-        in_range = (group_index >= 0) & (group_index < num_groups)
-        row_valid = in_range if valid is None else in_range & valid
-        keep = row_valid & ~degenerate[group_index.clamp(0, max(num_groups - 1, 0))] if num_groups else row_valid
+        row_valid = valid if valid is not None else torch.ones(B, dtype=torch.bool, device=scores.device)
+        if group_size:
+            keep = row_valid & ~degenerate.repeat_interleave(group_size)
+        else:
+            in_range = (group_index >= 0) & (group_index < num_groups)
+            keep = row_valid & in_range & ~degenerate[group_index.clamp(0, max(num_groups - 1, 0))] if num_groups else row_valid & False
         return GroupAdvantages(adv, _token_or_none(tok, layout), torch.stack(means, 1).to(out_dtype),
                                torch.stack(stds, 1).to(out_dtype), count, degenerate, keep)  # fmt: skip
 
@@ -226,16 +235,17 @@ def group_advantages(
     else:
         r = scores
     baseline, uses_scale, whiten = _PLANS[opts.estimator]
-    out = _call(r, group_index, num_groups, valid, layout, opts, baseline, opts.scale if uses_scale else "none",
-                opts.whitening.over if whiten == "whiten" else "off", out_dtype, backend)  # fmt: skip
+    out = _call(r, group_index, num_groups, group_size, valid, layout, opts, baseline,
+                opts.scale if uses_scale else "none", opts.whitening.over if whiten == "whiten" else "off", out_dtype,
+                backend)  # fmt: skip
     adv, tok, mean, sd, count, degenerate, keep = out
     return GroupAdvantages(adv, _token_or_none(tok, layout), mean, sd, count, degenerate, keep)
 
 
-def _call(r, group_index, num_groups, valid, layout, opts: AdvantageOptions, baseline, scale, whiten, out_dtype,
-          backend):  # fmt: skip
+def _call(r, group_index, num_groups, group_size, valid, layout, opts: AdvantageOptions, baseline, scale, whiten,
+          out_dtype, backend):  # fmt: skip
     return _group_advantages_op(
-        r, group_index, num_groups, valid, layout.get("lengths"), layout.get("response_mask"),
+        r, group_index, num_groups, group_size, valid, layout.get("lengths"), layout.get("response_mask"),
         layout.get("cu_seqlens"), layout.get("num_tokens", -1), BASELINE[baseline], SCALE[scale],
         opts.std == "unbiased", float(opts.eps), bool(opts.eps_in_sqrt), opts.singleton == "raw",
         int(opts.k or 0), WHITEN[whiten], float(opts.whitening.eps), bool(opts.whitening.eps_in_sqrt),
@@ -262,7 +272,7 @@ def _validate(scores, group_index, group_size, num_groups, sample_mask, response
         if num_groups is not None and num_groups != B // group_size:
             raise ValueError(f"num_groups: expected B / group_size = {B // group_size}, got {num_groups}")
         num_groups = B // group_size
-        group_index = torch.arange(B, device=dev) // group_size
+        group_index = torch.empty(0, dtype=torch.long, device=dev)  # contiguous groups: no ids needed
     else:
         check_tensor("group_index", group_index, dtypes=INT_DTYPES, ndim=(1,), device=dev)
         check_shape("group_index", group_index, (B,), "one group id per row of scores")
@@ -328,4 +338,4 @@ def _validate(scores, group_index, group_size, num_groups, sample_mask, response
         fail_if((cu[1:] < cu[:-1]).any(), "cu_seqlens: expected non-decreasing offsets")
         if response_mask is not None and int(cu[-1]) != num_tokens:
             raise ValueError(f"cu_seqlens: expected cu_seqlens[-1] == T = {num_tokens} (response_mask length), got {int(cu[-1])}")
-    return scores, group_index, num_groups, sample_mask, num_tokens
+    return scores, group_index, num_groups, group_size or 0, sample_mask, num_tokens

@@ -327,7 +327,7 @@ _BLOCK = 1024
 
 
 def group_advantages_triton(
-    scores, group_index, num_groups, valid, lengths, response_mask, cu_seqlens, num_tokens, baseline, scale,
+    scores, group_index, num_groups, group_size, valid, lengths, response_mask, cu_seqlens, num_tokens, baseline, scale,
     std_unbiased, eps, eps_in_sqrt, singleton_raw, passk_k, whiten, whiten_eps, whiten_eps_in_sqrt, out_dtype,
 ):  # fmt: skip
     """Same contract as the C++ kernel ``rlvr_kernels_C::group_advantages``."""
@@ -345,6 +345,8 @@ def group_advantages_triton(
         token_adv = torch.empty(0, dtype=out_dtype, device=dev)
 
     scores = scores.contiguous()
+    if group_size > 0:  # contiguous groups: ids are cheap to make on the device
+        group_index = torch.arange(B, device=dev) // group_size
     group_index = group_index.contiguous()
     in_range = (group_index >= 0) & (group_index < G)
     ok = torch.isfinite(scores) & in_range
