@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import sys
+import textwrap
 from typing import Dict, List, Optional
 
 import torch
@@ -120,12 +122,17 @@ def plot(report: Dict, path: str) -> bool:
         rows = [r for r in res["rows"] if r.get("ms") is not None]
         labels = [r["method"][:70] for r in rows]
         values = [r["ms"] for r in rows]
-        colors = ["tab:green" if r["key"] in ("fused", "dropin") else "tab:gray" for r in rows]
+        colors = ["tab:green" if r["key"] in ("fused", "dropin", "fused_group_size") else "tab:gray" for r in rows]
         ax.barh(labels, values, color=colors)
-        ax.set_xscale("log")
+        if max(values) / min(values) > 10:  # log scale only where the range needs it, from a whole decade
+            ax.set_xscale("log")
+            ax.set_xlim(left=10 ** math.floor(math.log10(min(values))), right=max(values) * 3)
+            ax.set_xlabel("ms (log scale, lower is better)")
+        else:
+            ax.set_xlim(left=0, right=max(values) * 1.3)
+            ax.set_xlabel("ms (lower is better)")
         ax.invert_yaxis()
-        ax.set_xlabel("ms (log scale, lower is better)")
-        ax.set_title(f"{res['op']}: {res['name']}", fontsize=9)
+        ax.set_title(textwrap.fill(f"{res['op']}: {res['name']}", 80), fontsize=9)
         for i, r in enumerate(rows):
             ax.text(r["ms"], i, f" {r['ms']:.2f} ms ({r['ratio']:.1f}×)", va="center", fontsize=8)
         ax.tick_params(axis="y", labelsize=8)
