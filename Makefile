@@ -43,7 +43,7 @@ sanitize: $(STAMP)
 	ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:abort_on_error=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	RLVR_KERNELS_EXTENSION="$$(ls $(SAN_DIR)/rlvr_kernels/_C*.so)" \
-	$(PY) -m pytest -q -m cpu_kernel -p no:cacheprovider
+	$(PY) -m pytest -q -m cpu_kernel -p no:cacheprovider --capture=sys
 
 clean:
 	rm -rf build $(SAN_DIR) *.egg-info rlvr_kernels/*.so

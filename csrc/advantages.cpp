@@ -299,7 +299,8 @@ group_advantages_cpu(const torch::Tensor& scores, const torch::Tensor& group_ind
     const torch::Tensor gi = group_size > 0 ? torch::Tensor() : group_index.to(torch::kInt64).contiguous();
     const int64_t* g = group_size > 0 ? nullptr : gi.data_ptr<int64_t>();
     // Rows [0, G·group_size) all have a group when groups are contiguous.
-    const int64_t covered = g != nullptr ? 0 : G * group_size;
+    const bool contiguous = group_size > 0;
+    const int64_t covered = contiguous ? G * group_size : 0;
     torch::Tensor vmask = valid_opt.has_value() ? valid_opt->to(torch::kBool).contiguous() : torch::Tensor();
     TORCH_CHECK(!vmask.defined() || vmask.numel() == B, "valid: expected [B]");
     const bool* vm = vmask.defined() ? vmask.data_ptr<bool>() : nullptr;
@@ -308,7 +309,7 @@ group_advantages_cpu(const torch::Tensor& scores, const torch::Tensor& group_ind
     at::parallel_for(0, B, 1 << 16, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i)
         valid[i] =
-            (vm == nullptr || vm[i]) && std::isfinite(r[i]) && (g != nullptr ? g[i] >= 0 && g[i] < G : i < covered);
+            (vm == nullptr || vm[i]) && std::isfinite(r[i]) && (contiguous ? i < covered : g[i] >= 0 && g[i] < G);
     });
 
     torch::Tensor mask = response_mask_opt.has_value() ? *response_mask_opt : torch::Tensor();
@@ -437,7 +438,7 @@ group_advantages_cpu(const torch::Tensor& scores, const torch::Tensor& group_ind
       a[i] = baseline == kPassk ? (x > 0.0 ? t.b : t.f) : (x - t.b) * t.f;
       keep[i] = !degenerate[k];
     };
-    if (g != nullptr) {
+    if (!contiguous) {
       at::parallel_for(0, B, 1 << 14, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
           prefetch_group(affine.data(), g, i, i1, G);

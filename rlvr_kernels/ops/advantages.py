@@ -191,59 +191,57 @@ def group_advantages(
         )  # fmt: skip
 
     layout = dict(lengths=lengths, response_mask=response_mask, cu_seqlens=cu_seqlens, num_tokens=num_tokens)
-    B = scores.shape[0]
-    dtype = scores.dtype if scores.dtype == torch.float64 else torch.float32
-    valid = sample_mask
-    if scores.dim() == 2:
-        finite = torch.isfinite(scores)
-        row_ok = finite.any(dim=1)
-        valid = row_ok if valid is None else valid & row_ok
-        w = reward_weights.to(dtype) if reward_weights is not None else scores.new_ones(scores.shape[1], dtype=dtype)
-
-    if opts.estimator == "gdpo":
-        cols = scores if scores.dim() == 2 else scores[:, None]
-        if scores.dim() == 1:
-            finite, w = torch.isfinite(cols), scores.new_ones(1, dtype=dtype)
-            valid = finite[:, 0] if valid is None else valid & finite[:, 0]  # NaN rows are unscorable
-        total = torch.zeros(B, dtype=torch.float64, device=scores.device)
-        means, stds, degs = [], [], []
-        for j in range(cols.shape[1]):
-            term_valid = finite[:, j] if valid is None else valid & finite[:, j]
-            a, _, mean, sd, _, deg, _ = _call(cols[:, j], group_index, num_groups, group_size, term_valid,
-                                              dict(lengths=lengths), opts, "mean", opts.scale, "off", torch.float64,
-                                              backend)  # fmt: skip
-            total = total + w[j].double() * a
-            means.append(mean)
-            stds.append(sd)
-            degs.append(deg)
-        adv, tok, _, _, count, _, _ = _call(total, group_index, num_groups, group_size, valid, layout, opts, "none",
-                                            "none", opts.whitening.over, out_dtype, backend)  # fmt: skip
-        # keep: a valid row in a group where not every reward term is constant
-        degenerate = torch.stack(degs, dim=1).all(dim=1)
-        row_valid = valid if valid is not None else torch.ones(B, dtype=torch.bool, device=scores.device)
-        if group_size:
-            keep = row_valid & ~degenerate.repeat_interleave(group_size)
-        else:
-            in_range = (group_index >= 0) & (group_index < num_groups)
-            keep = row_valid & in_range & ~degenerate[group_index.clamp(0, max(num_groups - 1, 0))] if num_groups else row_valid & False
-        return GroupAdvantages(adv, _token_or_none(tok, layout), torch.stack(means, 1).to(out_dtype),
-                               torch.stack(stds, 1).to(out_dtype), count, degenerate, keep)  # fmt: skip
-
-    if scores.dim() == 2:
-        # r = Σ_k w_k r_k with NaN terms counted as 0 (TRL's nansum); all-NaN rows are invalid.
-        r = torch.where(finite, scores.to(dtype) * w, torch.zeros((), dtype=dtype, device=scores.device)).sum(1)
+    groups = (group_index, num_groups, group_size)
+    if scores.dim() == 1 and opts.estimator != "gdpo":
+        r, valid = scores, sample_mask  # the kernels exclude non-finite scores themselves
     else:
-        r = scores
+        # Reward terms: a row counts when some term is finite (TRL: all-NaN rows are unscorable).
+        terms = scores if scores.dim() == 2 else scores[:, None]
+        finite = torch.isfinite(terms)
+        valid = finite.any(dim=1) if sample_mask is None else sample_mask & finite.any(dim=1)
+        dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
+        w = reward_weights.to(dtype) if reward_weights is not None else terms.new_ones(terms.shape[1], dtype=dtype)
+        if opts.estimator == "gdpo":
+            return _gdpo(terms, finite, valid, w, groups, layout, opts, out_dtype, backend)
+        # One estimator over r = Σ_k w_k r_k, NaN terms counted as 0 (TRL's nansum).
+        r = torch.where(finite, terms.to(dtype) * w, torch.zeros((), dtype=dtype, device=scores.device)).sum(1)
     baseline, uses_scale, whiten = _PLANS[opts.estimator]
-    out = _call(r, group_index, num_groups, group_size, valid, layout, opts, baseline,
-                opts.scale if uses_scale else "none", opts.whitening.over if whiten == "whiten" else "off", out_dtype,
-                backend)  # fmt: skip
+    out = _call(r, groups, valid, layout, opts, baseline, opts.scale if uses_scale else "none",
+                opts.whitening.over if whiten == "whiten" else "off", out_dtype, backend)  # fmt: skip
     adv, tok, mean, sd, count, degenerate, keep = out
     return GroupAdvantages(adv, _token_or_none(tok, layout), mean, sd, count, degenerate, keep)
 
 
-def _call(r, group_index, num_groups, group_size, valid, layout, opts: AdvantageOptions, baseline, scale, whiten,
-          out_dtype, backend):  # fmt: skip
+def _gdpo(terms, finite, valid, weights, groups, layout, opts, out_dtype, backend) -> GroupAdvantages:
+    """GDPO: each reward term normalised within its groups (GRPO), a weighted sum in
+    float64, then one whitening pass that also writes the token advantages."""
+    group_index, num_groups, group_size = groups
+    total = torch.zeros(terms.shape[0], dtype=torch.float64, device=terms.device)
+    means, stds, degs = [], [], []
+    for j in range(terms.shape[1]):
+        a, _, mean, sd, _, deg, _ = _call(terms[:, j], groups, valid & finite[:, j], dict(lengths=layout["lengths"]),
+                                          opts, "mean", opts.scale, "off", torch.float64, backend)  # fmt: skip
+        total = total + weights[j].double() * a
+        means.append(mean)
+        stds.append(sd)
+        degs.append(deg)
+    adv, tok, _, _, count, _, _ = _call(total, groups, valid, layout, opts, "none", "none", opts.whitening.over,
+                                        out_dtype, backend)  # fmt: skip
+    # Degenerate: every reward term constant in the group; keep: valid and not degenerate.
+    degenerate = torch.stack(degs, dim=1).all(dim=1)
+    if group_size:
+        keep = valid & ~degenerate.repeat_interleave(group_size)
+    elif num_groups:
+        in_range = (group_index >= 0) & (group_index < num_groups)
+        keep = valid & in_range & ~degenerate[group_index.clamp(0, num_groups - 1)]
+    else:
+        keep = torch.zeros_like(valid)
+    return GroupAdvantages(adv, _token_or_none(tok, layout), torch.stack(means, 1).to(out_dtype),
+                           torch.stack(stds, 1).to(out_dtype), count, degenerate, keep)  # fmt: skip
+
+
+def _call(r, groups, valid, layout, opts: AdvantageOptions, baseline, scale, whiten, out_dtype, backend):
+    group_index, num_groups, group_size = groups
     return _group_advantages_op(
         r, group_index, num_groups, group_size, valid, layout.get("lengths"), layout.get("response_mask"),
         layout.get("cu_seqlens"), layout.get("num_tokens", -1), BASELINE[baseline], SCALE[scale],
