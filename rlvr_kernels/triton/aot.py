@@ -50,10 +50,13 @@ def kernel_specs() -> Iterator[Tuple[str, object, Dict[str, str], Dict[str, obje
 
 
 def _ptxas(arch: int) -> str:
-    """The ptxas Triton itself uses for this arch (its wheel ships two)."""
-    from triton.backends.nvidia.compiler import get_ptxas
+    """The ptxas Triton itself uses for this arch (Triton 3.9 ships two; older ones one)."""
+    from triton.backends.nvidia import compiler
 
-    return get_ptxas(arch).path
+    try:
+        return compiler.get_ptxas(arch).path
+    except TypeError:  # Triton < 3.9: get_ptxas() takes no arch
+        return compiler.get_ptxas().path
 
 
 def ptxas_usage(ptx: str, arch: int) -> Dict[str, int]:
