@@ -136,6 +136,11 @@ def test_empty_and_all_masked_inputs_give_zeros(backend, device):
                 response_mask=torch.zeros(0, 7))  # fmt: skip
     assert empty.advantages.shape == (0,) and empty.token_advantages.shape == (0, 7)
     assert empty.group_mean.shape == (0,)
+    # No samples but some groups: every group is empty, degenerate, with zero statistics.
+    no_rows = run(backend, device, scores=torch.zeros(0), group_index=torch.zeros(0, dtype=torch.long), num_groups=3,
+                  cu_seqlens=torch.zeros(1, dtype=torch.int32), response_mask=torch.zeros(0))  # fmt: skip
+    assert no_rows.group_count.tolist() == [0, 0, 0] and no_rows.group_degenerate.all()
+    assert (no_rows.group_mean == 0).all() and no_rows.token_advantages.shape == (0,)
     # Groups that exist but have no valid sample: zeros, degenerate, nothing kept, no NaN.
     r = torch.tensor([1.0, 0.0, 1.0])
     for est in ("grpo", "rloo", "opo", "gpg", "reinforce_pp_baseline", "gdpo"):

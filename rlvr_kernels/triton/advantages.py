@@ -60,8 +60,8 @@ def _group_stats_kernel(
 
     # Shifted by the group's first score: a constant group sums to exactly 0, so its mean
     # is exact and its A is exactly 0 (not 1 ulp over a 1-ulp σ).
-    first = tl.load(order_ptr + tl.minimum(begin, tl.maximum(end - 1, 0)))
-    shift = tl.where(n > 0, tl.load(scores_ptr + first).to(tl.float32), 0.0)
+    first = tl.load(order_ptr + begin, mask=n > 0, other=0)  # an empty group reads nothing
+    shift = tl.load(scores_ptr + first, mask=n > 0, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(begin, end, BLOCK):
         j = start + lanes
