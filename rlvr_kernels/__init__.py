@@ -1,7 +1,14 @@
 """rlvr_kernels: fused, exact, drop-in PyTorch ops for RL with verifiable rewards."""
 
-from .ops import group_advantages, uids_to_group_index
-from .options import AdvantageOptions, GroupAdvantages, Whitening
+from .ops import group_advantages, policy_loss, shape_token_advantages, uids_to_group_index
+from .options import (
+    AdvantageOptions,
+    GroupAdvantages,
+    PolicyLossMetrics,
+    PolicyLossOptions,
+    TokenShaping,
+    Whitening,
+)
 from .ops._cache import cpu_cache_stats, empty_cpu_cache
 
 __version__ = "0.1.0"
@@ -9,9 +16,14 @@ __version__ = "0.1.0"
 __all__ = [
     "AdvantageOptions",
     "GroupAdvantages",
+    "PolicyLossMetrics",
+    "PolicyLossOptions",
+    "TokenShaping",
     "Whitening",
     "cpu_cache_stats",
     "empty_cpu_cache",
     "group_advantages",
+    "policy_loss",
+    "shape_token_advantages",
     "uids_to_group_index",
 ]

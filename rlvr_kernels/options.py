@@ -149,3 +149,205 @@ class GroupAdvantages(NamedTuple):
     group_count: torch.Tensor
     group_degenerate: torch.Tensor
     sample_keep: torch.Tensor
+
+
+# ---------------------------------------------------------------------------------------
+# policy_loss and shape_token_advantages (SPEC §2, §4)
+
+LOSS_TYPES = ("ppo", "gspo", "cispo", "sapo", "reinforce", "gpg")
+KL_TYPES = ("k1", "k2", "k3", "k3+")
+ROLLOUT_CORRECTIONS = ("token_tis", "seq_tis", "token_mis", "seq_mis", "decoupled")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "none")
+A3PO_METRICS = ("prob", "entropy")
+LOSS_PRESETS = ("verl", "trl")
+
+
+def _check_float(name, value, lo=None, hi=None, lo_open=False, allow_none=False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+        raise ValueError(f"{name}: expected a finite float, got {value!r}")
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        raise ValueError(f"{name}: expected a value {'>' if lo_open else '>='} {lo}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name}: expected a value <= {hi}, got {value!r}")
+
+
+def _check_knob(name, knob):
+    if not (isinstance(knob, tuple) and len(knob) == 2):
+        raise ValueError(f"{name}: expected a (ratio, scale) tuple, got {knob!r}")
+    _check_float(f"{name}[0] (ratio)", knob[0], 0.0, 1.0)
+    _check_float(f"{name}[1] (scale)", knob[1], 0.0)
+
+
+@dataclass(frozen=True)
+class TokenShaping:
+    """Token-level asymmetric advantage shaping (SPEC §2); the defaults change nothing.
+
+    Per token, with A the (sequence or token) advantage and p = exp(old_logprobs):
+      w_pos, w_neg        polarity weights: Ã = w_pos·A for A > 0, w_neg·A for A < 0
+                          (W-REINFORCE: w_pos = 0.1, w_neg = 1).
+      probability = λ     Ã ·= (1 − λ) + λ·w with w = 1 − p (A > 0), p (A < 0): the seed's
+                          teaching model at λ = 1; decay λ with any schedule outside.
+      a3po_*              A3PO rank selection: per sequence (its polarity is the sign of
+                          Σ_t A·m), metric = ``a3po_metric`` (old-policy prob or the given
+                          entropy) over valid tokens whose metric is ≠ 0; each knob
+                          (ratio, scale) with ratio > 0 scales the k = max(1, ⌊n·ratio⌋)
+                          highest / lowest metric tokens (ties: lower index first) by scale.
+                          Knobs apply in the order pos-high, pos-low, neg-high, neg-low.
+      entropy_quantile=ρ  keep the policy-gradient term only on tokens whose entropy is ≥
+                          the batch's (1 − ρ) quantile over valid tokens (80/20: ρ = 0.2,
+                          torch.quantile's linear interpolation, as TRL); KL and entropy
+                          terms are not masked (TRL's order).
+    All weights are constants (no gradient); they multiply the policy-gradient term after
+    the loss type's clipping, so clip metrics see the unshaped advantage.
+    """
+
+    w_pos: float = 1.0
+    w_neg: float = 1.0
+    probability: float = 0.0
+    a3po_metric: Literal["prob", "entropy"] = "prob"
+    a3po_pos_high: tuple = (0.0, 1.0)
+    a3po_pos_low: tuple = (0.0, 1.0)
+    a3po_neg_high: tuple = (0.0, 1.0)
+    a3po_neg_low: tuple = (0.0, 1.0)
+    entropy_quantile: Optional[float] = None
+
+    def __post_init__(self):
+        _check_float("shaping.w_pos", self.w_pos, 0.0)
+        _check_float("shaping.w_neg", self.w_neg, 0.0)
+        _check_float("shaping.probability", self.probability, 0.0, 1.0)
+        _check_choice("shaping.a3po_metric", self.a3po_metric, A3PO_METRICS)
+        for name in ("a3po_pos_high", "a3po_pos_low", "a3po_neg_high", "a3po_neg_low"):
+            _check_knob(f"shaping.{name}", getattr(self, name))
+        _check_float("shaping.entropy_quantile", self.entropy_quantile, 0.0, 1.0, lo_open=True, allow_none=True)
+
+    @property
+    def a3po_knobs(self) -> tuple:
+        """(ratio, scale) × 4 in application order; a knob with ratio 0 or scale 1 is off."""
+        return (self.a3po_pos_high, self.a3po_pos_low, self.a3po_neg_high, self.a3po_neg_low)
+
+    @property
+    def a3po_active(self) -> bool:
+        return any(r > 0 and s != 1 for r, s in self.a3po_knobs)
+
+    @property
+    def active(self) -> bool:
+        return (self.w_pos != 1 or self.w_neg != 1 or self.probability != 0 or self.a3po_active
+                or self.entropy_quantile is not None)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PolicyLossOptions:
+    """Everything that decides the numbers ``policy_loss`` returns (SPEC §4).
+
+    loss_type         ppo | gspo | cispo | sapo | reinforce | gpg (gpg = reinforce)
+    clip_low/high     ε_low, ε_high of the ratio clip (ppo, gspo, cispo)
+    clip_ratio_c      dual-clip bound c > 1 for A < 0 (ppo); None = off
+    log_ratio_clamp   δ clamped to ±this before exp (ppo, cispo, sapo, IS); None = off
+    gspo_log_clamp    upper clamp of log s_i (gspo)
+    tau_pos/tau_neg   SAPO temperatures
+    kl                None | k1 | k2 | k3 | k3+ to ``ref_logprobs``, times ``kl_coef``
+    kl_clamp          k3's clamps (x to ±20, value to ±10) as verl; TRL has none
+    rollout_correction None | token_tis | seq_tis | token_mis | seq_mis | decoupled
+    rollout_threshold C (upper bound / cap), rollout_threshold_low the MIS lower bound
+                      (default 1/C)
+    entropy_coef      coefficient of the entropy bonus (needs ``entropy``)
+    agg               token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean |
+                      seq-mean-token-sum-norm | none (per-token loss, no reduction)
+    """
+
+    loss_type: Literal["ppo", "gspo", "cispo", "sapo", "reinforce", "gpg"] = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_ratio_c: Optional[float] = None
+    log_ratio_clamp: Optional[float] = 20.0
+    gspo_log_clamp: float = 10.0
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    kl: Optional[str] = None
+    kl_coef: float = 0.0
+    kl_clamp: bool = True
+    rollout_correction: Optional[str] = None
+    rollout_threshold: float = 2.0
+    rollout_threshold_low: Optional[float] = None
+    entropy_coef: float = 0.0
+    agg: str = "token-mean"
+    shaping: TokenShaping = field(default_factory=TokenShaping)
+
+    def __post_init__(self):
+        _check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        _check_float("clip_low", self.clip_low, 0.0, 1.0)
+        _check_float("clip_high", self.clip_high, 0.0)
+        if self.clip_ratio_c is not None:
+            _check_float("clip_ratio_c", self.clip_ratio_c)
+            if not self.clip_ratio_c > 1.0:
+                raise ValueError(f"clip_ratio_c: the dual-clip bound must be > 1, got {self.clip_ratio_c!r}")
+        _check_float("log_ratio_clamp", self.log_ratio_clamp, 0.0, lo_open=True, allow_none=True)
+        _check_float("gspo_log_clamp", self.gspo_log_clamp)
+        _check_float("tau_pos", self.tau_pos, 0.0, lo_open=True)
+        _check_float("tau_neg", self.tau_neg, 0.0, lo_open=True)
+        if self.kl is not None:
+            _check_choice("kl", self.kl, KL_TYPES)
+        _check_float("kl_coef", self.kl_coef)
+        if self.rollout_correction is not None:
+            _check_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        _check_float("rollout_threshold", self.rollout_threshold, 0.0, lo_open=True)
+        _check_float("rollout_threshold_low", self.rollout_threshold_low, 0.0, allow_none=True)
+        if self.rollout_threshold_low is not None and self.rollout_threshold_low > self.rollout_threshold:
+            raise ValueError(f"rollout_threshold_low: expected <= rollout_threshold = {self.rollout_threshold}, "
+                             f"got {self.rollout_threshold_low}")  # fmt: skip
+        _check_float("entropy_coef", self.entropy_coef)
+        _check_choice("agg", self.agg, AGG_MODES)
+        if not isinstance(self.shaping, TokenShaping):
+            raise TypeError(f"shaping: expected a rlvr_kernels.TokenShaping, got {type(self.shaping).__name__}")
+
+    @property
+    def mis_low(self) -> float:
+        return self.rollout_threshold_low if self.rollout_threshold_low is not None else 1.0 / self.rollout_threshold
+
+
+_LOSS_PRESET_FIELDS = {
+    None: {},
+    # verl core_algos: compute_policy_loss_vanilla (dual clip c = 3.0, δ clamp ±20),
+    # kl_penalty (k3 clamps), agg_loss.
+    "verl": dict(clip_ratio_c=3.0, log_ratio_clamp=20.0, kl_clamp=True),
+    # trl GRPOTrainer._compute_loss: no δ clamp, k3 without clamps, loss type "grpo"
+    # (two-sided clip only when `delta` is set: pass it as clip_ratio_c).
+    "trl": dict(clip_ratio_c=None, log_ratio_clamp=None, kl_clamp=False),
+}
+
+
+@torch.compiler.assume_constant_result
+def resolve_policy_loss_options(preset: Optional[str] = None, **overrides) -> PolicyLossOptions:
+    """Merge a loss preset's fields with explicit overrides (``None`` means "not given").
+
+    Note ``clip_ratio_c=None`` cannot override the verl preset's 3.0 (None means "not
+    given"); pass ``preset=None`` for PPO without dual clip.
+    """
+    if preset not in _LOSS_PRESET_FIELDS:
+        raise ValueError(f"preset: expected one of {LOSS_PRESETS} or None, got {preset!r}")
+    fields = dict(_LOSS_PRESET_FIELDS[preset])
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    if fields.get("loss_type") == "gpg":
+        fields["loss_type"] = "reinforce"
+    return PolicyLossOptions(**fields)
+
+
+class PolicyLossMetrics(NamedTuple):
+    """Metrics of ``policy_loss`` as 0-d fp32 device tensors (detached; no host sync).
+    Means are over the valid tokens of this call (micro-batch)."""
+
+    pg_loss: torch.Tensor  # the policy-gradient part of the loss, aggregated like the loss
+    kl_loss: torch.Tensor  # the KL part (before kl_coef), aggregated like the loss
+    pg_clipfrac: torch.Tensor  # fraction of tokens where the clipped branch is active
+    pg_clipfrac_lower: torch.Tensor  # fraction of tokens where the dual clip is active
+    ppo_kl: torch.Tensor  # mean(−δ)
+    kl: torch.Tensor  # mean per-token KL estimate (0 without kl)
+    is_weight_mean: torch.Tensor  # mean rollout-correction weight (1 without correction)
+    is_weight_max: torch.Tensor
+    is_masked_frac: torch.Tensor  # fraction of tokens a MIS / decoupled bound rejected
+    shaped_frac: torch.Tensor  # fraction of tokens whose shaping weight is not 1
+    entropy_mean: torch.Tensor  # mean entropy (0 without entropy)
+    num_tokens: torch.Tensor  # valid tokens in this call
+    num_seqs: torch.Tensor  # sequences with at least one valid token
