@@ -84,11 +84,11 @@ def available_backends(device: str):
 def cmd_check(args) -> int:
     import torch
 
-    from .testing import check_case_count, check_group_advantages
+    from .testing import check_case_count, check_group_advantages, check_policy_loss, policy_check_case_count
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     backends = args.backend or available_backends(device)
-    total = check_case_count() * len(backends)
+    total = (check_case_count() + policy_check_case_count()) * len(backends)
     done = [0]
 
     def progress():
@@ -96,6 +96,7 @@ def cmd_check(args) -> int:
         print(f"\r  checking {done[0]}/{total}", end="", file=sys.stderr, flush=True)
 
     rows = check_group_advantages(backends, device=device, seed=args.seed, progress=progress)
+    rows += check_policy_loss(backends, device=device, seed=args.seed, progress=progress)
     print("", file=sys.stderr)
     header = f"{'op':<17} {'backend':<9} {'case':<44} {'max abs err':>11} {'max rel err':>11}  result"
     print(header)

@@ -17,9 +17,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import advantages
+from . import advantages, policy_loss
 
-SUITES = {"group_advantages": advantages.WORKLOADS}
+SUITES = {"group_advantages": advantages.WORKLOADS, "policy_loss": policy_loss.WORKLOADS}
 
 
 def machine_info(device: str) -> Dict:
@@ -104,6 +104,10 @@ def to_markdown(report: Dict) -> str:
             kind = "ratio" if t["met"] == "info" else "target"
             lines.append(f"| {kind}: {t['target']} | measured {got} | {verdict} |")
         lines.append("")
+        for note in res.get("notes", []):
+            lines.append(f"- {note}")
+        if res.get("notes"):
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -122,7 +126,8 @@ def plot(report: Dict, path: str) -> bool:
         rows = [r for r in res["rows"] if r.get("ms") is not None]
         labels = [r["method"][:70] for r in rows]
         values = [r["ms"] for r in rows]
-        colors = ["tab:green" if r["key"] in ("fused", "dropin", "fused_group_size") else "tab:gray" for r in rows]
+        ours = ("fused", "fused_novalidate", "dropin", "fused_group_size")
+        colors = ["tab:green" if r["key"] in ours else "tab:gray" for r in rows]
         ax.barh(labels, values, color=colors)
         if max(values) / min(values) > 10:  # log scale only where the range needs it, from a whole decade
             ax.set_xscale("log")

@@ -30,7 +30,7 @@ def to_padded(x: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], fil
         row = x[cu[i] : cu[i + 1]]
         pad = x.new_full((Lmax - row.shape[0],), fill)
         rows.append(torch.cat([row, pad]))
-    return torch.stack(rows) if rows else x.new_zeros((0, 0))
+    return torch.stack(rows) if rows else x[:0].reshape(0, 0)  # keeps the autograd edge
 
 
 def from_padded(y: torch.Tensor, cu_seqlens: Optional[torch.Tensor], num_tokens: int) -> torch.Tensor:
@@ -39,7 +39,7 @@ def from_padded(y: torch.Tensor, cu_seqlens: Optional[torch.Tensor], num_tokens:
         return y
     cu = [int(c) for c in cu_seqlens]
     parts = [y[i, : cu[i + 1] - cu[i]] for i in range(len(cu) - 1)]
-    tail = y.new_zeros((num_tokens - cu[-1],))
+    tail = y.new_zeros((num_tokens - cu[-1],)) + y.reshape(-1)[:0].sum()  # (an empty sum keeps the edge)
     return torch.cat(parts + [tail])
 
 

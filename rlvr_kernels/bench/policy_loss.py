@@ -1,0 +1,308 @@
+"""Benchmark of ``policy_loss`` (forward + backward) against verl, eager PyTorch and
+torch.compile.
+
+Workload (the actor's loss step of a GRPO run with verl's defaults): B = 64 sequences,
+L = 8192, response lengths uniform in [L/8, L] (about 56% of the tokens valid), bool mask,
+fp32; PPO with ε_low = 0.2, ε_high = 0.28 and dual clip c = 3, k3 KL to a reference policy
+with β = 0.1, token-level TIS rollout correction with cap C = 2, token-mean. Every method
+computes the loss *and* ``loss.backward()`` into ``logprobs`` (a leaf; its ``.grad`` is
+reset to None before each call), and the metrics a trainer logs.
+
+Methods:
+- fused: ``rlvr_kernels.policy_loss`` with sequence-level advantages ``[B]``.
+- verl: ``compute_rollout_correction_weights`` (token, 2.0) on old − rollout log-probs,
+  ``compute_policy_loss_vanilla`` with a real ``ActorConfig``, ``kl_penalty("low_var_kl")``
+  and ``agg_loss`` for the KL, summed as verl's actor (``pg_loss + kl_loss · kl_loss_coef``).
+  verl's trainer stores advantages token-level, ``A_i · m_{i,t}`` as a [B, L] tensor, so
+  they are materialised that way once, outside the timed call. The ``.item()`` host syncs
+  inside verl's metric code are part of its cost and are kept.
+- eager: the same math in plain torch ops on ``[B]`` advantages broadcast, with the same
+  metrics as tensors (no ``.item()``).
+- compiled: ``torch.compile`` (default mode) of the eager function; its compile warm-up
+  (forward and backward graphs) is reported separately and excluded from the timing.
+- copy: ``torch.empty_like(x).copy_(x)`` of a buffer as large as the bytes the fused op
+  must move (inputs read once, the gradient written once), for the bandwidth fraction.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .. import policy_loss
+from .advantages import _target
+from .timing import time_fn
+
+# The loss configuration of the workload (and of every method).
+CLIP_LOW, CLIP_HIGH, CLIP_C = 0.2, 0.28, 3.0
+KL_COEF = 0.1
+RC_CAP = 2.0
+# Targets of the issue, CPU (ratio = method time / fused time, all >=).
+CPU_TARGETS = (("verl", 8.0), ("eager", 5.0), ("compiled", 1.5))
+
+
+def make_inputs(device: str, quick: bool = False, seed: int = 0) -> Dict:
+    """The workload's tensors: [B, L] fp32 log-probs (``logprobs`` a leaf requiring grad),
+    a bool mask with ragged lengths uniform in [L/8, L], and ``[B]`` advantages."""
+    B, L = (8, 1024) if quick else (64, 8192)
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(L // 8, L + 1, (B,), generator=gen)
+    mask = torch.arange(L)[None, :] < lengths[:, None]
+    # Log-probs of sampled tokens (<= 0); the current, reference and rollout policies sit
+    # near the old one, so some ratios clip, the dual clip fires and some TIS weights cap.
+    old = -torch.empty(B, L).exponential_(1.0, generator=gen)
+    logprobs = old + 0.1 * torch.randn(B, L, generator=gen)
+    ref = old + 0.1 * torch.randn(B, L, generator=gen)
+    rollout = old + 0.3 * torch.randn(B, L, generator=gen)
+    adv = torch.randn(B, generator=gen)
+    to = dict(device=device)
+    return dict(
+        B=B, L=L,
+        logprobs=logprobs.to(**to).requires_grad_(True),
+        old=old.to(**to), ref=ref.to(**to), rollout=rollout.to(**to), adv=adv.to(**to), mask=mask.to(**to),
+    )  # fmt: skip
+
+
+def moved_bytes(x: Dict) -> int:
+    """What the fused op must move at least: logprobs, old, ref and rollout read once
+    (4 B/token each), the bool mask (1 B/token), the [B] advantages, the fp32 gradient
+    written once (4 B/token)."""
+    n = x["B"] * x["L"]
+    return n * (4 * 4 + 1 + 4) + x["B"] * 4
+
+
+def eager_policy_loss(logprobs, old, adv, mask, ref, rollout):
+    """The workload's loss in plain torch ops (what one would write without a kernel):
+    [B] advantages broadcast, metrics as 0-d tensors (no host sync)."""
+    a = adv[:, None]
+    m = mask.to(logprobs.dtype)
+    n = m.sum()
+    delta = (logprobs - old).clamp(-20.0, 20.0)
+    ratio = delta.exp()
+    l1 = -a * ratio
+    l2 = -a * ratio.clamp(1.0 - CLIP_LOW, 1.0 + CLIP_HIGH)
+    pg1 = torch.maximum(l1, l2)
+    l3 = -a * CLIP_C
+    pg = torch.where(a < 0, torch.minimum(pg1, l3), pg1)
+    is_w = (old - rollout).clamp(-20.0, 20.0).exp().clamp(max=RC_CAP)
+    y = (ref - logprobs).clamp(-20.0, 20.0)
+    kl = (y.exp() - y - 1.0).clamp(-10.0, 10.0)
+    pg_loss = (pg * is_w * m).sum() / n
+    kl_loss = (kl * m).sum() / n
+    loss = pg_loss + KL_COEF * kl_loss
+    with torch.no_grad():
+        metrics = dict(
+            pg_loss=pg_loss.detach(), kl_loss=kl_loss.detach(),
+            pg_clipfrac=((l2 > l1) * m).sum() / n,
+            pg_clipfrac_lower=((pg1 > l3) & (a < 0) & mask).sum() / n,
+            ppo_kl=(-delta * m).sum() / n,
+            is_weight_mean=(is_w * m).sum() / n,
+            is_weight_max=torch.where(mask, is_w, 0.0).max(),
+        )  # fmt: skip
+    return loss, metrics
+
+
+def _verl():
+    """verl's functions and an ActorConfig of the workload, or the import error."""
+    try:
+        from verl.trainer.ppo import core_algos, rollout_corr_helper
+        from verl.workers.config.actor import ActorConfig
+
+        cfg = ActorConfig(strategy="fsdp", rollout_n=16, ppo_micro_batch_size_per_gpu=1, clip_ratio_low=CLIP_LOW,
+                          clip_ratio_high=CLIP_HIGH, clip_ratio_c=CLIP_C, loss_agg_mode="token-mean",
+                          use_kl_loss=True, kl_loss_coef=KL_COEF, kl_loss_type="low_var_kl")  # fmt: skip
+        assert cfg.global_batch_info == {}  # token-mean over this call's tokens, dp_size 1
+        return core_algos, rollout_corr_helper, cfg
+    except Exception as e:  # reported as a row, not hidden
+        return e
+
+
+def _fused_backend(x: Dict) -> tuple:
+    """("auto", None) when the compiled kernel for this device runs, else ("reference",
+    why): the harness still runs, and the targets are then reported as not measured."""
+    try:
+        loss, _ = policy_loss(x["logprobs"].detach()[:1, :8], x["old"][:1, :8], x["adv"][:1], x["mask"][:1, :8],
+                              preset="verl", clip_low=CLIP_LOW, clip_high=CLIP_HIGH, kl="k3", kl_coef=KL_COEF,
+                              rollout_correction="token_tis", rollout_threshold=RC_CAP, ref_logprobs=x["ref"][:1, :8],
+                              rollout_logprobs=x["rollout"][:1, :8])  # fmt: skip
+        loss.item()
+        return "auto", None
+    except Exception as e:
+        return "reference", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
+
+
+def methods(device: str, quick: bool = False, x: Optional[Dict] = None, compile_info: Optional[Dict] = None):
+    """The workload's inputs and the (label, step, key) of every method; each step runs
+    forward + backward and returns (loss, grad)."""
+    x = make_inputs(device, quick) if x is None else x
+    lp, old, ref, roll, adv, mask = x["logprobs"], x["old"], x["ref"], x["rollout"], x["adv"], x["mask"]
+    backend, why = _fused_backend(x)
+    x["fused_backend"], x["fused_backend_why"] = backend, why
+
+    def fused(validate=True):
+        def step():
+            lp.grad = None
+            loss, metrics = policy_loss(lp, old, adv, mask, preset="verl", clip_low=CLIP_LOW, clip_high=CLIP_HIGH,
+                                        kl="k3", kl_coef=KL_COEF, rollout_correction="token_tis",
+                                        rollout_threshold=RC_CAP, ref_logprobs=ref, rollout_logprobs=roll,
+                                        validate=validate, backend=backend)  # fmt: skip
+            loss.backward()
+            return loss, lp.grad
+
+        return step
+
+    def eager_step(fn):
+        def step():
+            lp.grad = None
+            loss, metrics = fn(lp, old, adv, mask, ref, roll)
+            loss.backward()
+            return loss, lp.grad
+
+        return step
+
+    tag = "" if backend == "auto" else f" [backend='reference': {why}]"
+    out: List[tuple] = [
+        (f"rlvr_kernels.policy_loss (fused op, [B] advantages){tag}", fused(), "fused"),
+        (f"rlvr_kernels.policy_loss, validate=False (no finite-value check){tag}", fused(False), "fused_novalidate"),
+    ]
+    verl = _verl()
+    if isinstance(verl, Exception):
+        out.append((f"verl (not importable: {verl!r})"[:90], None, "verl"))
+    else:
+        core_algos, rc_helper, cfg = verl
+        adv_tok = adv[:, None] * mask  # as verl's trainer holds them: [B, L] fp32, 0 on padding
+
+        def verl_step():
+            lp.grad = None
+            # Driver side in verl (compute_rollout_correction_and_add_to_batch): log(π_old / π_rollout).
+            is_w, is_metrics = rc_helper.compute_rollout_correction_weights(
+                old - roll, mask, rollout_is="token", rollout_is_threshold=RC_CAP)  # fmt: skip
+            # Actor side (verl.workers.utils.losses.ppo_loss).
+            pg_loss, pg_metrics = core_algos.compute_policy_loss_vanilla(
+                old_log_prob=old, log_prob=lp, advantages=adv_tok, response_mask=mask,
+                loss_agg_mode=cfg.loss_agg_mode, config=cfg, rollout_is_weights=is_w)  # fmt: skip
+            kld = core_algos.kl_penalty(logprob=lp, ref_logprob=ref, kl_penalty=cfg.kl_loss_type)
+            kl_loss = core_algos.agg_loss(loss_mat=kld, loss_mask=mask, loss_agg_mode=cfg.loss_agg_mode,
+                                          **cfg.global_batch_info)  # fmt: skip
+            loss = pg_loss + kl_loss * cfg.kl_loss_coef
+            loss.backward()
+            return loss, lp.grad
+
+        out.append(("verl: rollout-correction weights + compute_policy_loss_vanilla + kl_penalty + agg_loss "
+                    "([B, L] advantages)", verl_step, "verl"))  # fmt: skip
+    out.append(("eager torch ([B] advantages broadcast, metrics as tensors)", eager_step(eager_policy_loss), "eager"))
+    try:
+        torch._dynamo.reset()  # a fresh compile for this workload's shapes (no dynamic-shape recompile)
+        compiled_step = eager_step(torch.compile(eager_policy_loss))
+        t0 = time.perf_counter()
+        compiled_step()  # compiles the forward and the backward graphs
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if compile_info is not None:
+            compile_info["compile_s"] = time.perf_counter() - t0
+        out.append(("torch.compile(eager), default mode (compile time excluded)", compiled_step, "compiled"))
+    except Exception as e:
+        out.append((f"torch.compile (failed: {type(e).__name__})"[:90], None, "compiled"))
+    return x, out
+
+
+def check_agreement(steps: List[tuple]) -> Dict[str, float]:
+    """Each method's loss and gradient against the fused op's (max abs differences); a
+    benchmark of different math would be meaningless, so the workload fails on a mismatch."""
+    ref_loss, ref_grad = None, None
+    diffs = {}
+    for _, fn, key in steps:
+        if fn is None:
+            continue
+        loss, grad = fn()
+        loss, grad = loss.detach().double(), grad.detach().double().clone()
+        if ref_loss is None:
+            ref_loss, ref_grad = loss, grad
+            continue
+        dl = float((loss - ref_loss).abs())
+        dg = float((grad - ref_grad).abs().max())
+        diffs[key] = {"loss_abs_diff": dl, "grad_max_abs_diff": dg}
+        scale = float(ref_grad.abs().max()) or 1.0
+        if not (dl <= 1e-4 * max(1.0, abs(float(ref_loss))) and dg <= 1e-4 * scale):
+            raise AssertionError(f"policy_loss bench: {key} disagrees with the fused op: loss diff {dl:.3g}, "
+                                 f"grad max diff {dg:.3g} (grad scale {scale:.3g})")  # fmt: skip
+    return diffs
+
+
+def copy_time(nbytes: int, device: str, repeats: int, warmup: int) -> Dict:
+    """``torch.empty_like(x).copy_(x)`` of an ``nbytes`` fp32 buffer (fresh destination
+    each call, as the fused op's gradient output is fresh)."""
+    src = torch.rand(max(1, nbytes // 4), device=device)
+    t = time_fn(lambda: torch.empty_like(src).copy_(src), device, repeats=repeats, warmup=warmup)
+    t["gbps"] = 2 * src.numel() * 4 / (t["ms"] * 1e-3) / 1e9  # read + write
+    return t
+
+
+def workload(device: str, quick: bool = False) -> Dict:
+    compile_info: Dict = {}
+    x, steps = methods(device, quick, compile_info=compile_info)
+    B, L = x["B"], x["L"]
+    agreement = check_agreement(steps)
+    repeats, warmup = (5, 1) if quick else (21, 3)
+    rows = {}
+    for label, fn, key in steps:
+        row = {"method": label, "key": key}
+        if fn is not None:
+            row.update(time_fn(fn, device, repeats=repeats, warmup=warmup))
+        rows[key] = row
+    nbytes = moved_bytes(x)
+    cp = copy_time(nbytes, device, repeats=repeats, warmup=warmup)
+    rows["copy"] = {"method": f"torch.empty_like(x).copy_(x), x = {nbytes / 1e6:.1f} MB (the fused op's bytes)",
+                    "key": "copy", "ms": cp["ms"], "min_ms": cp["min_ms"], "runs": cp["runs"]}  # fmt: skip
+    fused = rows["fused"]["ms"]
+    for r in rows.values():
+        r["ratio"] = r["ms"] / fused if r.get("ms") else None
+    for key in ("fused", "fused_novalidate"):
+        r = rows[key]
+        r["gbps"] = nbytes / (r["ms"] * 1e-3) / 1e9
+        r["copy_fraction"] = r["gbps"] / cp["gbps"]
+    measured = x["fused_backend"] == "auto"
+    targets = []
+    for key, value in CPU_TARGETS:
+        label = {"verl": "verl", "eager": "eager torch", "compiled": "torch.compile"}[key] + " / fused"
+        if device != "cpu":  # the issue's targets are CPU ones; elsewhere the ratio is shown
+            targets.append(_target(label, rows, key, "fused", "info", None))
+            continue
+        t = _target(label, rows, key, "fused", ">=", value)
+        if not measured:
+            t["met"] = None  # the reference backend stood in for the kernel: not the op's time
+        targets.append(t)
+    notes = [
+        f"{B} x {L} tokens, {int(x['mask'].sum())} valid ({float(x['mask'].float().mean()):.0%}); "
+        f"every method: forward + loss.backward(), grad reset to None before each call",
+        "verl: token-level advantages materialised once as adv[:, None] * mask ([B, L] fp32, as verl's "
+        "trainer stores them), outside the timed call; its .item() metric syncs are timed",
+        f"bytes the fused op must move: {nbytes / 1e6:.1f} MB (4 fp32 inputs + bool mask + [B] advantages read, "
+        f"fp32 grad written); copy rate {cp['gbps']:.1f} GB/s counts read + write",
+    ]
+    if "compile_s" in compile_info:
+        notes.append(f"torch.compile warm-up (first forward + backward, compile included): "
+                     f"{compile_info['compile_s']:.1f} s, not in its time")  # fmt: skip
+    if not measured:
+        notes.append(f"the compiled kernel did not run ({x['fused_backend_why']}); the fused rows use "
+                     "backend='reference' and the targets are not measured")  # fmt: skip
+    notes.append("loss / grad agreement with the fused op (max abs diff): " + ", ".join(
+        f"{k} {v['loss_abs_diff']:.1e} / {v['grad_max_abs_diff']:.1e}" for k, v in agreement.items()))  # fmt: skip
+    kind = "quick" if quick else "issue"
+    return {
+        "name": f"{kind} workload: B={B}, L={L}, ragged (lengths U[L/8, L]), bool mask, fp32; ppo + dual clip "
+                f"(c={CLIP_C}, eps={CLIP_LOW}/{CLIP_HIGH}) + k3 KL (beta={KL_COEF}) + token TIS (C={RC_CAP}), "
+                "token-mean; forward + backward",
+        "rows": list(rows.values()),
+        "targets": targets,
+        "copy_gbps": cp["gbps"],
+        "fused_backend": x["fused_backend"],
+        "compile_s": compile_info.get("compile_s"),
+        "agreement": agreement,
+        "notes": notes,
+    }  # fmt: skip
+
+
+WORKLOADS: Dict[str, Callable] = {"ppo_dualclip_k3_tis": workload}
