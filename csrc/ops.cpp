@@ -5,6 +5,7 @@
 
 #include "advantages.h"
 #include "alloc.h"
+#include "policy_loss.h"
 
 TORCH_LIBRARY(rlvr_kernels_C, m) {
   m.def(
@@ -13,11 +14,20 @@ TORCH_LIBRARY(rlvr_kernels_C, m) {
       "Tensor? response_mask, Tensor? cu_seqlens, int num_tokens, int baseline, int scale, bool std_unbiased, "
       "float eps, bool eps_in_sqrt, bool singleton_raw, int passk_k, int whiten, float whiten_eps, "
       "bool whiten_eps_in_sqrt, ScalarType out_dtype) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "policy_loss_fwd(Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor? mask, Tensor? ref_logprobs, "
+      "Tensor? rollout_logprobs, Tensor? entropy, Tensor? cu_seqlens, Tensor? entropy_threshold, float[] fparams, "
+      "int[] iparams, bool need_entropy_grad) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("policy_loss_grad(Tensor coef, Tensor up, ScalarType dtype) -> Tensor");
   m.def("cpu_cache_stats() -> int[]", &rlvr::cpu_cache_stats);
   m.def("empty_cpu_cache() -> ()", &rlvr::empty_cpu_cache);
 }
 
-TORCH_LIBRARY_IMPL(rlvr_kernels_C, CPU, m) { m.impl("group_advantages", &rlvr::group_advantages_cpu); }
+TORCH_LIBRARY_IMPL(rlvr_kernels_C, CPU, m) {
+  m.impl("group_advantages", &rlvr::group_advantages_cpu);
+  m.impl("policy_loss_fwd", &rlvr::policy_loss_fwd_cpu);
+  m.impl("policy_loss_grad", &rlvr::policy_loss_grad_cpu);
+}
 
 // Importable as a Python module; the ops above register when the library loads.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -212,6 +212,12 @@ class TokenShaping:
     a3po_neg_high: tuple = (0.0, 1.0)
     a3po_neg_low: tuple = (0.0, 1.0)
     entropy_quantile: Optional[float] = None
+    # Derived in __post_init__ (plain fields, not properties, so torch.compile reads them):
+    # the (ratio, scale) knobs in application order; whether a knob is on (ratio > 0 and
+    # scale != 1); whether any shaping is on.
+    a3po_knobs: tuple = field(init=False, repr=False, compare=False)
+    a3po_active: bool = field(init=False, repr=False, compare=False)
+    active: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         _check_float("shaping.w_pos", self.w_pos, 0.0)
@@ -221,20 +227,13 @@ class TokenShaping:
         for name in ("a3po_pos_high", "a3po_pos_low", "a3po_neg_high", "a3po_neg_low"):
             _check_knob(f"shaping.{name}", getattr(self, name))
         _check_float("shaping.entropy_quantile", self.entropy_quantile, 0.0, 1.0, lo_open=True, allow_none=True)
-
-    @property
-    def a3po_knobs(self) -> tuple:
-        """(ratio, scale) × 4 in application order; a knob with ratio 0 or scale 1 is off."""
-        return (self.a3po_pos_high, self.a3po_pos_low, self.a3po_neg_high, self.a3po_neg_low)
-
-    @property
-    def a3po_active(self) -> bool:
-        return any(r > 0 and s != 1 for r, s in self.a3po_knobs)
-
-    @property
-    def active(self) -> bool:
-        return (self.w_pos != 1 or self.w_neg != 1 or self.probability != 0 or self.a3po_active
-                or self.entropy_quantile is not None)  # fmt: skip
+        knobs = (self.a3po_pos_high, self.a3po_pos_low, self.a3po_neg_high, self.a3po_neg_low)
+        a3po = any(r > 0 and s != 1 for r, s in knobs)
+        active = (self.w_pos != 1 or self.w_neg != 1 or self.probability != 0 or a3po
+                  or self.entropy_quantile is not None)  # fmt: skip
+        object.__setattr__(self, "a3po_knobs", knobs)
+        object.__setattr__(self, "a3po_active", a3po)
+        object.__setattr__(self, "active", active)
 
 
 @dataclass(frozen=True)
@@ -244,8 +243,9 @@ class PolicyLossOptions:
     loss_type         ppo | gspo | cispo | sapo | reinforce | gpg (gpg = reinforce)
     clip_low/high     ε_low, ε_high of the ratio clip (ppo, gspo, cispo)
     clip_ratio_c      dual-clip bound c > 1 for A < 0 (ppo); None = off
-    log_ratio_clamp   δ clamped to ±this before exp (ppo, cispo, sapo, IS); None = off
-    gspo_log_clamp    upper clamp of log s_i (gspo)
+    log_ratio_clamp   δ clamped to ±this before exp (ppo, cispo, sapo); None = off. The
+                      rollout-correction log-weights are always clamped to ±20 (verl)
+    gspo_log_clamp    upper clamp of log s_i (gspo); None = off (TRL)
     tau_pos/tau_neg   SAPO temperatures
     kl                None | k1 | k2 | k3 | k3+ to ``ref_logprobs``, times ``kl_coef``
     kl_clamp          k3's clamps (x to ±20, value to ±10) as verl; TRL has none
@@ -262,7 +262,7 @@ class PolicyLossOptions:
     clip_high: float = 0.2
     clip_ratio_c: Optional[float] = None
     log_ratio_clamp: Optional[float] = 20.0
-    gspo_log_clamp: float = 10.0
+    gspo_log_clamp: Optional[float] = 10.0
     tau_pos: float = 1.0
     tau_neg: float = 1.05
     kl: Optional[str] = None
@@ -274,6 +274,7 @@ class PolicyLossOptions:
     entropy_coef: float = 0.0
     agg: str = "token-mean"
     shaping: TokenShaping = field(default_factory=TokenShaping)
+    mis_low: float = field(init=False, repr=False, compare=False)  # rollout_threshold_low or 1/C
 
     def __post_init__(self):
         _check_choice("loss_type", self.loss_type, LOSS_TYPES)
@@ -284,7 +285,7 @@ class PolicyLossOptions:
             if not self.clip_ratio_c > 1.0:
                 raise ValueError(f"clip_ratio_c: the dual-clip bound must be > 1, got {self.clip_ratio_c!r}")
         _check_float("log_ratio_clamp", self.log_ratio_clamp, 0.0, lo_open=True, allow_none=True)
-        _check_float("gspo_log_clamp", self.gspo_log_clamp)
+        _check_float("gspo_log_clamp", self.gspo_log_clamp, allow_none=True)
         _check_float("tau_pos", self.tau_pos, 0.0, lo_open=True)
         _check_float("tau_neg", self.tau_neg, 0.0, lo_open=True)
         if self.kl is not None:
@@ -301,10 +302,8 @@ class PolicyLossOptions:
         _check_choice("agg", self.agg, AGG_MODES)
         if not isinstance(self.shaping, TokenShaping):
             raise TypeError(f"shaping: expected a rlvr_kernels.TokenShaping, got {type(self.shaping).__name__}")
-
-    @property
-    def mis_low(self) -> float:
-        return self.rollout_threshold_low if self.rollout_threshold_low is not None else 1.0 / self.rollout_threshold
+        low = self.rollout_threshold_low if self.rollout_threshold_low is not None else 1.0 / self.rollout_threshold
+        object.__setattr__(self, "mis_low", low)
 
 
 _LOSS_PRESET_FIELDS = {
@@ -312,9 +311,10 @@ _LOSS_PRESET_FIELDS = {
     # verl core_algos: compute_policy_loss_vanilla (dual clip c = 3.0, δ clamp ±20),
     # kl_penalty (k3 clamps), agg_loss.
     "verl": dict(clip_ratio_c=3.0, log_ratio_clamp=20.0, kl_clamp=True),
-    # trl GRPOTrainer._compute_loss: no δ clamp, k3 without clamps, loss type "grpo"
-    # (two-sided clip only when `delta` is set: pass it as clip_ratio_c).
-    "trl": dict(clip_ratio_c=None, log_ratio_clamp=None, kl_clamp=False),
+    # trl GRPOTrainer._compute_loss: no δ clamp, k3 without clamps, no clamp of the
+    # sequence log-ratio. TRL's two-sided clipping `delta` equals clip_ratio_c when
+    # delta >= 1 + ε_high.
+    "trl": dict(clip_ratio_c=None, log_ratio_clamp=None, gspo_log_clamp=None, kl_clamp=False),
 }
 
 

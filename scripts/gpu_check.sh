@@ -34,11 +34,11 @@ $PY -c "import verl.trainer.ppo.core_algos, trl" > "$OUT/peers.txt" 2>&1 && echo
 
 stamp "tests on CUDA"
 # The CLI tests re-run check and a quick bench, both done below on the real workload.
-timeout 270 $PY -m pytest -q -p no:cacheprovider --ignore=tests/test_cli.py tests 2>&1 | tee "$OUT/tests.log" | tail -12
+timeout 240 $PY -m pytest -q -p no:cacheprovider --ignore=tests/test_cli.py tests 2>&1 | tee "$OUT/tests.log" | tail -12
 
 stamp "check"
 timeout 60 $PY -m rlvr_kernels check > "$OUT/check.txt" 2>&1; echo "check exit code $?"; tail -3 "$OUT/check.txt"
 
 stamp "bench"
-timeout 150 $PY -m rlvr_kernels bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^bench" | tail -40
+timeout 180 $PY -m rlvr_kernels bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^bench" | tail -40
 stamp "done"

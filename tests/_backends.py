@@ -16,3 +16,9 @@ ALL = [pytest.param("reference", "cpu", id="reference")] + FAST
 
 def to(kwargs, device):
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+
+# Tests that call a kernel hundreds of times (gradcheck's finite differences) skip
+# interpreted Triton, where one call takes seconds; on a GPU they run on every backend.
+# The interpreted Triton kernels are still diffed against the reference value by value.
+HEAVY = ALL if DEVICE == "cuda" else [pytest.param("reference", "cpu", id="reference"), FAST[0]]
+INTERPRETED = DEVICE != "cuda"

@@ -13,6 +13,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# A private torch.compile cache per run: Inductor's on-disk cache does not key on a custom
+# op's fake kernel, so a cache left by an older build of this package could replay graphs
+# with stale output shapes.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="rlvr-kernels-inductor-")
+
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 

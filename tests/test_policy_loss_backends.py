@@ -18,7 +18,7 @@ from rlvr_kernels.testing import (
     upstream_for,
 )
 
-from _backends import FAST
+from _backends import FAST, INTERPRETED
 
 
 def assert_matches_reference(inputs, opts, backend, gen, entropy_grad=True):
@@ -83,6 +83,8 @@ OPTIONS = st.fixed_dictionaries(
     seed=st.integers(0, 2**31 - 1),
 )
 def test_random_options(backend, device, opts, layout, dtype, B, L, token_adv, seed):
+    if backend == "triton" and INTERPRETED and seed % 4:
+        return  # a quarter of the examples under the interpreter (seconds per call)
     opts = {k: v for k, v in opts.items() if v is not None}
     if opts.get("kl"):
         opts["kl_coef"] = 0.1
@@ -107,7 +109,7 @@ def test_other_dtypes(backend, device, dtype):
 def test_long_rows_and_many_sequences(backend, device):
     # Rows longer than any block size, and an odd B.
     gen = torch.Generator().manual_seed(4)
-    for B, L in ((3, 4099), (129, 7)):
+    for B, L in ((3, 4099), (33 if INTERPRETED else 129, 7)):
         inputs = random_policy_case(gen, B=B, L=L, device=device)
         for opts in (dict(preset="verl", kl="k3", kl_coef=0.1, rollout_correction="token_tis"),
                      dict(loss_type="gspo", agg="seq-mean-token-mean", rollout_correction="seq_tis"),

@@ -1,15 +1,18 @@
 """The torch.library contract of policy_loss: opcheck (schema, fake kernel, registered
 autograd), torch.compile(fullgraph=True), and gradcheck in fp64 for every loss type."""
 
+import importlib
+
 import pytest
 import torch
 
 import rlvr_kernels as rk
 from rlvr_kernels import TokenShaping
-from rlvr_kernels.ops import policy_loss as ops
 from rlvr_kernels.testing import random_policy_case
 
-from _backends import ALL, FAST
+from _backends import FAST, HEAVY
+
+ops = importlib.import_module("rlvr_kernels.ops.policy_loss")  # (the package re-exports a function of that name)
 
 
 def op_args(device, backend, layout, agg="token-mean", token_out=0, need_entropy_grad=True):
@@ -73,7 +76,7 @@ def test_torch_compile_fullgraph(backend, device, layout):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("backend,device", ALL)
+@pytest.mark.parametrize("backend,device", HEAVY)
 @pytest.mark.parametrize("loss_type", ["ppo", "gspo", "cispo", "sapo", "reinforce"])
 def test_gradcheck_fp64(backend, device, loss_type):
     """The registered backward is the derivative of the forward. CISPO and GSPO define

@@ -7,6 +7,8 @@ import torch
 import rlvr_kernels as rk
 from rlvr_kernels import PolicyLossOptions, TokenShaping
 
+from _backends import ALL
+
 
 def base(B=3, L=5):
     lp = torch.randn(B, L) - 1
@@ -61,24 +63,40 @@ def test_bad_arguments(over, exc, match):
         call(**over)
 
 
-def test_non_finite_logprobs_on_valid_tokens():
+@pytest.mark.parametrize("backend,device", ALL)
+def test_non_finite_inputs_on_valid_tokens(backend, device):
+    def run(kw, **extra):
+        kw = {k: v.to(device) for k, v in kw.items()}
+        return rk.policy_loss(**kw, **extra, backend=backend)
+
     kw = base()
     kw["logprobs"][1, 2] = float("nan")
     with pytest.raises(ValueError, match=r"logprobs: non-finite value nan at \(1, 2\)"):
-        rk.policy_loss(**kw)
+        run(kw)
     kw = base()
     kw["old_logprobs"][0, 0] = -float("inf")
     with pytest.raises(ValueError, match="old_logprobs: non-finite"):
-        rk.policy_loss(**kw)
+        run(kw)
+    kw = base()
+    kw["advantages"][1] = float("inf")
+    with pytest.raises(ValueError, match="advantages: non-finite"):
+        run(kw)
+    kw = base()
+    ref = kw["logprobs"].clone()
+    ref[2, 3] = float("nan")
+    with pytest.raises(ValueError, match="ref_logprobs: non-finite"):
+        run(dict(kw, ref_logprobs=ref), kl="k3", kl_coef=0.1)
+    with pytest.raises(ValueError, match="rollout_logprobs: non-finite"):
+        run(dict(kw, rollout_logprobs=ref), rollout_correction="seq_tis")
     # Padding may hold anything: -inf on a masked token is fine.
     kw = base()
     kw["mask"][2, 4] = False
     kw["logprobs"][2, 4] = -float("inf")
-    loss, _ = rk.policy_loss(**kw)
+    loss, _ = run(kw)
     assert torch.isfinite(loss)
     # validate=False skips the value checks (the kernels stay bounds-safe).
     kw["logprobs"][0, 0] = float("nan")
-    rk.policy_loss(**kw, validate=False)
+    run(kw, validate=False)
 
 
 def test_packed_layout_errors():

@@ -88,7 +88,7 @@ def test_gspo_sequence_ratio(backend, device):
         loss, met = rk.policy_loss(lp, old, torch.tensor([adv], dtype=torch.float64, device=device), m,
                                    loss_type="gspo", agg="seq-mean-token-mean", backend=backend)  # fmt: skip
         loss.backward()
-        assert float(loss) == pytest.approx(expect, abs=1e-9)
+        assert float(loss.detach()) == pytest.approx(expect, abs=1e-9)
         # seq-mean-token-mean: each of the 2 tokens has weight 1/2.
         torch.testing.assert_close(lp.grad.cpu(), torch.tensor([[grad, grad, 0.0]], dtype=torch.float64))
         assert float(met.pg_clipfrac) == (1.0 if adv > 0 else 0.0)
@@ -175,7 +175,7 @@ def test_sequence_level_corrections(backend, device):
     for kind, C, expect in (("seq_tis", 2.0, -2.0), ("seq_tis", 3.0, -2.25), ("seq_mis", 2.0, 0.0), ("seq_mis", 3.0, -1.0)):
         loss, _ = rk.policy_loss(lp, old, a, m, rollout_correction=kind, rollout_threshold=C, rollout_logprobs=roll,
                                  backend=backend)  # fmt: skip
-        assert float(loss) == pytest.approx(expect)
+        assert float(loss.detach()) == pytest.approx(expect)
 
 
 def _agg_case(device):
@@ -207,7 +207,7 @@ def test_aggregations(backend, device, agg, kw, expect, g0, g1):
     kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     loss, met = rk.policy_loss(lp, lp.detach(), adv, m, agg=agg, **kw, backend=backend)
     loss.backward()
-    assert float(loss) == pytest.approx(expect)
+    assert float(loss.detach()) == pytest.approx(expect)
     g = lp.grad.cpu()
     assert float(g[0, 0]) == pytest.approx(g0) and float(g[1, 1]) == pytest.approx(g1)
     assert float(g[~m.cpu()].abs().sum()) == 0.0

@@ -17,6 +17,9 @@ def test_all_kernels_compile_for_sm80_sm90_without_spills():
     kernels = {r["kernel"] for r in rows}
     assert {"_group_stats_kernel[baseline=1]", "_sample_kernel[baseline=1,scale=1]", "_padded_tokens_kernel[mask=*fp32]",
             "_packed_tokens_kernel", "_moments_kernel", "_whiten_kernel"} <= kernels  # fmt: skip
+    assert {"_block_offsets_kernel", "_seq_stats_kernel[a3po_prob,token_adv]", "_token_kernel[ppo,k3,token_tis]",
+            "_token_kernel[ppo,k3,token_tis,packed]", "_token_kernel[fp64,everything]",
+            "_finalize_kernel[padded]"} <= kernels  # fmt: skip
     assert {r["arch"] for r in rows} == {"sm_80", "sm_90"}
     for r in rows:
         assert r["registers"] > 0, r

@@ -26,6 +26,7 @@ Methods:
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -162,10 +163,10 @@ def methods(device: str, quick: bool = False, x: Optional[Dict] = None, compile_
 
         return step
 
-    tag = "" if backend == "auto" else f" [backend='reference': {why}]"
+    tag = "" if backend == "auto" else " [reference stand-in]"
     out: List[tuple] = [
         (f"rlvr_kernels.policy_loss (fused op, [B] advantages){tag}", fused(), "fused"),
-        (f"rlvr_kernels.policy_loss, validate=False (no finite-value check){tag}", fused(False), "fused_novalidate"),
+        (f"rlvr_kernels.policy_loss, validate=False (no finite check){tag}", fused(False), "fused_novalidate"),
     ]
     verl = _verl()
     if isinstance(verl, Exception):
@@ -190,9 +191,10 @@ def methods(device: str, quick: bool = False, x: Optional[Dict] = None, compile_
             loss.backward()
             return loss, lp.grad
 
-        out.append(("verl: rollout-correction weights + compute_policy_loss_vanilla + kl_penalty + agg_loss "
-                    "([B, L] advantages)", verl_step, "verl"))  # fmt: skip
-    out.append(("eager torch ([B] advantages broadcast, metrics as tensors)", eager_step(eager_policy_loss), "eager"))
+        out.append(("verl compute_policy_loss_vanilla + kl_penalty/agg_loss + TIS weights ([B, L] advantages, "
+                    "rollout_corr_helper.compute_rollout_correction_weights)", verl_step, "verl"))  # fmt: skip
+    out.append(("eager torch, same math ([B] advantages broadcast, metrics as tensors)", eager_step(eager_policy_loss),
+                "eager"))  # fmt: skip
     try:
         torch._dynamo.reset()  # a fresh compile for this workload's shapes (no dynamic-shape recompile)
         compiled_step = eager_step(torch.compile(eager_policy_loss))
@@ -202,7 +204,7 @@ def methods(device: str, quick: bool = False, x: Optional[Dict] = None, compile_
             torch.cuda.synchronize()
         if compile_info is not None:
             compile_info["compile_s"] = time.perf_counter() - t0
-        out.append(("torch.compile(eager), default mode (compile time excluded)", compiled_step, "compiled"))
+        out.append(("torch.compile(eager torch), default mode (compile warm-up excluded)", compiled_step, "compiled"))
     except Exception as e:
         out.append((f"torch.compile (failed: {type(e).__name__})"[:90], None, "compiled"))
     return x, out
@@ -231,13 +233,25 @@ def check_agreement(steps: List[tuple]) -> Dict[str, float]:
     return diffs
 
 
-def copy_time(nbytes: int, device: str, repeats: int, warmup: int) -> Dict:
+def copy_step(nbytes: int, device: str) -> Callable[[], torch.Tensor]:
     """``torch.empty_like(x).copy_(x)`` of an ``nbytes`` fp32 buffer (fresh destination
     each call, as the fused op's gradient output is fresh)."""
     src = torch.rand(max(1, nbytes // 4), device=device)
-    t = time_fn(lambda: torch.empty_like(src).copy_(src), device, repeats=repeats, warmup=warmup)
-    t["gbps"] = 2 * src.numel() * 4 / (t["ms"] * 1e-3) / 1e9  # read + write
-    return t
+    return lambda: torch.empty_like(src).copy_(src)
+
+
+def time_interleaved(steps: List[tuple], device: str, repeats: int, warmup: int) -> Dict[str, Dict]:
+    """Median time of each step, measured in rounds (every method once per round), so a
+    change of load on a shared machine hits every method alike and the ratios hold."""
+    live = [(key, fn) for _, fn, key in steps if fn is not None]
+    times: Dict[str, List[float]] = {key: [] for key, _ in live}
+    for _ in range(warmup):
+        for _, fn in live:
+            fn()
+    for _ in range(repeats):
+        for key, fn in live:
+            times[key].append(time_fn(fn, device, repeats=1, warmup=0)["ms"])
+    return {key: {"ms": statistics.median(t), "min_ms": min(t), "runs": len(t)} for key, t in times.items()}
 
 
 def workload(device: str, quick: bool = False) -> Dict:
@@ -246,23 +260,20 @@ def workload(device: str, quick: bool = False) -> Dict:
     B, L = x["B"], x["L"]
     agreement = check_agreement(steps)
     repeats, warmup = (5, 1) if quick else (21, 3)
-    rows = {}
-    for label, fn, key in steps:
-        row = {"method": label, "key": key}
-        if fn is not None:
-            row.update(time_fn(fn, device, repeats=repeats, warmup=warmup))
-        rows[key] = row
     nbytes = moved_bytes(x)
-    cp = copy_time(nbytes, device, repeats=repeats, warmup=warmup)
-    rows["copy"] = {"method": f"torch.empty_like(x).copy_(x), x = {nbytes / 1e6:.1f} MB (the fused op's bytes)",
-                    "key": "copy", "ms": cp["ms"], "min_ms": cp["min_ms"], "runs": cp["runs"]}  # fmt: skip
+    copy_label = f"torch.empty_like(x).copy_(x), x = {nbytes / 1e6:.1f} MB (the fused op's bytes)"
+    timed = time_interleaved(steps + [(copy_label, copy_step(nbytes, device), "copy")], device, repeats, warmup)
+    rows = {}
+    for label, _, key in steps + [(copy_label, None, "copy")]:
+        rows[key] = {"method": label, "key": key, **timed.get(key, {})}
+    copy_gbps = 2 * (nbytes // 4) * 4 / (rows["copy"]["ms"] * 1e-3) / 1e9  # read + write
     fused = rows["fused"]["ms"]
     for r in rows.values():
         r["ratio"] = r["ms"] / fused if r.get("ms") else None
     for key in ("fused", "fused_novalidate"):
         r = rows[key]
         r["gbps"] = nbytes / (r["ms"] * 1e-3) / 1e9
-        r["copy_fraction"] = r["gbps"] / cp["gbps"]
+        r["copy_fraction"] = r["gbps"] / copy_gbps
     measured = x["fused_backend"] == "auto"
     targets = []
     for key, value in CPU_TARGETS:
@@ -274,13 +285,17 @@ def workload(device: str, quick: bool = False) -> Dict:
         if not measured:
             t["met"] = None  # the reference backend stood in for the kernel: not the op's time
         targets.append(t)
+    for key, _ in CPU_TARGETS:  # the same ratios against the op without its value checks
+        label = {"verl": "verl", "eager": "eager torch", "compiled": "torch.compile"}[key]
+        targets.append(_target(f"{label} / fused validate=False", rows, key, "fused_novalidate", "info", None))
     notes = [
         f"{B} x {L} tokens, {int(x['mask'].sum())} valid ({float(x['mask'].float().mean()):.0%}); "
-        f"every method: forward + loss.backward(), grad reset to None before each call",
+        f"every method: forward + loss.backward(), grad reset to None before each call; methods timed in "
+        f"interleaved rounds ({repeats} rounds, median)",
         "verl: token-level advantages materialised once as adv[:, None] * mask ([B, L] fp32, as verl's "
         "trainer stores them), outside the timed call; its .item() metric syncs are timed",
         f"bytes the fused op must move: {nbytes / 1e6:.1f} MB (4 fp32 inputs + bool mask + [B] advantages read, "
-        f"fp32 grad written); copy rate {cp['gbps']:.1f} GB/s counts read + write",
+        f"fp32 grad written); copy rate {copy_gbps:.1f} GB/s counts read + write",
     ]
     if "compile_s" in compile_info:
         notes.append(f"torch.compile warm-up (first forward + backward, compile included): "
@@ -297,7 +312,7 @@ def workload(device: str, quick: bool = False) -> Dict:
                 "token-mean; forward + backward",
         "rows": list(rows.values()),
         "targets": targets,
-        "copy_gbps": cp["gbps"],
+        "copy_gbps": copy_gbps,
         "fused_backend": x["fused_backend"],
         "compile_s": compile_info.get("compile_s"),
         "agreement": agreement,

@@ -29,6 +29,7 @@ decreasing pair is an empty sequence).
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -44,7 +45,7 @@ F_CLIP_LO = 0  # 1 − ε_low (ratio space)
 F_CLIP_HI = 1  # 1 + ε_high
 F_CLIP_C = 2  # dual-clip c (> 1), or 0 = off
 F_LOG_RATIO_CLAMP = 3  # δ clamp (> 0), or 0 = off
-F_GSPO_CLAMP = 4  # upper clamp of log s_i
+F_GSPO_CLAMP = 4  # upper clamp of log s_i (+inf = off)
 F_TAU_POS = 5
 F_TAU_NEG = 6
 F_KL_COEF = 7  # β
@@ -86,7 +87,8 @@ S_IS_MAX = 10  # max over valid tokens of is_w (0 without valid tokens)
 S_REJECT = 11  # Σ m·rejected by a MIS/decoupled bound
 S_SHAPED = 12  # Σ m·[shaping weight ≠ 1]
 S_ENT = 13  # Σ m·entropy
-NUM_SUMS = 14
+S_NONFINITE = 14  # valid tokens where an input the call reads is NaN/±inf (the value check)
+NUM_SUMS = 15
 
 _Out = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -134,10 +136,30 @@ def _(logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_logprobs, 
     )
 
 
+@functools.lru_cache(maxsize=None)
+def _has_cpu_grad_kernel() -> bool:
+    return _dispatch.load_extension() and hasattr(torch.ops.rlvr_kernels_C, "policy_loss_grad")
+
+
+@torch.library.custom_op("rlvr_kernels::policy_loss_grad", mutates_args=())
+def _policy_loss_grad(coef: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(coef · up).to(dtype)``: the backward of ``policy_loss_fwd``. On CPU a C++ kernel
+    writes it into a block of the huge-page output cache: a fresh multi-MB tensor per
+    backward would otherwise cost more in page faults than the multiply."""
+    if coef.device.type == "cpu" and coef.numel() >= (1 << 16) and _has_cpu_grad_kernel():
+        return torch.ops.rlvr_kernels_C.policy_loss_grad(coef, up.contiguous(), dtype)
+    return (coef * up).to(dtype)
+
+
+@_policy_loss_grad.register_fake
+def _(coef, up, dtype):
+    return coef.new_empty(coef.shape, dtype=dtype)
+
+
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(output[1], output[2])
     ctx.logprobs_dtype = inputs[0].dtype
-    ctx.entropy_dtype = inputs[6].dtype if inputs[6] is not None else None
+    ctx.entropy_dtype = inputs[6].dtype if inputs[6] is not None and inputs[11] else None
 
 
 def _backward(ctx, g_sums, g_logp, g_ent, g_tok):
@@ -147,10 +169,10 @@ def _backward(ctx, g_sums, g_logp, g_ent, g_tok):
     up = g_sums[S_TOTAL]
     if g_tok is not None and g_tok.numel():
         up = up + g_tok
-    grad_logprobs = (coef_logp * up).to(ctx.logprobs_dtype)
+    grad_logprobs = _policy_loss_grad(coef_logp, up, ctx.logprobs_dtype)
     grad_entropy = None
-    if ctx.entropy_dtype is not None and coef_ent.numel():
-        grad_entropy = (coef_ent * up).to(ctx.entropy_dtype)
+    if ctx.entropy_dtype is not None:
+        grad_entropy = _policy_loss_grad(coef_ent, up, ctx.entropy_dtype)
     return grad_logprobs, None, None, None, None, None, grad_entropy, None, None, None, None, None, None
 
 
@@ -231,6 +253,7 @@ def policy_loss(
                   opts, validate)  # fmt: skip
     _check_agg_args(opts, cu_seqlens, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
     if backend == "reference":
+        _check_finite(None, x, validate)  # (no kernel count: search every input)
         return reference.policy_loss(
             logprobs, old_logprobs, advantages, x["mask"], opts, ref_logprobs=ref_logprobs,
             rollout_logprobs=rollout_logprobs, entropy=entropy, cu_seqlens=x["cu_seqlens"],
@@ -244,6 +267,7 @@ def policy_loss(
         x["entropy"], x["cu_seqlens"], x["threshold"], _fparams(opts), _iparams(opts, x, token_out),
         need_entropy_grad, backend,
     )  # fmt: skip
+    _check_finite(sums, x, validate)
     dt = sums.dtype
     if opts.agg == "none":
         loss = tok
@@ -276,12 +300,14 @@ def shape_token_advantages(
     x = _validate(old_logprobs, old_logprobs, advantages, mask, None, None, entropy, cu_seqlens, opts, validate,
                   logprobs_name="old_logprobs")  # fmt: skip
     if backend == "reference":
+        _check_finite(None, x, validate)
         return reference.shape_token_advantages(advantages, old_logprobs, x["mask"], shaping, entropy=entropy,
                                                 cu_seqlens=x["cu_seqlens"])  # fmt: skip
     lp = x["logprobs"].detach()
-    _, _, _, tok = _policy_loss_fwd(lp, lp, x["advantages"], x["mask"], None, None,
+    sums, _, _, tok = _policy_loss_fwd(lp, lp, x["advantages"], x["mask"], None, None,
                                     None if x["entropy"] is None else x["entropy"].detach(), x["cu_seqlens"],
                                     x["threshold"], _fparams(opts), _iparams(opts, x, 2), False, backend)  # fmt: skip
+    _check_finite(sums, x, validate)
     return tok
 
 
@@ -306,7 +332,7 @@ def _fparams(o: PolicyLossOptions) -> List[float]:
     a3 = [float(v) for knob in s.a3po_knobs for v in knob]
     return [
         1.0 - o.clip_low, 1.0 + o.clip_high, float(o.clip_ratio_c or 0.0), float(o.log_ratio_clamp or 0.0),
-        float(o.gspo_log_clamp), float(o.tau_pos), float(o.tau_neg), float(o.kl_coef if o.kl else 0.0),
+        float(o.gspo_log_clamp) if o.gspo_log_clamp is not None else float("inf"), float(o.tau_pos), float(o.tau_neg), float(o.kl_coef if o.kl else 0.0),
         float(o.mis_low), float(o.rollout_threshold), float(o.entropy_coef), float(s.w_pos), float(s.w_neg),
         float(s.probability), *a3,
     ]  # fmt: skip
@@ -473,32 +499,34 @@ def _validate(logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_lo
                 raise ValueError("cu_seqlens: expected non-decreasing offsets")
             if int(cu[-1]) > shape[0]:
                 raise ValueError(f"cu_seqlens: expected cu_seqlens[-1] <= T = {shape[0]}, got {int(cu[-1])}")
-        for name, t in ((logprobs_name, logprobs), ("old_logprobs", old), ("ref_logprobs", ref),
-                        ("rollout_logprobs", roll), ("entropy", ent), ("advantages", adv)):  # fmt: skip
-            if t is None or t.numel() == 0:
-                continue
-            # One fp64 sum per input on the common path (finite iff every value is); the
-            # masked search only runs when it is not, since padding may hold anything.
-            if not bool(torch.isfinite(t.detach().sum(dtype=torch.float64))):
-                _find_non_finite(name, t.detach(), mask, cu, seq_adv and name == "advantages")
-
     threshold = None
     if sh.entropy_quantile is not None:
-        valid = mask if mask is not None else packed_mask(None, cu, shape[0], dev)
+        valid = packed_mask(mask, cu, shape[0], dev) if cu is not None else mask
         threshold = entropy_quantile_threshold(ent, valid, sh.entropy_quantile)
     return dict(logprobs=logprobs.contiguous(), old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref,
-                rollout_logprobs=roll, entropy=ent, cu_seqlens=cu, threshold=threshold, seq_adv=seq_adv)  # fmt: skip
+                rollout_logprobs=roll, entropy=ent, cu_seqlens=cu, threshold=threshold, seq_adv=seq_adv,
+                names=(logprobs_name, "old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs", "entropy"))  # fmt: skip
+
+
+def _check_finite(sums: torch.Tensor, x, validate: bool) -> None:
+    """Non-finite inputs on valid tokens are an error. The kernel counts them in the same
+    pass (S_NONFINITE), which costs far less than a reduction per input before it; the
+    error is raised before anything is returned, so no caller ever sees results computed
+    from them. Only when the count is non-zero are the inputs searched for the message."""
+    if not checks_enabled(validate) or (sums is not None and not bool(sums[S_NONFINITE] > 0)):
+        return
+    inputs = (x["logprobs"], x["old_logprobs"], x["advantages"], x["ref_logprobs"], x["rollout_logprobs"], x["entropy"])
+    for name, t in zip(x["names"], inputs):
+        if t is not None and t.numel():
+            _find_non_finite(name, t.detach(), x["mask"], x["cu_seqlens"], x["seq_adv"] and name == "advantages")
+    if sums is not None:
+        raise ValueError("non-finite input on a valid token")  # (unreachable unless a search above missed it)
 
 
 def _find_non_finite(name, t, mask, cu, per_sequence):
     bad = ~torch.isfinite(t)
     if not per_sequence:
-        if mask is not None:
-            bad = bad & mask
-        elif cu is not None:
-            inside = torch.zeros_like(bad)
-            inside[: int(cu[-1])] = True
-            bad = bad & inside
+        bad = bad & (packed_mask(mask, cu, t.shape[0], t.device) if cu is not None else mask)
     if bool(bad.any()):
         idx = tuple(int(v) for v in bad.nonzero()[0])
         raise ValueError(f"{name}: non-finite value {float(t[idx])} at {idx} on a valid token")

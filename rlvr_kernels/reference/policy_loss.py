@@ -44,12 +44,10 @@ def from_padded(y: torch.Tensor, cu_seqlens: Optional[torch.Tensor], num_tokens:
 
 
 def packed_mask(mask: Optional[torch.Tensor], cu_seqlens: torch.Tensor, num_tokens: int, device) -> torch.Tensor:
-    """The ``[T]`` validity of the packed layout: the given mask, or every token inside a sequence."""
-    if mask is not None:
-        return mask != 0
-    inside = torch.zeros(num_tokens, dtype=torch.bool, device=device)
-    inside[: int(cu_seqlens[-1])] = True
-    return inside
+    """The ``[T]`` validity of the packed layout: tokens inside a sequence (before
+    ``cu_seqlens[-1]``), and where the mask, if given, is set."""
+    inside = torch.arange(num_tokens, device=device) < cu_seqlens[-1]
+    return inside if mask is None else inside & (mask != 0)
 
 
 # ------------------------------------------------------------------ shaping
@@ -105,7 +103,8 @@ def shaping_weights(adv, old_logprobs, valid, shaping: TokenShaping, entropy=Non
     """Per-token constant weight (padded layout) multiplying the policy-gradient term:
     polarity × probability × A3PO scales × entropy-quantile keep."""
     a = adv.double()
-    w = torch.where(a > 0, shaping.w_pos, torch.where(a < 0, shaping.w_neg, 1.0)).double()
+    one = a.new_ones(())
+    w = torch.where(a > 0, one * shaping.w_pos, torch.where(a < 0, one * shaping.w_neg, one))
     if shaping.probability != 0:
         p = old_logprobs.detach().double().exp()
         wp = torch.where(a > 0, 1 - p, torch.where(a < 0, p, torch.zeros_like(p)))
@@ -193,7 +192,7 @@ def _pg_term(opts: PolicyLossOptions, logp, old, adv, valid):
         n = valid.sum(-1).clamp(min=1)
         log_s = (delta_raw * valid).sum(-1) / n  # verl: the sequence mean of the unclamped δ
         log_st = logp - logp.detach() + log_s.detach()[:, None]
-        s = torch.exp(torch.clamp(log_st, max=opts.gspo_log_clamp))
+        s = torch.exp(torch.clamp(log_st, max=opts.gspo_log_clamp) if opts.gspo_log_clamp is not None else log_st)
         l1 = -adv * s
         l2 = -adv * torch.clamp(s, lo, hi)
         return torch.maximum(l1, l2), l2 > l1, clip_lower, delta_raw
@@ -203,7 +202,8 @@ def _pg_term(opts: PolicyLossOptions, logp, old, adv, valid):
         return -clipped_ratio.detach() * adv * logp, ratio != clipped_ratio, clip_lower, delta
     if opts.loss_type == "sapo":
         ratio = torch.exp(delta)
-        tau = torch.where(adv > 0, opts.tau_pos, opts.tau_neg).to(logp.dtype)
+        one = logp.new_ones(())
+        tau = torch.where(adv > 0, one * opts.tau_pos, one * opts.tau_neg)
         gate = torch.sigmoid(tau * (ratio - 1)) * (4.0 / tau)
         return -gate * adv, zero.bool(), clip_lower, delta
     # reinforce / gpg
@@ -271,12 +271,17 @@ def policy_loss(
     dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
     T = logprobs.shape[0]
     valid = _valid_padded(logprobs, mask, cu_seqlens)
+    # Every log-prob-like input is first rounded to the dtype of ``logprobs`` (the kernels'
+    # single input dtype); advantages are read in the compute dtype.
+    def same_dtype(x):
+        return None if x is None else x.to(logprobs.dtype)
+
     lp = to_padded(logprobs, cu_seqlens).to(dtype)
-    old = to_padded(old_logprobs, cu_seqlens).to(dtype)
+    old = to_padded(same_dtype(old_logprobs), cu_seqlens).to(dtype)
     adv = _adv_padded(advantages, logprobs, cu_seqlens).to(dtype)
-    ref = to_padded(ref_logprobs, cu_seqlens)
-    roll = to_padded(rollout_logprobs, cu_seqlens)
-    ent = to_padded(entropy, cu_seqlens)
+    ref = to_padded(same_dtype(ref_logprobs), cu_seqlens)
+    roll = to_padded(same_dtype(rollout_logprobs), cu_seqlens)
+    ent = to_padded(same_dtype(entropy), cu_seqlens)
     ent = ent.to(dtype) if ent is not None else None
     m = valid.to(dtype)
 

@@ -47,6 +47,80 @@ def kernel_specs() -> Iterator[Tuple[str, object, Dict[str, str], Dict[str, obje
         yield f"_padded_tokens_kernel[mask={mask}]", k._padded_tokens_kernel, sig, dict(BLOCK_B=2, BLOCK_L=1024)
     sig = dict(adv_ptr=p32, cu_ptr="*i32", mask_ptr="*i1", out_ptr="*bf16", B="i32", T="i64")
     yield "_packed_tokens_kernel", k._packed_tokens_kernel, sig, dict(HAS_MASK=True, SEARCH_STEPS=14, BLOCK=1024)
+    yield from _policy_loss_specs()
+
+
+def _policy_loss_specs():
+    """The policy_loss kernels: the common single pass, each loss type and feature family,
+    the fp64 variants, and the per-sequence (GSPO / seq IS / A3PO) pre-pass."""
+    import triton.language as tl
+
+    from . import policy_loss as k
+
+    pi64 = "*i64"
+    yield ("_block_offsets_kernel", k._block_offsets_kernel, dict(cu_ptr=pi64, boff_ptr=pi64, B="i32", T="i32"),
+           dict(TOKEN_BLOCK=k._TOKEN_BLOCK, BLOCK=1024))  # fmt: skip
+
+    def seq_stats(name, inp, cdt, **const):
+        c = "*fp64" if cdt is tl.float64 else "*fp32"
+        sig = dict(logp_ptr=inp, old_ptr=inp, adv_ptr=c, mask_ptr="*i1", roll_ptr=inp, ent_ptr=inp, cu_ptr=pi64,
+                   seqf_ptr=c, a3po_ptr=pi64, B="i32", L="i32", T="i32")  # fmt: skip
+        sig.update({n: "fp64" for n in ("r_pos_high", "s_pos_high", "r_pos_low", "s_pos_low", "r_neg_high",
+                                        "s_neg_high", "r_neg_low", "s_neg_low")})  # fmt: skip
+        full = dict(CDT=cdt, PACKED=False, HAS_MASK=True, SEQ_ADV=True, NEED_DELTA=False, NEED_LOGW=False,
+                    A3PO=False, A3PO_ENT=False)  # fmt: skip
+        full.update(const)
+        full["BLOCK"] = k.seq_block(cdt is tl.float64, full["A3PO"])
+        return f"_seq_stats_kernel[{name}]", k._seq_stats_kernel, sig, full
+
+    yield seq_stats("seq_mean,packed", "*bf16", tl.float32, PACKED=True)
+    yield seq_stats("gspo,seq_tis", "*bf16", tl.float32, NEED_DELTA=True, NEED_LOGW=True)
+    yield seq_stats("a3po_prob,token_adv", "*bf16", tl.float32, A3PO=True, SEQ_ADV=False)
+    yield seq_stats("a3po_entropy,packed", "*fp32", tl.float32, A3PO=True, A3PO_ENT=True, PACKED=True)
+    yield seq_stats("fp64,all", "*fp64", tl.float64, NEED_DELTA=True, NEED_LOGW=True, A3PO=True)
+
+    floats = ("clip_lo", "clip_hi", "clip_c", "lr_clamp", "gspo_clamp", "tau_pos", "tau_neg", "kl_coef", "rc_low",
+              "rc_high", "ent_coef", "w_pos", "w_neg", "prob_lambda", "s_pos_high", "s_pos_low", "s_neg_high",
+              "s_neg_low")  # fmt: skip
+
+    def token(name, inp, cdt, **const):
+        c = "*fp64" if cdt is tl.float64 else "*fp32"
+        sig = dict(logp_ptr=inp, old_ptr=inp, adv_ptr=c, mask_ptr="*i1", ref_ptr=inp, roll_ptr=inp, ent_ptr=inp,
+                   thr_ptr="*fp32", cu_ptr=pi64, boff_ptr=pi64, seqf_ptr=c, a3po_ptr=pi64, grad_ptr=c, gent_ptr=c,
+                   tok_ptr=c, part_ptr=c, B="i32", L="i32", T="i32", NBL="i32")  # fmt: skip
+        sig.update({n: "fp64" for n in floats})
+        full = dict(CDT=cdt, PACKED=False, HAS_MASK=True, SEQ_ADV=True, LOSS=k.PPO, DUAL_CLIP=False, LR_CLAMP=True,
+                    KL=0, KL_CLAMP=True, RC=0, SEQ_MEAN=False, N_FROM_STATS=False, TOKEN_OUT=0, HAS_ENT=False,
+                    ENT_TERM=False, ENT_GRAD=False, SHAPE_POL=False, SHAPE_PROB=False, A3PO=False, A3PO_ENT=False,
+                    ENT_Q=False, SEARCH_STEPS=1)  # fmt: skip
+        full.update(const)
+        full["BLOCK"] = k.token_block(cdt is tl.float64, full["A3PO"] or full["SHAPE_PROB"])
+        return f"_token_kernel[{name}]", k._token_kernel, sig, full
+
+    common = dict(KL=k.K3, RC=k.TOKEN_TIS)
+    yield token("ppo,k3,token_tis", "*bf16", tl.float32, **common)
+    yield token("ppo,k3,token_tis,packed", "*bf16", tl.float32, PACKED=True, HAS_MASK=False, SEARCH_STEPS=8, **common)
+    yield token("ppo,fp32,dual_clip,k1", "*fp32", tl.float32, DUAL_CLIP=True, KL=k.K1, SEQ_ADV=False)
+    yield token("gspo,seq_tis,seq_mean", "*bf16", tl.float32, LOSS=k.GSPO, RC=k.SEQ_TIS, SEQ_MEAN=True,
+                N_FROM_STATS=True)  # fmt: skip
+    yield token("cispo,k2,token_mis", "*fp16", tl.float32, LOSS=k.CISPO, KL=k.K2, RC=k.TOKEN_MIS)
+    yield token("sapo,seq_mis,entropy", "*bf16", tl.float32, LOSS=k.SAPO, RC=k.SEQ_MIS, HAS_ENT=True, ENT_TERM=True,
+                ENT_GRAD=True)  # fmt: skip
+    yield token("reinforce,shaping,token_out=2", "*fp32", tl.float32, LOSS=k.REINFORCE, SHAPE_POL=True,
+                SHAPE_PROB=True, A3PO=True, HAS_ENT=True, ENT_Q=True, TOKEN_OUT=2, SEQ_ADV=False)  # fmt: skip
+    everything = dict(DUAL_CLIP=True, KL=k.K3PLUS, RC=k.DECOUPLED, SEQ_MEAN=True, N_FROM_STATS=True, TOKEN_OUT=1,
+                      HAS_ENT=True, ENT_TERM=True, ENT_GRAD=True, SHAPE_POL=True, SHAPE_PROB=True, A3PO=True,
+                      A3PO_ENT=True, ENT_Q=True)  # fmt: skip
+    yield token("everything,packed", "*bf16", tl.float32, PACKED=True, SEARCH_STEPS=8, **everything)
+    yield token("fp64,everything", "*fp64", tl.float64, **everything)
+    yield token("fp64,gspo", "*fp64", tl.float64, LOSS=k.GSPO, KL=k.K3)
+
+    for name, cdt, packed, stats in (("padded", tl.float32, False, False), ("packed", tl.float32, True, False),
+                                     ("stats,fp64", tl.float64, False, True)):  # fmt: skip
+        c = "*fp64" if cdt is tl.float64 else "*fp32"
+        sig = dict(part_ptr=c, seqf_ptr=c, boff_ptr=pi64, sums_ptr=c, P="i32", B="i32", NBL="i32")
+        yield (f"_finalize_kernel[{name}]", k._finalize_kernel, sig,
+               dict(CDT=cdt, PACKED=packed, HAS_STATS=stats, ROWS=64, SEQS=256))  # fmt: skip
 
 
 def _ptxas(arch: int) -> str:
