@@ -42,17 +42,7 @@
 #include <vector>
 
 #include "alloc.h"
-
-// 32-byte vector arguments of always-inlined helpers never cross a call boundary.
-#pragma GCC diagnostic ignored "-Wpsabi"
-
-#define RLVR_INLINE inline __attribute__((always_inline))
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define RLVR_AVX2_CLONE 1
-#else
-#define RLVR_AVX2_CLONE 0
-#endif
+#include "simd.h"
 
 namespace rlvr {
 namespace {
@@ -90,23 +80,9 @@ RLVR_LANES(double, 32, int64_t, uint64_t, 32, 4, uint32_t)
 RLVR_LANES(double, 16, int64_t, uint64_t, 16, 2, uint16_t)
 #undef RLVR_LANES
 
-template <typename V, typename S>
-RLVR_INLINE V splat(S s) {
-  V v;
-  for (int l = 0; l < int(sizeof(V) / sizeof(v[0])); ++l) v[l] = s;
-  return v;
-}
-
 template <typename M, typename V>
 RLVR_INLINE V sel(M m, V a, V b) {
   return m ? a : b;
-}
-
-// torch.clamp: NaN stays NaN.
-template <typename V>
-RLVR_INLINE V vclamp(V x, V lo, V hi) {
-  x = x < lo ? lo : x;
-  return x > hi ? hi : x;
 }
 
 // torch.maximum / torch.minimum: NaN in either operand gives NaN.
@@ -121,47 +97,6 @@ RLVR_INLINE V vmin_nan(V a, V b) {
   const V r = a < b ? a : b;
   return a != a ? a : r;
 }
-
-// exp on float lanes. Cephes expf: x = n·ln2 + r with |r| ≤ ln2/2 (n found with the 1.5·2^23
-// rounding trick, so no float→int conversion), e^r by a degree-7 polynomial, 2^n applied in two
-// halves so that results down to the denormal range and overflow to +inf come out right.
-template <int VB>
-RLVR_INLINE typename Lanes<float, VB>::V vexp_float(typename Lanes<float, VB>::V x) {
-  using V = typename Lanes<float, VB>::V;
-  using M = typename Lanes<float, VB>::M;
-  using U = typename Lanes<float, VB>::U;
-  x = vclamp(x, splat<V>(-104.0f), splat<V>(89.0f));
-  const V magic = splat<V>(12582912.0f);
-  const V t = x * 1.44269504088896341f + magic;
-  const V nf = t - magic;
-  const U n = (U)t - (U)magic;
-  V r = x - nf * 0.693359375f;
-  r = r - nf * -2.12194440e-4f;
-  V p = splat<V>(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const V y = p * (r * r) + r + 1.0f;
-  const U n1 = (U)((M)n >> 1);
-  const U n2 = n - n1;
-  const V s1 = (V)((n1 + 127u) << 23);
-  const V s2 = (V)((n2 + 127u) << 23);
-  return y * s1 * s2;
-}
-
-RLVR_INLINE Lanes<float, 32>::V vexp(Lanes<float, 32>::V x) { return vexp_float<32>(x); }
-RLVR_INLINE Lanes<float, 16>::V vexp(Lanes<float, 16>::V x) { return vexp_float<16>(x); }
-
-// Double lanes (the fp64 path, for checks rather than speed): libm.
-template <typename V>
-RLVR_INLINE V vexp_double(V x) {
-  for (int l = 0; l < int(sizeof(V) / sizeof(double)); ++l) x[l] = std::exp(x[l]);
-  return x;
-}
-RLVR_INLINE Lanes<double, 32>::V vexp(Lanes<double, 32>::V x) { return vexp_double(x); }
-RLVR_INLINE Lanes<double, 16>::V vexp(Lanes<double, 16>::V x) { return vexp_double(x); }
 
 template <typename T, int VB, typename in_t>
 RLVR_INLINE typename Lanes<T, VB>::V load(const in_t* p, int n) {
@@ -744,16 +679,6 @@ __attribute__((noinline)) void block_baseline(const Ctx<in_t, T>& c, int64_t blk
 template <typename in_t, typename T>
 __attribute__((noinline, target("avx2,fma"))) void block_avx2(const Ctx<in_t, T>& c, int64_t blk, double* out) {
   block_body<32>(c, blk, out);
-}
-
-bool use_avx2() {
-  static const bool ok = [] {
-    const char* env = std::getenv("RLVR_KERNELS_CPU_NO_AVX2");  // testing the baseline path
-    if (env != nullptr && env[0] != '\0' && env[0] != '0') return false;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return ok;
 }
 #endif
 

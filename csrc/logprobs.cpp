@@ -1,0 +1,1023 @@
+// Log-probabilities (and entropy) of a linear head or of given logits on the CPU (SPEC §3). The
+// contract is the module docstring of rlvr_kernels/ops/logprobs.py: the kernels return raw
+// per-row statistics (max, Σ exp(z − max), Σ exp(z − max)·(z − max)) and target logits, and
+// the backward turns the global lse / entropy back into dz.
+//
+// Linear head, forward. The [N, V] logits never exist: work items are (token block of kFwdRows
+// rows, vocabulary chunk of kChunkTiles tiles of kTile columns), spread over the threads. An item
+// multiplies its hidden block by each weight tile with one BLAS call, turns the [kFwdRows, kTile]
+// tile into z in place while it is in cache, and folds the tile's statistics into per-row running
+// statistics; the target logits are read from the same tile. The per-chunk statistics are merged
+// in chunk order at the end.
+//
+// Determinism and batch invariance. The tiling depends on V only, a row's statistics are merged
+// in a fixed order, and every forward GEMM has the same shape [kFwdRows, tile width, H] with its
+// operands at the same alignment: the hidden block is copied into an aligned per-thread buffer,
+// zero-padded past the last row. The GEMMs are called from inside our own OpenMP region, where
+// MKL runs on the calling thread, so a row's result does not depend on the thread count, on the
+// item that carried it, on its position in the block or on the other rows. MKL does not promise
+// this for a fixed shape and alignment (its CNR mode is about other things); the tests in
+// tests/test_logprobs_cpu_kernel.py check it: 1 vs 2 threads, every block position, batch sizes.
+//
+// Linear head, backward: 3 GEMMs. Token blocks of kBwdRows rows run in order. For each, the threads
+// (1) recompute z tile by tile with the forward's very GEMMs and epilogue arithmetic (so z is the
+// forward's, bit for bit) and write dz into a [kBwdRows, V] workspace (grad_bias is summed
+// there, per tile, rows in order), then (2) share grad_hidden[block] = dz·W (by column chunks)
+// and grad_weight += dzᵀ·hidden[block] (by row chunks). Each output element has one owner and
+// the blocks are accumulated in order: bitwise the same whatever the threads.
+//
+// bf16 / fp16 inputs are converted tile by tile to fp32 before their GEMMs (exact, so the
+// results are the fp32 computation on the rounded inputs); fp64 runs the same code in double.
+//
+// Logits: one pass over each row in kTile segments (parallel over rows), with the same segment
+// code as the linear head; the backward writes grad_logits and nothing else of size [N, V].
+#include "logprobs.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <mutex>
+#include <type_traits>
+#include <vector>
+
+#include "alloc.h"
+#include "simd.h"
+
+namespace rlvr {
+namespace {
+
+// Vocabulary columns per GEMM tile and per segment of the statistics: a [kFwdRows, kTile] fp32
+// tile (256 KiB) stays in L2 between the GEMM and the epilogue.
+constexpr int64_t kTile = 512;
+// Rows per forward GEMM: every call has this many (padded) rows, the price of batch invariance
+// for small N. 128 rows keep the GEMM near its peak and the padding waste small.
+constexpr int64_t kFwdRows = 128;
+// Tiles per forward work item: enough items to balance the threads even for one token block,
+// few enough per-chunk partial statistics ([N, V / (kChunkTiles·kTile)]).
+constexpr int64_t kChunkTiles = 8;
+// Rows per backward block: the dz workspace is [kBwdRows, V] (32 MiB for V = 32768 in fp32);
+// grad_weight is read and written once per block, so fewer, larger blocks cost less traffic.
+constexpr int64_t kBwdRows = 256;
+// Backward item sizes: grad_hidden columns and grad_weight rows per item.
+constexpr int64_t kHidCols = 128;
+constexpr int64_t kWgtRows = 512;
+
+template <typename T>
+constexpr T kInf = std::numeric_limits<T>::infinity();
+
+// exp(x) is 0 below this in T: z − max is clamped here so that p·(z − max) is 0, not 0·(−inf),
+// for −inf logits (the limit the contract means).
+template <typename T>
+constexpr T kExpFloor = sizeof(T) == 4 ? T(-104) : T(-800);
+
+// ------------------------------------------------------------------ small utilities
+// 64-byte aligned scratch (the GEMM operands' alignment must not vary between calls).
+template <typename T>
+class Scratch {
+ public:
+  explicit Scratch(int64_t n) {
+    if (n <= 0) return;
+    const size_t bytes = (size_t(n) * sizeof(T) + 63) / 64 * 64;
+    p_ = static_cast<T*>(std::aligned_alloc(64, bytes));
+    TORCH_CHECK(p_ != nullptr, "rlvr_kernels: out of memory allocating ", bytes, " bytes");
+  }
+  ~Scratch() { std::free(p_); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  T* get() const { return p_; }
+
+ private:
+  T* p_ = nullptr;
+};
+
+// An exception must not leave an OpenMP region: the first one is kept and rethrown after it.
+class Errors {
+ public:
+  template <typename F>
+  void run(F&& f) noexcept {
+    if (failed_.load(std::memory_order_relaxed)) return;
+    try {
+      f();
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!e_) e_ = std::current_exception();
+      failed_.store(true, std::memory_order_relaxed);
+    }
+  }
+  void rethrow() const {
+    if (e_) std::rethrow_exception(e_);
+  }
+
+ private:
+  std::atomic<bool> failed_{false};
+  std::mutex mu_;
+  std::exception_ptr e_;
+};
+
+template <typename out_t, typename in_t>
+void convert(out_t* dst, const in_t* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<out_t>(src[i]);
+}
+
+// rows × cols of src (row stride ld) as a dense T matrix: src itself when it already is T,
+// else a converted copy in buf (row stride cols). Returns the matrix and its row stride.
+template <typename T, typename in_t>
+const T* as_compute(const in_t* src, int64_t rows, int64_t cols, int64_t ld, T* buf, int64_t& ld_out) {
+  if constexpr (std::is_same<in_t, T>::value) {
+    ld_out = ld;
+    return src;
+  } else {
+    for (int64_t r = 0; r < rows; ++r) convert(buf + r * cols, src + r * ld, cols);
+    ld_out = cols;
+    return buf;
+  }
+}
+
+// C [m, n] (row stride ldc) = A·B, or C += A·B. A is [m, k] (row stride lda), or stored as
+// [k, m] when a_t; B is [k, n], or stored as [n, k] when b_t. Through ATen, so through the
+// BLAS torch was built with (MKL on x86-64); called from inside our parallel regions, it runs
+// on the calling thread.
+template <typename T>
+void gemm(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, bool a_t, const T* b, int64_t ldb, bool b_t, T* c,
+          int64_t ldc, bool accumulate) {
+  const auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value).device(at::kCPU);
+  auto view = [&](const T* p, int64_t rows, int64_t cols, int64_t ld, bool t) {
+    const std::array<int64_t, 2> strides = t ? std::array<int64_t, 2>{1, ld} : std::array<int64_t, 2>{ld, 1};
+    return at::from_blob(const_cast<T*>(p), {rows, cols}, strides, opts);
+  };
+  at::Tensor C = view(c, m, n, ldc, false);
+  if (accumulate) {
+    at::addmm_out(C, C, view(a, m, k, lda, a_t), view(b, k, n, ldb, b_t));
+  } else {
+    at::mm_out(C, view(a, m, k, lda, a_t), view(b, k, n, ldb, b_t));
+  }
+}
+
+// Threads of our regions. A region is opened with all of them even when there are fewer work
+// items: outside an active region MKL would use its own threads, and the GEMM's result could
+// then depend on their number.
+int region_threads() { return std::max(1, at::get_num_threads()); }
+
+// ------------------------------------------------------------------ targets
+// Row n's targets are the entries [begin(n), end(n)) of ids. For the CSR the pointer is
+// sanitised: clamped into [0, M] and made non-decreasing (a decreasing pair is an empty row),
+// so rows never overlap (one writer per entry) and no range leaves ids. Without a pointer, row n
+// has the single entry n (the logits kernels). An id is only used as a column after the test
+// that it is in the segment, a part of [0, V).
+struct Targets {
+  const int64_t* ptr;
+  const int64_t* ids;
+
+  int64_t begin(int64_t n) const { return ptr != nullptr ? ptr[n] : n; }
+  int64_t end(int64_t n) const { return ptr != nullptr ? ptr[n + 1] : n + 1; }
+
+  // f(k, column − c0) for the entries k of row n whose id is in [c0, c1).
+  template <typename F>
+  RLVR_INLINE void each_in(int64_t n, int64_t c0, int64_t c1, F&& f) const {
+    for (int64_t k = begin(n), e = end(n); k < e; ++k) {
+      const int64_t t = ids[k];
+      if (t >= c0 && t < c1) f(k, t - c0);
+    }
+  }
+};
+
+std::vector<int64_t> sanitize_row_ptr(const int64_t* row_ptr, int64_t N, int64_t M) {
+  std::vector<int64_t> out(N + 1);
+  int64_t lo = 0;
+  for (int64_t n = 0; n <= N; ++n) {
+    lo = std::max(lo, std::min(std::max<int64_t>(row_ptr[n], 0), M));
+    out[n] = lo;
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------ vector lanes
+// Vec<T, VB>: VB-byte vectors of T and their lane masks (−1 / 0).
+template <typename T, int VB>
+struct Vec;
+
+#define RLVR_VEC(T_, VB_, I_)                       \
+  template <>                                       \
+  struct Vec<T_, VB_> {                             \
+    static constexpr int W = VB_ / int(sizeof(T_)); \
+    typedef T_ V __attribute__((vector_size(VB_))); \
+    typedef I_ M __attribute__((vector_size(VB_))); \
+  };
+RLVR_VEC(float, 32, int32_t)
+RLVR_VEC(float, 16, int32_t)
+RLVR_VEC(double, 32, int64_t)
+RLVR_VEC(double, 16, int64_t)
+#undef RLVR_VEC
+
+// Lanes [0, n) of p; the others are 0.
+template <typename T, int VB, typename in_t>
+RLVR_INLINE typename Vec<T, VB>::V loadv(const in_t* p, int n) {
+  typename Vec<T, VB>::V v;
+  if constexpr (std::is_same<in_t, T>::value) {
+    if (n == Vec<T, VB>::W) {
+      std::memcpy(&v, p, sizeof(v));
+      return v;
+    }
+  }
+  for (int l = 0; l < Vec<T, VB>::W; ++l) v[l] = l < n ? static_cast<T>(p[l]) : T(0);
+  return v;
+}
+
+template <typename T, typename V>
+RLVR_INLINE void storev(T* p, V v, int n) {
+  if (n == int(sizeof(V) / sizeof(T))) {
+    std::memcpy(p, &v, sizeof(v));
+  } else {
+    for (int l = 0; l < int(sizeof(V) / sizeof(T)); ++l) {
+      if (l < n) p[l] = v[l];
+    }
+  }
+}
+
+template <typename T, int VB>
+RLVR_INLINE typename Vec<T, VB>::M lanes_below(int n) {
+  typename Vec<T, VB>::M m;
+  for (int l = 0; l < Vec<T, VB>::W; ++l) m[l] = l < n ? -1 : 0;
+  return m;
+}
+
+// torch.max semantics: NaN wins.
+template <typename V>
+RLVR_INLINE V vmax_nan(V a, V b) {
+  const V r = a > b ? a : b;
+  return a != a ? a : (b != b ? b : r);
+}
+
+template <typename T>
+RLVR_INLINE T max_nan(T a, T b) {
+  return a != a ? a : (b != b ? b : (a > b ? a : b));
+}
+
+// v (a vector or a float) as a value in a register: the compiler cannot fuse the multiply that
+// made it into a following add (GCC contracts to FMA by default, and an FMA would use the
+// unrounded product).
+template <typename V>
+RLVR_INLINE V rounded(V v) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+x"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#else
+  asm("" : "+m"(v));
+#endif
+  return v;
+}
+
+// ------------------------------------------------------------------ row statistics
+// (max, Σ exp(z − max), Σ exp(z − max)·(z − max)) of a part of a row; max = −inf: empty.
+template <typename T>
+struct Stats {
+  T m = -kInf<T>, s = T(0), e = T(0);
+
+  // Folds in another part of the row (rescaling both to the common max).
+  RLVR_INLINE void merge(const Stats& o) {
+    if (o.m == -kInf<T>) return;
+    if (m == -kInf<T>) {
+      *this = o;
+      return;
+    }
+    const T mx = max_nan(m, o.m), d1 = m - mx, d2 = o.m - mx;
+    const T a1 = std::exp(d1), a2 = std::exp(d2);
+    e = a1 * (e + s * d1) + a2 * (o.e + o.s * d2);
+    s = a1 * s + a2 * o.s;
+    m = mx;
+  }
+};
+
+// z lanes of a GEMM tile row: (acc + bias)·inv_T.
+template <typename T, int VB>
+struct LinearZ {
+  const T* acc;
+  const T* bias;  // nullptr: none
+  T inv_t;
+  RLVR_INLINE typename Vec<T, VB>::V operator()(int64_t i, int n) const {
+    auto x = loadv<T, VB>(acc + i, n);
+    if (bias != nullptr) x += loadv<T, VB>(bias + i, n);
+    return x * inv_t;
+  }
+};
+
+// z lanes of a logits row: logits·inv_T.
+template <typename T, int VB, typename in_t>
+struct LogitsZ {
+  const in_t* x;
+  T inv_t;
+  RLVR_INLINE typename Vec<T, VB>::V operator()(int64_t i, int n) const { return loadv<T, VB>(x + i, n) * inv_t; }
+};
+
+// Statistics of one row segment of n columns, relative to the segment's max. z is written to
+// dst (the caller reads the target logits back from there, so they are the very values the
+// statistics saw); dst may be the memory zof reads.
+template <typename T, int VB, bool kEntropy, typename ZOf>
+RLVR_INLINE Stats<T> segment_stats(T* dst, int64_t n, const ZOf& zof) {
+  using L = Vec<T, VB>;
+  using V = typename L::V;
+  constexpr int W = L::W;
+  const V ninf = splat<V>(-kInf<T>);
+  V vm = ninf;
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const V z = zof(i, W);
+    std::memcpy(dst + i, &z, sizeof(z));
+    vm = vmax_nan(vm, z);
+  }
+  const int tail = int(n - i);
+  if (tail > 0) {
+    const V z = zof(i, tail);
+    storev(dst + i, z, tail);
+    vm = vmax_nan(vm, lanes_below<T, VB>(tail) ? z : ninf);
+  }
+  Stats<T> st;
+  for (int l = 0; l < W; ++l) st.m = max_nan(st.m, vm[l]);
+  if (st.m == -kInf<T>) return st;  // all −inf: adds nothing
+
+  const V mx = splat<V>(st.m), floor = splat<V>(kExpFloor<T>);
+  V vs = V{}, ve = V{};
+  for (i = 0; i + W <= n; i += W) {
+    V d;
+    std::memcpy(&d, dst + i, sizeof(d));
+    d = vclamp(d - mx, floor, splat<V>(T(0)));
+    const V ex = vexp(d);
+    vs += ex;
+    if constexpr (kEntropy) ve += ex * d;
+  }
+  if (tail > 0) {
+    const V d = vclamp(loadv<T, VB>(dst + i, tail) - mx, floor, splat<V>(T(0)));
+    const V ex = lanes_below<T, VB>(tail) ? vexp(d) : V{};
+    vs += ex;
+    if constexpr (kEntropy) ve += ex * d;
+  }
+  for (int l = 0; l < W; ++l) {
+    st.s += vs[l];
+    st.e += ve[l];
+  }
+  return st;
+}
+
+// What dz of one row needs: dz = inv_T·(Σ_{t_k = v} g_k − G·p − h·p·(z − lse + entropy)).
+template <typename T>
+struct RowGrad {
+  T inv_t, lse, ent, G, h;
+};
+
+// dz of one row segment (without the target terms), written to dst (may be what zof reads).
+template <typename T, int VB, bool kEntGrad, typename ZOf>
+RLVR_INLINE void segment_dz(T* dst, int64_t n, const ZOf& zof, const RowGrad<T>& r) {
+  using L = Vec<T, VB>;
+  using V = typename L::V;
+  constexpr int W = L::W;
+  const V lse = splat<V>(r.lse), ent = splat<V>(r.ent), G = splat<V>(r.G), h = splat<V>(r.h);
+  const V neg_inv_t = splat<V>(-r.inv_t), floor = splat<V>(kExpFloor<T>), big = splat<V>(kInf<T>);
+  for (int64_t i = 0; i < n; i += W) {
+    const int cnt = int(std::min<int64_t>(W, n - i));
+    // z exactly as the forward rounded it; −inf logits get p = 0 and a finite factor.
+    const V zl = vclamp(rounded(zof(i, cnt)) - lse, floor, big);
+    const V p = vexp(zl);
+    V coef = G;
+    if constexpr (kEntGrad) coef += h * (zl + ent);
+    storev(dst + i, (neg_inv_t * p) * coef, cnt);
+  }
+}
+
+// The target terms of a segment: dst[t − c0] += inv_T·g_k, the product rounded as in −inv_T·p·G,
+// so that a row whose one target has p = 1 gets dz = 0 exactly.
+template <typename T>
+RLVR_INLINE void add_targets(T* dst, const Targets& tg, int64_t n, int64_t c0, int64_t c1, T inv_t, const T* g) {
+  tg.each_in(n, c0, c1, [&](int64_t k, int64_t j) { dst[j] += rounded(inv_t * g[k]); });
+}
+
+// acc[0, n) += Σ_r src[r·ld + (0, n)], rows in order.
+template <typename T, int VB>
+RLVR_INLINE void add_rows(T* acc, const T* src, int64_t ld, int64_t rows, int64_t n) {
+  using V = typename Vec<T, VB>::V;
+  constexpr int W = Vec<T, VB>::W;
+  for (int64_t i = 0; i < n; i += W) {
+    const int cnt = int(std::min<int64_t>(W, n - i));
+    V a = loadv<T, VB>(acc + i, cnt);
+    for (int64_t r = 0; r < rows; ++r) a += loadv<T, VB>(src + r * ld + i, cnt);
+    storev(acc + i, a, cnt);
+  }
+}
+
+// ------------------------------------------------------------------ ISA dispatch
+// Body::run<VB>(arg) inlined into a baseline entry point and an AVX2+FMA one.
+template <typename Body>
+__attribute__((noinline)) void run_baseline(const typename Body::Arg& a) {
+  Body::template run<16>(a);
+}
+
+#if RLVR_AVX2_CLONE
+template <typename Body>
+__attribute__((noinline, target("avx2,fma"))) void run_avx2(const typename Body::Arg& a) {
+  Body::template run<32>(a);
+}
+#endif
+
+template <typename Body>
+void run_isa(const typename Body::Arg& a) {
+#if RLVR_AVX2_CLONE
+  if (use_avx2()) return run_avx2<Body>(a);
+#endif
+  run_baseline<Body>(a);
+}
+
+// ------------------------------------------------------------------ linear head
+// The hidden rows [row0, row0 + rows) in the compute dtype, zero-padded to kFwdRows rows.
+template <typename T, typename in_t>
+void load_rows(T* dst, const in_t* hidden, int64_t row0, int64_t rows, int64_t H) {
+  for (int64_t r = 0; r < rows; ++r) convert(dst + r * H, hidden + (row0 + r) * H, H);
+  std::fill(dst + rows * H, dst + kFwdRows * H, T(0));
+}
+
+// The [kFwdRows, w] accumulators hidden·Wᵀ of one tile, hrows and tile 64-byte aligned. The one
+// GEMM both passes use: the backward recomputes bit for bit the forward's z, which a peaked row
+// needs (lse = z_t there, and a 1-ulp change of z_t − lse is all of 1 − p_t).
+template <typename T>
+void tile_gemm(const T* hrows, const T* wt, int64_t ldw, int64_t w, int64_t H, T* tile) {
+  gemm<T>(kFwdRows, w, H, hrows, H, false, wt, ldw, true, tile, kTile, false);
+}
+
+template <typename T, typename in_t>
+struct Linear {
+  const in_t *hidden, *weight;
+  const T* bias;  // compute dtype; nullptr: none
+  const T* inv_t;
+  Targets tg;
+  int64_t N, H, V;
+  // forward
+  bool need_entropy;
+  T* target_logits;
+  // backward
+  const T *g, *lse, *ent, *h;  // h: nullptr without grad_entropy
+  const T* G;                  // Σ of each row's g
+
+  RowGrad<T> row_grad(int64_t n) const { return {inv_t[n], lse[n], ent[n], G[n], h != nullptr ? h[n] : T(0)}; }
+};
+
+// Forward epilogue of one GEMM tile: z in place, the rows' running statistics, target logits.
+template <typename T, typename in_t>
+struct LinearFwdTile {
+  struct Arg {
+    const Linear<T, in_t>* c;
+    T* tile;  // [kFwdRows, kTile]
+    int64_t row0, rows, c0, w;
+    Stats<T>* run;  // per row of the block
+  };
+
+  template <int VB>
+  RLVR_INLINE static void run(const Arg& a) {
+    if (a.c->need_entropy) {
+      body<VB, true>(a);
+    } else {
+      body<VB, false>(a);
+    }
+  }
+
+  template <int VB, bool kEntropy>
+  RLVR_INLINE static void body(const Arg& a) {
+    const Linear<T, in_t>& c = *a.c;
+    const T* bias = c.bias != nullptr ? c.bias + a.c0 : nullptr;
+    for (int64_t r = 0; r < a.rows; ++r) {
+      const int64_t n = a.row0 + r;
+      T* z = a.tile + r * kTile;
+      a.run[r].merge(segment_stats<T, VB, kEntropy>(z, a.w, LinearZ<T, VB>{z, bias, c.inv_t[n]}));
+      c.tg.each_in(n, a.c0, a.c0 + a.w, [&](int64_t k, int64_t j) { c.target_logits[k] = z[j]; });
+    }
+  }
+};
+
+// Backward epilogue of one GEMM tile: dz of its rows into the workspace, then (after the last
+// sub-block of the token block) grad_bias over all the block's rows, in order.
+template <typename T, typename in_t>
+struct LinearBwdTile {
+  struct Arg {
+    const Linear<T, in_t>* c;
+    const T* tile;  // [kFwdRows, kTile]
+    T* dz;          // the tile's first row in the workspace [block rows, V]
+    int64_t row0, rows, c0, w;
+    T* db;              // grad_bias accumulator [V]; nullptr: not now
+    const T* dz_block;  // the workspace and its rows, for grad_bias
+    int64_t block_rows;
+  };
+
+  template <int VB>
+  RLVR_INLINE static void run(const Arg& a) {
+    if (a.c->h != nullptr) {
+      body<VB, true>(a);
+    } else {
+      body<VB, false>(a);
+    }
+  }
+
+  template <int VB, bool kEntGrad>
+  RLVR_INLINE static void body(const Arg& a) {
+    const Linear<T, in_t>& c = *a.c;
+    const T* bias = c.bias != nullptr ? c.bias + a.c0 : nullptr;
+    for (int64_t r = 0; r < a.rows; ++r) {
+      const int64_t n = a.row0 + r;
+      T* d = a.dz + r * c.V + a.c0;
+      segment_dz<T, VB, kEntGrad>(d, a.w, LinearZ<T, VB>{a.tile + r * kTile, bias, c.inv_t[n]}, c.row_grad(n));
+      add_targets(d, c.tg, n, a.c0, a.c0 + a.w, c.inv_t[n], c.g);
+    }
+    if (a.db != nullptr) add_rows<T, VB>(a.db + a.c0, a.dz_block + a.c0, c.V, a.block_rows, a.w);
+  }
+};
+
+template <typename T, typename in_t>
+void linear_fwd(const Linear<T, in_t>& c, T* stats) {
+  constexpr bool kConvert = !std::is_same<in_t, T>::value;
+  const int64_t N = c.N, H = c.H, V = c.V;
+  const int64_t chunk = kChunkTiles * kTile;
+  const int64_t nchunks = (V + chunk - 1) / chunk, nblocks = (N + kFwdRows - 1) / kFwdRows;
+  const int64_t items = nblocks * nchunks;
+  std::vector<Stats<T>> partial(N * nchunks);  // [N, nchunks]
+
+  const int nt = region_threads();
+  const int64_t per_thread = kFwdRows * H + kFwdRows * kTile + (kConvert ? kTile * H : 0);
+  Scratch<T> scratch(nt * per_thread);
+  Errors errors;
+#pragma omp parallel num_threads(nt)
+  {
+    at::AutoDispatchBelowAutograd no_autograd;
+    T* hbuf = scratch.get() + omp_get_thread_num() * per_thread;
+    T* tile = hbuf + kFwdRows * H;
+    T* wbuf = tile + kFwdRows * kTile;
+    Stats<T> run[kFwdRows];
+    int64_t loaded = -1;  // the token block in hbuf
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      errors.run([&] {
+        const int64_t b = item / nchunks, ch = item % nchunks;
+        const int64_t row0 = b * kFwdRows, rows = std::min(kFwdRows, N - row0);
+        if (b != loaded) {
+          load_rows(hbuf, c.hidden, row0, rows, H);
+          loaded = b;
+        }
+        std::fill(run, run + rows, Stats<T>{});
+        for (int64_t c0 = ch * chunk; c0 < std::min(V, (ch + 1) * chunk); c0 += kTile) {
+          const int64_t w = std::min(kTile, V - c0);
+          int64_t ldw;
+          const T* wt = as_compute(c.weight + c0 * H, w, H, H, wbuf, ldw);
+          tile_gemm(hbuf, wt, ldw, w, H, tile);
+          run_isa<LinearFwdTile<T, in_t>>({&c, tile, row0, rows, c0, w, run});
+        }
+        for (int64_t r = 0; r < rows; ++r) partial[(row0 + r) * nchunks + ch] = run[r];
+      });
+    }
+  }
+  errors.rethrow();
+
+  at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      Stats<T> st;
+      for (int64_t ch = 0; ch < nchunks; ++ch) st.merge(partial[n * nchunks + ch]);
+      stats[n * 3] = st.m;
+      stats[n * 3 + 1] = st.s;
+      stats[n * 3 + 2] = c.need_entropy ? st.e : T(0);
+    }
+  });
+}
+
+// Outputs: grad_hidden [N, H], grad_weight [V, H], grad_bias [V] (each nullptr when not needed).
+template <typename T, typename in_t>
+void linear_bwd(const Linear<T, in_t>& c, in_t* grad_hidden, in_t* grad_weight, in_t* grad_bias) {
+  static_assert(kBwdRows % kFwdRows == 0, "a backward block is whole forward blocks");
+  constexpr bool kConvert = !std::is_same<in_t, T>::value;
+  const int64_t N = c.N, H = c.H, V = c.V;
+  const int64_t block_rows = std::min(kBwdRows, N);
+  const int64_t nblocks = (N + kBwdRows - 1) / kBwdRows, ntiles = (V + kTile - 1) / kTile;
+  const int64_t hid_items = grad_hidden != nullptr ? (H + kHidCols - 1) / kHidCols : 0;
+  const int64_t wgt_items = grad_weight != nullptr ? (V + kWgtRows - 1) / kWgtRows : 0;
+
+  at::Tensor dz_ws = empty_output({block_rows, V}, c10::CppTypeToScalarType<T>::value);
+  T* dz = dz_ws.data_ptr<T>();
+  // The block's hidden rows, in forward blocks of kFwdRows (padded) rows for tile_gemm.
+  Scratch<T> hblock((block_rows + kFwdRows - 1) / kFwdRows * kFwdRows * H);
+  // Accumulators in the compute dtype for narrower outputs; T outputs accumulate in place.
+  at::Tensor acc_ws;
+  T *dW = nullptr, *dh = nullptr;
+  if constexpr (kConvert) {
+    const int64_t n = (grad_weight != nullptr ? V * H : 0) + (grad_hidden != nullptr ? block_rows * H : 0);
+    acc_ws = empty_output({n}, c10::CppTypeToScalarType<T>::value);
+    dh = grad_hidden != nullptr ? acc_ws.data_ptr<T>() : nullptr;
+    dW = grad_weight != nullptr ? acc_ws.data_ptr<T>() + (grad_hidden != nullptr ? block_rows * H : 0) : nullptr;
+  } else {
+    dW = grad_weight;
+  }
+  std::vector<T> db(grad_bias != nullptr ? V : 0, T(0));
+
+  const int nt = region_threads();
+  const int64_t per_thread = kFwdRows * kTile + (kConvert ? kTile * H + kTile * kHidCols : 0);
+  Scratch<T> scratch(nt * per_thread);
+  Errors errors;
+#pragma omp parallel num_threads(nt)
+  {
+    at::AutoDispatchBelowAutograd no_autograd;
+    T* tile = scratch.get() + omp_get_thread_num() * per_thread;
+    T* wbuf = tile + kFwdRows * kTile;
+    T* pbuf = wbuf + kTile * H;
+    const T* hb = hblock.get();
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t row0 = b * kBwdRows, rows = std::min(kBwdRows, N - row0);
+      const int64_t nsub = (rows + kFwdRows - 1) / kFwdRows;
+#pragma omp for schedule(static)
+      for (int64_t s = 0; s < nsub; ++s) {
+        load_rows(hblock.get() + s * kFwdRows * H, c.hidden, row0 + s * kFwdRows,
+                  std::min(kFwdRows, rows - s * kFwdRows), H);
+      }
+
+      // (1) dz, tile by tile: the forward's GEMMs and z, then the dz epilogue into the workspace.
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t j = 0; j < ntiles; ++j) {
+        errors.run([&] {
+          const int64_t c0 = j * kTile, w = std::min(kTile, V - c0);
+          int64_t ldw;
+          const T* wt = as_compute(c.weight + c0 * H, w, H, H, wbuf, ldw);
+          for (int64_t s = 0; s < nsub; ++s) {
+            tile_gemm(hb + s * kFwdRows * H, wt, ldw, w, H, tile);
+            T* db_now = s == nsub - 1 && !db.empty() ? db.data() : nullptr;
+            run_isa<LinearBwdTile<T, in_t>>({&c, tile, dz + s * kFwdRows * V, row0 + s * kFwdRows,
+                                             std::min(kFwdRows, rows - s * kFwdRows), c0, w, db_now, dz, rows});
+          }
+        });
+      }
+
+      // (2) grad_hidden[block] = dz·W by column chunks; grad_weight += dzᵀ·hidden[block] by row chunks.
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t item = 0; item < hid_items + wgt_items; ++item) {
+        errors.run([&] {
+          if (item < hid_items) {
+            const int64_t h0 = item * kHidCols, hw = std::min(kHidCols, H - h0);
+            if constexpr (kConvert) {
+              // The weight columns come converted one vocabulary tile at a time.
+              for (int64_t j = 0; j < ntiles; ++j) {
+                const int64_t c0 = j * kTile, w = std::min(kTile, V - c0);
+                int64_t ldp;
+                const T* wp = as_compute(c.weight + c0 * H + h0, w, hw, H, pbuf, ldp);
+                gemm<T>(rows, hw, w, dz + c0, V, false, wp, ldp, false, dh + h0, H, j > 0);
+              }
+              for (int64_t r = 0; r < rows; ++r) convert(grad_hidden + (row0 + r) * H + h0, dh + r * H + h0, hw);
+            } else {
+              gemm<T>(rows, hw, V, dz, V, false, c.weight + h0, H, false, grad_hidden + row0 * H + h0, H, false);
+            }
+          } else {
+            const int64_t v0 = (item - hid_items) * kWgtRows, vw = std::min(kWgtRows, V - v0);
+            gemm<T>(vw, H, rows, dz + v0, V, true, hb, H, false, dW + v0 * H, H, b > 0);
+          }
+        });
+      }
+    }
+
+    if constexpr (kConvert) {
+      if (grad_weight != nullptr) {
+#pragma omp for schedule(static)
+        for (int64_t v = 0; v < V; ++v) convert(grad_weight + v * H, dW + v * H, H);
+      }
+    }
+  }
+  errors.rethrow();
+  if (grad_bias != nullptr) convert(grad_bias, db.data(), V);
+}
+
+// ------------------------------------------------------------------ logits
+template <typename T, typename in_t>
+struct Logits {
+  const in_t* x;
+  int64_t ld;  // row stride of the logits
+  const T* inv_t;
+  Targets tg;
+  int64_t N, V;
+  // forward
+  bool need_entropy;
+  T *stats, *target_logits;
+  // backward
+  const T *g, *lse, *ent, *h;
+  in_t* grad;  // [N, V]
+
+  RowGrad<T> row_grad(int64_t n) const { return {inv_t[n], lse[n], ent[n], g[n], h != nullptr ? h[n] : T(0)}; }
+};
+
+template <typename T, typename in_t>
+struct LogitsFwdRows {
+  struct Arg {
+    const Logits<T, in_t>* c;
+    int64_t n0, n1;
+  };
+
+  template <int VB>
+  RLVR_INLINE static void run(const Arg& a) {
+    if (a.c->need_entropy) {
+      body<VB, true>(a);
+    } else {
+      body<VB, false>(a);
+    }
+  }
+
+  template <int VB, bool kEntropy>
+  RLVR_INLINE static void body(const Arg& a) {
+    const Logits<T, in_t>& c = *a.c;
+    alignas(64) T z[kTile];
+    for (int64_t n = a.n0; n < a.n1; ++n) {
+      const in_t* x = c.x + n * c.ld;
+      Stats<T> st;
+      T target = T(0);
+      for (int64_t c0 = 0; c0 < c.V; c0 += kTile) {
+        const int64_t w = std::min(kTile, c.V - c0);
+        st.merge(segment_stats<T, VB, kEntropy>(z, w, LogitsZ<T, VB, in_t>{x + c0, c.inv_t[n]}));
+        c.tg.each_in(n, c0, c0 + w, [&](int64_t, int64_t j) { target = z[j]; });
+      }
+      c.stats[n * 3] = st.m;
+      c.stats[n * 3 + 1] = st.s;
+      c.stats[n * 3 + 2] = kEntropy ? st.e : T(0);
+      c.target_logits[n] = target;
+    }
+  }
+};
+
+template <typename T, typename in_t>
+struct LogitsBwdRows {
+  struct Arg {
+    const Logits<T, in_t>* c;
+    int64_t n0, n1;
+  };
+
+  template <int VB>
+  RLVR_INLINE static void run(const Arg& a) {
+    if (a.c->h != nullptr) {
+      body<VB, true>(a);
+    } else {
+      body<VB, false>(a);
+    }
+  }
+
+  template <int VB, bool kEntGrad>
+  RLVR_INLINE static void body(const Arg& a) {
+    const Logits<T, in_t>& c = *a.c;
+    alignas(64) T buf[kTile];  // dz before its rounding to a narrower output dtype
+    for (int64_t n = a.n0; n < a.n1; ++n) {
+      const in_t* x = c.x + n * c.ld;
+      in_t* out = c.grad + n * c.V;
+      for (int64_t c0 = 0; c0 < c.V; c0 += kTile) {
+        const int64_t w = std::min(kTile, c.V - c0);
+        T* d;
+        if constexpr (std::is_same<in_t, T>::value) {
+          d = out + c0;
+        } else {
+          d = buf;
+        }
+        segment_dz<T, VB, kEntGrad>(d, w, LogitsZ<T, VB, in_t>{x + c0, c.inv_t[n]}, c.row_grad(n));
+        add_targets(d, c.tg, n, c0, c0 + w, c.inv_t[n], c.g);
+        if constexpr (!std::is_same<in_t, T>::value) convert(out + c0, buf, w);
+      }
+    }
+  }
+};
+
+template <typename Body, typename Ctx>
+void logits_rows(const Ctx& c) {
+  // Rows are independent: any split gives the same bits.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(c.V, 1));
+  at::parallel_for(0, c.N, grain, [&](int64_t n0, int64_t n1) { run_isa<Body>({&c, n0, n1}); });
+}
+
+// ------------------------------------------------------------------ argument checks
+void check_float(const char* op, const char* name, const torch::Tensor& t) {
+  const auto st = t.scalar_type();
+  TORCH_CHECK(st == torch::kFloat32 || st == torch::kFloat64 || st == torch::kBFloat16 || st == torch::kFloat16, op,
+              ": ", name, " must be float32, float64, bfloat16 or float16, got ", st);
+}
+
+void check_cpu_contig(const char* op, const char* name, const torch::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+void check_vec(const char* op, const char* name, const torch::Tensor& t, int64_t n, at::ScalarType dtype) {
+  check_cpu_contig(op, name, t);
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, op, ": ", name, " must have shape [", n, "], got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+}
+
+at::ScalarType compute_dtype(at::ScalarType st) { return st == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32; }
+
+// The linear head's common checks; returns the compute dtype.
+at::ScalarType check_linear(const char* op, const torch::Tensor& hidden, const torch::Tensor& weight,
+                            const c10::optional<torch::Tensor>& bias, const torch::Tensor& inv_temperature,
+                            const torch::Tensor& row_ptr, const torch::Tensor& sorted_targets) {
+  check_cpu_contig(op, "hidden", hidden);
+  check_cpu_contig(op, "weight", weight);
+  check_float(op, "hidden", hidden);
+  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1), op,
+              ": expected hidden [N, H] and weight [V, H], got ", hidden.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(weight.size(0) >= 1, op, ": weight must have at least one row");
+  TORCH_CHECK(weight.scalar_type() == hidden.scalar_type(), op, ": weight must have hidden's dtype");
+  if (bias.has_value()) check_vec(op, "bias", *bias, weight.size(0), hidden.scalar_type());
+  const int64_t N = hidden.size(0);
+  const auto ct = compute_dtype(hidden.scalar_type());
+  check_vec(op, "inv_temperature", inv_temperature, N, ct);
+  check_vec(op, "row_ptr", row_ptr, N + 1, torch::kInt64);
+  check_cpu_contig(op, "sorted_targets", sorted_targets);
+  TORCH_CHECK(sorted_targets.dim() == 1 && sorted_targets.scalar_type() == torch::kInt64, op,
+              ": sorted_targets must be a 1-D int64 tensor");
+  return ct;
+}
+
+at::ScalarType check_logits(const char* op, const torch::Tensor& logits, const torch::Tensor& targets,
+                            const torch::Tensor& inv_temperature) {
+  TORCH_CHECK(logits.device().is_cpu(), op, ": logits must be a CPU tensor");
+  check_float(op, "logits", logits);
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 1, op, ": logits must be [N, V] with V >= 1, got ",
+              logits.sizes());
+  TORCH_CHECK(logits.stride(1) == 1 || logits.size(1) == 1, op, ": logits rows must be contiguous");
+  TORCH_CHECK(logits.stride(0) >= logits.size(1) || logits.size(0) <= 1, op, ": logits rows must not overlap");
+  const int64_t N = logits.size(0);
+  const auto ct = compute_dtype(logits.scalar_type());
+  check_vec(op, "targets", targets, N, torch::kInt64);
+  check_vec(op, "inv_temperature", inv_temperature, N, ct);
+  return ct;
+}
+
+template <typename T>
+const T* opt_ptr(const c10::optional<torch::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<T>() : nullptr;
+}
+
+// The bias in the compute dtype (a converted copy in store when needed).
+template <typename T, typename in_t>
+const T* bias_ptr(const c10::optional<torch::Tensor>& bias, std::vector<T>& store) {
+  if (!bias.has_value()) return nullptr;
+  const in_t* b = bias->data_ptr<in_t>();
+  if constexpr (std::is_same<in_t, T>::value) {
+    return b;
+  } else {
+    store.resize(bias->numel());
+    convert(store.data(), b, bias->numel());
+    return store.data();
+  }
+}
+
+template <typename scalar_t>
+using compute_t = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> linear_logprobs_fwd_cpu(
+    const torch::Tensor& hidden, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
+    const torch::Tensor& inv_temperature, const torch::Tensor& row_ptr, const torch::Tensor& sorted_targets,
+    bool need_entropy) {
+  const char* op = "linear_logprobs_fwd";
+  const auto ct = check_linear(op, hidden, weight, bias, inv_temperature, row_ptr, sorted_targets);
+  const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0), M = sorted_targets.size(0);
+  torch::Tensor stats = torch::empty({N, 3}, torch::dtype(ct));
+  torch::Tensor target_logits = torch::zeros({M}, torch::dtype(ct));
+  if (N == 0) return {stats, target_logits};
+  const std::vector<int64_t> ptr = sanitize_row_ptr(row_ptr.data_ptr<int64_t>(), N, M);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "linear_logprobs_fwd", [&] {
+    using T = compute_t<scalar_t>;
+    std::vector<T> bias_store;
+    Linear<T, scalar_t> c{};
+    c.hidden = hidden.data_ptr<scalar_t>();
+    c.weight = weight.data_ptr<scalar_t>();
+    c.bias = bias_ptr<T, scalar_t>(bias, bias_store);
+    c.inv_t = inv_temperature.data_ptr<T>();
+    c.tg = {ptr.data(), sorted_targets.data_ptr<int64_t>()};
+    c.N = N;
+    c.H = H;
+    c.V = V;
+    c.need_entropy = need_entropy;
+    c.target_logits = target_logits.data_ptr<T>();
+    linear_fwd(c, stats.data_ptr<T>());
+  });
+  return {stats, target_logits};
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> linear_logprobs_bwd_cpu(
+    const torch::Tensor& hidden, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
+    const torch::Tensor& inv_temperature, const torch::Tensor& row_ptr, const torch::Tensor& sorted_targets,
+    const torch::Tensor& sorted_grad, const torch::Tensor& lse, const torch::Tensor& entropy,
+    const c10::optional<torch::Tensor>& grad_entropy, bool need_hidden, bool need_weight, bool need_bias) {
+  const char* op = "linear_logprobs_bwd";
+  const auto ct = check_linear(op, hidden, weight, bias, inv_temperature, row_ptr, sorted_targets);
+  const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0), M = sorted_targets.size(0);
+  check_vec(op, "sorted_grad", sorted_grad, M, ct);
+  check_vec(op, "lse", lse, N, ct);
+  check_vec(op, "entropy", entropy, N, ct);
+  if (grad_entropy.has_value()) check_vec(op, "grad_entropy", *grad_entropy, N, ct);
+  TORCH_CHECK(!need_bias || bias.has_value(), op, ": need_bias without a bias");
+
+  const auto dt = hidden.scalar_type();
+  const auto none = [&] { return torch::empty({0}, torch::dtype(dt)); };
+  torch::Tensor gh = need_hidden ? empty_output({N, H}, dt) : none();
+  torch::Tensor gw = need_weight ? empty_output({V, H}, dt) : none();
+  torch::Tensor gb = need_bias ? empty_output({V}, dt) : none();
+  if (N == 0 || !(need_hidden || need_weight || need_bias)) {
+    gw.zero_();
+    gb.zero_();
+    return {gh, gw, gb};
+  }
+  const std::vector<int64_t> ptr = sanitize_row_ptr(row_ptr.data_ptr<int64_t>(), N, M);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dt, "linear_logprobs_bwd", [&] {
+    using T = compute_t<scalar_t>;
+    std::vector<T> bias_store;
+    const T* g = sorted_grad.data_ptr<T>();
+    std::vector<T> G(N, T(0));
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t k = ptr[n]; k < ptr[n + 1]; ++k) G[n] += g[k];
+    }
+    Linear<T, scalar_t> c{};
+    c.hidden = hidden.data_ptr<scalar_t>();
+    c.weight = weight.data_ptr<scalar_t>();
+    c.bias = bias_ptr<T, scalar_t>(bias, bias_store);
+    c.inv_t = inv_temperature.data_ptr<T>();
+    c.tg = {ptr.data(), sorted_targets.data_ptr<int64_t>()};
+    c.N = N;
+    c.H = H;
+    c.V = V;
+    c.g = g;
+    c.lse = lse.data_ptr<T>();
+    c.ent = entropy.data_ptr<T>();
+    c.h = opt_ptr<T>(grad_entropy);
+    c.G = G.data();
+    linear_bwd(c, need_hidden ? gh.data_ptr<scalar_t>() : nullptr, need_weight ? gw.data_ptr<scalar_t>() : nullptr,
+               need_bias ? gb.data_ptr<scalar_t>() : nullptr);
+  });
+  return {gh, gw, gb};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> logits_logprobs_fwd_cpu(const torch::Tensor& logits,
+                                                                 const torch::Tensor& targets,
+                                                                 const torch::Tensor& inv_temperature,
+                                                                 bool need_entropy) {
+  const char* op = "logits_logprobs_fwd";
+  const auto ct = check_logits(op, logits, targets, inv_temperature);
+  const int64_t N = logits.size(0), V = logits.size(1);
+  torch::Tensor stats = torch::empty({N, 3}, torch::dtype(ct));
+  torch::Tensor target_logits = torch::empty({N}, torch::dtype(ct));
+  if (N == 0) return {stats, target_logits};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "logits_logprobs_fwd", [&] {
+    using T = compute_t<scalar_t>;
+    Logits<T, scalar_t> c{};
+    c.x = logits.data_ptr<scalar_t>();
+    c.ld = logits.stride(0);
+    c.inv_t = inv_temperature.data_ptr<T>();
+    c.tg = {nullptr, targets.data_ptr<int64_t>()};
+    c.N = N;
+    c.V = V;
+    c.need_entropy = need_entropy;
+    c.stats = stats.data_ptr<T>();
+    c.target_logits = target_logits.data_ptr<T>();
+    logits_rows<LogitsFwdRows<T, scalar_t>>(c);
+  });
+  return {stats, target_logits};
+}
+
+torch::Tensor logits_logprobs_bwd_cpu(const torch::Tensor& logits, const torch::Tensor& targets,
+                                      const torch::Tensor& inv_temperature, const torch::Tensor& grad_logp,
+                                      const torch::Tensor& lse, const torch::Tensor& entropy,
+                                      const c10::optional<torch::Tensor>& grad_entropy) {
+  const char* op = "logits_logprobs_bwd";
+  const auto ct = check_logits(op, logits, targets, inv_temperature);
+  const int64_t N = logits.size(0), V = logits.size(1);
+  check_vec(op, "grad_logp", grad_logp, N, ct);
+  check_vec(op, "lse", lse, N, ct);
+  check_vec(op, "entropy", entropy, N, ct);
+  if (grad_entropy.has_value()) check_vec(op, "grad_entropy", *grad_entropy, N, ct);
+  torch::Tensor grad = empty_output({N, V}, logits.scalar_type());
+  if (N == 0) return grad;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "logits_logprobs_bwd", [&] {
+    using T = compute_t<scalar_t>;
+    Logits<T, scalar_t> c{};
+    c.x = logits.data_ptr<scalar_t>();
+    c.ld = logits.stride(0);
+    c.inv_t = inv_temperature.data_ptr<T>();
+    c.tg = {nullptr, targets.data_ptr<int64_t>()};
+    c.N = N;
+    c.V = V;
+    c.g = grad_logp.data_ptr<T>();
+    c.lse = lse.data_ptr<T>();
+    c.ent = entropy.data_ptr<T>();
+    c.h = opt_ptr<T>(grad_entropy);
+    c.grad = grad.data_ptr<scalar_t>();
+    logits_rows<LogitsBwdRows<T, scalar_t>>(c);
+  });
+  return grad;
+}
+
+}  // namespace rlvr

@@ -1,0 +1,116 @@
+// Vector helpers shared by the kernels: GCC vector types, a float exp on them, and the run-time
+// choice between the baseline build (16-byte vectors) and the AVX2+FMA clone (32-byte vectors).
+//
+// The build is portable (no -march), so a kernel's hot loop is written once on these helpers,
+// always inlined into two noinline entry points (one with target("avx2,fma")) and picked at run
+// time with use_avx2().
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+
+// 32-byte vector arguments of always-inlined helpers never cross a call boundary.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#define RLVR_INLINE inline __attribute__((always_inline))
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define RLVR_AVX2_CLONE 1
+#else
+#define RLVR_AVX2_CLONE 0
+#endif
+
+namespace rlvr {
+
+template <typename V, typename S>
+RLVR_INLINE V splat(S s) {
+  V v;
+  for (int l = 0; l < int(sizeof(V) / sizeof(v[0])); ++l) v[l] = s;
+  return v;
+}
+
+// torch.clamp: NaN stays NaN.
+template <typename V>
+RLVR_INLINE V vclamp(V x, V lo, V hi) {
+  x = x < lo ? lo : x;
+  return x > hi ? hi : x;
+}
+
+typedef float F32x8 __attribute__((vector_size(32)));
+typedef float F32x4 __attribute__((vector_size(16)));
+typedef double F64x4 __attribute__((vector_size(32)));
+typedef double F64x2 __attribute__((vector_size(16)));
+
+// The integer vectors exp needs beside float vectors of VB bytes (vector_size cannot depend on a
+// template parameter, hence the specialisations).
+template <int VB>
+struct F32Bits;
+template <>
+struct F32Bits<32> {
+  typedef int32_t M __attribute__((vector_size(32)));
+  typedef uint32_t U __attribute__((vector_size(32)));
+};
+template <>
+struct F32Bits<16> {
+  typedef int32_t M __attribute__((vector_size(16)));
+  typedef uint32_t U __attribute__((vector_size(16)));
+};
+
+// exp on float lanes. Cephes expf: x = n·ln2 + r with |r| ≤ ln2/2 (n found with the 1.5·2^23
+// rounding trick, so no float→int conversion), e^r by a degree-7 polynomial, 2^n applied in two
+// halves so that results down to the denormal range and overflow to +inf come out right.
+template <typename V>
+RLVR_INLINE V vexp_float(V x) {
+  using M = typename F32Bits<int(sizeof(V))>::M;
+  using U = typename F32Bits<int(sizeof(V))>::U;
+  x = vclamp(x, splat<V>(-104.0f), splat<V>(89.0f));
+  const V magic = splat<V>(12582912.0f);
+  const V t = x * 1.44269504088896341f + magic;
+  const V nf = t - magic;
+  const U n = (U)t - (U)magic;
+  V r = x - nf * 0.693359375f;
+  r = r - nf * -2.12194440e-4f;
+  V p = splat<V>(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const V y = p * (r * r) + r + 1.0f;
+  const U n1 = (U)((M)n >> 1);
+  const U n2 = n - n1;
+  const V s1 = (V)((n1 + 127u) << 23);
+  const V s2 = (V)((n2 + 127u) << 23);
+  return y * s1 * s2;
+}
+
+RLVR_INLINE F32x8 vexp(F32x8 x) { return vexp_float(x); }
+RLVR_INLINE F32x4 vexp(F32x4 x) { return vexp_float(x); }
+
+// Double lanes (the fp64 paths, for checks rather than speed): libm.
+template <typename V>
+RLVR_INLINE V vexp_double(V x) {
+  for (int l = 0; l < int(sizeof(V) / sizeof(double)); ++l) x[l] = std::exp(x[l]);
+  return x;
+}
+RLVR_INLINE F64x4 vexp(F64x4 x) { return vexp_double(x); }
+RLVR_INLINE F64x2 vexp(F64x2 x) { return vexp_double(x); }
+
+#if RLVR_AVX2_CLONE
+// Whether to run the AVX2+FMA clones; RLVR_KERNELS_CPU_NO_AVX2=1 forces the baseline build
+// (how the tests reach it on an AVX2 machine).
+inline bool use_avx2() {
+  static const bool ok = [] {
+    const char* env = std::getenv("RLVR_KERNELS_CPU_NO_AVX2");
+    if (env != nullptr && env[0] != '\0' && env[0] != '0') return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return ok;
+}
+#else
+inline bool use_avx2() { return false; }
+#endif
+
+}  // namespace rlvr
