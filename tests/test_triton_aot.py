@@ -1,6 +1,7 @@
 """Every Triton kernel compiles ahead of time for sm_80 and sm_90 (no GPU needed) without
-register spills. Runs in a subprocess: interpreted kernels (TRITON_INTERPRET=1, set by
-conftest on CPU machines) cannot be compiled."""
+register spills, and the GEMM kernels use the tensor cores (HGMMA / HMMA / DMMA in the
+SASS of Triton's cubin). Runs in a subprocess: interpreted kernels (TRITON_INTERPRET=1,
+set by conftest on CPU machines) cannot be compiled."""
 
 import json
 import os
@@ -20,7 +21,21 @@ def test_all_kernels_compile_for_sm80_sm90_without_spills():
     assert {"_block_offsets_kernel", "_seq_stats_kernel[a3po_prob,token_adv]", "_token_kernel[ppo,k3,token_tis]",
             "_token_kernel[ppo,k3,token_tis,packed]", "_token_kernel[fp64,everything]",
             "_finalize_kernel[padded]"} <= kernels  # fmt: skip
+    lp_fwd = "_linear_fwd_kernel[bf16,bias=1,entropy=1]"
+    assert {lp_fwd, "_linear_bwd_hidden_kernel[bf16,bias=1,grad_entropy=1]",
+            "_linear_bwd_weight_kernel[bf16,bias=1,grad_entropy=1,need_w=1,need_b=1]",
+            "_linear_fwd_kernel[fp64,bias=1,entropy=1]", "_logits_fwd_kernel[bf16,entropy=1]",
+            "_logits_bwd_kernel[bf16,grad_entropy=1]"} <= kernels  # fmt: skip
     assert {r["arch"] for r in rows} == {"sm_80", "sm_90"}
     for r in rows:
         assert r["registers"] > 0, r
         assert r["spill_store_bytes"] == 0 and r["spill_load_bytes"] == 0, r
+    # The bf16 logprobs GEMMs run on the tensor cores: wgmma (HGMMA) on sm_90, mma.sync
+    # (HMMA) on sm_80; fp64 on the fp64 tensor cores (DMMA).
+    mma = {(r["kernel"], r["arch"]): set(r["mma"]) for r in rows}
+    for name, arch in mma:
+        if name.startswith("_linear_") and "[bf16" in name:
+            assert ("HGMMA" if arch == "sm_90" else "HMMA") in mma[name, arch], (name, arch)
+        if name.startswith("_linear_") and "[fp64" in name:
+            assert "DMMA" in mma[name, arch], (name, arch)
+    assert "HGMMA" in mma[lp_fwd, "sm_90"]

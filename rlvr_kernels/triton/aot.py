@@ -2,8 +2,16 @@
 
 ``python -m rlvr_kernels.triton.aot`` prints one JSON line per (kernel, variant, arch)
 with the registers and spill bytes ``ptxas -v`` reports for the generated PTX (the
-compiled kernel's own metadata only fills these in on a real device). Run it without
-``TRITON_INTERPRET``: interpreted kernels cannot be compiled.
+compiled kernel's own metadata only fills these in on a real device) and the matrix
+instructions (HGMMA / HMMA / DMMA) in the SASS of Triton's cubin (``cuobjdump``). Run it
+without ``TRITON_INTERPRET``: interpreted kernels cannot be compiled.
+
+A spec is (name, kernel, signature, constexprs[, options]). A signature type may carry a
+``:16`` divisibility hint (``"*bf16:16"``, ``"i32:16"``), as Triton's own launcher adds for
+16-byte-aligned pointers and multiples of 16 at run time; GEMM kernels need it on the
+pointers and the row length to get vectorised (and spill-free) tile loads. ``options``:
+``num_warps`` / ``num_stages`` of the launch, and ``archs``: compile this spec for these
+archs only (a kernel whose launch configuration depends on the arch has one spec per arch).
 """
 
 from __future__ import annotations
@@ -19,8 +27,8 @@ from typing import Dict, Iterator, List, Tuple
 ARCHS = (80, 90)
 
 
-def kernel_specs() -> Iterator[Tuple[str, object, Dict[str, str], Dict[str, object]]]:
-    """(name, kernel, signature, constexprs) for each kernel variant worth compiling."""
+def kernel_specs() -> Iterator[Tuple]:
+    """(name, kernel, signature, constexprs[, options]) for each kernel variant worth compiling."""
     from . import advantages as k
 
     p32, pi64, pi8 = "*fp32", "*i64", "*i8"
@@ -48,6 +56,7 @@ def kernel_specs() -> Iterator[Tuple[str, object, Dict[str, str], Dict[str, obje
     sig = dict(adv_ptr=p32, cu_ptr="*i32", mask_ptr="*i1", out_ptr="*bf16", B="i32", T="i64")
     yield "_packed_tokens_kernel", k._packed_tokens_kernel, sig, dict(HAS_MASK=True, SEARCH_STEPS=14, BLOCK=1024)
     yield from _policy_loss_specs()
+    yield from _logprobs_specs()
 
 
 def _policy_loss_specs():
@@ -123,6 +132,80 @@ def _policy_loss_specs():
                dict(CDT=cdt, PACKED=packed, HAS_STATS=stats, ROWS=64, SEQS=256))  # fmt: skip
 
 
+def _logprobs_specs():
+    """The logprobs kernels at each arch's launch configuration (triton/logprobs.py
+    ``config``: sm_90 has its own 16-bit forward tile): bf16 (tensor cores: HGMMA on sm_90,
+    HMMA on sm_80), fp32 (IEEE FMA dot) and fp64 (DMMA), with / without bias, entropy and
+    its gradient. H and the row strides carry the ``:16`` hint, as for real model sizes
+    (another H runs unvectorised tile loads: correct, slower, not checked here)."""
+    import torch
+    import triton.language as tl
+
+    from . import logprobs as k
+
+    pi64 = "*i64:16"
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+
+    def setup(kind, dt, arch):
+        cfg = k.config(kind, dtypes[dt], arch)
+        opts = {n: cfg.pop(n) for n in ("num_warps", "num_stages", "enable_fp_fusion") if n in cfg}
+        opts["archs"] = (arch,)
+        _, cdt = k.compute_dtype(dtypes[dt])
+        c = "*fp64:16" if cdt is tl.float64 else "*fp32:16"
+        const = dict(CDT=cdt, **cfg)
+        if kind.startswith("linear"):
+            const["OP"] = k.operand_dtype(dtypes[dt], interpret=False)
+        return f"*{dt}:16", c, const, opts
+
+    def linear_fwd(dt, bias, entropy, arch):
+        inp, c, const, opts = setup("linear_fwd", dt, arch)
+        sig = dict(x_ptr=inp, w_ptr=inp, b_ptr=inp, invt_ptr=c, rowptr_ptr=pi64, tgt_ptr=pi64, stats_ptr=c,
+                   tlog_ptr=c, N="i32", V="i32", H="i32:16", M="i32")  # fmt: skip
+        const.update(HAS_BIAS=bias, NEED_ENTROPY=entropy)
+        name = f"_linear_fwd_kernel[{dt},bias={int(bias)},entropy={int(entropy)}]"
+        return name, k._linear_fwd_kernel, sig, const, opts
+
+    def linear_bwd(which, dt, bias, gent, arch, need_w=True, need_b=True):
+        inp, c, const, opts = setup("linear_bwd", dt, arch)
+        sig = dict(x_ptr=inp, w_ptr=inp, b_ptr=inp, invt_ptr=c, rowptr_ptr=pi64, tgt_ptr=pi64, g_ptr=c, lse_ptr=c,
+                   ent_ptr=c, gent_ptr=c)  # fmt: skip
+        const.update(HAS_BIAS=bias, HAS_GENT=gent)
+        if which == "hidden":
+            sig["gh_ptr"] = c
+            kernel, extra = k._linear_bwd_hidden_kernel, ""
+        else:
+            sig.update(gw_ptr=c, gb_ptr=inp)
+            const.update(NEED_W=need_w, NEED_B=need_b and bias)
+            kernel, extra = k._linear_bwd_weight_kernel, f",need_w={int(need_w)},need_b={int(need_b and bias)}"
+        sig.update(N="i32", V="i32", H="i32:16", M="i32")
+        name = f"{kernel.__name__}[{dt},bias={int(bias)},grad_entropy={int(gent)}{extra}]"
+        return name, kernel, sig, const, opts
+
+    for arch in ARCHS:
+        yield linear_fwd("bf16", True, True, arch)
+        yield linear_fwd("bf16", False, False, arch)
+        yield linear_fwd("fp32", True, True, arch)
+        yield linear_fwd("fp64", True, True, arch)
+        yield linear_bwd("hidden", "bf16", True, True, arch)
+        yield linear_bwd("hidden", "fp32", True, True, arch)
+        yield linear_bwd("hidden", "fp64", True, True, arch)
+        yield linear_bwd("weight", "bf16", True, True, arch)
+        yield linear_bwd("weight", "bf16", False, False, arch)
+        yield linear_bwd("weight", "fp32", True, True, arch)
+        yield linear_bwd("weight", "fp64", True, True, arch)
+
+        for dt, flag in (("bf16", True), ("fp32", False), ("fp64", True)):
+            inp, c, const, opts = setup("logits_fwd", dt, arch)
+            sig = dict(l_ptr=inp, tgt_ptr=pi64, invt_ptr=c, stats_ptr=c, tlog_ptr=c, V="i32", stride="i32:16")
+            const["NEED_ENTROPY"] = flag
+            yield f"_logits_fwd_kernel[{dt},entropy={int(flag)}]", k._logits_fwd_kernel, sig, const, opts
+            inp, c, const, opts = setup("logits_bwd", dt, arch)
+            sig = dict(l_ptr=inp, tgt_ptr=pi64, invt_ptr=c, g_ptr=c, lse_ptr=c, ent_ptr=c, gent_ptr=c, out_ptr=inp,
+                       V="i32:16", stride="i32:16")  # fmt: skip
+            const["HAS_GENT"] = flag
+            yield f"_logits_bwd_kernel[{dt},grad_entropy={int(flag)}]", k._logits_bwd_kernel, sig, const, opts
+
+
 def _ptxas(arch: int) -> str:
     """The ptxas Triton itself uses for this arch (Triton 3.9 ships two; older ones one)."""
     from triton.backends.nvidia import compiler
@@ -155,25 +238,71 @@ def ptxas_usage(ptx: str, arch: int) -> Dict[str, int]:
     }
 
 
-def compile_all(archs=ARCHS) -> List[Dict]:
+def sass_mma(cubin: bytes) -> List[str]:
+    """The matrix-multiply opcodes (HGMMA, HMMA, DMMA, ...) in a cubin's SASS, sorted."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        res = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"cuobjdump failed: {res.stderr[-2000:]}")
+    return sorted(set(re.findall(r"\b(HGMMA|HMMA|DMMA|IMMA|IGMMA|QGMMA|BMMA)\b", res.stdout)))
+
+
+def compile_all(archs=ARCHS, only: str = "", shard: Tuple[int, int] = (0, 1)) -> List[Dict]:
+    """Compile every spec (whose name contains ``only``) for each arch; ``shard=(k, n)``
+    takes every n-th spec from the k-th (for parallel compiles in separate processes)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     rows = []
-    for name, kernel, sig, const in kernel_specs():
-        full_sig = dict(sig)
+    for i, (name, kernel, sig, const, *rest) in enumerate(kernel_specs()):
+        if only not in name or i % shard[1] != shard[0]:
+            continue
+        options = dict(rest[0]) if rest else {}
+        spec_archs = options.pop("archs", archs)
+        full_sig = {n: t.split(":")[0] for n, t in sig.items()}
         full_sig.update({c: "constexpr" for c in const})
-        for arch in archs:
-            compiled = triton.compile(ASTSource(fn=kernel, signature=full_sig, constexprs=const),
-                                      target=GPUTarget("cuda", arch, 32))  # fmt: skip
+        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.endswith(":16")}
+        for arch in (a for a in archs if a in spec_archs):
+            compiled = triton.compile(ASTSource(fn=kernel, signature=full_sig, constexprs=const, attrs=attrs),
+                                      target=GPUTarget("cuda", arch, 32), options=options)  # fmt: skip
             usage = ptxas_usage(compiled.asm["ptx"], arch)
-            rows.append({"kernel": name, "arch": f"sm_{arch}", **usage})
+            rows.append({"kernel": name, "arch": f"sm_{arch}", **usage, "mma": sass_mma(compiled.asm["cubin"])})
     return rows
+
+
+def _main(argv: List[str]) -> None:
+    """``[filter] [--shard k/n]``. Without ``--shard``, the specs are split over one
+    process per CPU core (compiling is single-threaded and takes seconds per variant)."""
+    shard = None
+    if "--shard" in argv:
+        i = argv.index("--shard")
+        k, n = argv[i + 1].split("/")
+        shard = (int(k), int(n))
+        argv = argv[:i] + argv[i + 2 :]
+    only = argv[0] if argv else ""
+    if shard is not None:
+        for row in compile_all(only=only, shard=shard):
+            print(json.dumps(row), flush=True)
+        return
+    jobs = max(1, min(len(os.sched_getaffinity(0)), 8))
+    procs = [subprocess.Popen([sys.executable, "-m", "rlvr_kernels.triton.aot", only, "--shard", f"{k}/{jobs}"],
+                              stdout=subprocess.PIPE, text=True) for k in range(jobs)]  # fmt: skip
+    failed = 0
+    for p in procs:
+        out, _ = p.communicate()
+        sys.stdout.write(out)
+        failed |= p.returncode != 0
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled ahead of time")
-    for row in compile_all():
-        print(json.dumps(row))
+    _main(sys.argv[1:])

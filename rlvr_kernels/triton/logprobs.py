@@ -1,0 +1,572 @@
+"""``linear_logprobs`` and ``logprobs_from_logits`` in Triton (SPEC §3): the CUDA backend of
+``rlvr_kernels.ops.logprobs``, whose module docstring is the kernel contract (z, the
+per-row statistics, the CSR of targets, dz). The exact math is
+``rlvr_kernels.reference.logprobs``.
+
+Design:
+- Linear forward (``_linear_fwd_kernel``): one program per block of ``BLOCK_N`` rows. It
+  walks the whole vocabulary in a fixed order, one ``BLOCK_V`` tile at a time; each tile of
+  z is a ``tl.dot`` GEMM over H in ``BLOCK_H`` chunks (bf16/fp16 operands: HGMMA on sm_90,
+  HMMA on sm_80; fp32 operands: IEEE fp32 FMA; fp64: DMMA), biased and scaled by 1/T in
+  the epilogue, which folds it into the online per-row statistics (max, Σexp,
+  Σexp·(z − max)). Logits never reach memory. A row's result depends only on its own
+  data and on the tiling (a function of the dtype and the GPU arch, never of N): bitwise
+  batch-invariant and deterministic.
+- Target logits come from the same z tile (same rounding as the statistics): for
+  k < (largest target count of the block's rows), the k-th target of every row is turned
+  into an int32 column index local to the tile (−1 when it is not in the tile, including
+  every id outside [0, V)) and compared with the tile's column lanes; a tile holding none
+  of those targets skips the compare (a scalar runtime branch). Targets are compared,
+  never used as addresses; ``target_logits`` starts zeroed, so an unmatched target (−1,
+  another shard's id) reads 0.
+- Linear backward, no atomics, everything summed in a fixed order:
+  ``_linear_bwd_hidden_kernel`` (a program per row block; walks the vocabulary tiles,
+  recomputes z, forms dz, adds dz·W[tile] into its own rows of grad_hidden) and
+  ``_linear_bwd_weight_kernel`` (a program per vocabulary tile; walks the row blocks,
+  recomputes z, forms dz, adds dzᵀ·hidden[block] into its own rows of grad_weight and
+  Σ_rows dz into grad_bias, in registers). The [rows, H] / [vocab, H] accumulators do not
+  fit in registers, so each program read-modify-writes its own rows of a compute-dtype
+  buffer in ``BLOCK_HG`` chunks (the first pass writes, a CTA barrier after each pass);
+  for 16-bit inputs that buffer is an fp32 scratch cast to the input dtype at the end
+  (transient memory: 4 bytes × (N + V) × H). dz is rounded to the operand dtype
+  (bf16/fp16) for the tensor-core dot, as a cuBLAS backward on bf16 logits would be.
+  Cost: 5 GEMM-sized passes of N·V·H (forward, two recomputes of z, dz·W, dzᵀ·hidden)
+  against the 3 of an unfused implementation, plus an fp32 round trip of the
+  accumulator per tile. Faster structures (not done): form dz once per (row block,
+  vocab tile) and reduce both products deterministically through per-split partial
+  buffers summed in a fixed order; and, for the forward, a split-V grid (a fixed number
+  of vocabulary splits, so still batch-invariant) with a combine step, since one program
+  per 128 rows leaves an H100 underfilled below N ≈ 17k rows.
+- Logits forward (``_logits_fwd_kernel``): one program per row, one pass over V in
+  ``BLOCK`` tiles with the online statistics (one exp per element: the tile's max is
+  reduced first); the target logit is one masked load, index clamped into [0, V).
+  Backward (``_logits_bwd_kernel``): a (row, tile) grid writing grad_logits once. Any row
+  stride (stride(1) == 1).
+Numerics: compute dtype fp64 for fp64 inputs, else fp32; every load and store is masked,
+offsets are int64 (column ids in the tile's layout are int32: int64 ones cost ~64
+registers there), CSR ranges are clamped into [0, M], no host syncs (the loop bounds
+that depend on the data are read in-kernel).
+
+Interpreter: under ``TRITON_INTERPRET=1`` ``tl.dot`` on bf16 operands returns garbage, so
+16-bit operands are upcast to fp32 there (``_INTERPRET``, read when this module is
+imported); the bf16 path is covered by the ahead-of-time compile
+(``python -m rlvr_kernels.triton.aot``: sm_80/sm_90, registers, spills, HGMMA) and by the
+GPU run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# fp32 operands: IEEE fp32 (the default TF32 would lose ~3 digits against the fp32
+# reference); "tf32x3" / "bf16x6" would run on tensor cores at near-fp32 accuracy.
+_FP32_PRECISION = tl.constexpr("ieee")
+_NEG_INF = tl.constexpr(float("-inf"))
+
+# Untuned defaults (no GPU yet), per kernel family, operand width and (for sm_90) arch.
+# The tiles depend on the dtype and the device only, never on N, so a row's result does
+# not depend on the batch. Register budgets (python -m rlvr_kernels.triton.aot, no
+# spills): the 16-bit forward runs a 128×128 tile on sm_90 (two warpgroups of m64n128
+# wgmma, 248-255 registers) but 128×64 on sm_80, where mma.sync's layout spills the
+# 128×128 epilogue. fp32 operands use the FMA dot (IEEE), which holds the K slices of both
+# operands in registers: BLOCK_H = 16. fp64 (DMMA) holds twice the accumulator bytes.
+# Tests shrink the tiles to exercise the multi-tile paths.
+_CONFIGS = {
+    ("linear_fwd", 16): dict(BLOCK_N=128, BLOCK_V=64, BLOCK_H=64, num_warps=8, num_stages=3),
+    ("linear_fwd", 32): dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=16, num_warps=8, num_stages=2),
+    ("linear_fwd", 64): dict(BLOCK_N=32, BLOCK_V=64, BLOCK_H=32, num_warps=4, num_stages=2),
+    ("linear_bwd", 16): dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, BLOCK_HG=64, num_warps=8, num_stages=2),
+    ("linear_bwd", 32): dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=16, BLOCK_HG=16, num_warps=8, num_stages=2),
+    ("linear_bwd", 64): dict(BLOCK_N=32, BLOCK_V=32, BLOCK_H=32, BLOCK_HG=32, num_warps=4, num_stages=2),
+    ("logits_fwd", 16): dict(BLOCK=4096, num_warps=8),
+    ("logits_fwd", 32): dict(BLOCK=4096, num_warps=8),
+    ("logits_fwd", 64): dict(BLOCK=2048, num_warps=8),
+    ("logits_bwd", 16): dict(BLOCK=2048, num_warps=4),
+    ("logits_bwd", 32): dict(BLOCK=2048, num_warps=4),
+    ("logits_bwd", 64): dict(BLOCK=1024, num_warps=4),
+}
+_SM90_CONFIGS = {
+    ("linear_fwd", 16): dict(BLOCK_N=128, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3),
+}
+
+
+def _width(dtype: torch.dtype) -> int:
+    return 64 if dtype == torch.float64 else 32 if dtype == torch.float32 else 16
+
+
+def config(kind: str, dtype: torch.dtype, arch=None) -> dict:
+    """Launch parameters (BLOCK_* constexprs, num_warps, num_stages, enable_fp_fusion) of a kernel family for
+    an input dtype on a device of compute capability ``arch`` (80, 90, ...; None: CPU)."""
+    key = (kind, _width(dtype))
+    cfg = dict(_SM90_CONFIGS[key] if arch == 90 and key in _SM90_CONFIGS else _CONFIGS[key])
+    # No FMA contraction: the backward recomputes z and must round it exactly as the
+    # forward did. Contracting (acc + b)·inv_T − lse into one FMA in one kernel but not in
+    # the other leaves an ulp of |z| in z_t − lse, i.e. all of 1 − p_t on a peaked row
+    # (the C++ kernel has the same guard). The dots themselves are unaffected.
+    cfg["enable_fp_fusion"] = False
+    return cfg
+
+
+def device_arch(device: torch.device):
+    """Compute capability as 80, 90, ... (None off CUDA); cached by torch, no sync."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def compute_dtype(dtype: torch.dtype):
+    """(torch, triton) compute dtype: fp64 for fp64 inputs, else fp32."""
+    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
+
+
+def operand_dtype(dtype: torch.dtype, interpret: bool = _INTERPRET):
+    """The ``tl.dot`` operand dtype: the input's own (fp32 for 16-bit under the interpreter)."""
+    if dtype == torch.float64:
+        return tl.float64
+    if dtype == torch.float32 or interpret:
+        return tl.float32
+    return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
+
+
+# ---------------------------------------------------------------------------------------
+# shared pieces
+
+
+@triton.jit
+def _mma(a, b, acc, OP: tl.constexpr):
+    """acc + a·b with a, b cast to the operand dtype OP (acc: compute dtype)."""
+    a = a.to(OP)
+    b = b.to(OP)
+    if OP == tl.float32:
+        acc = tl.dot(a, b, acc, input_precision=_FP32_PRECISION)
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _csr(rowptr_ptr, rows, row_ok, M):
+    """(begin, count) of each row's targets: row_ptr clamped into [0, M], a decreasing
+    pair is empty, a row past N has none."""
+    lo = tl.load(rowptr_ptr + rows, mask=row_ok, other=0)
+    hi = tl.load(rowptr_ptr + rows + 1, mask=row_ok, other=0)
+    beg = tl.minimum(tl.maximum(lo, 0), M)
+    end = tl.minimum(tl.maximum(hi, beg), M)
+    return beg, end - beg
+
+
+@triton.jit
+def _z_tile(
+    x_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, inv_t, H,
+    HAS_BIAS: tl.constexpr, CDT: tl.constexpr, OP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """z[rows, cols] = (hidden[rows]·W[cols]ᵀ + b[cols]) · inv_t[rows] in the compute dtype
+    (masked rows / columns compute from zeros; the caller masks them)."""
+    ks = tl.arange(0, BLOCK_H)
+    x_ptrs = x_ptr + rows[:, None] * H + ks[None, :]  # [BLOCK_N, BLOCK_H]
+    w_ptrs = w_ptr + cols[None, :] * H + ks[:, None]  # [BLOCK_H, BLOCK_V] = W[cols]ᵀ
+    acc = tl.zeros([BLOCK_N, BLOCK_V], CDT)
+    for h0 in range(0, H, BLOCK_H):
+        k_ok = ks < H - h0
+        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = _mma(x, w, acc, OP)
+        x_ptrs += BLOCK_H
+        w_ptrs += BLOCK_H
+    if HAS_BIAS:
+        b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(CDT)
+        acc = acc + b[None, :]
+    return acc * inv_t[:, None]
+
+
+@triton.jit
+def _tile_local(t, ok, v0, V, BLOCK_V: tl.constexpr):
+    """Target ids as int32 column indices local to the tile [v0, v0 + BLOCK_V), −1 where
+    the id is not a valid column of the tile (or ``ok`` is False). Compare with
+    ``tl.arange(0, BLOCK_V)``: int32, so no int64 column ids live in the tile's layout."""
+    in_tile = ok & (t >= v0) & (t < v0 + BLOCK_V) & (t < V)
+    return tl.where(in_tile, t - v0, -1).to(tl.int32)
+
+
+@triton.jit
+def _row_grad_stats(
+    g_ptr, lse_ptr, ent_ptr, gent_ptr, rows, row_ok, beg, cnt, kmax,
+    HAS_GENT: tl.constexpr, CDT: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Per-row lse, entropy, h = grad_entropy (0 without) and G = Σ of the row's g."""
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0).to(CDT)
+    ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0).to(CDT)
+    if HAS_GENT:
+        hg = tl.load(gent_ptr + rows, mask=row_ok, other=0.0).to(CDT)
+    else:
+        hg = tl.zeros([BLOCK_N], CDT)
+    G = tl.zeros([BLOCK_N], CDT)
+    for k in range(kmax):
+        G += tl.load(g_ptr + beg + k, mask=k < cnt, other=0.0).to(CDT)
+    return lse, ent, hg, G
+
+
+@triton.jit
+def _dz_tile(
+    z, tgt_ptr, g_ptr, beg, cnt, kmax, vl, v0, V, inv_t, lse, ent, hg, G, row_ok, col_ok,
+    HAS_GENT: tl.constexpr, CDT: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """dz = inv_T · (S − G·p − h·p·(z − lse + entropy)) on the tile, 0 outside the valid
+    rows / columns, with S[n, v] = Σ_{k in row n, t_k = v} g_k (an id outside [0, V)
+    never matches). S is added into the tile in z's own (MMA) layout: a separate
+    zero-initialised accumulator would get a blocked layout that replicates the per-row
+    vectors across a warp's lanes (int64 CSR offsets and pointers, ~150 registers)."""
+    d = z - lse[:, None]
+    p = tl.exp(d)
+    inner = -(G[:, None] * p)
+    if HAS_GENT:
+        inner -= hg[:, None] * p * (d + ent[:, None])
+    for k in range(kmax):
+        k_ok = k < cnt
+        loc = _tile_local(tl.load(tgt_ptr + beg + k, mask=k_ok, other=-1), k_ok, v0, V, BLOCK_V)
+        if tl.max(loc, 0) >= 0:  # some row's k-th target is in this tile
+            g = tl.load(g_ptr + beg + k, mask=loc >= 0, other=0.0).to(CDT)
+            inner += tl.where(vl[None, :] == loc[:, None], g[:, None], 0.0)
+    dz = inner * inv_t[:, None]
+    return tl.where(row_ok[:, None] & col_ok[None, :], dz, 0.0)
+
+
+# ---------------------------------------------------------------------------------------
+# linear_logprobs
+
+
+@triton.jit
+def _linear_fwd_kernel(
+    x_ptr,  # [N, H] hidden, input dtype
+    w_ptr,  # [V, H] weight, input dtype
+    b_ptr,  # [V] bias, input dtype (HAS_BIAS)
+    invt_ptr,  # [N] inverse temperature, compute dtype
+    rowptr_ptr,  # [N + 1] int64 CSR of the targets
+    tgt_ptr,  # [M] int64 local vocabulary ids (compared only)
+    stats_ptr,  # [N, 3] compute dtype output: max z, Σexp(z − max), Σexp(z − max)·(z − max)
+    tlog_ptr,  # [M] compute dtype output, zeroed by the launcher: z of each matching target
+    N, V, H, M,
+    HAS_BIAS: tl.constexpr, NEED_ENTROPY: tl.constexpr, CDT: tl.constexpr, OP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    row_ok = rows < N
+    inv_t = tl.load(invt_ptr + rows, mask=row_ok, other=0.0).to(CDT)
+    beg, cnt = _csr(rowptr_ptr, rows, row_ok, M)
+    kmax = tl.max(cnt, 0)
+    vl = tl.arange(0, BLOCK_V)
+
+    m = tl.full([BLOCK_N], _NEG_INF, CDT)
+    s = tl.zeros([BLOCK_N], CDT)
+    t = tl.zeros([BLOCK_N], CDT)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + vl.to(tl.int64)  # addresses only; the tile compares int32 local ids
+        col_ok = vl < V - v0
+        z = _z_tile(x_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, inv_t, H,
+                    HAS_BIAS, CDT, OP, BLOCK_N, BLOCK_V, BLOCK_H)  # fmt: skip
+        # Target logits straight from the tile.
+        for k in range(kmax):
+            k_ok = k < cnt
+            loc = _tile_local(tl.load(tgt_ptr + beg + k, mask=k_ok, other=-1), k_ok, v0, V, BLOCK_V)
+            if tl.max(loc, 0) >= 0:  # some row's k-th target is in this tile
+                val = tl.sum(tl.where(vl[None, :] == loc[:, None], z, 0.0), 1)
+                tl.store(tlog_ptr + beg + k, val, mask=loc >= 0)
+        # Online statistics (every tile holds ≥ 1 valid column, so m_new is finite
+        # unless z itself is ±inf / NaN).
+        m_new = tl.maximum(m, tl.max(tl.where(col_ok[None, :], z, _NEG_INF), 1))
+        seen = m > _NEG_INF
+        shift = tl.where(seen, m - m_new, 0.0)
+        alpha = tl.where(seen, tl.exp(shift), 0.0)
+        d = z - m_new[:, None]
+        e = tl.where(col_ok[None, :], tl.exp(d), 0.0)
+        if NEED_ENTROPY:
+            t = alpha * (t + shift * s) + tl.sum(e * d, 1)
+        s = alpha * s + tl.sum(e, 1)
+        m = m_new
+    tl.store(stats_ptr + rows * 3, m, mask=row_ok)
+    tl.store(stats_ptr + rows * 3 + 1, s, mask=row_ok)
+    tl.store(stats_ptr + rows * 3 + 2, t, mask=row_ok)
+
+
+@triton.jit
+def _linear_bwd_hidden_kernel(
+    x_ptr, w_ptr, b_ptr,  # hidden [N, H], weight [V, H], bias [V] (HAS_BIAS): input dtype
+    invt_ptr,  # [N] compute dtype
+    rowptr_ptr, tgt_ptr,  # [N + 1], [M] int64 CSR of the targets
+    g_ptr,  # [M] compute dtype: gradient of each target's log-prob
+    lse_ptr, ent_ptr,  # [N] compute dtype: global logsumexp and entropy
+    gent_ptr,  # [N] compute dtype: gradient of the entropy (HAS_GENT)
+    gh_ptr,  # [N, H] compute dtype output (accumulated in place): dz·W
+    N, V, H, M,
+    HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, CDT: tl.constexpr, OP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HG: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    row_ok = rows < N
+    inv_t = tl.load(invt_ptr + rows, mask=row_ok, other=0.0).to(CDT)
+    beg, cnt = _csr(rowptr_ptr, rows, row_ok, M)
+    kmax = tl.max(cnt, 0)
+    lse, ent, hg, G = _row_grad_stats(g_ptr, lse_ptr, ent_ptr, gent_ptr, rows, row_ok, beg, cnt, kmax,
+                                      HAS_GENT, CDT, BLOCK_N)  # fmt: skip
+    vl = tl.arange(0, BLOCK_V)
+    hl = tl.arange(0, BLOCK_HG)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + vl.to(tl.int64)  # addresses only; the tile compares int32 local ids
+        col_ok = vl < V - v0
+        z = _z_tile(x_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, inv_t, H,
+                    HAS_BIAS, CDT, OP, BLOCK_N, BLOCK_V, BLOCK_H)  # fmt: skip
+        dz = _dz_tile(z, tgt_ptr, g_ptr, beg, cnt, kmax, vl, v0, V, inv_t, lse, ent, hg, G, row_ok, col_ok,
+                      HAS_GENT, CDT, BLOCK_V).to(OP)  # fmt: skip
+        # grad_hidden[rows] (+)= dz · W[cols]: the first tile writes, later ones add.
+        not_first = (tl.zeros([BLOCK_HG], tl.int32) + v0) > 0
+        w_ptrs = w_ptr + cols[:, None] * H + hl[None, :]  # [BLOCK_V, BLOCK_HG]
+        o_ptrs = gh_ptr + rows[:, None] * H + hl[None, :]  # [BLOCK_N, BLOCK_HG]
+        for h0 in range(0, H, BLOCK_HG):
+            h_ok = hl < H - h0
+            w = tl.load(w_ptrs, mask=col_ok[:, None] & h_ok[None, :], other=0.0)
+            o_mask = row_ok[:, None] & h_ok[None, :]
+            prev = tl.load(o_ptrs, mask=o_mask & not_first[None, :], other=0.0)
+            tl.store(o_ptrs, _mma(dz, w, prev, OP), mask=o_mask)
+            w_ptrs += BLOCK_HG
+            o_ptrs += BLOCK_HG
+        tl.debug_barrier()  # this pass's stores are visible to the whole CTA before the next reads
+
+
+@triton.jit
+def _linear_bwd_weight_kernel(
+    x_ptr, w_ptr, b_ptr,  # hidden [N, H], weight [V, H], bias [V] (HAS_BIAS): input dtype
+    invt_ptr,  # [N] compute dtype
+    rowptr_ptr, tgt_ptr,  # [N + 1], [M] int64 CSR of the targets
+    g_ptr,  # [M] compute dtype: gradient of each target's log-prob
+    lse_ptr, ent_ptr,  # [N] compute dtype: global logsumexp and entropy
+    gent_ptr,  # [N] compute dtype: gradient of the entropy (HAS_GENT)
+    gw_ptr,  # [V, H] compute dtype output (accumulated in place): dzᵀ·hidden (NEED_W)
+    gb_ptr,  # [V] bias-dtype output: Σ_rows dz (NEED_B)
+    N, V, H, M,
+    HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, NEED_W: tl.constexpr, NEED_B: tl.constexpr,
+    CDT: tl.constexpr, OP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HG: tl.constexpr,
+):  # fmt: skip
+    v0 = tl.program_id(0) * BLOCK_V
+    vl = tl.arange(0, BLOCK_V)
+    cols = v0 + vl.to(tl.int64)  # addresses only; the tile compares int32 local ids
+    col_ok = vl < V - v0
+    nl = tl.arange(0, BLOCK_N).to(tl.int64)
+    hl = tl.arange(0, BLOCK_HG)
+    gb = tl.zeros([BLOCK_V], CDT)
+    for n0 in range(0, N, BLOCK_N):
+        rows = n0 + nl
+        row_ok = rows < N
+        inv_t = tl.load(invt_ptr + rows, mask=row_ok, other=0.0).to(CDT)
+        beg, cnt = _csr(rowptr_ptr, rows, row_ok, M)
+        kmax = tl.max(cnt, 0)
+        lse, ent, hg, G = _row_grad_stats(g_ptr, lse_ptr, ent_ptr, gent_ptr, rows, row_ok, beg, cnt, kmax,
+                                          HAS_GENT, CDT, BLOCK_N)  # fmt: skip
+        z = _z_tile(x_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, inv_t, H,
+                    HAS_BIAS, CDT, OP, BLOCK_N, BLOCK_V, BLOCK_H)  # fmt: skip
+        dz = _dz_tile(z, tgt_ptr, g_ptr, beg, cnt, kmax, vl, v0, V, inv_t, lse, ent, hg, G, row_ok, col_ok,
+                      HAS_GENT, CDT, BLOCK_V)  # fmt: skip
+        if NEED_B:
+            gb += tl.sum(dz, 0)
+        if NEED_W:
+            # grad_weight[cols] (+)= dzᵀ · hidden[rows]: the first row block writes.
+            dzt = tl.trans(dz.to(OP))  # [BLOCK_V, BLOCK_N]
+            not_first = (tl.zeros([BLOCK_HG], tl.int32) + n0) > 0
+            x_ptrs = x_ptr + rows[:, None] * H + hl[None, :]  # [BLOCK_N, BLOCK_HG]
+            o_ptrs = gw_ptr + cols[:, None] * H + hl[None, :]  # [BLOCK_V, BLOCK_HG]
+            for h0 in range(0, H, BLOCK_HG):
+                h_ok = hl < H - h0
+                x = tl.load(x_ptrs, mask=row_ok[:, None] & h_ok[None, :], other=0.0)
+                o_mask = col_ok[:, None] & h_ok[None, :]
+                prev = tl.load(o_ptrs, mask=o_mask & not_first[None, :], other=0.0)
+                tl.store(o_ptrs, _mma(dzt, x, prev, OP), mask=o_mask)
+                x_ptrs += BLOCK_HG
+                o_ptrs += BLOCK_HG
+            tl.debug_barrier()  # this pass's stores are visible to the whole CTA before the next reads
+    if NEED_B:
+        tl.store(gb_ptr + cols, gb.to(gb_ptr.dtype.element_ty), mask=col_ok)
+
+
+# ---------------------------------------------------------------------------------------
+# logprobs_from_logits
+
+
+@triton.jit
+def _logits_fwd_kernel(
+    l_ptr,  # [N, V] logits, any float dtype, row stride `stride`, unit column stride
+    tgt_ptr,  # [N] int64 local vocabulary ids (an address only when in [0, V))
+    invt_ptr,  # [N] compute dtype
+    stats_ptr,  # [N, 3] compute dtype output: max z, Σexp(z − max), Σexp(z − max)·(z − max)
+    tlog_ptr,  # [N] compute dtype output: z of the target, 0 when it is outside [0, V)
+    V, stride,
+    NEED_ENTROPY: tl.constexpr, CDT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0).to(tl.int64)
+    base = l_ptr + n * stride
+    inv_t = tl.load(invt_ptr + n).to(CDT)
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    m = tl.full([], _NEG_INF, CDT)
+    s = tl.zeros([], CDT)
+    t = tl.zeros([], CDT)
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + lanes
+        ok = cols < V
+        z = tl.load(base + cols, mask=ok, other=0.0).to(CDT) * inv_t
+        m_new = tl.maximum(m, tl.max(tl.where(ok, z, _NEG_INF), 0))
+        seen = m > _NEG_INF
+        shift = tl.where(seen, m - m_new, 0.0)
+        alpha = tl.where(seen, tl.exp(shift), 0.0)
+        d = z - m_new
+        e = tl.where(ok, tl.exp(d), 0.0)
+        if NEED_ENTROPY:
+            t = alpha * (t + shift * s) + tl.sum(e * d, 0)
+        s = alpha * s + tl.sum(e, 0)
+        m = m_new
+    tg = tl.load(tgt_ptr + n)
+    t_ok = (tg >= 0) & (tg < V)
+    zt = tl.load(base + tl.where(t_ok, tg, 0), mask=t_ok, other=0.0).to(CDT) * inv_t
+    tl.store(tlog_ptr + n, tl.where(t_ok, zt, 0.0))
+    tl.store(stats_ptr + n * 3, m)
+    tl.store(stats_ptr + n * 3 + 1, s)
+    tl.store(stats_ptr + n * 3 + 2, t)
+
+
+@triton.jit
+def _logits_bwd_kernel(
+    l_ptr,  # [N, V] logits, row stride `stride`, unit column stride
+    tgt_ptr,  # [N] int64 local vocabulary ids (compared only)
+    invt_ptr, g_ptr, lse_ptr, ent_ptr,  # [N] compute dtype: inv T, grad of log p, lse, entropy
+    gent_ptr,  # [N] compute dtype: gradient of the entropy (HAS_GENT)
+    out_ptr,  # [N, V] contiguous, logits' dtype: dz
+    V, stride,
+    HAS_GENT: tl.constexpr, CDT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    ok = cols < V
+    inv_t = tl.load(invt_ptr + n).to(CDT)
+    g = tl.load(g_ptr + n).to(CDT)
+    lse = tl.load(lse_ptr + n).to(CDT)
+    tg = tl.load(tgt_ptr + n)
+    z = tl.load(l_ptr + n * stride + cols, mask=ok, other=0.0).to(CDT) * inv_t
+    d = z - lse
+    p = tl.exp(d)
+    inner = tl.where(cols == tg, g, 0.0) - g * p
+    if HAS_GENT:
+        h = tl.load(gent_ptr + n).to(CDT)
+        ent = tl.load(ent_ptr + n).to(CDT)
+        inner -= h * p * (d + ent)
+    dz = inner * inv_t
+    tl.store(out_ptr + n * V + cols, dz.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------
+# launchers (contract: rlvr_kernels/ops/logprobs.py)
+
+
+def linear_logprobs_fwd(hidden, weight, bias, inv_temperature, row_ptr, sorted_targets, need_entropy):
+    """-> (stats [N, 3], target_logits [M]), compute dtype."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    M = sorted_targets.shape[0]
+    cdt, CDT = compute_dtype(hidden.dtype)
+    dev = hidden.device
+    stats = torch.empty((N, 3), dtype=cdt, device=dev)
+    target_logits = torch.zeros(M, dtype=cdt, device=dev)
+    if N == 0:
+        return stats, target_logits
+    cfg = config("linear_fwd", hidden.dtype, device_arch(dev))
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
+    _linear_fwd_kernel[grid](
+        hidden, weight, bias if bias is not None else hidden, inv_temperature, row_ptr, sorted_targets,
+        stats, target_logits, N, V, H, M,
+        HAS_BIAS=bias is not None, NEED_ENTROPY=bool(need_entropy), CDT=CDT, OP=operand_dtype(hidden.dtype), **cfg,
+    )  # fmt: skip
+    return stats, target_logits
+
+
+def linear_logprobs_bwd(hidden, weight, bias, inv_temperature, row_ptr, sorted_targets, sorted_grad, lse, entropy,
+                        grad_entropy, need_hidden, need_weight, need_bias):  # fmt: skip
+    """-> (grad_hidden [N, H], grad_weight [V, H], grad_bias [V]) in the inputs' dtypes; an
+    output not needed is an empty [0] tensor."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    M = sorted_targets.shape[0]
+    cdt, CDT = compute_dtype(hidden.dtype)
+    dev = hidden.device
+    need_bias = bool(need_bias) and bias is not None
+    empty = torch.empty(0, dtype=hidden.dtype, device=dev)
+    cfg = config("linear_bwd", hidden.dtype, device_arch(dev))
+    common = dict(HAS_BIAS=bias is not None, HAS_GENT=grad_entropy is not None, CDT=CDT,
+                  OP=operand_dtype(hidden.dtype), **cfg)  # fmt: skip
+    args = (hidden, weight, bias if bias is not None else hidden, inv_temperature, row_ptr, sorted_targets,
+            sorted_grad, lse, entropy, grad_entropy if grad_entropy is not None else lse)  # fmt: skip
+
+    grad_hidden = empty
+    if need_hidden:
+        # The kernel accumulates in the compute dtype: in place for fp32 / fp64 inputs.
+        gh = torch.empty((N, H), dtype=cdt, device=dev)
+        if N > 0 and H > 0:
+            _linear_bwd_hidden_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](*args, gh, N, V, H, M, **common)
+        grad_hidden = gh.to(hidden.dtype)
+
+    grad_weight, grad_bias = empty, torch.empty(0, dtype=bias.dtype if bias is not None else hidden.dtype, device=dev)
+    if need_weight or need_bias:
+        gw = torch.empty((V, H) if need_weight else (0,), dtype=cdt, device=dev)
+        gb = torch.empty(V if need_bias else 0, dtype=bias.dtype if need_bias else cdt, device=dev)
+        if N == 0:  # a sum over no rows
+            gw.zero_()
+            gb.zero_()
+        elif (need_weight and H > 0) or need_bias:
+            _linear_bwd_weight_kernel[(triton.cdiv(V, cfg["BLOCK_V"]),)](
+                *args, gw if need_weight else lse, gb if need_bias else lse, N, V, H, M,
+                NEED_W=bool(need_weight) and H > 0, NEED_B=need_bias, **common,
+            )  # fmt: skip
+        if need_weight:
+            grad_weight = gw.to(weight.dtype)
+        if need_bias:
+            grad_bias = gb
+    return grad_hidden, grad_weight, grad_bias
+
+
+def logits_logprobs_fwd(logits, targets, inv_temperature, need_entropy):
+    """-> (stats [N, 3], target_logits [N]), compute dtype."""
+    N, V = logits.shape
+    cdt, CDT = compute_dtype(logits.dtype)
+    stats = torch.empty((N, 3), dtype=cdt, device=logits.device)
+    target_logits = torch.empty(N, dtype=cdt, device=logits.device)
+    if N == 0:
+        return stats, target_logits
+    cfg = config("logits_fwd", logits.dtype, device_arch(logits.device))
+    cfg["BLOCK"] = min(cfg["BLOCK"], max(16, triton.next_power_of_2(V)))
+    _logits_fwd_kernel[(N,)](logits, targets, inv_temperature, stats, target_logits, V, logits.stride(0),
+                             NEED_ENTROPY=bool(need_entropy), CDT=CDT, **cfg)  # fmt: skip
+    return stats, target_logits
+
+
+def logits_logprobs_bwd(logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy):
+    """-> grad_logits [N, V], logits' dtype, contiguous."""
+    N, V = logits.shape
+    _, CDT = compute_dtype(logits.dtype)
+    out = torch.empty((N, V), dtype=logits.dtype, device=logits.device)
+    if N == 0:
+        return out
+    cfg = config("logits_bwd", logits.dtype, device_arch(logits.device))
+    cfg["BLOCK"] = min(cfg["BLOCK"], max(16, triton.next_power_of_2(V)))
+    grid = (N, triton.cdiv(V, cfg["BLOCK"]))
+    _logits_bwd_kernel[grid](
+        logits, targets, inv_temperature, grad_logp, lse, entropy,
+        grad_entropy if grad_entropy is not None else lse, out, V, logits.stride(0),
+        HAS_GENT=grad_entropy is not None, CDT=CDT, **cfg,
+    )  # fmt: skip
+    return out
