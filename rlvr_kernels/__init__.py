@@ -1,6 +1,13 @@
 """rlvr_kernels: fused, exact, drop-in PyTorch ops for RL with verifiable rewards."""
 
-from .ops import group_advantages, policy_loss, shape_token_advantages, uids_to_group_index
+from .ops import (
+    group_advantages,
+    linear_logprobs,
+    logprobs_from_logits,
+    policy_loss,
+    shape_token_advantages,
+    uids_to_group_index,
+)
 from .options import (
     AdvantageOptions,
     GroupAdvantages,
@@ -23,6 +30,8 @@ __all__ = [
     "cpu_cache_stats",
     "empty_cpu_cache",
     "group_advantages",
+    "linear_logprobs",
+    "logprobs_from_logits",
     "policy_loss",
     "shape_token_advantages",
     "uids_to_group_index",

@@ -84,11 +84,18 @@ def available_backends(device: str):
 def cmd_check(args) -> int:
     import torch
 
-    from .testing import check_case_count, check_group_advantages, check_policy_loss, policy_check_case_count
+    from .testing import (
+        check_case_count,
+        check_group_advantages,
+        check_logprobs,
+        check_policy_loss,
+        logprobs_check_case_count,
+        policy_check_case_count,
+    )
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     backends = args.backend or available_backends(device)
-    total = (check_case_count() + policy_check_case_count()) * len(backends)
+    total = (check_case_count() + policy_check_case_count() + logprobs_check_case_count()) * len(backends)
     done = [0]
 
     def progress():
@@ -97,13 +104,14 @@ def cmd_check(args) -> int:
 
     rows = check_group_advantages(backends, device=device, seed=args.seed, progress=progress)
     rows += check_policy_loss(backends, device=device, seed=args.seed, progress=progress)
+    rows += check_logprobs(backends, device=device, seed=args.seed, progress=progress)
     print("", file=sys.stderr)
-    header = f"{'op':<17} {'backend':<9} {'case':<44} {'max abs err':>11} {'max rel err':>11}  result"
+    header = f"{'op':<20} {'backend':<9} {'case':<44} {'max abs err':>11} {'max rel err':>11}  result"
     print(header)
     print("-" * len(header))
     for r in rows:
         status = "pass" if r.ok else f"FAIL ({r.note})"
-        print(f"{r.op:<17} {r.backend:<9} {r.case[:44]:<44} {r.max_abs:>11.2e} {r.max_rel:>11.2e}  {status}")
+        print(f"{r.op:<20} {r.backend:<9} {r.case[:44]:<44} {r.max_abs:>11.2e} {r.max_rel:>11.2e}  {status}")
     failed = sum(not r.ok for r in rows)
     print(f"\n{len(rows) - failed}/{len(rows)} passed on {device} (backends: {', '.join(backends)})")
     return 1 if failed else 0

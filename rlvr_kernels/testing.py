@@ -36,8 +36,9 @@ class Comparison:
     ok: bool
 
 
-def compare(field: str, fast, ref64, same, out_dtype: torch.dtype) -> Comparison:
-    """Tolerance rule for floating outputs; exact equality for integer and bool outputs."""
+def compare(field: str, fast, ref64, same, out_dtype: torch.dtype, atol_scale: float = 1.0) -> Comparison:
+    """Tolerance rule for floating outputs; exact equality for integer and bool outputs.
+    ``atol_scale`` widens atol for results derived from larger intermediates."""
     if fast is None or ref64 is None:
         ok = fast is None and ref64 is None
         return Comparison(field, 0.0, 0.0, ok)
@@ -50,7 +51,7 @@ def compare(field: str, fast, ref64, same, out_dtype: torch.dtype) -> Comparison
     if f.numel() == 0:
         return Comparison(field, 0.0, 0.0, True)
     err = (f - r).abs()
-    bound = 2 * (s - r).abs() + default_atol(r, out_dtype)
+    bound = 2 * (s - r).abs() + default_atol(r, out_dtype) * atol_scale
     ok = bool(torch.isfinite(f).all()) and bool((err <= bound).all())
     rel = float(err.max()) / max(float(r.abs().max()), 1e-30)  # relative to the result's scale
     return Comparison(field, float(err.max()), rel, ok)
@@ -114,6 +115,19 @@ class CheckRow:
     note: str = ""
 
 
+def _check_row(op: str, backend: str, case: str, compute: Callable[[], List[Comparison]]) -> CheckRow:
+    """One ``rlvr-kernels check`` row: the worst of the comparisons ``compute`` returns; a
+    crash is a failed check, reported, not raised."""
+    try:
+        comps = compute()
+    except Exception as e:
+        return CheckRow(op, backend, case, float("nan"), float("nan"), False, repr(e)[:80])
+    bad = [c.field for c in comps if not c.ok]
+    worst = max(comps, key=lambda c: (not c.ok, c.max_abs))
+    return CheckRow(op, backend, case, max(c.max_abs for c in comps), max(c.max_rel for c in comps), not bad,
+                    ", ".join(bad) or worst.field)  # fmt: skip
+
+
 # (name, inputs, options): the cases `rlvr-kernels check` runs on every backend.
 def _check_cases() -> List[tuple]:
     cases = []
@@ -144,15 +158,8 @@ def check_group_advantages(backends: List[str], device: str = "cpu", seed: int =
         ref64 = group_advantages(**as_float64(inputs), **opts, backend="reference", out_dtype=torch.float64)
         same = group_advantages(**inputs, **opts, backend="reference", out_dtype=inputs["scores"].dtype)
         for backend in backends:
-            try:
-                fast = group_advantages(**inputs, **opts, backend=backend)
-                comps = compare_advantages(fast, ref64, same, torch.float32)
-                worst = max(comps, key=lambda c: (not c.ok, c.max_abs))
-                bad = [c.field for c in comps if not c.ok]
-                rows.append(CheckRow("group_advantages", backend, name, max(c.max_abs for c in comps),
-                                     max(c.max_rel for c in comps), not bad, ", ".join(bad) or worst.field))  # fmt: skip
-            except Exception as e:  # a crash is a failed check, reported, not raised
-                rows.append(CheckRow("group_advantages", backend, name, float("nan"), float("nan"), False, repr(e)[:80]))
+            rows.append(_check_row("group_advantages", backend, name, lambda: compare_advantages(
+                group_advantages(**inputs, **opts, backend=backend), ref64, same, torch.float32)))  # fmt: skip
             if progress:
                 progress()
     return rows
@@ -308,15 +315,8 @@ def check_policy_loss(backends: List[str], device: str = "cpu", seed: int = 0,
         ref64 = run_policy_loss(as_float64(inputs), opts, "reference", up)
         same = run_policy_loss(inputs, opts, "reference", up)
         for backend in backends:
-            try:
-                fast = run_policy_loss(inputs, opts, backend, up)
-                comps = compare_policy(fast, ref64, same, inputs["logprobs"].dtype)
-                bad = [c.field for c in comps if not c.ok]
-                worst = max(comps, key=lambda c: (not c.ok, c.max_abs))
-                rows.append(CheckRow("policy_loss", backend, name, max(c.max_abs for c in comps),
-                                     max(c.max_rel for c in comps), not bad, ", ".join(bad) or worst.field))  # fmt: skip
-            except Exception as e:  # a crash is a failed check, reported, not raised
-                rows.append(CheckRow("policy_loss", backend, name, float("nan"), float("nan"), False, repr(e)[:80]))
+            rows.append(_check_row("policy_loss", backend, name, lambda: compare_policy(
+                run_policy_loss(inputs, opts, backend, up), ref64, same, inputs["logprobs"].dtype)))  # fmt: skip
             if progress:
                 progress()
     return rows
@@ -324,3 +324,188 @@ def check_policy_loss(backends: List[str], device: str = "cpu", seed: int = 0,
 
 def policy_check_case_count() -> int:
     return len(_policy_check_cases())
+
+
+# ---------------------------------------------------------------------------------------
+# linear_logprobs / logprobs_from_logits
+
+ROW_KINDS = ("normal", "peaked", "flat", "negative")
+
+
+def random_logprobs_case(
+    gen: torch.Generator,
+    *,
+    N: int = 37,
+    H: int = 33,
+    V: int = 131,
+    dtype: torch.dtype = torch.float32,
+    rows: str = "normal",
+    temperature="float",
+    bias: bool = False,
+    ignore_fraction: float = 0.0,
+    branching: bool = False,
+    device: str = "cpu",
+) -> Dict:
+    """Fresh random ``linear_logprobs`` arguments (``return_entropy=True``).
+
+    ``rows``: ``"normal"`` (logits of std ~3), ``"peaked"`` (every row's target beats the
+    rest by a margin of 45, before the temperature), ``"flat"`` (hidden = 0: uniform rows) or ``"negative"`` (every
+    logit < 0). ``temperature``: ``"float"`` (0.7), ``"rows"`` (a per-row tensor in
+    [0.5, 1.5]) or ``None`` (1.0). ``branching``: targets predicted through a
+    ``row_index`` with repeats and rows that predict nothing (prefix-tree branch points)."""
+    w = torch.randn(V, H, generator=gen, dtype=torch.float64) / H**0.5
+    h = 3.0 * torch.randn(N, H, generator=gen, dtype=torch.float64)
+    M = N + N // 2 if branching else N
+    row_index = None
+    if branching and N:
+        row_index = torch.randint(0, max(1, N - 2), (M,), generator=gen)  # the last two rows predict nothing
+    elif branching:
+        M = 0
+        row_index = torch.zeros(0, dtype=torch.int64)
+    targets = torch.randint(0, V, (M,), generator=gen)
+    if rows == "peaked" and N:
+        # Row n is a multiple of one vocabulary row w_t, picked among 8 candidates for the
+        # largest gap w_t·w_t − max_{u≠t} w_u·w_t and scaled so the margin is exactly 45.
+        cand = torch.randint(0, V, (N, 8), generator=gen)
+        zc = torch.einsum("nkh,vh->nkv", w[cand], w)
+        own = zc.gather(-1, cand[..., None]).squeeze(-1)
+        gap = own - zc.scatter(-1, cand[..., None], float("-inf")).amax(-1)
+        best = gap.argmax(-1, keepdim=True)
+        top, gap = cand.gather(-1, best).squeeze(-1), gap.gather(-1, best).squeeze(-1)
+        if V > 1 and not bool((gap > 0).all()):
+            raise ValueError("random_logprobs_case: no peaked direction found; use a larger H")
+        h = (45.0 / gap.clamp(min=1e-3))[:, None] * w[top]
+        rows_of = torch.arange(M) if row_index is None else row_index
+        targets = top[rows_of]
+    elif rows == "flat":
+        h = torch.zeros(N, H, dtype=torch.float64)
+    elif rows == "negative":
+        w = w.abs()
+        h = -h.abs()
+    if ignore_fraction and M:
+        targets[torch.rand(M, generator=gen) < ignore_fraction] = -100
+    kw = dict(hidden=h.to(dtype), weight=w.to(dtype), targets=targets, row_index=row_index, return_entropy=True)
+    if bias:
+        kw["bias"] = (0.5 * torch.randn(V, generator=gen, dtype=torch.float64)).to(dtype)
+        if rows == "negative":
+            kw["bias"] = -kw["bias"].abs()
+    if temperature == "float":
+        kw["temperature"] = 0.7
+    elif temperature == "rows":
+        kw["temperature"] = (0.5 + torch.rand(N, generator=gen, dtype=torch.float64)).float()
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+
+
+def logits_case_from(inputs: Dict) -> Dict:
+    """``logprobs_from_logits`` arguments with the same logits as a linear case (no
+    row_index), laid out ``[2, N/2, V]`` when N is even to exercise leading dimensions."""
+    h, w = inputs["hidden"], inputs["weight"]
+    logits = (h.double() @ w.double().T + (0 if inputs.get("bias") is None else inputs["bias"].double())).to(h.dtype)
+    targets = inputs["targets"]
+    temp = inputs.get("temperature", 1.0)
+    if logits.shape[0] % 2 == 0 and logits.shape[0]:
+        logits = logits.reshape(2, -1, logits.shape[-1])
+        targets = targets.reshape(2, -1)
+        if isinstance(temp, torch.Tensor):
+            temp = temp.reshape(2, -1)
+    return dict(logits=logits, targets=targets, temperature=temp, return_entropy=True)
+
+
+def logprobs_upstream(inputs: Dict, gen: torch.Generator) -> Dict[str, torch.Tensor]:
+    """Random per-token upstream gradients for the log-probs and the entropies."""
+    if "logits" in inputs:
+        shape_lp = shape_ent = tuple(inputs["targets"].shape)
+    else:
+        shape_lp, shape_ent = tuple(inputs["targets"].shape), (inputs["hidden"].shape[0],)
+    return {"logp": torch.randn(shape_lp, generator=gen, dtype=torch.float64),
+            "entropy": torch.randn(shape_ent, generator=gen, dtype=torch.float64)}  # fmt: skip
+
+
+def run_logprobs(inputs: Dict, backend: str, upstream: Optional[Dict] = None) -> Dict[str, torch.Tensor]:
+    """Forward + backward of ``linear_logprobs`` (or ``logprobs_from_logits`` when the
+    inputs hold ``logits``) on fresh leaves; returns the outputs and every gradient."""
+    from . import linear_logprobs, logprobs_from_logits
+
+    kw = dict(inputs)
+    names = ["logits"] if "logits" in kw else ["hidden", "weight"] + (["bias"] if kw.get("bias") is not None else [])
+    leaves = {n: kw[n].detach().clone().requires_grad_(True) for n in names}
+    kw.update(leaves)
+    fn = logprobs_from_logits if "logits" in kw else linear_logprobs
+    logp, entropy = fn(**kw, backend=backend)
+    out = {"logp": logp.detach(), "entropy": entropy.detach()}
+    if upstream is not None:
+        loss = (logp * upstream["logp"].to(logp)).sum() + (entropy * upstream["entropy"].to(entropy)).sum()
+        if loss.requires_grad:
+            loss.backward()
+        for n, leaf in leaves.items():
+            out[f"grad.{n}"] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+    return out
+
+
+def logit_scale(inputs: Dict) -> float:
+    """max |z| of a case (temperature-scaled logits, computed in fp64; small cases only)."""
+    if "logits" in inputs:
+        z = inputs["logits"].double()
+    else:
+        z = inputs["hidden"].double() @ inputs["weight"].double().T
+        if inputs.get("bias") is not None:
+            z = z + inputs["bias"].double()
+    t = inputs.get("temperature", 1.0)
+    z = z / (t.double()[..., None] if isinstance(t, torch.Tensor) else t)
+    return float(z.abs().max()) if z.numel() else 0.0
+
+
+def compare_logprobs(fast: Dict, ref64: Dict, same: Dict, in_dtype: torch.dtype, scale: float = 1.0) -> List[Comparison]:
+    """The tolerance rule on every output of :func:`run_logprobs`; gradients are in the
+    inputs' dtype, log-probs and entropies fp32 (fp64 for fp64 inputs). Every output is a
+    difference of O(|z|) quantities (z_t − lse, the entropy, p·(log p + H)), each carrying
+    an absolute error of a few ulps of |z|: ``scale`` = max |z| (:func:`logit_scale`)
+    widens atol by that factor (the 2·|same − ref64| term stays as it is)."""
+    atol_scale = max(1.0, scale)
+    return [compare(k, fast[k], r, same[k], in_dtype if k.startswith("grad.") else torch.float32, atol_scale)
+            for k, r in ref64.items()]  # fmt: skip
+
+
+def _logprobs_check_cases() -> List[tuple]:
+    """(name, random_logprobs_case kwargs, via logits?): small enough for the Triton interpreter."""
+    base = [
+        ("normal fp32, T=0.7", dict()),
+        ("peaked rows (margin > 30), bias", dict(rows="peaked", bias=True)),
+        ("flat rows", dict(rows="flat", temperature=None)),
+        ("all-negative logits, bias", dict(rows="negative", bias=True)),
+        ("per-row temperature, 20% ignored", dict(temperature="rows", ignore_fraction=0.2)),
+        ("row_index with repeats (tree branch points)", dict(branching=True, ignore_fraction=0.1)),
+        ("bf16, bias", dict(dtype=torch.bfloat16, bias=True)),
+        ("V = 1031 (not a tile multiple)", dict(V=1031, N=19)),
+    ]
+    cases = [(f"linear: {n}", kw, False) for n, kw in base]
+    cases += [(f"logits: {base[i][0]}", base[i][1], True) for i in (0, 1, 4, 6)]
+    return cases
+
+
+def check_logprobs(backends: List[str], device: str = "cpu", seed: int = 0,
+                   progress: Optional[Callable] = None) -> List[CheckRow]:  # fmt: skip
+    """``linear_logprobs`` and ``logprobs_from_logits`` on every backend (log-probs,
+    entropies, gradients with random upstream), diffed against the fp64 reference."""
+    rows = []
+    gen = torch.Generator().manual_seed(seed)
+    for name, case_kw, via_logits in _logprobs_check_cases():
+        inputs = random_logprobs_case(gen, device=device, **case_kw)
+        if via_logits:
+            inputs = logits_case_from(inputs)
+        up = logprobs_upstream(inputs, gen)
+        ref64 = run_logprobs(as_float64(inputs), "reference", up)
+        same = run_logprobs(inputs, "reference", up)
+        dt = inputs["logits" if via_logits else "hidden"].dtype
+        scale = logit_scale(inputs)
+        op = "logprobs_from_logits" if via_logits else "linear_logprobs"
+        for backend in backends:
+            rows.append(_check_row(op, backend, name.split(": ", 1)[1], lambda: compare_logprobs(
+                run_logprobs(inputs, backend, up), ref64, same, dt, scale)))  # fmt: skip
+            if progress:
+                progress()
+    return rows
+
+
+def logprobs_check_case_count() -> int:
+    return len(_logprobs_check_cases())

@@ -16,11 +16,19 @@ import torch
 
 from ..ops._validation import checks_enabled
 from ..ops.advantages import group_advantages
+from ..ops.logprobs import logprobs_from_logits
 from ..ops.policy_loss import policy_loss
 from ..options import PolicyLossMetrics, TokenShaping, resolve_policy_loss_options
 from ..reference.policy_loss import entropy_quantile_threshold
 
-__all__ = ["compute_grpo_advantages", "compute_async_grpo_advantages", "grpo_loss_trl"]
+__all__ = [
+    "compute_grpo_advantages",
+    "compute_async_grpo_advantages",
+    "grpo_loss_trl",
+    "selective_log_softmax",
+    "entropy_from_logits",
+    "selective_log_softmax_and_entropy",
+]
 
 
 def compute_grpo_advantages(
@@ -312,3 +320,43 @@ class _SequenceMeanGrad(torch.autograd.Function):
         m = (mask != 0).to(grad.dtype)
         per_seq = (grad * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
         return per_seq * m, None
+
+
+# ------------------------------------------------------------------ log-probs
+def _row_targets(logits, index, row_mask):
+    if index.dim() != logits.dim() - 1:
+        raise NotImplementedError(
+            f"index: only one target per position (shape {tuple(logits.shape[:-1])}) is supported, got "
+            f"{tuple(index.shape)}; gather several log-probs with logits.log_softmax(-1) instead"
+        )
+    if row_mask is not None:
+        index = torch.where(row_mask.to(torch.bool), index, torch.full_like(index, -100))
+    return index
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0,
+                          row_mask: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
+    """TRL ``trainer.utils.selective_log_softmax``: log-softmax of ``logits / temperature``
+    gathered at ``index`` (shape ``logits.shape[:-1]``), in the logits' dtype; positions
+    where ``row_mask`` is 0 give 0. Computed in fp32 in one pass over each row."""
+    if temperature <= 0:
+        raise ValueError("temperature must be positive")
+    logp = logprobs_from_logits(logits, _row_targets(logits, index, row_mask), temperature)
+    return logp.to(logits.dtype)
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Tensor:
+    """TRL ``trainer.utils.entropy_from_logits``: the entropy of every row of ``logits``, in
+    the logits' dtype (``chunk_size`` is accepted and unused: nothing ``[N, V]`` is built)."""
+    ignored = torch.full(logits.shape[:-1], -100, dtype=torch.int64, device=logits.device)
+    _, entropy = logprobs_from_logits(logits, ignored, return_entropy=True)
+    return entropy.to(logits.dtype)
+
+
+def selective_log_softmax_and_entropy(logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0,
+                                      row_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Both of the above from one read of the logits (what ``GRPOTrainer`` computes when it
+    needs entropies), fp32. Entropies are computed on every row, masked or not."""
+    if temperature <= 0:
+        raise ValueError("temperature must be positive")
+    return logprobs_from_logits(logits, _row_targets(logits, index, row_mask), temperature, return_entropy=True)

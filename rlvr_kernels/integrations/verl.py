@@ -26,6 +26,8 @@ from ..ops._dispatch import check_backend
 from ..ops._validation import checks_enabled
 from ..ops.advantages import group_advantages
 from ..ops.groups import uids_to_group_index
+from ..ops.logprobs import linear_logprobs as _linear_logprobs
+from ..ops.logprobs import logprobs_from_logits as _logprobs_from_logits
 from ..ops.policy_loss import policy_loss as _policy_loss
 from ..options import PolicyLossOptions, resolve_policy_loss_options
 
@@ -46,6 +48,9 @@ __all__ = [
     "kl_penalty",
     "agg_loss",
     "policy_loss_verl",
+    "logprobs_from_logits",
+    "entropy_from_logits",
+    "linear_cross_entropy",
     "use_backend",
 ]
 
@@ -222,7 +227,7 @@ _LOSS_MODES = {"vanilla": "ppo", "gspo": "gspo", "cispo": "cispo", "sapo": "sapo
 
 @contextlib.contextmanager
 def use_backend(backend: str):
-    """Run the policy-loss drop-ins of this module on ``backend`` ("auto", "reference",
+    """Run the policy-loss and log-prob drop-ins of this module on ``backend`` ("auto", "reference",
     "cpu", "triton") inside the ``with`` block (verl's signatures leave no room for it)."""
     check_backend(backend)
     token = _BACKEND.set(backend)
@@ -677,3 +682,37 @@ def policy_loss_verl(
     if use_kl:
         metrics["kl_coef"] = _get(config, "kl_loss_coef", 0.0)
     return loss, metrics
+
+
+# ------------------------------------------------------------------ log-probs
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
+    """verl ``utils.torch_functional.logprobs_from_logits``: log p of ``labels [...]`` from
+    ``logits [..., V]``, in the logits' dtype (computed in fp32, one pass, no ``[N, V]``
+    temporaries). ``inplace_backward`` is accepted for signature compatibility; the backward
+    writes only the logits' gradient in any case."""
+    logp = _logprobs_from_logits(logits, labels, backend=_BACKEND.get())
+    return logp.to(logits.dtype)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """verl ``utils.torch_functional.entropy_from_logits``: logsumexp(z) − Σ softmax(z)·z per
+    row, in the logits' dtype. (When the log-probs are needed too, one call of
+    :func:`rlvr_kernels.logprobs_from_logits` with ``return_entropy=True`` reads the logits once.)"""
+    ignored = torch.full(logits.shape[:-1], -100, dtype=torch.int64, device=logits.device)
+    _, entropy = _logprobs_from_logits(logits, ignored, return_entropy=True, backend=_BACKEND.get())
+    return entropy.to(logits.dtype)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                         reduction: str = "none", dist_process_group=None) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """verl ``utils.kernel.linear_cross_entropy``: ``(log-probs, entropy)`` of ``labels`` from
+    ``hidden [..., H]`` and the (vocab-parallel, with ``dist_process_group``) LM head
+    ``weight [V, H]``, fp32, shaped like ``labels``. Runs on CPU and GPU; only
+    ``reduction="none"`` (what verl's actor uses)."""
+    if reduction != "none":
+        raise NotImplementedError(f"reduction: only 'none' is supported, got {reduction!r}")
+    lead = labels.shape
+    logp, entropy = _linear_logprobs(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+                                     temperature=temperature, return_entropy=True, process_group=dist_process_group,
+                                     backend=_BACKEND.get())  # fmt: skip
+    return logp.reshape(lead), entropy.reshape(lead)

@@ -2,6 +2,14 @@
 
 from .advantages import group_advantages
 from .groups import uids_to_group_index
+from .logprobs import linear_logprobs, logprobs_from_logits
 from .policy_loss import policy_loss, shape_token_advantages
 
-__all__ = ["group_advantages", "policy_loss", "shape_token_advantages", "uids_to_group_index"]
+__all__ = [
+    "group_advantages",
+    "linear_logprobs",
+    "logprobs_from_logits",
+    "policy_loss",
+    "shape_token_advantages",
+    "uids_to_group_index",
+]

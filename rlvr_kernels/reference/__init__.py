@@ -1,6 +1,13 @@
 """Pure-PyTorch references: the SPEC in code, fp64-capable, never fast."""
 
 from .advantages import group_advantages
+from .logprobs import linear_logprobs, logprobs_from_logits
 from .policy_loss import policy_loss, shape_token_advantages
 
-__all__ = ["group_advantages", "policy_loss", "shape_token_advantages"]
+__all__ = [
+    "group_advantages",
+    "linear_logprobs",
+    "logprobs_from_logits",
+    "policy_loss",
+    "shape_token_advantages",
+]

@@ -1,0 +1,76 @@
+"""Reference for SPEC §3: log-probs and entropy from hidden states and the LM head, or
+from logits. It materialises the ``[N, V]`` logits (small sizes only) and leaves the
+gradients to autograd, so it is the formula and nothing else. Everything is computed in
+fp64 when the inputs are fp64, else in fp32 from the inputs upcast."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _per_row(temperature, n: int, like: torch.Tensor) -> torch.Tensor:
+    if isinstance(temperature, torch.Tensor):
+        return temperature.to(device=like.device, dtype=like.dtype).reshape(-1).expand(n)
+    return torch.full((n,), float(temperature), device=like.device, dtype=like.dtype)
+
+
+def _from_scaled_logits(z, targets, row_index, ignore_index, return_entropy):
+    """log p of each target and the entropy of each row, from temperature-scaled logits z."""
+    log_p = torch.log_softmax(z, dim=-1)
+    rows = torch.arange(z.shape[0], device=z.device) if row_index is None else row_index.long()
+    ignored = targets == ignore_index
+    safe = torch.where(ignored, torch.zeros_like(targets), targets).long()
+    logp = log_p[rows, safe].masked_fill(ignored, 0.0)
+    if not return_entropy:
+        return logp
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    return logp, entropy
+
+
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    row_index: Optional[torch.Tensor] = None,
+    temperature: Union[float, torch.Tensor] = 1.0,
+    bias: Optional[torch.Tensor] = None,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """z_n = (hidden_n·Wᵀ + b) / T_n; logp_m = z_{row(m), t_m} − logsumexp(z_{row(m)})
+    (0 for ignored targets); entropy_n = logsumexp(z_n) − Σ_v softmax(z_n)_v z_{n,v}."""
+    dt = _compute_dtype(hidden.dtype)
+    z = hidden.to(dt) @ weight.to(dt).T
+    if bias is not None:
+        z = z + bias.to(dt)
+    z = z / _per_row(temperature, hidden.shape[0], z)[:, None]
+    return _from_scaled_logits(z, targets, row_index, ignore_index, return_entropy)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: Union[float, torch.Tensor] = 1.0,
+    return_entropy: bool = False,
+    *,
+    ignore_index: int = -100,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """The same from logits ``[..., V]`` with targets ``[...]``; outputs are shaped like
+    ``targets``. A per-row temperature tensor is shaped like ``targets`` (or broadcastable)."""
+    dt = _compute_dtype(logits.dtype)
+    lead = targets.shape
+    z = logits.to(dt).reshape(-1, logits.shape[-1])
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.to(dt).expand(lead).reshape(-1)
+    z = z / _per_row(temperature, z.shape[0], z)[:, None]
+    out = _from_scaled_logits(z, targets.reshape(-1), None, ignore_index, return_entropy)
+    if not return_entropy:
+        return out.reshape(lead)
+    return out[0].reshape(lead), out[1].reshape(lead)

@@ -1,0 +1,110 @@
+"""The torch.library contract of the log-prob ops: opcheck (schema, fake kernels,
+registered autograd), torch.compile(fullgraph=True) forward + backward, and gradcheck in
+fp64 against finite differences (hidden, weight, bias, logits; entropy gradient included)."""
+
+import importlib
+
+import pytest
+import torch
+
+import rlvr_kernels as rk
+from rlvr_kernels.testing import random_logprobs_case
+
+from _backends import FAST, HEAVY
+
+ops = importlib.import_module("rlvr_kernels.ops.logprobs")  # (the package re-exports functions of its names)
+
+
+def linear_op_args(device, backend, branching, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    x = random_logprobs_case(gen, N=9, H=8, V=37, bias=True, branching=branching, ignore_fraction=0.2, dtype=dtype,
+                             temperature="rows", device=device)  # fmt: skip
+    n = x["hidden"].shape[0]
+    row_ptr, order = ops._csr(x["row_index"], n, x["hidden"].device)
+    inv_t = ops._inv_temperature(x["temperature"], n, x["hidden"].device, torch.float32)
+    rows = None if x["row_index"] is None else x["row_index"].long()
+    return (x["hidden"].requires_grad_(True), x["weight"].requires_grad_(True), x["bias"].requires_grad_(True),
+            x["targets"], rows, row_ptr, order, inv_t, -100, True, backend)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend,device", FAST)
+@pytest.mark.parametrize("branching", [False, True])
+def test_opcheck_linear(backend, device, branching):
+    torch.library.opcheck(ops._linear_logprobs, linear_op_args(device, backend, branching))
+
+
+@pytest.mark.parametrize("backend,device", FAST)
+def test_opcheck_from_logits(backend, device):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(11, 29, generator=gen).to(device).requires_grad_(True)
+    targets = torch.randint(0, 29, (11,), generator=gen).to(device)
+    targets[3] = -100
+    inv_t = torch.full((11,), 1 / 0.7, device=device)
+    torch.library.opcheck(ops._from_logits, (logits, targets, inv_t, -100, True, backend))
+
+
+@pytest.mark.cpu_kernel
+def test_fake_kernels_match_real_outputs():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for branching in (False, True):
+        args = linear_op_args("cpu", "cpu", branching)
+        real = ops._linear_logprobs(*args)
+        with FakeTensorMode() as mode:
+            fake = ops._linear_logprobs(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+        for r, f in zip(real, fake):
+            assert r.shape == f.shape and r.dtype == f.dtype
+
+
+@pytest.mark.parametrize("backend,device", FAST)
+def test_torch_compile_fullgraph(backend, device):
+    gen = torch.Generator().manual_seed(2)
+    x = random_logprobs_case(gen, N=12, H=16, V=53, bias=True, branching=True, device=device)
+    g = torch.randn(x["targets"].shape[0], generator=gen).to(device)
+    h = torch.randn(12, generator=gen).to(device)
+
+    def step(hidden, weight, bias, logits):
+        logp, ent = rk.linear_logprobs(hidden, weight, x["targets"], row_index=x["row_index"], bias=bias,
+                                       temperature=0.7, return_entropy=True, backend=backend)  # fmt: skip
+        lp2, ent2 = rk.logprobs_from_logits(logits, x["targets"][:12], 0.7, True, backend=backend)
+        return (logp * g).sum() + (ent * h).sum() + (lp2 * h).sum() + ent2.sum()
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        leaves = [x["hidden"].clone().requires_grad_(True), x["weight"].clone().requires_grad_(True),
+                  x["bias"].clone().requires_grad_(True), torch.randn(12, 53, generator=torch.Generator().manual_seed(3))
+                  .to(device).requires_grad_(True)]  # fmt: skip
+        loss = fn(*leaves)
+        loss.backward()
+        results.append([loss.detach()] + [t.grad for t in leaves])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend,device", HEAVY)
+@pytest.mark.parametrize("entropy", [False, True])
+def test_gradcheck_linear(backend, device, entropy):
+    gen = torch.Generator().manual_seed(4)
+    x = random_logprobs_case(gen, N=5, H=4, V=7, bias=True, branching=True, ignore_fraction=0.2,
+                             dtype=torch.float64, temperature="rows", device=device)  # fmt: skip
+    temp = x["temperature"].double()
+
+    def fn(hidden, weight, bias):
+        out = rk.linear_logprobs(hidden, weight, x["targets"], row_index=x["row_index"], bias=bias, temperature=temp,
+                                 return_entropy=entropy, backend=backend)  # fmt: skip
+        return out
+
+    leaves = (x["hidden"].requires_grad_(True), x["weight"].requires_grad_(True), x["bias"].requires_grad_(True))
+    assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend,device", HEAVY)
+def test_gradcheck_from_logits(backend, device):
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 3, 9, generator=gen, dtype=torch.float64).to(device).requires_grad_(True)
+    targets = torch.randint(0, 9, (2, 3), generator=gen).to(device)
+    targets[0, 1] = -100
+    temp = (0.5 + torch.rand(2, 3, generator=gen, dtype=torch.float64)).to(device)
+    assert torch.autograd.gradcheck(
+        lambda z: rk.logprobs_from_logits(z, targets, temp, True, backend=backend), (logits,), eps=1e-6, atol=1e-7
+    )
