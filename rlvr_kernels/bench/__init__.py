@@ -17,9 +17,13 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import advantages, policy_loss
+from . import advantages, logprobs, policy_loss
 
-SUITES = {"group_advantages": advantages.WORKLOADS, "policy_loss": policy_loss.WORKLOADS}
+SUITES = {
+    "group_advantages": advantages.WORKLOADS,
+    "policy_loss": policy_loss.WORKLOADS,
+    "linear_logprobs": logprobs.WORKLOADS,
+}
 
 
 def machine_info(device: str) -> Dict:
@@ -97,6 +101,12 @@ def to_markdown(report: Dict) -> str:
             extra = ""
             if "gbps" in r:
                 extra = f" ({r['gbps']:.1f} GB/s, {100 * r['copy_fraction']:.0f}% of measured copy {res['copy_gbps']:.1f} GB/s)"
+            if r.get("extra_gb") is not None:
+                extra += f" (peak +{r['extra_gb']:.2f} GB)"
+            if r.get("tflops") is not None:
+                extra += f" ({r['tflops']:.0f} TFLOP/s, {100 * r['matmul_fraction']:.0f}% of measured matmul)"
+            if r.get("note"):
+                extra += f" (did not run: {r['note'][:60]})"
             lines.append(f"| {r['method']}{extra} | {ms} | {ratio} |")
         for t in res["targets"]:
             got = "—" if t["measured"] is None else f"{t['measured']:.2f}"

@@ -1,0 +1,268 @@
+"""Benchmark of ``linear_logprobs`` (log-probs + entropy from hidden states and the LM
+head, forward + backward) against the ways trainers compute them today.
+
+CPU workload (the issue's): N = 2048 tokens, H = 1024, V = 32768, fp32. GPU workload (on
+a lent GPU): N = 16384, H = 4096, V = 151936 (Qwen's vocabulary), bf16. Every method
+computes the target log-probs *and* the entropies, then backpropagates random per-token
+upstream gradients of both into ``hidden`` and ``weight`` (leaves, ``.grad`` reset to
+None before each call), as an actor update does.
+
+Methods:
+- fused: ``rlvr_kernels.linear_logprobs(..., return_entropy=True)``.
+- eager: ``logits = hidden @ W.T``, ``log_softmax``, gather, ``−Σ p log p`` (materialised).
+- trl: TRL's ``selective_log_softmax`` + ``entropy_from_logits`` on materialised logits.
+- verl: verl's chunked torch path ``FusedLinearForPPO(chunk_size=512, impl_backend="torch")``.
+- liger: Liger's ``LigerFusedLinearScaledCrossEntropyFunction`` (on CPU its chunked torch
+  fallback; on sm_90 its CuTe kernel).
+- GPU only: Apple CCE ``linear_cross_entropy`` (log-probs only: it has no entropy) and
+  verl's Triton ``linear_cross_entropy``.
+
+Time: median of interleaved rounds in this process (every method once per round, so a
+load change on a shared machine hits all alike). Memory: each method once more in a fresh
+subprocess; on CPU the peak RSS of the call above the RSS before it (VmHWM reset through
+``/proc/self/clear_refs``), on CUDA ``max_memory_allocated`` above the inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .. import linear_logprobs
+from .advantages import _target
+from .timing import time_fn
+
+# The issue's targets, CPU: time ≤ 1.1× eager and extra peak memory ≤ 0.2 GB.
+CPU_TIME_TARGET = 1.1
+CPU_MEMORY_TARGET_GB = 0.2
+
+
+def shape(device: str, quick: bool) -> Dict:
+    if device == "cuda":
+        return dict(N=2048, H=1024, V=32768, dtype=torch.bfloat16) if quick else \
+            dict(N=16384, H=4096, V=151936, dtype=torch.bfloat16)  # fmt: skip
+    return dict(N=256, H=256, V=8192, dtype=torch.float32) if quick else \
+        dict(N=2048, H=1024, V=32768, dtype=torch.float32)  # fmt: skip
+
+
+def make_inputs(device: str, quick: bool = False, seed: int = 0) -> Dict:
+    s = shape(device, quick)
+    gen = torch.Generator().manual_seed(seed)
+    N, H, V, dt = s["N"], s["H"], s["V"], s["dtype"]
+    # Hidden states of unit scale and an LM head scaled as at initialisation: logits of
+    # std ~2, like a trained model's, so no method runs on degenerate rows.
+    hidden = torch.randn(N, H, generator=gen).to(device=device, dtype=dt)
+    weight = (2 * torch.randn(V, H, generator=gen) / H**0.5).to(device=device, dtype=dt)
+    targets = torch.randint(0, V, (N,), generator=gen).to(device)
+    g_logp = torch.randn(N, generator=gen).to(device)
+    g_ent = torch.randn(N, generator=gen).to(device)
+    return dict(s, hidden=hidden.requires_grad_(True), weight=weight.requires_grad_(True), targets=targets,
+                g_logp=g_logp, g_ent=g_ent)  # fmt: skip
+
+
+def _eager(hidden, weight, targets):
+    logp_all = torch.log_softmax((hidden @ weight.T).float(), dim=-1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def _trl(hidden, weight, targets):
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    logits = hidden @ weight.T
+    return selective_log_softmax(logits, targets), entropy_from_logits(logits)
+
+
+def _verl(hidden, weight, targets):
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+
+    return FusedLinearForPPO(chunk_size=512, impl_backend="torch")(hidden, weight, targets)
+
+
+def _liger(hidden, weight, targets):
+    from liger_kernel.ops.fused_linear_scaled_cross_entropy import LigerFusedLinearScaledCrossEntropyFunction
+
+    nll, entropy = LigerFusedLinearScaledCrossEntropyFunction.apply(hidden, weight, targets, 1.0, -100, 1, True)
+    return -nll, entropy
+
+
+def _cce(hidden, weight, targets):
+    from cut_cross_entropy import linear_cross_entropy
+
+    return -linear_cross_entropy(hidden, weight, targets, reduction="none"), None
+
+
+def _verl_kernel(hidden, weight, targets):
+    from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(hidden, weight, targets, 1.0, "none")
+
+
+def _fused(hidden, weight, targets):
+    return linear_logprobs(hidden, weight, targets, return_entropy=True)
+
+
+METHODS = {
+    "fused": ("rlvr_kernels.linear_logprobs (fused, tiled, recompute in backward)", _fused),
+    "eager": ("eager torch: materialised logits, log_softmax, gather, -sum p log p", _eager),
+    "trl": ("TRL selective_log_softmax + entropy_from_logits (materialised logits)", _trl),
+    "verl": ("verl FusedLinearForPPO (chunked torch, 512 tokens)", _verl),
+    "liger": ("Liger LigerFusedLinearScaledCrossEntropyFunction", _liger),
+    "cce": ("Apple CCE linear_cross_entropy (log-probs only, no entropy)", _cce),
+    "verl_kernel": ("verl linear_cross_entropy (Triton kernel)", _verl_kernel),
+}
+CPU_METHODS = ("fused", "eager", "trl", "verl", "liger")
+GPU_METHODS = ("fused", "eager", "liger", "cce", "verl_kernel", "trl")
+
+
+def step_fn(key: str, x: Dict) -> Callable[[], Dict]:
+    """One forward + backward of method ``key``; returns its outputs for the agreement check."""
+    fn = METHODS[key][1]
+
+    def step():
+        x["hidden"].grad = None
+        x["weight"].grad = None
+        logp, entropy = fn(x["hidden"], x["weight"], x["targets"])
+        loss = (logp.float() * x["g_logp"]).sum()
+        if entropy is not None:
+            loss = loss + (entropy.float() * x["g_ent"]).sum()
+        loss.backward()
+        return dict(logp=logp.detach(), entropy=None if entropy is None else entropy.detach())
+
+    return step
+
+
+def _current_rss() -> int:
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def measure_memory(key: str, device: str, quick: bool) -> Dict:
+    """Peak extra memory of one call of ``key`` (run in a fresh process by ``memory_rows``)."""
+    x = make_inputs(device, quick)
+    step = step_fn(key, x)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        return {"extra_gb": (torch.cuda.max_memory_allocated() - base) / 1e9}
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM, the peak RSS, to the current RSS
+    base, _ = _current_rss()
+    step()
+    _, peak = _current_rss()
+    return {"extra_gb": (peak - base) / 1e9}
+
+
+def memory_rows(keys: List[str], device: str, quick: bool) -> Dict[str, Dict]:
+    out = {}
+    for key in keys:
+        code = ("import json, sys; from rlvr_kernels.bench.logprobs import measure_memory; "
+                f"print(json.dumps(measure_memory({key!r}, {device!r}, {quick!r})))")  # fmt: skip
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+        try:
+            out[key] = json.loads(res.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            out[key] = {"error": (res.stderr.strip().splitlines() or ["no output"])[-1][:120]}
+    return out
+
+
+def matmul_tflops(device: str, dtype: torch.dtype, n: int = 8192) -> Optional[float]:
+    """Measured dense matmul rate (the GPU table's FLOP fraction is relative to it)."""
+    if device != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    t = time_fn(lambda: a @ b, device, repeats=10, warmup=3)
+    return 2 * n**3 / (t["ms"] * 1e-3) / 1e12
+
+
+def workload(device: str, quick: bool = False) -> Dict:
+    x = make_inputs(device, quick)
+    N, H, V = x["N"], x["H"], x["V"]
+    keys = list(CPU_METHODS if device == "cpu" else GPU_METHODS)
+    steps, outputs, errors = {}, {}, {}
+    for key in keys:  # first call: warm-up, agreement, and whether the method runs here at all
+        step = step_fn(key, x)
+        try:
+            outputs[key] = step()
+            outputs[key]["grad_hidden"] = x["hidden"].grad.detach().clone()
+            steps[key] = step
+        except Exception as e:  # a peer that cannot run here is reported, not hidden
+            errors[key] = repr(e)[:120]
+    repeats = 3 if quick or device == "cpu" else 10
+    times = {key: [] for key in steps}
+    for _ in range(repeats):
+        for key, step in steps.items():
+            times[key].append(time_fn(step, device, repeats=1, warmup=0)["ms"])
+    memory = memory_rows(list(steps), device, quick)
+    flops = 8 * N * H * V  # forward GEMM, its recompute and the two gradient GEMMs
+    peak = matmul_tflops(device, x["dtype"])
+    rows = {}
+    for key in keys:
+        r = {"method": METHODS[key][0], "key": key}
+        if key in times:
+            r["ms"] = sorted(times[key])[len(times[key]) // 2]
+            r["extra_gb"] = memory.get(key, {}).get("extra_gb")
+        else:
+            r["ms"], r["note"] = None, errors.get(key)
+        rows[key] = r
+    fused = rows["fused"].get("ms")
+    for r in rows.values():
+        r["ratio"] = r["ms"] / fused if r.get("ms") and fused else None
+        if r.get("ms") and peak:
+            r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
+            r["matmul_fraction"] = r["tflops"] / peak
+    ref = outputs.get("fused")
+    agreement = {}
+    for key, out in outputs.items():
+        if key == "fused" or ref is None:
+            continue
+        agreement[key] = {
+            "logp": float((out["logp"].float() - ref["logp"].float()).abs().max()),
+            "grad_hidden": float((out["grad_hidden"].float() - ref["grad_hidden"].float()).abs().max()),
+        }
+    targets = []
+    if device == "cpu":
+        targets.append(_target("fused / eager torch time", rows, "fused", "eager", "<=", CPU_TIME_TARGET))
+        gb = rows["fused"].get("extra_gb")
+        targets.append({"target": f"fused extra peak memory (GB) <= {CPU_MEMORY_TARGET_GB}", "measured": gb,
+                        "met": None if gb is None else gb <= CPU_MEMORY_TARGET_GB})  # fmt: skip
+    for key in keys:
+        if key != "fused" and rows[key].get("ms"):
+            targets.append(_target(f"{key} / fused time", rows, key, "fused", "info", None))
+    mem_kind = "peak RSS above the RSS before the call" if device == "cpu" else "max_memory_allocated above inputs"
+    notes = [
+        f"N={N} tokens, H={H}, V={V}, {str(x['dtype']).replace('torch.', '')}; log-probs + entropy, forward + "
+        f"backward into hidden and weight with random upstream gradients; {repeats} interleaved rounds (median)",
+        f"extra memory: each method once in a fresh process, {mem_kind}; the gradients of hidden and weight "
+        f"alone are {(N * H + V * H) * x['hidden'].element_size() / 1e9:.2f} GB",
+        "agreement with fused (max abs diff of log-probs / grad hidden): "
+        + ", ".join(f"{k} {v['logp']:.1e} / {v['grad_hidden']:.1e}" for k, v in agreement.items()),
+    ]
+    if peak:
+        notes.append(f"FLOP rate: 8*N*H*V = {flops / 1e12:.2f} TFLOP per call (4 GEMM-equivalents) over a measured "
+                     f"{str(x['dtype']).replace('torch.', '')} matmul rate of {peak:.0f} TFLOP/s")  # fmt: skip
+    for key, why in errors.items():
+        notes.append(f"{key} did not run here: {why}")
+    kind = "quick" if quick else "issue"
+    return {
+        "name": f"{kind} workload: N={N}, H={H}, V={V}, {str(x['dtype']).replace('torch.', '')}; "
+                "log-probs + entropy, forward + backward",
+        "rows": list(rows.values()),
+        "targets": targets,
+        "agreement": agreement,
+        "notes": notes,
+    }  # fmt: skip
+
+
+WORKLOADS: Dict[str, Callable] = {"lm_head_logprobs_entropy": workload}
