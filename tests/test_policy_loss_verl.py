@@ -135,11 +135,17 @@ def subsample(backend, device, cases):
     return cases
 
 
-def interpreter_runs_only(backend, device, loss_mode, keep):
-    """On Triton's CPU interpreter a test runs for the loss modes in ``keep`` only (each
-    mode is kept by one test of the file); the GPU runs them all."""
-    if interpreted(backend, device) and loss_mode not in keep:
-        pytest.skip(f"Triton interpreter: this test runs {keep} only (the GPU runs every loss mode)")
+def backend_modes(modes, keep):
+    """(backend, device, loss_mode) cases: every loss mode on every backend, except on
+    Triton's CPU interpreter, where only the modes in ``keep`` run (each mode is kept by one
+    test of the file); the GPU runs them all."""
+    cases = []
+    for p in ALL:
+        backend, device = p.values
+        for mode in modes:
+            if not interpreted(backend, device) or mode in keep:
+                cases.append(pytest.param(backend, device, mode, id=f"{p.id}-{mode}", marks=p.marks))
+    return cases
 
 
 def as64(batch: dict) -> dict:
@@ -248,11 +254,9 @@ def test_batches_exercise_every_branch():
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend,device", ALL)
-@pytest.mark.parametrize("loss_mode", LOSS_MODES)
+@pytest.mark.parametrize("backend,device,loss_mode", backend_modes(LOSS_MODES, ("vanilla", "gpg")))
 def test_policy_losses_match_verl(backend, device, loss_mode):
     """Every loss type × every aggregation × local / global (int and tensor) batch info."""
-    interpreter_runs_only(backend, device, loss_mode, ("vanilla", "gpg"))
     name = f"compute_policy_loss_{loss_mode}"
     grid = [(i, agg, j, info) for i, agg in enumerate(AGG_MODES) for j, info in enumerate(["local", "int", "tensor"])]
     for i, agg, j, info in subsample(backend, device, grid):
@@ -266,13 +270,11 @@ def test_policy_losses_match_verl(backend, device, loss_mode):
 WEIGHT_KINDS = [("token", 2.0), ("sequence", 2.0), ("token", "0.5_2.0"), ("sequence", "0.6_1.8")]
 
 
-@pytest.mark.parametrize("backend,device", ALL)
-@pytest.mark.parametrize("loss_mode", LOSS_MODES)
+@pytest.mark.parametrize("backend,device,loss_mode", backend_modes(LOSS_MODES, ("cispo",)))
 def test_rollout_is_weights_match_verl(backend, device, loss_mode):
     """``rollout_is_weights`` from verl's own compute_rollout_correction_weights (TIS and
     IcePop, token and sequence): folded into the advantages, loss, gradient and metrics
     (IcePop's zero weights included) match."""
-    interpreter_runs_only(backend, device, loss_mode, ("cispo",))
     name = f"compute_policy_loss_{loss_mode}"
     grid = [(k, level, threshold, agg) for k, (level, threshold) in enumerate(WEIGHT_KINDS)
             for agg in ("token-mean", "seq-mean-token-mean")]  # fmt: skip
@@ -428,14 +430,12 @@ def compare_actor_runs(mine, t32, t64, what):
     close_metrics(mine[1], t32[1], t64[1], what)
 
 
-@pytest.mark.parametrize("backend,device", ALL)
-@pytest.mark.parametrize("loss_mode", LOSS_MODES)
+@pytest.mark.parametrize("backend,device,loss_mode", backend_modes(LOSS_MODES, ("gspo",)))
 def test_actor_loss_matches_verl(backend, device, loss_mode):
     """pg + kl_loss_coef·kl − entropy_coeff·entropy in one call vs verl's ppo_loss: every
     loss type × aggregation × distinct KL estimator (fused or not) and without KL; the
     entropy term present (coefficient 0.01 or 0) or absent, local and global batch info
     (the config's loss_scale_factor too) switched across the cases."""
-    interpreter_runs_only(backend, device, loss_mode, ("gspo",))
     pairs = [(agg, kl) for agg in AGG_MODES for kl in KL_DISTINCT + [None]]
     for case, (agg, kl_type) in subsample(backend, device, list(enumerate(pairs, start=1))):
         info_kind = ("local", "int", "tensor")[case % 3]
@@ -450,13 +450,11 @@ def test_actor_loss_matches_verl(backend, device, loss_mode):
         compare_actor(mine, cfg, batch, info, what, entropy=entropy)
 
 
-@pytest.mark.parametrize("backend,device", ALL)
-@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo", "sapo"])
+@pytest.mark.parametrize("backend,device,loss_mode", backend_modes(["vanilla", "gspo", "sapo"], ("sapo",)))
 def test_actor_loss_rollout_correction_matches_verl(backend, device, loss_mode):
     """verl's TIS weights (token / sequence, float threshold) computed inside our kernel
     from rollout_log_probs, and verl's weights given as a tensor (TIS and IcePop), vs
     ppo_loss with verl's rollout_is_weights."""
-    interpreter_runs_only(backend, device, loss_mode, ("sapo",))
     grid = [(k, level, threshold, agg) for k, (level, threshold) in enumerate(WEIGHT_KINDS)
             for agg in ("token-mean", "seq-mean-token-sum")]  # fmt: skip
     for k, level, threshold, agg in subsample(backend, device, grid):
