@@ -6,6 +6,7 @@ fp32 / bf16; plus the invariants (log p ≤ 0, 0 ≤ entropy ≤ log V), batch i
 determinism, non-contiguous inputs and empty inputs."""
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -49,7 +50,7 @@ CASES = _logprobs_check_cases()
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_check_cases(backend, device, case):
     name, kw, via_logits = case
-    gen = torch.Generator().manual_seed(hash(name) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))  # str hash() varies per process
     inputs = random_logprobs_case(gen, device=device, **kw)
     if via_logits:
         inputs = logits_case_from(inputs)

@@ -2,6 +2,8 @@
 gradients with random per-token upstream gradients, every option, fp32/bf16/fp16,
 ragged, packed, empty sequences; plus determinism, batch and micro-batch invariance."""
 
+import zlib
+
 import pytest
 import torch
 from hypothesis import given
@@ -39,7 +41,7 @@ CASES = _policy_check_cases()
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_check_cases(backend, device, case):
     _, case_kw, opts = case
-    gen = torch.Generator().manual_seed(hash(case[0]) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(case[0].encode()))  # str hash() varies per process
     inputs = random_policy_case(gen, B=11, L=47, device=device, **case_kw)
     assert_matches_reference(inputs, opts, backend, gen)
 
