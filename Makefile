@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.rlvr-kernels-installed
 SOURCES := pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 
-.PHONY: install test bench check sanitize clean
+.PHONY: install test bench check sanitize format clean
 
 $(PY):
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -24,8 +24,11 @@ $(STAMP): $(PY) $(SOURCES)
 
 install: $(STAMP)
 
-# The whole suite, then the C++ op tests again under AddressSanitizer + UBSan.
+# Lint and format check, the whole suite, then the C++ op tests again under
+# AddressSanitizer + UBSan.
 test: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 	$(MAKE) --no-print-directory sanitize
 
@@ -44,6 +47,10 @@ sanitize: $(STAMP)
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	RLVR_KERNELS_EXTENSION="$$(ls $(SAN_DIR)/rlvr_kernels/_C*.so)" \
 	$(PY) -m pytest -q -m cpu_kernel -p no:cacheprovider --capture=sys
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 clean:
 	rm -rf build $(SAN_DIR) *.egg-info rlvr_kernels/*.so

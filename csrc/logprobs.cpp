@@ -416,28 +416,6 @@ RLVR_INLINE void add_rows(T* acc, const T* src, int64_t ld, int64_t rows, int64_
   }
 }
 
-// ------------------------------------------------------------------ ISA dispatch
-// Body::run<VB>(arg) inlined into a baseline entry point and an AVX2+FMA one.
-template <typename Body>
-__attribute__((noinline)) void run_baseline(const typename Body::Arg& a) {
-  Body::template run<16>(a);
-}
-
-#if RLVR_AVX2_CLONE
-template <typename Body>
-__attribute__((noinline, target("avx2,fma"))) void run_avx2(const typename Body::Arg& a) {
-  Body::template run<32>(a);
-}
-#endif
-
-template <typename Body>
-void run_isa(const typename Body::Arg& a) {
-#if RLVR_AVX2_CLONE
-  if (use_avx2()) return run_avx2<Body>(a);
-#endif
-  run_baseline<Body>(a);
-}
-
 // ------------------------------------------------------------------ linear head
 // The hidden rows [row0, row0 + rows) in the compute dtype, zero-padded to kFwdRows rows.
 template <typename T, typename in_t>

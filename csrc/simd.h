@@ -113,4 +113,28 @@ inline bool use_avx2() {
 inline bool use_avx2() { return false; }
 #endif
 
+// Body::run<VB>(arg), always inlined into a baseline entry point (16-byte vectors) and an
+// AVX2+FMA one (32-byte vectors); run_isa picks one at run time. The one ISA dispatch of the
+// kernels: a hot loop is written once as a Body with `using Arg = ...` and
+// `template <int VB> static void run(const Arg&)`.
+template <typename Body>
+__attribute__((noinline)) void run_baseline(const typename Body::Arg& a) {
+  Body::template run<16>(a);
+}
+
+#if RLVR_AVX2_CLONE
+template <typename Body>
+__attribute__((noinline, target("avx2,fma"))) void run_avx2(const typename Body::Arg& a) {
+  Body::template run<32>(a);
+}
+#endif
+
+template <typename Body>
+void run_isa(const typename Body::Arg& a) {
+#if RLVR_AVX2_CLONE
+  if (use_avx2()) return run_avx2<Body>(a);
+#endif
+  run_baseline<Body>(a);
+}
+
 }  // namespace rlvr

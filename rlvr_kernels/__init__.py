@@ -8,6 +8,7 @@ from .ops import (
     shape_token_advantages,
     uids_to_group_index,
 )
+from .ops._cache import cpu_cache_stats, empty_cpu_cache
 from .options import (
     AdvantageOptions,
     GroupAdvantages,
@@ -16,7 +17,6 @@ from .options import (
     TokenShaping,
     Whitening,
 )
-from .ops._cache import cpu_cache_stats, empty_cpu_cache
 
 __version__ = "0.1.0"
 

@@ -37,21 +37,11 @@ def _triton_mode() -> str:
     return f"{triton.__version__}, no GPU (set TRITON_INTERPRET=1 to interpret on CPU)"
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def cmd_info(_args) -> int:
     import torch
 
     from . import __version__, cpu_cache_stats
+    from ._platform import cpu_name
     from .ops import _dispatch
 
     rows = [
@@ -60,7 +50,7 @@ def cmd_info(_args) -> int:
         ("torch", torch.__version__),
         ("compiled extension (rlvr_kernels._C)", "present" if _dispatch.load_extension() else "MISSING"),
         ("triton", _triton_mode()),
-        ("cpu", f"{_cpu_name()}, {torch.get_num_threads()} torch threads"),
+        ("cpu", f"{cpu_name()}, {torch.get_num_threads()} torch threads"),
         ("cuda", torch.cuda.get_device_name() if torch.cuda.is_available() else "not available"),
         ("cpu output cache", "{cached_bytes} B cached, limit {limit_bytes} B".format(**cpu_cache_stats())),
     ]
@@ -70,20 +60,10 @@ def cmd_info(_args) -> int:
     return 0
 
 
-def available_backends(device: str):
-    from .ops import _dispatch
-
-    backends = ["reference"]
-    if device == "cpu" and _dispatch.load_extension():
-        backends.append("cpu")
-    if _dispatch.triton_available() and (device == "cuda" or _dispatch.triton_interpreted()):
-        backends.append("triton")
-    return backends
-
-
 def cmd_check(args) -> int:
     import torch
 
+    from .ops import _dispatch
     from .testing import (
         check_case_count,
         check_group_advantages,
@@ -94,7 +74,7 @@ def cmd_check(args) -> int:
     )
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    backends = args.backend or available_backends(device)
+    backends = args.backend or _dispatch.available_backends(device)
     total = (check_case_count() + policy_check_case_count() + logprobs_check_case_count()) * len(backends)
     done = [0]
 
@@ -125,12 +105,14 @@ def cmd_bench(args) -> int:
 
 def main(argv=None) -> int:
     _reexec_with_triton_interpreter(argv)
+    from .ops._dispatch import BACKENDS
+
     parser = argparse.ArgumentParser(prog="rlvr-kernels", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, compiled extension, Triton mode, device")
     p = sub.add_parser("check", help="every op x backend against the fp64 reference")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    p.add_argument("--backend", action="append", choices=["reference", "cpu", "triton"], default=None)
+    p.add_argument("--backend", action="append", choices=list(BACKENDS), default=None)
     p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("bench", help="benchmark table, plot and result files")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)

@@ -96,16 +96,34 @@ _PRESET_FIELDS = {
     # verl.trainer.ppo.core_algos.compute_grpo_outcome_advantage and friends: torch.std
     # (Bessel), eps outside the sqrt, singleton groups use mean 0 / std 1 (the loop rule),
     # masked_whiten over tokens with rsqrt(var + 1e-8).
-    "verl": dict(std="unbiased", eps=1e-6, eps_in_sqrt=False, singleton="raw", nan_policy="error",
-                 whitening=Whitening("tokens", 1e-8, True)),
+    "verl": dict(
+        std="unbiased",
+        eps=1e-6,
+        eps_in_sqrt=False,
+        singleton="raw",
+        nan_policy="error",
+        whitening=Whitening("tokens", 1e-8, True),
+    ),
     # trl GRPOTrainer._generate_and_score_completions: nanmean / nanstd (Bessel) per
     # contiguous group, advantages / (std + 1e-4); all-NaN rows are unscorable (A = 0);
     # normalize_then_sum whitens per sample with (x - mean)/(std + 1e-4).
-    "trl": dict(std="unbiased", eps=1e-4, eps_in_sqrt=False, singleton="zero", nan_policy="unscorable",
-                whitening=Whitening("samples", 1e-4, False)),
+    "trl": dict(
+        std="unbiased",
+        eps=1e-4,
+        eps_in_sqrt=False,
+        singleton="zero",
+        nan_policy="unscorable",
+        whitening=Whitening("samples", 1e-4, False),
+    ),
     # trl.experimental.async_grpo rollout worker: numpy std (population), eps 1e-8.
-    "trl_async": dict(std="population", eps=1e-8, eps_in_sqrt=False, singleton="zero", nan_policy="unscorable",
-                      whitening=Whitening("samples", 1e-8, False)),
+    "trl_async": dict(
+        std="population",
+        eps=1e-8,
+        eps_in_sqrt=False,
+        singleton="zero",
+        nan_policy="unscorable",
+        whitening=Whitening("samples", 1e-8, False),
+    ),
 }
 
 
@@ -127,7 +145,6 @@ def resolve_advantage_options(preset: Optional[str] = None, **overrides) -> Adva
     elif "scale" in overrides and overrides["scale"] is not None and estimator not in ("grpo", "gdpo"):
         raise ValueError(f"scale: only used by the grpo and gdpo estimators, got estimator={estimator!r}")
     return AdvantageOptions(**fields)
-
 
 
 class GroupAdvantages(NamedTuple):
@@ -229,8 +246,9 @@ class TokenShaping:
         _check_float("shaping.entropy_quantile", self.entropy_quantile, 0.0, 1.0, lo_open=True, allow_none=True)
         knobs = (self.a3po_pos_high, self.a3po_pos_low, self.a3po_neg_high, self.a3po_neg_low)
         a3po = any(r > 0 and s != 1 for r, s in knobs)
-        active = (self.w_pos != 1 or self.w_neg != 1 or self.probability != 0 or a3po
-                  or self.entropy_quantile is not None)  # fmt: skip
+        active = (
+            self.w_pos != 1 or self.w_neg != 1 or self.probability != 0 or a3po or self.entropy_quantile is not None
+        )
         object.__setattr__(self, "a3po_knobs", knobs)
         object.__setattr__(self, "a3po_active", a3po)
         object.__setattr__(self, "active", active)
@@ -296,8 +314,10 @@ class PolicyLossOptions:
         _check_float("rollout_threshold", self.rollout_threshold, 0.0, lo_open=True)
         _check_float("rollout_threshold_low", self.rollout_threshold_low, 0.0, allow_none=True)
         if self.rollout_threshold_low is not None and self.rollout_threshold_low > self.rollout_threshold:
-            raise ValueError(f"rollout_threshold_low: expected <= rollout_threshold = {self.rollout_threshold}, "
-                             f"got {self.rollout_threshold_low}")  # fmt: skip
+            raise ValueError(
+                f"rollout_threshold_low: expected <= rollout_threshold = {self.rollout_threshold}, "
+                f"got {self.rollout_threshold_low}"
+            )
         _check_float("entropy_coef", self.entropy_coef)
         _check_choice("agg", self.agg, AGG_MODES)
         if not isinstance(self.shaping, TokenShaping):

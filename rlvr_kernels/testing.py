@@ -57,10 +57,13 @@ def compare(field: str, fast, ref64, same, out_dtype: torch.dtype, atol_scale: f
     return Comparison(field, float(err.max()), rel, ok)
 
 
-def compare_advantages(fast: GroupAdvantages, ref64: GroupAdvantages, same: GroupAdvantages,
-                       out_dtype: torch.dtype) -> List[Comparison]:  # fmt: skip
-    return [compare(name, getattr(fast, name), getattr(ref64, name), getattr(same, name), out_dtype)
-            for name in GroupAdvantages._fields]  # fmt: skip
+def compare_advantages(
+    fast: GroupAdvantages, ref64: GroupAdvantages, same: GroupAdvantages, out_dtype: torch.dtype
+) -> List[Comparison]:
+    return [
+        compare(name, getattr(fast, name), getattr(ref64, name), getattr(same, name), out_dtype)
+        for name in GroupAdvantages._fields
+    ]
 
 
 def as_float64(kwargs: Dict) -> Dict:
@@ -83,7 +86,9 @@ def random_advantage_case(
     """Fresh random inputs for ``group_advantages``: shuffled group ids (uneven sizes,
     some groups possibly empty), rewards of the named kind, an optional sample mask and a
     padded (``"padded"``) or packed (``"packed"``) token layout with ragged lengths."""
-    group_index = torch.randint(0, max(num_groups, 1), (B,), generator=gen) if num_groups else torch.zeros(B, dtype=torch.long)
+    group_index = (
+        torch.randint(0, max(num_groups, 1), (B,), generator=gen) if num_groups else torch.zeros(B, dtype=torch.long)
+    )
     if reward == "binary":
         scores = torch.randint(0, 2, (B,), generator=gen).to(torch.float32)
     elif reward == "int":
@@ -124,28 +129,54 @@ def _check_row(op: str, backend: str, case: str, compute: Callable[[], List[Comp
         return CheckRow(op, backend, case, float("nan"), float("nan"), False, repr(e)[:80])
     bad = [c.field for c in comps if not c.ok]
     worst = max(comps, key=lambda c: (not c.ok, c.max_abs))
-    return CheckRow(op, backend, case, max(c.max_abs for c in comps), max(c.max_rel for c in comps), not bad,
-                    ", ".join(bad) or worst.field)  # fmt: skip
+    return CheckRow(
+        op,
+        backend,
+        case,
+        max(c.max_abs for c in comps),
+        max(c.max_rel for c in comps),
+        not bad,
+        ", ".join(bad) or worst.field,
+    )
 
 
 # (name, inputs, options): the cases `rlvr-kernels check` runs on every backend.
 def _check_cases() -> List[tuple]:
     cases = []
     for est, extra in [
-        ("grpo", {}), ("grpo", dict(preset="verl")), ("grpo", dict(preset="trl", scale="batch")),
-        ("grpo", dict(eps_in_sqrt=True, std="population")), ("dr_grpo", {}), ("rloo", dict(preset="verl")),
-        ("opo", {}), ("gpg", {}), ("passk", dict(k=4)), ("reinforce_pp_baseline", dict(preset="verl")),
-        ("gdpo", dict(preset="verl")), ("gdpo", dict(preset="trl")),
-    ]:  # fmt: skip
+        ("grpo", {}),
+        ("grpo", dict(preset="verl")),
+        ("grpo", dict(preset="trl", scale="batch")),
+        ("grpo", dict(eps_in_sqrt=True, std="population")),
+        ("dr_grpo", {}),
+        ("rloo", dict(preset="verl")),
+        ("opo", {}),
+        ("gpg", {}),
+        ("passk", dict(k=4)),
+        ("reinforce_pp_baseline", dict(preset="verl")),
+        ("gdpo", dict(preset="verl")),
+        ("gdpo", dict(preset="trl")),
+    ]:
         for layout in ("padded", "packed"):
-            cases.append((f"{est} {extra or ''} {layout}".replace("  ", " "), dict(layout=layout), dict(estimator=est, **extra)))
-    cases.append(("grpo bf16 scores, 30% masked", dict(layout="padded", dtype=torch.bfloat16, mask_fraction=0.3), dict(estimator="grpo")))
-    cases.append(("grpo group-only B=4097", dict(layout="none", B=4097, num_groups=300, reward="normal"), dict(estimator="grpo")))
+            cases.append(
+                (f"{est} {extra or ''} {layout}".replace("  ", " "), dict(layout=layout), dict(estimator=est, **extra))
+            )
+    cases.append(
+        (
+            "grpo bf16 scores, 30% masked",
+            dict(layout="padded", dtype=torch.bfloat16, mask_fraction=0.3),
+            dict(estimator="grpo"),
+        )
+    )
+    cases.append(
+        ("grpo group-only B=4097", dict(layout="none", B=4097, num_groups=300, reward="normal"), dict(estimator="grpo"))
+    )
     return cases
 
 
-def check_group_advantages(backends: List[str], device: str = "cpu", seed: int = 0,
-                           progress: Optional[Callable] = None) -> List[CheckRow]:  # fmt: skip
+def check_group_advantages(
+    backends: List[str], device: str = "cpu", seed: int = 0, progress: Optional[Callable] = None
+) -> List[CheckRow]:
     """Every backend on fresh random inputs, diffed against the fp64 reference."""
     from . import group_advantages
 
@@ -158,8 +189,16 @@ def check_group_advantages(backends: List[str], device: str = "cpu", seed: int =
         ref64 = group_advantages(**as_float64(inputs), **opts, backend="reference", out_dtype=torch.float64)
         same = group_advantages(**inputs, **opts, backend="reference", out_dtype=inputs["scores"].dtype)
         for backend in backends:
-            rows.append(_check_row("group_advantages", backend, name, lambda: compare_advantages(
-                group_advantages(**inputs, **opts, backend=backend), ref64, same, torch.float32)))  # fmt: skip
+            rows.append(
+                _check_row(
+                    "group_advantages",
+                    backend,
+                    name,
+                    lambda: compare_advantages(
+                        group_advantages(**inputs, **opts, backend=backend), ref64, same, torch.float32
+                    ),
+                )
+            )
             if progress:
                 progress()
     return rows
@@ -217,8 +256,14 @@ def random_policy_case(
     else:
         adv = torch.randn(B, generator=gen)
         adv[torch.rand(B, generator=gen) < 0.15] = 0.0
-    kw = dict(logprobs=logp.to(dtype), old_logprobs=old.to(dtype), advantages=adv, ref_logprobs=ref.to(dtype),
-              rollout_logprobs=roll.to(dtype), entropy=entropy)  # fmt: skip
+    kw = dict(
+        logprobs=logp.to(dtype),
+        old_logprobs=old.to(dtype),
+        advantages=adv,
+        ref_logprobs=ref.to(dtype),
+        rollout_logprobs=roll.to(dtype),
+        entropy=entropy,
+    )
     if layout == "padded":
         kw["mask"] = torch.arange(L)[None, :] < lengths[:, None]
     else:
@@ -229,8 +274,9 @@ def random_policy_case(
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
 
 
-def run_policy_loss(inputs: Dict, options: Dict, backend: str, upstream: Optional[torch.Tensor] = None,
-                    entropy_grad: bool = True) -> Dict[str, torch.Tensor]:  # fmt: skip
+def run_policy_loss(
+    inputs: Dict, options: Dict, backend: str, upstream: Optional[torch.Tensor] = None, entropy_grad: bool = True
+) -> Dict[str, torch.Tensor]:
     """Forward + backward of ``policy_loss`` on fresh leaves; returns the loss, every
     metric and the gradients of ``logprobs`` (and of ``entropy`` when it is used)."""
     from . import policy_loss
@@ -276,24 +322,42 @@ def _policy_check_cases() -> List[tuple]:
 
     a3 = TokenShaping(probability=0.5, a3po_pos_low=(0.2, 1.5), a3po_neg_high=(0.2, 0.5))
     cases = [
-        ("ppo verl dual clip + k3 + token_tis", {}, dict(preset="verl", clip_high=0.28, kl="k3", kl_coef=0.1,
-                                                        rollout_correction="token_tis")),
-        ("ppo trl k3 (no clamps), seq-mean-token-mean", {}, dict(preset="trl", kl="k3", kl_coef=0.04,
-                                                                 agg="seq-mean-token-mean")),
+        (
+            "ppo verl dual clip + k3 + token_tis",
+            {},
+            dict(preset="verl", clip_high=0.28, kl="k3", kl_coef=0.1, rollout_correction="token_tis"),
+        ),
+        (
+            "ppo trl k3 (no clamps), seq-mean-token-mean",
+            {},
+            dict(preset="trl", kl="k3", kl_coef=0.04, agg="seq-mean-token-mean"),
+        ),
         ("gspo seq-mean-token-mean", {}, dict(loss_type="gspo", agg="seq-mean-token-mean")),
         ("cispo k3+ token-sum", {}, dict(loss_type="cispo", clip_high=4.0, kl="k3+", kl_coef=0.1, agg="token-sum")),
         ("sapo seq_tis", {}, dict(loss_type="sapo", rollout_correction="seq_tis", agg="seq-mean-token-mean")),
         ("reinforce k2 + entropy bonus", {}, dict(loss_type="reinforce", kl="k2", kl_coef=0.2, entropy_coef=0.01)),
-        ("ppo token_mis + polarity + probability shaping", {}, dict(rollout_correction="token_mis",
-                                                                   shaping=TokenShaping(w_pos=0.1, probability=1.0),
-                                                                   agg="seq-mean-token-sum")),
-        ("ppo seq_mis + a3po entropy + 80/20 quantile", {}, dict(
-            rollout_correction="seq_mis", agg="seq-mean-token-sum-norm",
-            shaping=TokenShaping(a3po_metric="entropy", a3po_pos_high=(0.3, 2.0), entropy_quantile=0.2))),
+        (
+            "ppo token_mis + polarity + probability shaping",
+            {},
+            dict(
+                rollout_correction="token_mis",
+                shaping=TokenShaping(w_pos=0.1, probability=1.0),
+                agg="seq-mean-token-sum",
+            ),
+        ),
+        (
+            "ppo seq_mis + a3po entropy + 80/20 quantile",
+            {},
+            dict(
+                rollout_correction="seq_mis",
+                agg="seq-mean-token-sum-norm",
+                shaping=TokenShaping(a3po_metric="entropy", a3po_pos_high=(0.3, 2.0), entropy_quantile=0.2),
+            ),
+        ),
         ("ppo decoupled + a3po prob, agg none", {}, dict(rollout_correction="decoupled", shaping=a3, agg="none")),
         ("ppo token advantages, k1", dict(token_adv=True), dict(kl="k1", kl_coef=0.1)),
         ("ppo bf16 verl", dict(dtype=torch.bfloat16), dict(preset="verl", kl="k3", kl_coef=0.1)),
-    ]  # fmt: skip
+    ]
     out = []
     for name, case_kw, opts in cases:
         for layout in ("padded", "packed"):
@@ -303,8 +367,9 @@ def _policy_check_cases() -> List[tuple]:
     return out
 
 
-def check_policy_loss(backends: List[str], device: str = "cpu", seed: int = 0,
-                      progress: Optional[Callable] = None) -> List[CheckRow]:  # fmt: skip
+def check_policy_loss(
+    backends: List[str], device: str = "cpu", seed: int = 0, progress: Optional[Callable] = None
+) -> List[CheckRow]:
     """Every backend on fresh random inputs (loss, metrics, gradients), diffed against
     the fp64 reference."""
     rows = []
@@ -315,8 +380,16 @@ def check_policy_loss(backends: List[str], device: str = "cpu", seed: int = 0,
         ref64 = run_policy_loss(as_float64(inputs), opts, "reference", up)
         same = run_policy_loss(inputs, opts, "reference", up)
         for backend in backends:
-            rows.append(_check_row("policy_loss", backend, name, lambda: compare_policy(
-                run_policy_loss(inputs, opts, backend, up), ref64, same, inputs["logprobs"].dtype)))  # fmt: skip
+            rows.append(
+                _check_row(
+                    "policy_loss",
+                    backend,
+                    name,
+                    lambda: compare_policy(
+                        run_policy_loss(inputs, opts, backend, up), ref64, same, inputs["logprobs"].dtype
+                    ),
+                )
+            )
             if progress:
                 progress()
     return rows
@@ -417,8 +490,10 @@ def logprobs_upstream(inputs: Dict, gen: torch.Generator) -> Dict[str, torch.Ten
         shape_lp = shape_ent = tuple(inputs["targets"].shape)
     else:
         shape_lp, shape_ent = tuple(inputs["targets"].shape), (inputs["hidden"].shape[0],)
-    return {"logp": torch.randn(shape_lp, generator=gen, dtype=torch.float64),
-            "entropy": torch.randn(shape_ent, generator=gen, dtype=torch.float64)}  # fmt: skip
+    return {
+        "logp": torch.randn(shape_lp, generator=gen, dtype=torch.float64),
+        "entropy": torch.randn(shape_ent, generator=gen, dtype=torch.float64),
+    }
 
 
 def run_logprobs(inputs: Dict, backend: str, upstream: Optional[Dict] = None) -> Dict[str, torch.Tensor]:
@@ -455,15 +530,19 @@ def logit_scale(inputs: Dict) -> float:
     return float(z.abs().max()) if z.numel() else 0.0
 
 
-def compare_logprobs(fast: Dict, ref64: Dict, same: Dict, in_dtype: torch.dtype, scale: float = 1.0) -> List[Comparison]:
+def compare_logprobs(
+    fast: Dict, ref64: Dict, same: Dict, in_dtype: torch.dtype, scale: float = 1.0
+) -> List[Comparison]:
     """The tolerance rule on every output of :func:`run_logprobs`; gradients are in the
     inputs' dtype, log-probs and entropies fp32 (fp64 for fp64 inputs). Every output is a
     difference of O(|z|) quantities (z_t − lse, the entropy, p·(log p + H)), each carrying
     an absolute error of a few ulps of |z|: ``scale`` = max |z| (:func:`logit_scale`)
     widens atol by that factor (the 2·|same − ref64| term stays as it is)."""
     atol_scale = max(1.0, scale)
-    return [compare(k, fast[k], r, same[k], in_dtype if k.startswith("grad.") else torch.float32, atol_scale)
-            for k, r in ref64.items()]  # fmt: skip
+    return [
+        compare(k, fast[k], r, same[k], in_dtype if k.startswith("grad.") else torch.float32, atol_scale)
+        for k, r in ref64.items()
+    ]
 
 
 def _logprobs_check_cases() -> List[tuple]:
@@ -483,8 +562,9 @@ def _logprobs_check_cases() -> List[tuple]:
     return cases
 
 
-def check_logprobs(backends: List[str], device: str = "cpu", seed: int = 0,
-                   progress: Optional[Callable] = None) -> List[CheckRow]:  # fmt: skip
+def check_logprobs(
+    backends: List[str], device: str = "cpu", seed: int = 0, progress: Optional[Callable] = None
+) -> List[CheckRow]:
     """``linear_logprobs`` and ``logprobs_from_logits`` on every backend (log-probs,
     entropies, gradients with random upstream), diffed against the fp64 reference."""
     rows = []
@@ -500,8 +580,14 @@ def check_logprobs(backends: List[str], device: str = "cpu", seed: int = 0,
         scale = logit_scale(inputs)
         op = "logprobs_from_logits" if via_logits else "linear_logprobs"
         for backend in backends:
-            rows.append(_check_row(op, backend, name.split(": ", 1)[1], lambda: compare_logprobs(
-                run_logprobs(inputs, backend, up), ref64, same, dt, scale)))  # fmt: skip
+            rows.append(
+                _check_row(
+                    op,
+                    backend,
+                    name.split(": ", 1)[1],
+                    lambda: compare_logprobs(run_logprobs(inputs, backend, up), ref64, same, dt, scale),
+                )
+            )
             if progress:
                 progress()
     return rows

@@ -34,7 +34,7 @@ $PY -c "import verl.trainer.ppo.core_algos, trl" > "$OUT/peers.txt" 2>&1 && echo
 
 stamp "tests on CUDA"
 # The CLI tests re-run check and a quick bench, both done below on the real workload.
-timeout 240 $PY -m pytest -q -p no:cacheprovider --ignore=tests/test_cli.py tests 2>&1 | tee "$OUT/tests.log" | tail -12
+timeout 240 $PY -m pytest -q -p no:cacheprovider --ignore=tests/common/test_cli.py tests 2>&1 | tee "$OUT/tests.log" | tail -12
 
 stamp "check"
 timeout 60 $PY -m rlvr_kernels check > "$OUT/check.txt" 2>&1; echo "check exit code $?"; tail -3 "$OUT/check.txt"

@@ -27,13 +27,13 @@ SUITES = {
 
 
 def machine_info(device: str) -> Dict:
-    from ..cli import _cpu_name
     from .. import __version__
+    from .._platform import cpu_name
 
     info = {
         "date": datetime.date.today().isoformat(),
         "device": device,
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "rlvr_kernels": __version__,
@@ -90,9 +90,13 @@ def run_all(out_dir: str, device: Optional[str] = None, quick: bool = False) -> 
 def to_markdown(report: Dict) -> str:
     m = report["machine"]
     where = m.get("gpu") or f"{m['cpu']}, {m['torch_threads']} threads"
-    lines = [f"### rlvr-kernels bench — {m['date']}, {where}", "",
-             f"torch {m['torch']}, verl {m['verl']}, trl {m['trl']}; median of repeated runs; "
-             "ratio = method time / fused op time.", ""]  # fmt: skip
+    lines = [
+        f"### rlvr-kernels bench — {m['date']}, {where}",
+        "",
+        f"torch {m['torch']}, verl {m['verl']}, trl {m['trl']}; median of repeated runs; "
+        "ratio = method time / fused op time.",
+        "",
+    ]
     for res in report["results"]:
         lines += [f"**{res['op']} — {res['name']}**", "", "| method | ms | ratio |", "|---|---:|---:|"]
         for r in res["rows"]:
@@ -100,7 +104,8 @@ def to_markdown(report: Dict) -> str:
             ratio = f"{r['ratio']:.2f}×" if r.get("ratio") is not None else "—"
             extra = ""
             if "gbps" in r:
-                extra = f" ({r['gbps']:.1f} GB/s, {100 * r['copy_fraction']:.0f}% of measured copy {res['copy_gbps']:.1f} GB/s)"
+                copy = f"{100 * r['copy_fraction']:.0f}% of measured copy {res['copy_gbps']:.1f} GB/s"
+                extra = f" ({r['gbps']:.1f} GB/s, {copy})"
             if r.get("extra_gb") is not None:
                 extra += f" (peak +{r['extra_gb']:.2f} GB)"
             if r.get("tflops") is not None:

@@ -62,28 +62,46 @@ def token_methods(device: str, quick: bool = False):
     out_buf = torch.empty(B, L, device=device)
 
     methods: List[tuple] = [
-        ("rlvr_kernels.group_advantages (fused op: scores -> token advantages)",
-         lambda: group_advantages(rewards, group_index, num_groups=num_groups, response_mask=response_mask,
-                                  preset="verl"), "fused"),
-        ("rlvr_kernels verl drop-in (token_level_rewards + uids, as verl)",
-         lambda: verl_dropin.compute_grpo_outcome_advantage(token_level_rewards, response_mask, index), "dropin"),
-        ("eager torch, vectorised (index_add stats + mul)",
-         lambda: _eager_grpo(rewards, group_index, num_groups, response_mask), "eager"),
+        (
+            "rlvr_kernels.group_advantages (fused op: scores -> token advantages)",
+            lambda: group_advantages(
+                rewards, group_index, num_groups=num_groups, response_mask=response_mask, preset="verl"
+            ),
+            "fused",
+        ),
+        (
+            "rlvr_kernels verl drop-in (token_level_rewards + uids, as verl)",
+            lambda: verl_dropin.compute_grpo_outcome_advantage(token_level_rewards, response_mask, index),
+            "dropin",
+        ),
+        (
+            "eager torch, vectorised (index_add stats + mul)",
+            lambda: _eager_grpo(rewards, group_index, num_groups, response_mask),
+            "eager",
+        ),
         ("torch.mul(response_mask, adv[:, None]) alone", lambda: torch.mul(response_mask, adv[:, None]), "floor"),
-        ("torch.mul(..., out=preallocated) alone", lambda: torch.mul(response_mask, adv[:, None], out=out_buf),
-         "floor_out"),
-    ]  # fmt: skip
+        (
+            "torch.mul(..., out=preallocated) alone",
+            lambda: torch.mul(response_mask, adv[:, None], out=out_buf),
+            "floor_out",
+        ),
+    ]
     verl = _peer("verl")
     if isinstance(verl, Exception):
         methods.append((f"verl (not importable: {verl!r})"[:90], None, "verl_loop"))
     else:
         methods += [
-            ("verl compute_grpo_outcome_advantage (default loop)",
-             lambda: verl.compute_grpo_outcome_advantage(token_level_rewards, response_mask, index), "verl_loop"),
-            ("verl compute_grpo_vectorized_outcome_advantage",
-             lambda: verl.compute_grpo_vectorized_outcome_advantage(token_level_rewards, response_mask, index),
-             "verl_vec"),
-        ]  # fmt: skip
+            (
+                "verl compute_grpo_outcome_advantage (default loop)",
+                lambda: verl.compute_grpo_outcome_advantage(token_level_rewards, response_mask, index),
+                "verl_loop",
+            ),
+            (
+                "verl compute_grpo_vectorized_outcome_advantage",
+                lambda: verl.compute_grpo_vectorized_outcome_advantage(token_level_rewards, response_mask, index),
+                "verl_vec",
+            ),
+        ]
     return dict(P=P, G=G, L=L, B=B), methods
 
 
@@ -123,13 +141,22 @@ def group_methods(device: str, quick: bool = False, shuffled: bool = True):
     group_index = (order // G).to(device)
     num_groups = B // G
     methods = [
-        ("rlvr_kernels.group_advantages (group-only)",
-         lambda: group_advantages(scores, group_index, num_groups=num_groups, preset="verl"), "fused"),
+        (
+            "rlvr_kernels.group_advantages (group-only)",
+            lambda: group_advantages(scores, group_index, num_groups=num_groups, preset="verl"),
+            "fused",
+        ),
         ("eager torch, vectorised (index_add stats)", lambda: _eager_grpo(scores, group_index, num_groups), "eager"),
-    ]  # fmt: skip
+    ]
     if not shuffled:  # TRL's layout: groups are contiguous rows, no ids to read
-        methods.insert(1, ("rlvr_kernels.group_advantages(group_size=16) (no ids)",
-                           lambda: group_advantages(scores, group_size=G, preset="verl"), "fused_group_size"))  # fmt: skip
+        methods.insert(
+            1,
+            (
+                "rlvr_kernels.group_advantages(group_size=16) (no ids)",
+                lambda: group_advantages(scores, group_size=G, preset="verl"),
+                "fused_group_size",
+            ),
+        )
     gw = _peer("verl_groupwise")
     if not isinstance(gw, Exception):
 
@@ -149,8 +176,12 @@ def group_workload(device: str, quick: bool = False, shuffled: bool = True) -> D
     for r in rows.values():
         r["ratio"] = r["ms"] / fused if r.get("ms") else None
     ids = "shuffled" if shuffled else "contiguous"
-    return {"name": f"groups only: B = {B} samples, groups of {G}, {ids} ids", "rows": list(rows.values()),
-            "targets": [], "copy_gbps": None}  # fmt: skip
+    return {
+        "name": f"groups only: B = {B} samples, groups of {G}, {ids} ids",
+        "rows": list(rows.values()),
+        "targets": [],
+        "copy_gbps": None,
+    }
 
 
 def _time_methods(methods, device, slow=frozenset()) -> Dict[str, Dict]:

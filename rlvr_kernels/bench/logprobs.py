@@ -44,10 +44,14 @@ CPU_MEMORY_TARGET_GB = 0.2
 
 def shape(device: str, quick: bool) -> Dict:
     if device == "cuda":
-        return dict(N=2048, H=1024, V=32768, dtype=torch.bfloat16) if quick else \
-            dict(N=16384, H=4096, V=151936, dtype=torch.bfloat16)  # fmt: skip
-    return dict(N=256, H=256, V=8192, dtype=torch.float32) if quick else \
-        dict(N=2048, H=1024, V=32768, dtype=torch.float32)  # fmt: skip
+        return (
+            dict(N=2048, H=1024, V=32768, dtype=torch.bfloat16)
+            if quick
+            else dict(N=16384, H=4096, V=151936, dtype=torch.bfloat16)
+        )
+    return (
+        dict(N=256, H=256, V=8192, dtype=torch.float32) if quick else dict(N=2048, H=1024, V=32768, dtype=torch.float32)
+    )
 
 
 def make_inputs(device: str, quick: bool = False, seed: int = 0) -> Dict:
@@ -61,8 +65,14 @@ def make_inputs(device: str, quick: bool = False, seed: int = 0) -> Dict:
     targets = torch.randint(0, V, (N,), generator=gen).to(device)
     g_logp = torch.randn(N, generator=gen).to(device)
     g_ent = torch.randn(N, generator=gen).to(device)
-    return dict(s, hidden=hidden.requires_grad_(True), weight=weight.requires_grad_(True), targets=targets,
-                g_logp=g_logp, g_ent=g_ent)  # fmt: skip
+    return dict(
+        s,
+        hidden=hidden.requires_grad_(True),
+        weight=weight.requires_grad_(True),
+        targets=targets,
+        g_logp=g_logp,
+        g_ent=g_ent,
+    )
 
 
 def _eager(hidden, weight, targets):
@@ -166,8 +176,10 @@ def measure_memory(key: str, device: str, quick: bool) -> Dict:
 def memory_rows(keys: List[str], device: str, quick: bool) -> Dict[str, Dict]:
     out = {}
     for key in keys:
-        code = ("import json, sys; from rlvr_kernels.bench.logprobs import measure_memory; "
-                f"print(json.dumps(measure_memory({key!r}, {device!r}, {quick!r})))")  # fmt: skip
+        code = (
+            "import json, sys; from rlvr_kernels.bench.logprobs import measure_memory; "
+            f"print(json.dumps(measure_memory({key!r}, {device!r}, {quick!r})))"
+        )
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
         try:
             out[key] = json.loads(res.stdout.strip().splitlines()[-1])
@@ -235,8 +247,13 @@ def workload(device: str, quick: bool = False) -> Dict:
     if device == "cpu":
         targets.append(_target("fused / eager torch time", rows, "fused", "eager", "<=", CPU_TIME_TARGET))
         gb = rows["fused"].get("extra_gb")
-        targets.append({"target": f"fused extra peak memory (GB) <= {CPU_MEMORY_TARGET_GB}", "measured": gb,
-                        "met": None if gb is None else gb <= CPU_MEMORY_TARGET_GB})  # fmt: skip
+        targets.append(
+            {
+                "target": f"fused extra peak memory (GB) <= {CPU_MEMORY_TARGET_GB}",
+                "measured": gb,
+                "met": None if gb is None else gb <= CPU_MEMORY_TARGET_GB,
+            }
+        )
     for key in keys:
         if key != "fused" and rows[key].get("ms"):
             targets.append(_target(f"{key} / fused time", rows, key, "fused", "info", None))
@@ -250,19 +267,21 @@ def workload(device: str, quick: bool = False) -> Dict:
         + ", ".join(f"{k} {v['logp']:.1e} / {v['grad_hidden']:.1e}" for k, v in agreement.items()),
     ]
     if peak:
-        notes.append(f"FLOP rate: 8*N*H*V = {flops / 1e12:.2f} TFLOP per call (4 GEMM-equivalents) over a measured "
-                     f"{str(x['dtype']).replace('torch.', '')} matmul rate of {peak:.0f} TFLOP/s")  # fmt: skip
+        notes.append(
+            f"FLOP rate: 8*N*H*V = {flops / 1e12:.2f} TFLOP per call (4 GEMM-equivalents) over a measured "
+            f"{str(x['dtype']).replace('torch.', '')} matmul rate of {peak:.0f} TFLOP/s"
+        )
     for key, why in errors.items():
         notes.append(f"{key} did not run here: {why}")
     kind = "quick" if quick else "issue"
     return {
         "name": f"{kind} workload: N={N}, H={H}, V={V}, {str(x['dtype']).replace('torch.', '')}; "
-                "log-probs + entropy, forward + backward",
+        "log-probs + entropy, forward + backward",
         "rows": list(rows.values()),
         "targets": targets,
         "agreement": agreement,
         "notes": notes,
-    }  # fmt: skip
+    }
 
 
 WORKLOADS: Dict[str, Callable] = {"lm_head_logprobs_entropy": workload}

@@ -60,10 +60,15 @@ def make_inputs(device: str, quick: bool = False, seed: int = 0) -> Dict:
     adv = torch.randn(B, generator=gen)
     to = dict(device=device)
     return dict(
-        B=B, L=L,
+        B=B,
+        L=L,
         logprobs=logprobs.to(**to).requires_grad_(True),
-        old=old.to(**to), ref=ref.to(**to), rollout=rollout.to(**to), adv=adv.to(**to), mask=mask.to(**to),
-    )  # fmt: skip
+        old=old.to(**to),
+        ref=ref.to(**to),
+        rollout=rollout.to(**to),
+        adv=adv.to(**to),
+        mask=mask.to(**to),
+    )
 
 
 def moved_bytes(x: Dict) -> int:
@@ -95,13 +100,14 @@ def eager_policy_loss(logprobs, old, adv, mask, ref, rollout):
     loss = pg_loss + KL_COEF * kl_loss
     with torch.no_grad():
         metrics = dict(
-            pg_loss=pg_loss.detach(), kl_loss=kl_loss.detach(),
+            pg_loss=pg_loss.detach(),
+            kl_loss=kl_loss.detach(),
             pg_clipfrac=((l2 > l1) * m).sum() / n,
             pg_clipfrac_lower=((pg1 > l3) & (a < 0) & mask).sum() / n,
             ppo_kl=(-delta * m).sum() / n,
             is_weight_mean=(is_w * m).sum() / n,
             is_weight_max=torch.where(mask, is_w, 0.0).max(),
-        )  # fmt: skip
+        )
     return loss, metrics
 
 
@@ -111,9 +117,18 @@ def _verl():
         from verl.trainer.ppo import core_algos, rollout_corr_helper
         from verl.workers.config.actor import ActorConfig
 
-        cfg = ActorConfig(strategy="fsdp", rollout_n=16, ppo_micro_batch_size_per_gpu=1, clip_ratio_low=CLIP_LOW,
-                          clip_ratio_high=CLIP_HIGH, clip_ratio_c=CLIP_C, loss_agg_mode="token-mean",
-                          use_kl_loss=True, kl_loss_coef=KL_COEF, kl_loss_type="low_var_kl")  # fmt: skip
+        cfg = ActorConfig(
+            strategy="fsdp",
+            rollout_n=16,
+            ppo_micro_batch_size_per_gpu=1,
+            clip_ratio_low=CLIP_LOW,
+            clip_ratio_high=CLIP_HIGH,
+            clip_ratio_c=CLIP_C,
+            loss_agg_mode="token-mean",
+            use_kl_loss=True,
+            kl_loss_coef=KL_COEF,
+            kl_loss_type="low_var_kl",
+        )
         assert cfg.global_batch_info == {}  # token-mean over this call's tokens, dp_size 1
         return core_algos, rollout_corr_helper, cfg
     except Exception as e:  # reported as a row, not hidden
@@ -124,10 +139,21 @@ def _fused_backend(x: Dict) -> tuple:
     """("auto", None) when the compiled kernel for this device runs, else ("reference",
     why): the harness still runs, and the targets are then reported as not measured."""
     try:
-        loss, _ = policy_loss(x["logprobs"].detach()[:1, :8], x["old"][:1, :8], x["adv"][:1], x["mask"][:1, :8],
-                              preset="verl", clip_low=CLIP_LOW, clip_high=CLIP_HIGH, kl="k3", kl_coef=KL_COEF,
-                              rollout_correction="token_tis", rollout_threshold=RC_CAP, ref_logprobs=x["ref"][:1, :8],
-                              rollout_logprobs=x["rollout"][:1, :8])  # fmt: skip
+        loss, _ = policy_loss(
+            x["logprobs"].detach()[:1, :8],
+            x["old"][:1, :8],
+            x["adv"][:1],
+            x["mask"][:1, :8],
+            preset="verl",
+            clip_low=CLIP_LOW,
+            clip_high=CLIP_HIGH,
+            kl="k3",
+            kl_coef=KL_COEF,
+            rollout_correction="token_tis",
+            rollout_threshold=RC_CAP,
+            ref_logprobs=x["ref"][:1, :8],
+            rollout_logprobs=x["rollout"][:1, :8],
+        )
         loss.item()
         return "auto", None
     except Exception as e:
@@ -145,10 +171,23 @@ def methods(device: str, quick: bool = False, x: Optional[Dict] = None, compile_
     def fused(validate=True):
         def step():
             lp.grad = None
-            loss, metrics = policy_loss(lp, old, adv, mask, preset="verl", clip_low=CLIP_LOW, clip_high=CLIP_HIGH,
-                                        kl="k3", kl_coef=KL_COEF, rollout_correction="token_tis",
-                                        rollout_threshold=RC_CAP, ref_logprobs=ref, rollout_logprobs=roll,
-                                        validate=validate, backend=backend)  # fmt: skip
+            loss, metrics = policy_loss(
+                lp,
+                old,
+                adv,
+                mask,
+                preset="verl",
+                clip_low=CLIP_LOW,
+                clip_high=CLIP_HIGH,
+                kl="k3",
+                kl_coef=KL_COEF,
+                rollout_correction="token_tis",
+                rollout_threshold=RC_CAP,
+                ref_logprobs=ref,
+                rollout_logprobs=roll,
+                validate=validate,
+                backend=backend,
+            )
             loss.backward()
             return loss, lp.grad
 
@@ -179,22 +218,41 @@ def methods(device: str, quick: bool = False, x: Optional[Dict] = None, compile_
             lp.grad = None
             # Driver side in verl (compute_rollout_correction_and_add_to_batch): log(π_old / π_rollout).
             is_w, is_metrics = rc_helper.compute_rollout_correction_weights(
-                old - roll, mask, rollout_is="token", rollout_is_threshold=RC_CAP)  # fmt: skip
+                old - roll, mask, rollout_is="token", rollout_is_threshold=RC_CAP
+            )
             # Actor side (verl.workers.utils.losses.ppo_loss).
             pg_loss, pg_metrics = core_algos.compute_policy_loss_vanilla(
-                old_log_prob=old, log_prob=lp, advantages=adv_tok, response_mask=mask,
-                loss_agg_mode=cfg.loss_agg_mode, config=cfg, rollout_is_weights=is_w)  # fmt: skip
+                old_log_prob=old,
+                log_prob=lp,
+                advantages=adv_tok,
+                response_mask=mask,
+                loss_agg_mode=cfg.loss_agg_mode,
+                config=cfg,
+                rollout_is_weights=is_w,
+            )
             kld = core_algos.kl_penalty(logprob=lp, ref_logprob=ref, kl_penalty=cfg.kl_loss_type)
-            kl_loss = core_algos.agg_loss(loss_mat=kld, loss_mask=mask, loss_agg_mode=cfg.loss_agg_mode,
-                                          **cfg.global_batch_info)  # fmt: skip
+            kl_loss = core_algos.agg_loss(
+                loss_mat=kld, loss_mask=mask, loss_agg_mode=cfg.loss_agg_mode, **cfg.global_batch_info
+            )
             loss = pg_loss + kl_loss * cfg.kl_loss_coef
             loss.backward()
             return loss, lp.grad
 
-        out.append(("verl compute_policy_loss_vanilla + kl_penalty/agg_loss + TIS weights ([B, L] advantages, "
-                    "rollout_corr_helper.compute_rollout_correction_weights)", verl_step, "verl"))  # fmt: skip
-    out.append(("eager torch, same math ([B] advantages broadcast, metrics as tensors)", eager_step(eager_policy_loss),
-                "eager"))  # fmt: skip
+        out.append(
+            (
+                "verl compute_policy_loss_vanilla + kl_penalty/agg_loss + TIS weights ([B, L] advantages, "
+                "rollout_corr_helper.compute_rollout_correction_weights)",
+                verl_step,
+                "verl",
+            )
+        )
+    out.append(
+        (
+            "eager torch, same math ([B] advantages broadcast, metrics as tensors)",
+            eager_step(eager_policy_loss),
+            "eager",
+        )
+    )
     try:
         torch._dynamo.reset()  # a fresh compile for this workload's shapes (no dynamic-shape recompile)
         compiled_step = eager_step(torch.compile(eager_policy_loss))
@@ -228,8 +286,10 @@ def check_agreement(steps: List[tuple]) -> Dict[str, float]:
         diffs[key] = {"loss_abs_diff": dl, "grad_max_abs_diff": dg}
         scale = float(ref_grad.abs().max()) or 1.0
         if not (dl <= 1e-4 * max(1.0, abs(float(ref_loss))) and dg <= 1e-4 * scale):
-            raise AssertionError(f"policy_loss bench: {key} disagrees with the fused op: loss diff {dl:.3g}, "
-                                 f"grad max diff {dg:.3g} (grad scale {scale:.3g})")  # fmt: skip
+            raise AssertionError(
+                f"policy_loss bench: {key} disagrees with the fused op: loss diff {dl:.3g}, "
+                f"grad max diff {dg:.3g} (grad scale {scale:.3g})"
+            )
     return diffs
 
 
@@ -298,18 +358,24 @@ def workload(device: str, quick: bool = False) -> Dict:
         f"fp32 grad written); copy rate {copy_gbps:.1f} GB/s counts read + write",
     ]
     if "compile_s" in compile_info:
-        notes.append(f"torch.compile warm-up (first forward + backward, compile included): "
-                     f"{compile_info['compile_s']:.1f} s, not in its time")  # fmt: skip
+        notes.append(
+            f"torch.compile warm-up (first forward + backward, compile included): "
+            f"{compile_info['compile_s']:.1f} s, not in its time"
+        )
     if not measured:
-        notes.append(f"the compiled kernel did not run ({x['fused_backend_why']}); the fused rows use "
-                     "backend='reference' and the targets are not measured")  # fmt: skip
-    notes.append("loss / grad agreement with the fused op (max abs diff): " + ", ".join(
-        f"{k} {v['loss_abs_diff']:.1e} / {v['grad_max_abs_diff']:.1e}" for k, v in agreement.items()))  # fmt: skip
+        notes.append(
+            f"the compiled kernel did not run ({x['fused_backend_why']}); the fused rows use "
+            "backend='reference' and the targets are not measured"
+        )
+    notes.append(
+        "loss / grad agreement with the fused op (max abs diff): "
+        + ", ".join(f"{k} {v['loss_abs_diff']:.1e} / {v['grad_max_abs_diff']:.1e}" for k, v in agreement.items())
+    )
     kind = "quick" if quick else "issue"
     return {
         "name": f"{kind} workload: B={B}, L={L}, ragged (lengths U[L/8, L]), bool mask, fp32; ppo + dual clip "
-                f"(c={CLIP_C}, eps={CLIP_LOW}/{CLIP_HIGH}) + k3 KL (beta={KL_COEF}) + token TIS (C={RC_CAP}), "
-                "token-mean; forward + backward",
+        f"(c={CLIP_C}, eps={CLIP_LOW}/{CLIP_HIGH}) + k3 KL (beta={KL_COEF}) + token TIS (C={RC_CAP}), "
+        "token-mean; forward + backward",
         "rows": list(rows.values()),
         "targets": targets,
         "copy_gbps": copy_gbps,
@@ -317,7 +383,7 @@ def workload(device: str, quick: bool = False) -> Dict:
         "compile_s": compile_info.get("compile_s"),
         "agreement": agreement,
         "notes": notes,
-    }  # fmt: skip
+    }
 
 
 WORKLOADS: Dict[str, Callable] = {"ppo_dualclip_k3_tis": workload}

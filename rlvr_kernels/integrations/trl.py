@@ -3,7 +3,7 @@
 TRL computes advantages inline in ``GRPOTrainer._generate_and_score_completions`` and in
 the async rollout worker, and the loss inline in ``GRPOTrainer._compute_loss``; these
 functions are those computations as functions, matching them to 1e-6
-(tests/test_integrations_trl.py and tests/test_policy_loss_trl.py run TRL's own code on
+(tests/advantages/test_peers_trl.py and tests/policy_loss/test_peers_trl.py run TRL's own code on
 the same inputs). Groups are contiguous: rows ``[k·G, (k+1)·G)`` are the G completions
 of prompt k.
 """
@@ -51,16 +51,30 @@ def compute_grpo_advantages(
             f"got {multi_objective_aggregation!r}"
         )
     # TRL's result has the dtype of `rewards_per_func * reward_weights` (float32 weights by default).
-    out_dtype = torch.promote_types(rewards_per_func.dtype,
-                                    reward_weights.dtype if reward_weights is not None else torch.float32)  # fmt: skip
+    out_dtype = torch.promote_types(
+        rewards_per_func.dtype, reward_weights.dtype if reward_weights is not None else torch.float32
+    )
     if multi_objective_aggregation == "normalize_then_sum":
-        out = group_advantages(rewards_per_func, group_size=num_generations, preset="trl", estimator="gdpo",
-                               reward_weights=reward_weights, out_dtype=out_dtype)  # fmt: skip
+        out = group_advantages(
+            rewards_per_func,
+            group_size=num_generations,
+            preset="trl",
+            estimator="gdpo",
+            reward_weights=reward_weights,
+            out_dtype=out_dtype,
+        )
     else:
         estimator = "dr_grpo" if scale_rewards == "none" else "grpo"
         scale = None if scale_rewards == "none" else scale_rewards
-        out = group_advantages(rewards_per_func, group_size=num_generations, preset="trl", estimator=estimator,
-                               scale=scale, reward_weights=reward_weights, out_dtype=out_dtype)  # fmt: skip
+        out = group_advantages(
+            rewards_per_func,
+            group_size=num_generations,
+            preset="trl",
+            estimator=estimator,
+            scale=scale,
+            reward_weights=reward_weights,
+            out_dtype=out_dtype,
+        )
     return out.advantages
 
 
@@ -173,8 +187,9 @@ def grpo_loss_trl(
     if loss_type not in TRL_LOSS_TYPES:
         raise NotImplementedError(f"loss_type: rlvr_kernels fuses TRL's {TRL_LOSS_TYPES}, got {loss_type!r}")
     if importance_sampling_level not in ("token", "sequence"):
-        raise ValueError(f"importance_sampling_level: expected 'token' or 'sequence', "
-                         f"got {importance_sampling_level!r}")  # fmt: skip
+        raise ValueError(
+            f"importance_sampling_level: expected 'token' or 'sequence', got {importance_sampling_level!r}"
+        )
     eps_low = float(epsilon_low)
     eps_high = eps_low if epsilon_high is None else float(epsilon_high)
     seq_level = importance_sampling_level == "sequence"
@@ -188,18 +203,22 @@ def grpo_loss_trl(
             if seq_level:
                 raise NotImplementedError("delta: TRL's two-sided clipping at sequence level is not fused")
             if not delta >= 1 + eps_high or not delta > 1:
-                raise NotImplementedError(f"delta: fused as the dual clip only when delta >= 1 + epsilon_high "
-                                          f"(= {1 + eps_high}), got {delta}")  # fmt: skip
+                raise NotImplementedError(
+                    f"delta: fused as the dual clip only when delta >= 1 + epsilon_high (= {1 + eps_high}), got {delta}"
+                )
             fields["clip_ratio_c"] = float(delta)
         if seq_level:
             fields["gspo_log_clamp"] = _NO_GSPO_CLAMP
     elif seq_level:
-        raise NotImplementedError(f"importance_sampling_level='sequence' with loss_type={loss_type!r} is not fused "
-                                  "(only the clipped GRPO family maps to GSPO)")  # fmt: skip
+        raise NotImplementedError(
+            f"importance_sampling_level='sequence' with loss_type={loss_type!r} is not fused "
+            "(only the clipped GRPO family maps to GSPO)"
+        )
     elif loss_type == "cispo":
         if eps_high < 1:
-            raise NotImplementedError(f"epsilon_high: CISPO's clamp(ρ, max=epsilon_high) is fused for "
-                                      f"epsilon_high >= 1, got {eps_high}")  # fmt: skip
+            raise NotImplementedError(
+                f"epsilon_high: CISPO's clamp(ρ, max=epsilon_high) is fused for epsilon_high >= 1, got {eps_high}"
+            )
         fields.update(loss_type="cispo", clip_low=1.0, clip_high=eps_high - 1.0)
     else:  # sapo
         fields.update(loss_type="sapo", tau_pos=float(sapo_temperature_pos), tau_neg=float(sapo_temperature_neg))
@@ -213,8 +232,10 @@ def grpo_loss_trl(
         if entropies is None:
             raise ValueError("entropies: top_entropy_quantile < 1 needs the per-token entropies")
         if num_processes > 1:
-            raise NotImplementedError("top_entropy_quantile: TRL's threshold is the quantile over all processes' "
-                                      "tokens; the fused op takes this process's tokens only")  # fmt: skip
+            raise NotImplementedError(
+                "top_entropy_quantile: TRL's threshold is the quantile over all processes' "
+                "tokens; the fused op takes this process's tokens only"
+            )
         shaping = TokenShaping(entropy_quantile=float(top_entropy_quantile))
         fields["shaping"] = shaping
 
@@ -261,14 +282,31 @@ def grpo_loss_trl(
         fields.pop("kl"), fields.pop("kl_coef")
     opts = resolve_policy_loss_options("trl", **fields)
     logps = _SequenceMeanGrad.apply(per_token_logps, completion_mask) if spread else per_token_logps
-    loss, metrics = policy_loss(logps, old, adv, completion_mask, options=opts,
-                                ref_logprobs=ref_per_token_logps if "kl" in fields else None,
-                                entropy=entropies, validate=validate, backend=backend, **kw)  # fmt: skip
+    loss, metrics = policy_loss(
+        logps,
+        old,
+        adv,
+        completion_mask,
+        options=opts,
+        ref_logprobs=ref_per_token_logps if "kl" in fields else None,
+        entropy=entropies,
+        validate=validate,
+        backend=backend,
+        **kw,
+    )
     if spread and beta != 0.0:
         zeros = torch.zeros(B, dtype=torch.float32, device=per_token_logps.device)
-        kl_loss, kl_metrics = policy_loss(per_token_logps, old, zeros, completion_mask, options=kl_opts,
-                                          ref_logprobs=ref_per_token_logps, validate=validate, backend=backend,
-                                          **kw)  # fmt: skip
+        kl_loss, kl_metrics = policy_loss(
+            per_token_logps,
+            old,
+            zeros,
+            completion_mask,
+            options=kl_opts,
+            ref_logprobs=ref_per_token_logps,
+            validate=validate,
+            backend=backend,
+            **kw,
+        )
         loss = loss + kl_loss
         metrics = metrics._replace(kl_loss=kl_metrics.kl_loss, kl=kl_metrics.kl)
     if post != 1.0:
@@ -293,15 +331,18 @@ def _fold_ratio(adv: torch.Tensor, ratio: torch.Tensor, shape, mask, validate) -
     B = shape[0]
     r = ratio.detach()
     if checks_enabled(validate) and r.numel() and bool((~(r >= 0) & (mask != 0).reshape(shape)).any()):
-        raise ValueError("importance_sampling_ratio: expected ratios >= 0 on valid tokens (the fold into the "
-                         "advantages is exact for non-negative ratios only)")  # fmt: skip
+        raise ValueError(
+            "importance_sampling_ratio: expected ratios >= 0 on valid tokens (the fold into the "
+            "advantages is exact for non-negative ratios only)"
+        )
     if r.dim() == 2 and r.shape[1] == 1 and tuple(r.shape) != tuple(shape):
         r = r[:, 0]
     if r.dim() == 1 and r.shape[0] == B and tuple(r.shape) != tuple(shape):
         return (adv * r) if adv.dim() == 1 else adv * r[:, None]
     if tuple(r.shape) != tuple(shape):
-        raise ValueError(f"importance_sampling_ratio: expected [B, T] = {tuple(shape)} or [B, 1], "
-                         f"got {tuple(ratio.shape)}")  # fmt: skip
+        raise ValueError(
+            f"importance_sampling_ratio: expected [B, T] = {tuple(shape)} or [B, 1], got {tuple(ratio.shape)}"
+        )
     return (adv[:, None] if adv.dim() == 1 else adv) * r
 
 
@@ -334,8 +375,9 @@ def _row_targets(logits, index, row_mask):
     return index
 
 
-def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0,
-                          row_mask: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
+def selective_log_softmax(
+    logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0, row_mask: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """TRL ``trainer.utils.selective_log_softmax``: log-softmax of ``logits / temperature``
     gathered at ``index`` (shape ``logits.shape[:-1]``), in the logits' dtype; positions
     where ``row_mask`` is 0 give 0. Computed in fp32 in one pass over each row."""
@@ -353,8 +395,9 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Te
     return entropy.to(logits.dtype)
 
 
-def selective_log_softmax_and_entropy(logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0,
-                                      row_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def selective_log_softmax_and_entropy(
+    logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0, row_mask: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Both of the above from one read of the logits (what ``GRPOTrainer`` computes when it
     needs entropies), fp32. Entropies are computed on every row, masked or not."""
     if temperature <= 0:

@@ -1,7 +1,7 @@
 """Drop-ins for ``verl.trainer.ppo.core_algos`` (verl 0.9), built on the fused ops.
 
 Each function takes and returns what verl's function of the same name does, and matches
-it to 1e-6 (tests/test_integrations_verl.py and tests/test_policy_loss_verl.py run both).
+it to 1e-6 (tests/advantages/test_peers_verl.py and tests/policy_loss/test_peers_verl.py run both).
 
 Advantages: verl sums ``token_level_rewards`` over the response to get one score per
 sample, groups samples by ``index`` (uid strings) and returns ``(advantages, returns)``,
@@ -60,8 +60,15 @@ def _outcome(token_level_rewards, response_mask, index, **options) -> Tuple[torc
     group_index, num_groups = uids_to_group_index(index, device=scores.device, return_num_groups=True)
     # verl computes `scores.unsqueeze(-1) * response_mask`: the product's dtype.
     out_dtype = torch.promote_types(scores.dtype, response_mask.dtype)
-    out = group_advantages(scores, group_index, num_groups=num_groups, preset="verl", response_mask=response_mask,
-                           out_dtype=out_dtype, **options)  # fmt: skip
+    out = group_advantages(
+        scores,
+        group_index,
+        num_groups=num_groups,
+        preset="verl",
+        response_mask=response_mask,
+        out_dtype=out_dtype,
+        **options,
+    )
     return out.token_advantages, out.token_advantages
 
 
@@ -87,8 +94,9 @@ def compute_grpo_vectorized_outcome_advantage(
     config: Optional[Any] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """verl's vectorised GRPO: the same numbers as the loop (its singletons also use 0/1)."""
-    return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon,
-                                          norm_adv_by_std_in_grpo, config)  # fmt: skip
+    return compute_grpo_outcome_advantage(
+        token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo, config
+    )
 
 
 def compute_rloo_outcome_advantage(
@@ -186,9 +194,18 @@ def compute_gdpo_outcome_advantage(
     group_index, num_groups = uids_to_group_index(index, device=terms.device, return_num_groups=True)
     # verl's result has the dtype of its per-term GRPO output, `term_scores.unsqueeze(-1) * response_mask`.
     out_dtype = torch.promote_types(terms.dtype, response_mask.dtype)
-    out = group_advantages(terms, group_index, num_groups=num_groups, preset="verl", estimator="gdpo", eps=epsilon,
-                           scale="group" if norm_adv_by_std_in_grpo else "none", reward_weights=weights,
-                           response_mask=response_mask, out_dtype=out_dtype)  # fmt: skip
+    out = group_advantages(
+        terms,
+        group_index,
+        num_groups=num_groups,
+        preset="verl",
+        estimator="gdpo",
+        eps=epsilon,
+        scale="group" if norm_adv_by_std_in_grpo else "none",
+        reward_weights=weights,
+        response_mask=response_mask,
+        out_dtype=out_dtype,
+    )
     return out.token_advantages, out.token_advantages
 
 
@@ -219,8 +236,18 @@ _BACKEND: ContextVar[str] = ContextVar("rlvr_kernels_verl_backend", default="aut
 _AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 _BATCH_INFO_KEYS = ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
 # verl kl_penalty names → our fused estimators (the same numbers and gradients).
-_KL_FUSED = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "mse+": "k2", "k2+": "k2",
-             "low_var_kl": "k3", "k3": "k3", "low_var_kl+": "k3+", "k3+": "k3+"}  # fmt: skip
+_KL_FUSED = {
+    "kl": "k1",
+    "k1": "k1",
+    "mse": "k2",
+    "k2": "k2",
+    "mse+": "k2",
+    "k2+": "k2",
+    "low_var_kl": "k3",
+    "k3": "k3",
+    "low_var_kl+": "k3+",
+    "k3+": "k3+",
+}
 # verl loss_mode → our loss_type.
 _LOSS_MODES = {"vanilla": "ppo", "gspo": "gspo", "cispo": "cispo", "sapo": "sapo", "gpg": "reinforce"}
 
@@ -259,8 +286,9 @@ def _batch_info(config) -> Dict[str, Any]:
     info = dict(_get(config, "global_batch_info", None) or {})
     unknown = sorted(set(info) - set(_BATCH_INFO_KEYS))
     if unknown:
-        raise TypeError(f"config.global_batch_info: unexpected keys {unknown}; verl's agg_loss takes "
-                        f"{_BATCH_INFO_KEYS}")  # fmt: skip
+        raise TypeError(
+            f"config.global_batch_info: unexpected keys {unknown}; verl's agg_loss takes {_BATCH_INFO_KEYS}"
+        )
     return info
 
 
@@ -307,14 +335,17 @@ def _check_is_weights(weights, mask, shape, validate=True):
     except RuntimeError:
         full = None
     if full != tuple(shape):
-        raise ValueError(f"rollout_is_weights: expected a shape broadcastable to {tuple(shape)}, "
-                         f"got {tuple(weights.shape)}")  # fmt: skip
+        raise ValueError(
+            f"rollout_is_weights: expected a shape broadcastable to {tuple(shape)}, got {tuple(weights.shape)}"
+        )
     if checks_enabled(validate):
         bad = ~(weights.detach() >= 0) & (mask != 0)  # negative or NaN on a valid token
         if bool(bad.any()):
             idx = tuple(int(v) for v in bad.nonzero()[0])
-            raise ValueError(f"rollout_is_weights: expected weights >= 0 on valid tokens, got "
-                             f"{float(weights.detach().expand(shape)[idx])} at {idx}")  # fmt: skip
+            raise ValueError(
+                f"rollout_is_weights: expected weights >= 0 on valid tokens, got "
+                f"{float(weights.detach().expand(shape)[idx])} at {idx}"
+            )
 
 
 def _fold_is_weights(advantages, weights, mask, shape, validate=True):
@@ -351,11 +382,13 @@ def _float_metrics(pairs) -> Dict[str, float]:
     return {k: v for (k, _), v in zip(pairs, values)}
 
 
-def _verl_policy_loss(loss_mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                      rollout_is_weights):  # fmt: skip
+def _verl_policy_loss(
+    loss_mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+):
     if config is None:
-        raise ValueError("config: verl's policy losses read the clip ratios and global_batch_info from the actor "
-                         "config; got None")  # fmt: skip
+        raise ValueError(
+            "config: verl's policy losses read the clip ratios and global_batch_info from the actor config; got None"
+        )
     agg = "seq-mean-token-mean" if loss_mode == "sapo" else loss_agg_mode  # verl's SAPO ignores loss_agg_mode
     opts = _pg_options(loss_mode, config, agg)
     agg_kw = _agg_kwargs(agg, **_batch_info(config))
@@ -368,10 +401,16 @@ def _verl_policy_loss(loss_mode, old_log_prob, log_prob, advantages, response_ma
     clip = m
     if loss_mode != "sapo" and _any_zero_weight(rollout_is_weights, response_mask):
         with torch.no_grad():  # verl's clip fractions count zero-weight tokens with their own A
-            _, clip = _policy_loss(log_prob.detach(), old_log_prob, advantages, response_mask, options=opts,
-                                   backend=backend, **agg_kw)  # fmt: skip
-    return loss, _float_metrics([("actor/pg_clipfrac", clip.pg_clipfrac), ("actor/ppo_kl", m.ppo_kl),
-                                 ("actor/pg_clipfrac_lower", clip.pg_clipfrac_lower)])  # fmt: skip
+            _, clip = _policy_loss(
+                log_prob.detach(), old_log_prob, advantages, response_mask, options=opts, backend=backend, **agg_kw
+            )
+    return loss, _float_metrics(
+        [
+            ("actor/pg_clipfrac", clip.pg_clipfrac),
+            ("actor/ppo_kl", m.ppo_kl),
+            ("actor/pg_clipfrac_lower", clip.pg_clipfrac_lower),
+        ]
+    )
 
 
 def compute_policy_loss_vanilla(
@@ -386,8 +425,9 @@ def compute_policy_loss_vanilla(
     """PPO clip with verl's dual clip (c = ``config.get("clip_ratio_c", 3.0)``) and δ
     clamped to ±20; returns ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl",
     "actor/pg_clipfrac_lower"})`` with float metrics (one host sync)."""
-    return _verl_policy_loss("vanilla", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                             rollout_is_weights)  # fmt: skip
+    return _verl_policy_loss(
+        "vanilla", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+    )
 
 
 def compute_policy_loss_gspo(
@@ -400,8 +440,9 @@ def compute_policy_loss_gspo(
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """GSPO: the sequence ratio exp(mean_t δ) in verl's token form, log s clamped at 10."""
-    return _verl_policy_loss("gspo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                             rollout_is_weights)  # fmt: skip
+    return _verl_policy_loss(
+        "gspo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+    )
 
 
 def compute_policy_loss_cispo(
@@ -414,8 +455,9 @@ def compute_policy_loss_cispo(
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """CISPO: −sg(clip(ρ, 1 − ε_low, 1 + ε_high))·A·logπ."""
-    return _verl_policy_loss("cispo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                             rollout_is_weights)  # fmt: skip
+    return _verl_policy_loss(
+        "cispo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+    )
 
 
 def compute_policy_loss_sapo(
@@ -429,8 +471,9 @@ def compute_policy_loss_sapo(
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """SAPO's soft gate with ``config.tau_pos``/``tau_neg``; like verl, always aggregated
     ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says (clip fractions are 0)."""
-    return _verl_policy_loss("sapo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                             rollout_is_weights)  # fmt: skip
+    return _verl_policy_loss(
+        "sapo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+    )
 
 
 def compute_policy_loss_gpg(
@@ -443,8 +486,9 @@ def compute_policy_loss_gpg(
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """GPG: −A·logπ; returns ``(pg_loss, {})`` like verl."""
-    return _verl_policy_loss("gpg", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                             rollout_is_weights)  # fmt: skip
+    return _verl_policy_loss(
+        "gpg", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+    )
 
 
 def _kl_unfused(logprob, ref_logprob, kind):
@@ -482,8 +526,17 @@ def kl_penalty(logprob: torch.FloatTensor, ref_logprob: torch.FloatTensor, kl_pe
     cu = torch.tensor([0, flat.numel()], dtype=torch.int64, device=flat.device)
     opts = resolve_policy_loss_options("verl", loss_type="reinforce", kl=kind, kl_coef=1.0, agg="none")
     zero = torch.zeros(1, dtype=torch.float32, device=flat.device)
-    per_token, _ = _policy_loss(flat, flat.detach(), zero, None, options=opts, ref_logprobs=ref_logprob.reshape(-1),
-                                cu_seqlens=cu, validate=False, backend=_BACKEND.get())  # fmt: skip
+    per_token, _ = _policy_loss(
+        flat,
+        flat.detach(),
+        zero,
+        None,
+        options=opts,
+        ref_logprobs=ref_logprob.reshape(-1),
+        cu_seqlens=cu,
+        validate=False,
+        backend=_BACKEND.get(),
+    )
     return per_token.reshape(logprob.shape).to(_out_dtype(logprob, ref_logprob))
 
 
@@ -514,12 +567,28 @@ def agg_loss(
     the sequences with a valid token), seq-mean-token-sum-norm (÷ ``loss_scale_factor``,
     default ``loss_mask.shape[-1]``); all × ``dp_size``. The mask is binary (m ≠ 0); a
     count of 0 gives 0 where verl divides by it."""
-    return _agg_loss(loss_mat, loss_mask, loss_agg_mode, _BACKEND.get(), dp_size, batch_num_tokens,
-                     global_batch_size, loss_scale_factor)  # fmt: skip
+    return _agg_loss(
+        loss_mat,
+        loss_mask,
+        loss_agg_mode,
+        _BACKEND.get(),
+        dp_size,
+        batch_num_tokens,
+        global_batch_size,
+        loss_scale_factor,
+    )
 
 
-def _agg_loss(loss_mat, loss_mask, loss_agg_mode, backend, dp_size=1, batch_num_tokens=None, global_batch_size=None,
-              loss_scale_factor=None):  # fmt: skip
+def _agg_loss(
+    loss_mat,
+    loss_mask,
+    loss_agg_mode,
+    backend,
+    dp_size=1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+):
     kw = _agg_kwargs(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
     x = loss_mat if loss_mat.dim() == 2 else loss_mat.reshape(-1, loss_mat.shape[-1] if loss_mat.dim() else 1)
     mask = loss_mask if loss_mask.shape == x.shape else loss_mask.expand(loss_mat.shape).reshape(x.shape)
@@ -540,7 +609,8 @@ def _parse_is_threshold(spec) -> float:
             raise NotImplementedError(
                 f"rollout_is_threshold={spec!r} is verl's IcePop, which keeps the raw weight inside the bounds "
                 "(rlvr_kernels' token_mis/seq_mis use weight 1 there): compute verl's rollout_is_weights and pass them "
-                "as rollout_is_weights instead")  # fmt: skip
+                "as rollout_is_weights instead"
+            )
         spec = float(spec)
     if not spec > 0:
         raise ValueError(f"rollout_is_threshold: expected an upper bound > 0, got {spec!r}")
@@ -623,13 +693,18 @@ def policy_loss_verl(
     rc = {}
     if rollout_log_probs is not None or rollout_is is not None:
         if rollout_is_weights is not None:
-            raise ValueError("rollout_is_weights: give either the weights or rollout_log_probs with rollout_is, "
-                             "not both")  # fmt: skip
+            raise ValueError(
+                "rollout_is_weights: give either the weights or rollout_log_probs with rollout_is, not both"
+            )
         if rollout_is not in ("token", "sequence") or rollout_log_probs is None:
-            raise ValueError(f"rollout_is: expected 'token' or 'sequence' together with rollout_log_probs, "
-                             f"got rollout_is={rollout_is!r}")  # fmt: skip
-        rc = dict(rollout_correction="token_tis" if rollout_is == "token" else "seq_tis",
-                  rollout_threshold=_parse_is_threshold(rollout_is_threshold))  # fmt: skip
+            raise ValueError(
+                f"rollout_is: expected 'token' or 'sequence' together with rollout_log_probs, "
+                f"got rollout_is={rollout_is!r}"
+            )
+        rc = dict(
+            rollout_correction="token_tis" if rollout_is == "token" else "seq_tis",
+            rollout_threshold=_parse_is_threshold(rollout_is_threshold),
+        )
     adv = _fold_is_weights(advantages, rollout_is_weights, response_mask, log_prob.shape, validate)
 
     fuse_rest = pg_agg == agg_mode
@@ -639,21 +714,42 @@ def policy_loss_verl(
     if fuse_rest and ent_coef != 0:
         extra.update(entropy_coef=ent_coef)
     opts = _pg_options(loss_mode, config, pg_agg, **extra)
-    loss, m = _policy_loss(log_prob, old_log_prob, adv, response_mask, options=opts,
-                           ref_logprobs=ref_log_prob if "kl" in extra else None,
-                           rollout_logprobs=rollout_log_probs if rc else None,
-                           entropy=entropy if "entropy_coef" in extra else None,
-                           validate=validate, backend=backend, **pg_kw)  # fmt: skip
+    loss, m = _policy_loss(
+        log_prob,
+        old_log_prob,
+        adv,
+        response_mask,
+        options=opts,
+        ref_logprobs=ref_log_prob if "kl" in extra else None,
+        rollout_logprobs=rollout_log_probs if rc else None,
+        entropy=entropy if "entropy_coef" in extra else None,
+        validate=validate,
+        backend=backend,
+        **pg_kw,
+    )
     pg_loss, kl_loss = m.pg_loss, m.kl_loss
     if not fuse_rest and (kl_fused is not None or ent_coef != 0):
         # SAPO with another loss_agg_mode: KL and entropy in a second call (A = 0, no pg term).
-        rest = resolve_policy_loss_options("verl", loss_type="reinforce", agg=agg_mode, entropy_coef=ent_coef or None,
-                                           **({"kl": kl_fused, "kl_coef": kl_coef} if kl_fused else {}))  # fmt: skip
+        rest = resolve_policy_loss_options(
+            "verl",
+            loss_type="reinforce",
+            agg=agg_mode,
+            entropy_coef=ent_coef or None,
+            **({"kl": kl_fused, "kl_coef": kl_coef} if kl_fused else {}),
+        )
         zeros = torch.zeros(log_prob.shape[0], dtype=torch.float32, device=log_prob.device)
-        loss2, m2 = _policy_loss(log_prob, old_log_prob, zeros, response_mask, options=rest,
-                                 ref_logprobs=ref_log_prob if kl_fused else None,
-                                 entropy=entropy if ent_coef != 0 else None, validate=validate, backend=backend,
-                                 **kw)  # fmt: skip
+        loss2, m2 = _policy_loss(
+            log_prob,
+            old_log_prob,
+            zeros,
+            response_mask,
+            options=rest,
+            ref_logprobs=ref_log_prob if kl_fused else None,
+            entropy=entropy if ent_coef != 0 else None,
+            validate=validate,
+            backend=backend,
+            **kw,
+        )
         loss = loss + loss2
         kl_loss = m2.kl_loss
     if use_kl and kl_fused is None:
@@ -665,13 +761,23 @@ def policy_loss_verl(
     clip = m
     if not return_tensors and loss_mode not in ("sapo", "gpg") and _any_zero_weight(rollout_is_weights, response_mask):
         with torch.no_grad():
-            _, clip = _policy_loss(log_prob.detach(), old_log_prob, advantages, response_mask,
-                                   options=_pg_options(loss_mode, config, pg_agg), validate=False, backend=backend,
-                                   **pg_kw)  # fmt: skip
+            _, clip = _policy_loss(
+                log_prob.detach(),
+                old_log_prob,
+                advantages,
+                response_mask,
+                options=_pg_options(loss_mode, config, pg_agg),
+                validate=False,
+                backend=backend,
+                **pg_kw,
+            )
     pairs = []
     if loss_mode != "gpg":
-        pairs += [("actor/pg_clipfrac", clip.pg_clipfrac), ("actor/ppo_kl", m.ppo_kl),
-                  ("actor/pg_clipfrac_lower", clip.pg_clipfrac_lower)]  # fmt: skip
+        pairs += [
+            ("actor/pg_clipfrac", clip.pg_clipfrac),
+            ("actor/ppo_kl", m.ppo_kl),
+            ("actor/pg_clipfrac_lower", clip.pg_clipfrac_lower),
+        ]
     pairs.append(("actor/pg_loss", pg_loss))
     if entropy is not None:
         with torch.no_grad():
@@ -703,8 +809,14 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return entropy.to(logits.dtype)
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
-                         reduction: str = "none", dist_process_group=None) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    reduction: str = "none",
+    dist_process_group=None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """verl ``utils.kernel.linear_cross_entropy``: ``(log-probs, entropy)`` of ``labels`` from
     ``hidden [..., H]`` and the (vocab-parallel, with ``dist_process_group``) LM head
     ``weight [V, H]``, fp32, shaped like ``labels``. Runs on CPU and GPU; only
@@ -712,7 +824,13 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     if reduction != "none":
         raise NotImplementedError(f"reduction: only 'none' is supported, got {reduction!r}")
     lead = labels.shape
-    logp, entropy = _linear_logprobs(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                                     temperature=temperature, return_entropy=True, process_group=dist_process_group,
-                                     backend=_BACKEND.get())  # fmt: skip
+    logp, entropy = _linear_logprobs(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        labels.reshape(-1),
+        temperature=temperature,
+        return_entropy=True,
+        process_group=dist_process_group,
+        backend=_BACKEND.get(),
+    )
     return logp.reshape(lead), entropy.reshape(lead)

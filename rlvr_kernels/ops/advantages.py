@@ -76,9 +76,28 @@ def _group_advantages_op(
     group_mean [Gn], group_std [Gn], group_count [Gn] int64, group_degenerate [Gn] bool,
     sample_keep [B] bool). With ``group_size > 0`` groups are contiguous rows and
     ``group_index`` is empty (not read)."""
-    args = (scores, group_index, num_groups, group_size, valid, lengths, response_mask, cu_seqlens, num_tokens, baseline,
-            scale, std_unbiased, eps, eps_in_sqrt, singleton_raw, passk_k, whiten, whiten_eps,
-            whiten_eps_in_sqrt, out_dtype)  # fmt: skip
+    args = (
+        scores,
+        group_index,
+        num_groups,
+        group_size,
+        valid,
+        lengths,
+        response_mask,
+        cu_seqlens,
+        num_tokens,
+        baseline,
+        scale,
+        std_unbiased,
+        eps,
+        eps_in_sqrt,
+        singleton_raw,
+        passk_k,
+        whiten,
+        whiten_eps,
+        whiten_eps_in_sqrt,
+        out_dtype,
+    )
     if _dispatch.resolve_backend(backend, scores.device) == "cpu":
         return torch.ops.rlvr_kernels_C.group_advantages(*args)
     from ..triton.advantages import group_advantages_triton
@@ -173,12 +192,31 @@ def group_advantages(
     """
     _dispatch.check_backend(backend)
     opts = resolve_advantage_options(
-        preset, estimator=estimator, std=std, eps=eps, eps_in_sqrt=eps_in_sqrt, scale=scale,
-        singleton=singleton, nan_policy=nan_policy, k=k, whitening=whitening,
-    )  # fmt: skip
+        preset,
+        estimator=estimator,
+        std=std,
+        eps=eps,
+        eps_in_sqrt=eps_in_sqrt,
+        scale=scale,
+        singleton=singleton,
+        nan_policy=nan_policy,
+        k=k,
+        whitening=whitening,
+    )
     out_dtype = check_out_dtype(out_dtype)
-    inputs = _validate(scores, group_index, group_size, num_groups, sample_mask, response_mask, cu_seqlens,
-                       lengths, reward_weights, opts, validate)  # fmt: skip
+    inputs = _validate(
+        scores,
+        group_index,
+        group_size,
+        num_groups,
+        sample_mask,
+        response_mask,
+        cu_seqlens,
+        lengths,
+        reward_weights,
+        opts,
+        validate,
+    )
     scores, group_index, num_groups, group_size, sample_mask, num_tokens = inputs
     scores = scores.detach()  # advantages are constants of the loss: no gradient to rewards
 
@@ -186,9 +224,17 @@ def group_advantages(
         if group_size:
             group_index = torch.arange(scores.shape[0], device=scores.device) // group_size
         return reference.group_advantages(
-            scores, group_index, num_groups, opts, sample_mask=sample_mask, response_mask=response_mask,
-            cu_seqlens=cu_seqlens, lengths=lengths, reward_weights=reward_weights, out_dtype=out_dtype,
-        )  # fmt: skip
+            scores,
+            group_index,
+            num_groups,
+            opts,
+            sample_mask=sample_mask,
+            response_mask=response_mask,
+            cu_seqlens=cu_seqlens,
+            lengths=lengths,
+            reward_weights=reward_weights,
+            out_dtype=out_dtype,
+        )
 
     layout = dict(lengths=lengths, response_mask=response_mask, cu_seqlens=cu_seqlens, num_tokens=num_tokens)
     groups = (group_index, num_groups, group_size)
@@ -206,8 +252,18 @@ def group_advantages(
         # One estimator over r = Σ_k w_k r_k, NaN terms counted as 0 (TRL's nansum).
         r = torch.where(finite, terms.to(dtype) * w, torch.zeros((), dtype=dtype, device=scores.device)).sum(1)
     baseline, uses_scale, whiten = _PLANS[opts.estimator]
-    out = _call(r, groups, valid, layout, opts, baseline, opts.scale if uses_scale else "none",
-                opts.whitening.over if whiten == "whiten" else "off", out_dtype, backend)  # fmt: skip
+    out = _call(
+        r,
+        groups,
+        valid,
+        layout,
+        opts,
+        baseline,
+        opts.scale if uses_scale else "none",
+        opts.whitening.over if whiten == "whiten" else "off",
+        out_dtype,
+        backend,
+    )
     adv, tok, mean, sd, count, degenerate, keep = out
     return GroupAdvantages(adv, _token_or_none(tok, layout), mean, sd, count, degenerate, keep)
 
@@ -219,14 +275,25 @@ def _gdpo(terms, finite, valid, weights, groups, layout, opts, out_dtype, backen
     total = torch.zeros(terms.shape[0], dtype=torch.float64, device=terms.device)
     means, stds, degs = [], [], []
     for j in range(terms.shape[1]):
-        a, _, mean, sd, _, deg, _ = _call(terms[:, j], groups, valid & finite[:, j], dict(lengths=layout["lengths"]),
-                                          opts, "mean", opts.scale, "off", torch.float64, backend)  # fmt: skip
+        a, _, mean, sd, _, deg, _ = _call(
+            terms[:, j],
+            groups,
+            valid & finite[:, j],
+            dict(lengths=layout["lengths"]),
+            opts,
+            "mean",
+            opts.scale,
+            "off",
+            torch.float64,
+            backend,
+        )
         total = total + weights[j].double() * a
         means.append(mean)
         stds.append(sd)
         degs.append(deg)
-    adv, tok, _, _, count, _, _ = _call(total, groups, valid, layout, opts, "none", "none", opts.whitening.over,
-                                        out_dtype, backend)  # fmt: skip
+    adv, tok, _, _, count, _, _ = _call(
+        total, groups, valid, layout, opts, "none", "none", opts.whitening.over, out_dtype, backend
+    )
     # Degenerate: every reward term constant in the group; keep: valid and not degenerate.
     degenerate = torch.stack(degs, dim=1).all(dim=1)
     if group_size:
@@ -236,27 +303,61 @@ def _gdpo(terms, finite, valid, weights, groups, layout, opts, out_dtype, backen
         keep = valid & in_range & ~degenerate[group_index.clamp(0, num_groups - 1)]
     else:
         keep = torch.zeros_like(valid)
-    return GroupAdvantages(adv, _token_or_none(tok, layout), torch.stack(means, 1).to(out_dtype),
-                           torch.stack(stds, 1).to(out_dtype), count, degenerate, keep)  # fmt: skip
+    return GroupAdvantages(
+        adv,
+        _token_or_none(tok, layout),
+        torch.stack(means, 1).to(out_dtype),
+        torch.stack(stds, 1).to(out_dtype),
+        count,
+        degenerate,
+        keep,
+    )
 
 
 def _call(r, groups, valid, layout, opts: AdvantageOptions, baseline, scale, whiten, out_dtype, backend):
     group_index, num_groups, group_size = groups
     return _group_advantages_op(
-        r, group_index, num_groups, group_size, valid, layout.get("lengths"), layout.get("response_mask"),
-        layout.get("cu_seqlens"), layout.get("num_tokens", -1), BASELINE[baseline], SCALE[scale],
-        opts.std == "unbiased", float(opts.eps), bool(opts.eps_in_sqrt), opts.singleton == "raw",
-        int(opts.k or 0), WHITEN[whiten], float(opts.whitening.eps), bool(opts.whitening.eps_in_sqrt),
-        out_dtype, backend,
-    )  # fmt: skip
+        r,
+        group_index,
+        num_groups,
+        group_size,
+        valid,
+        layout.get("lengths"),
+        layout.get("response_mask"),
+        layout.get("cu_seqlens"),
+        layout.get("num_tokens", -1),
+        BASELINE[baseline],
+        SCALE[scale],
+        opts.std == "unbiased",
+        float(opts.eps),
+        bool(opts.eps_in_sqrt),
+        opts.singleton == "raw",
+        int(opts.k or 0),
+        WHITEN[whiten],
+        float(opts.whitening.eps),
+        bool(opts.whitening.eps_in_sqrt),
+        out_dtype,
+        backend,
+    )
 
 
 def _token_or_none(tok, layout):
     return tok if layout["response_mask"] is not None or layout["cu_seqlens"] is not None else None
 
 
-def _validate(scores, group_index, group_size, num_groups, sample_mask, response_mask, cu_seqlens, lengths,
-              reward_weights, opts, validate):  # fmt: skip
+def _validate(
+    scores,
+    group_index,
+    group_size,
+    num_groups,
+    sample_mask,
+    response_mask,
+    cu_seqlens,
+    lengths,
+    reward_weights,
+    opts,
+    validate,
+):
     """Static checks (always) and value checks (``validate``); returns normalised inputs."""
     check_tensor("scores", scores, dtypes=FLOAT_DTYPES, ndim=(1, 2))
     dev = scores.device
@@ -301,7 +402,9 @@ def _validate(scores, group_index, group_size, num_groups, sample_mask, response
     elif response_mask is not None:
         check_tensor("response_mask", response_mask, dtypes=MASK_DTYPES, ndim=(2,), device=dev)
         if response_mask.shape[0] != B:
-            raise ValueError(f"response_mask: expected [B={B}, L] rows matching scores, got {tuple(response_mask.shape)}")
+            raise ValueError(
+                f"response_mask: expected [B={B}, L] rows matching scores, got {tuple(response_mask.shape)}"
+            )
     if lengths is not None:
         check_tensor("lengths", lengths, dtypes=FLOAT_DTYPES + INT_DTYPES, ndim=(1,), device=dev)
         check_shape("lengths", lengths, (B,), "one token count per sample")
@@ -316,15 +419,19 @@ def _validate(scores, group_index, group_size, num_groups, sample_mask, response
             if int(lo) < 0 or int(hi) >= num_groups:
                 bad = (group_index < 0) | (group_index >= num_groups)
                 i = int(bad.nonzero()[0])
-                raise ValueError(f"group_index: expected ids in [0, num_groups={num_groups}), got {int(group_index[i])} at row {i}")
+                raise ValueError(
+                    f"group_index: expected ids in [0, num_groups={num_groups}), got {int(group_index[i])} at row {i}"
+                )
         # A float64 sum is finite iff every score is (no overflow below 1e308 · B).
         if opts.nan_policy == "error" and not bool(torch.isfinite(scores.sum(dtype=torch.float64))):
             finite = torch.isfinite(scores) if scores.dim() == 1 else torch.isfinite(scores).all(dim=1)
             counted = ~finite if sample_mask is None else ~finite & sample_mask
             if bool(counted.any()):
                 i = int(counted.nonzero()[0])
-                raise ValueError(f"scores: non-finite score at row {i} (pass nan_policy='unscorable' to exclude such "
-                                 f"samples, or mask them with sample_mask)")  # fmt: skip
+                raise ValueError(
+                    f"scores: non-finite score at row {i} (pass nan_policy='unscorable' to exclude such "
+                    f"samples, or mask them with sample_mask)"
+                )
         if reward_weights is not None:
             fail_if(~torch.isfinite(reward_weights).all(), "reward_weights: expected finite weights")
         if lengths is not None:
@@ -335,5 +442,7 @@ def _validate(scores, group_index, group_size, num_groups, sample_mask, response
             raise ValueError(f"cu_seqlens: expected cu_seqlens[0] == 0, got {int(cu[0])}")
         fail_if((cu[1:] < cu[:-1]).any(), "cu_seqlens: expected non-decreasing offsets")
         if response_mask is not None and int(cu[-1]) != num_tokens:
-            raise ValueError(f"cu_seqlens: expected cu_seqlens[-1] == T = {num_tokens} (response_mask length), got {int(cu[-1])}")
+            raise ValueError(
+                f"cu_seqlens: expected cu_seqlens[-1] == T = {num_tokens} (response_mask length), got {int(cu[-1])}"
+            )
     return scores, group_index, num_groups, group_size or 0, sample_mask, num_tokens

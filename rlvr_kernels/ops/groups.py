@@ -8,9 +8,7 @@ import numpy as np
 import torch
 
 
-def uids_to_group_index(
-    uids, *, device: Optional[Union[str, torch.device]] = None, return_num_groups: bool = False
-):
+def uids_to_group_index(uids, *, device: Optional[Union[str, torch.device]] = None, return_num_groups: bool = False):
     """Map per-sample uids to dense int64 group ids, numbered in order of first appearance.
 
     Args:

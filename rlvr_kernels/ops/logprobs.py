@@ -137,13 +137,40 @@ def _linear_bwd(
 ) -> _Triple:
     """(grad_hidden, grad_weight, grad_bias) of the kernel contract."""
     k = _kernels(backend, hidden.device)
-    return k.linear_logprobs_bwd(hidden, weight, bias, inv_temperature, row_ptr, sorted_targets, sorted_grad, lse,
-                                 entropy, grad_entropy, need_hidden, need_weight, need_bias)  # fmt: skip
+    return k.linear_logprobs_bwd(
+        hidden,
+        weight,
+        bias,
+        inv_temperature,
+        row_ptr,
+        sorted_targets,
+        sorted_grad,
+        lse,
+        entropy,
+        grad_entropy,
+        need_hidden,
+        need_weight,
+        need_bias,
+    )
 
 
 @_linear_bwd.register_fake
-def _(hidden, weight, bias, inv_temperature, row_ptr, sorted_targets, sorted_grad, lse, entropy, grad_entropy,
-      need_hidden, need_weight, need_bias, backend):  # fmt: skip
+def _(
+    hidden,
+    weight,
+    bias,
+    inv_temperature,
+    row_ptr,
+    sorted_targets,
+    sorted_grad,
+    lse,
+    entropy,
+    grad_entropy,
+    need_hidden,
+    need_weight,
+    need_bias,
+    backend,
+):
     empty = hidden.new_empty((0,))
     return (
         torch.empty_like(hidden) if need_hidden else empty,
@@ -290,8 +317,22 @@ def _linear_backward(ctx, g_logp, g_entropy, g_lse):
         return (None,) * 11
     g, grad_entropy = _upstream(ctx, g_logp, g_entropy, targets, order, lse)
     local = _local_sorted_targets(targets, order, ctx.ignore_index, 0)
-    gh, gw, gb = _linear_bwd(hidden, weight, bias, inv_t, row_ptr, local, g, lse, entropy, grad_entropy,
-                             need_h, need_w, need_b and bias is not None, ctx.backend)  # fmt: skip
+    gh, gw, gb = _linear_bwd(
+        hidden,
+        weight,
+        bias,
+        inv_t,
+        row_ptr,
+        local,
+        g,
+        lse,
+        entropy,
+        grad_entropy,
+        need_h,
+        need_w,
+        need_b and bias is not None,
+        ctx.backend,
+    )
     return (gh if need_h else None, gw if need_w else None, gb if need_b else None) + (None,) * 8
 
 
@@ -331,8 +372,23 @@ def _vocab_layout(weight: torch.Tensor, group) -> Tuple[int, int]:
 
 class _VocabParallelLinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, row_index, row_ptr, order, inv_t, ignore_index, return_entropy,
-                backend, group, vocab_start, vocab_size):  # fmt: skip
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        targets,
+        row_index,
+        row_ptr,
+        order,
+        inv_t,
+        ignore_index,
+        return_entropy,
+        backend,
+        group,
+        vocab_start,
+        vocab_size,
+    ):
         local = _local_sorted_targets(targets, order, ignore_index, vocab_start)
         stats, tlog = _linear_stats(hidden, weight, bias, inv_t, row_ptr, local, return_entropy, backend)
         stats, tlog = _all_reduce_stats(stats, tlog, group)
@@ -357,8 +413,22 @@ class _VocabParallelLinearLogprobs(torch.autograd.Function):
         g, grad_entropy = _upstream(ctx, g_logp, g_entropy, targets, order, lse)
         # Every rank holds the same hidden rows, so each rank's dz·W_shard is a partial sum
         # of d hidden over the vocabulary: the matching reduction is an all-reduce.
-        gh, gw, gb = _linear_bwd(hidden, weight, bias, inv_t, row_ptr, local, g, lse, entropy, grad_entropy,
-                                 True, need_w, need_b and bias is not None, ctx.backend)  # fmt: skip
+        gh, gw, gb = _linear_bwd(
+            hidden,
+            weight,
+            bias,
+            inv_t,
+            row_ptr,
+            local,
+            g,
+            lse,
+            entropy,
+            grad_entropy,
+            True,
+            need_w,
+            need_b and bias is not None,
+            ctx.backend,
+        )
         dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=ctx.group)
         return (
             gh if need_h else None,
@@ -494,9 +564,16 @@ def linear_logprobs(
         if process_group is not None:
             raise ValueError("process_group: the reference backend is single-process; pass backend='auto'")
         _check_values(targets, row_index, temperature, v, n, ignore_index, validate)
-        return reference.linear_logprobs(hidden, weight, targets, row_index=row_index, temperature=temperature,
-                                         bias=bias, return_entropy=return_entropy,
-                                         ignore_index=ignore_index)  # fmt: skip
+        return reference.linear_logprobs(
+            hidden,
+            weight,
+            targets,
+            row_index=row_index,
+            temperature=temperature,
+            bias=bias,
+            return_entropy=return_entropy,
+            ignore_index=ignore_index,
+        )
     vocab_start, vocab_size = 0, v
     if process_group is not None:
         vocab_start, vocab_size = _vocab_layout(weight, process_group)
@@ -505,8 +582,19 @@ def linear_logprobs(
     inv_t = _inv_temperature(temperature, n, hidden.device, cdt)
     row_ptr, order = _csr(row_index, n, hidden.device)
     rows = None if row_index is None else row_index.long()
-    args = (hidden.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(), targets.long(), rows,
-            row_ptr, order, inv_t, int(ignore_index), bool(return_entropy), backend)  # fmt: skip
+    args = (
+        hidden.contiguous(),
+        weight.contiguous(),
+        None if bias is None else bias.contiguous(),
+        targets.long(),
+        rows,
+        row_ptr,
+        order,
+        inv_t,
+        int(ignore_index),
+        bool(return_entropy),
+        backend,
+    )
     if process_group is None:
         logp, entropy, _ = _linear_logprobs(*args)
     else:
@@ -544,8 +632,10 @@ def logprobs_from_logits(
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES)
     check_tensor("targets", targets, dtypes=INDEX_DTYPES)
     if logits.dim() < 1 or tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"targets: expected shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), "
-                         f"got {tuple(targets.shape)} with logits {tuple(logits.shape)}")  # fmt: skip
+        raise ValueError(
+            f"targets: expected shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), "
+            f"got {tuple(targets.shape)} with logits {tuple(logits.shape)}"
+        )
     _same_device("targets", targets, logits, "logits")
     v = logits.shape[-1]
     if v < 1:
@@ -564,8 +654,9 @@ def logprobs_from_logits(
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     inv_t = _inv_temperature(temp_rows, n, logits.device, _compute_dtype(logits.dtype))
-    logp, entropy, _ = _from_logits(rows, targets.reshape(-1).long(), inv_t, int(ignore_index), bool(return_entropy),
-                                    backend)  # fmt: skip
+    logp, entropy, _ = _from_logits(
+        rows, targets.reshape(-1).long(), inv_t, int(ignore_index), bool(return_entropy), backend
+    )
     logp = logp.reshape(lead)
     return (logp, entropy.reshape(lead)) if return_entropy else logp
 
@@ -589,8 +680,10 @@ def _check_temperature(temperature, rows_shape, like: torch.Tensor):
         try:
             return torch.broadcast_to(temperature.detach(), rows_shape)
         except RuntimeError:
-            raise ValueError(f"temperature: expected a float or a tensor broadcastable to {tuple(rows_shape)} "
-                             f"(one per row), got shape {tuple(temperature.shape)}") from None  # fmt: skip
+            raise ValueError(
+                f"temperature: expected a float or a tensor broadcastable to {tuple(rows_shape)} "
+                f"(one per row), got shape {tuple(temperature.shape)}"
+            ) from None
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature: expected a float or a tensor, got {type(temperature).__name__}")
     if not (math.isfinite(temperature) and temperature > 0):
@@ -628,8 +721,10 @@ def _validate_linear(hidden, weight, targets, row_index, temperature, bias, igno
     m = targets.shape[0]
     if row_index is None:
         if m != n:
-            raise ValueError(f"targets: expected shape ({n},) (one per hidden row; pass row_index to predict "
-                             f"several targets from one row), got {tuple(targets.shape)}")  # fmt: skip
+            raise ValueError(
+                f"targets: expected shape ({n},) (one per hidden row; pass row_index to predict "
+                f"several targets from one row), got {tuple(targets.shape)}"
+            )
     else:
         check_tensor("row_index", row_index, dtypes=INDEX_DTYPES, ndim=(1,))
         _same_device("row_index", row_index, hidden, "hidden")
@@ -657,13 +752,17 @@ def _check_values(
         bad = ((t < 0) | (t >= vocab_size)) & (t != ignore_index)
         if bool(bad.any()):
             k = int(bad.nonzero()[0, 0])
-            raise ValueError(f"targets: expected ids in [0, {vocab_size}) or ignore_index={ignore_index}, "
-                             f"got {int(t[k])} at position {k}")  # fmt: skip
+            raise ValueError(
+                f"targets: expected ids in [0, {vocab_size}) or ignore_index={ignore_index}, "
+                f"got {int(t[k])} at position {k}"
+            )
     if row_index is not None and row_index.numel():
         r = row_index.long()
         if bool(((r < 0) | (r >= n)).any()):
-            raise ValueError(f"row_index: expected rows in [0, {n}) (N = hidden.shape[0]), got values in "
-                             f"[{int(r.min())}, {int(r.max())}]")  # fmt: skip
+            raise ValueError(
+                f"row_index: expected rows in [0, {n}) (N = hidden.shape[0]), got values in "
+                f"[{int(r.min())}, {int(r.max())}]"
+            )
     if isinstance(temperature, torch.Tensor) and temperature.numel():
         t = temperature.detach()
         if not bool((torch.isfinite(t) & (t > 0)).all()):

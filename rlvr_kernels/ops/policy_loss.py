@@ -35,8 +35,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from .. import reference
-from ..reference.policy_loss import entropy_quantile_threshold, packed_mask
 from ..options import PolicyLossMetrics, PolicyLossOptions, TokenShaping, resolve_policy_loss_options
+from ..reference.policy_loss import entropy_quantile_threshold, packed_mask
 from . import _dispatch
 from ._validation import FLOAT_DTYPES, MASK_DTYPES, check_tensor, checks_enabled
 
@@ -110,8 +110,20 @@ def _policy_loss_fwd(
     backend: str,
 ) -> _Out:
     """(sums, grad_logprobs, grad_entropy, token_out); see the module docstring."""
-    args = (logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_logprobs, entropy, cu_seqlens,
-            entropy_threshold, fparams, iparams, need_entropy_grad)  # fmt: skip
+    args = (
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        ref_logprobs,
+        rollout_logprobs,
+        entropy,
+        cu_seqlens,
+        entropy_threshold,
+        fparams,
+        iparams,
+        need_entropy_grad,
+    )
     if _dispatch.resolve_backend(backend, logprobs.device) == "cpu":
         return torch.ops.rlvr_kernels_C.policy_loss_fwd(*args)
     from ..triton.policy_loss import policy_loss_triton
@@ -124,8 +136,21 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @_policy_loss_fwd.register_fake
-def _(logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_logprobs, entropy, cu_seqlens,
-      entropy_threshold, fparams, iparams, need_entropy_grad, backend):  # fmt: skip
+def _(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    ref_logprobs,
+    rollout_logprobs,
+    entropy,
+    cu_seqlens,
+    entropy_threshold,
+    fparams,
+    iparams,
+    need_entropy_grad,
+    backend,
+):
     dt = _compute_dtype(logprobs.dtype)
     shape = logprobs.shape
     return (
@@ -245,28 +270,59 @@ def policy_loss(
         ``agg="none"``; :class:`PolicyLossMetrics` of detached 0-d tensors.
     """
     _dispatch.check_backend(backend)
-    opts = _resolve(preset, options, loss_type=loss_type, clip_low=clip_low, clip_high=clip_high,
-                    clip_ratio_c=clip_ratio_c, kl=kl, kl_coef=kl_coef, rollout_correction=rollout_correction,
-                    rollout_threshold=rollout_threshold, entropy_coef=entropy_coef, agg=agg,
-                    shaping=shaping)  # fmt: skip
-    x = _validate(logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_logprobs, entropy, cu_seqlens,
-                  opts, validate)  # fmt: skip
+    opts = _resolve(
+        preset,
+        options,
+        loss_type=loss_type,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        clip_ratio_c=clip_ratio_c,
+        kl=kl,
+        kl_coef=kl_coef,
+        rollout_correction=rollout_correction,
+        rollout_threshold=rollout_threshold,
+        entropy_coef=entropy_coef,
+        agg=agg,
+        shaping=shaping,
+    )
+    x = _validate(
+        logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_logprobs, entropy, cu_seqlens, opts, validate
+    )
     _check_agg_args(opts, cu_seqlens, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
     if backend == "reference":
         _check_finite(None, x, validate)  # (no kernel count: search every input)
         return reference.policy_loss(
-            logprobs, old_logprobs, advantages, x["mask"], opts, ref_logprobs=ref_logprobs,
-            rollout_logprobs=rollout_logprobs, entropy=entropy, cu_seqlens=x["cu_seqlens"],
-            global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs, dp_size=dp_size,
+            logprobs,
+            old_logprobs,
+            advantages,
+            x["mask"],
+            opts,
+            ref_logprobs=ref_logprobs,
+            rollout_logprobs=rollout_logprobs,
+            entropy=entropy,
+            cu_seqlens=x["cu_seqlens"],
+            global_num_tokens=global_num_tokens,
+            global_num_seqs=global_num_seqs,
+            dp_size=dp_size,
             loss_scale_factor=loss_scale_factor,
-        )  # fmt: skip
+        )
     token_out = 1 if opts.agg == "none" else 0
     need_entropy_grad = x["entropy"] is not None and opts.entropy_coef != 0 and entropy.requires_grad
     sums, _, _, tok = _policy_loss_fwd(
-        x["logprobs"], x["old_logprobs"], x["advantages"], x["mask"], x["ref_logprobs"], x["rollout_logprobs"],
-        x["entropy"], x["cu_seqlens"], x["threshold"], _fparams(opts), _iparams(opts, x, token_out),
-        need_entropy_grad, backend,
-    )  # fmt: skip
+        x["logprobs"],
+        x["old_logprobs"],
+        x["advantages"],
+        x["mask"],
+        x["ref_logprobs"],
+        x["rollout_logprobs"],
+        x["entropy"],
+        x["cu_seqlens"],
+        x["threshold"],
+        _fparams(opts),
+        _iparams(opts, x, token_out),
+        need_entropy_grad,
+        backend,
+    )
     _check_finite(sums, x, validate)
     dt = sums.dtype
     if opts.agg == "none":
@@ -297,23 +353,58 @@ def shape_token_advantages(
     if not isinstance(shaping, TokenShaping):
         raise TypeError(f"shaping: expected a rlvr_kernels.TokenShaping, got {type(shaping).__name__}")
     opts = PolicyLossOptions(loss_type="reinforce", shaping=shaping)
-    x = _validate(old_logprobs, old_logprobs, advantages, mask, None, None, entropy, cu_seqlens, opts, validate,
-                  logprobs_name="old_logprobs")  # fmt: skip
+    x = _validate(
+        old_logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        None,
+        None,
+        entropy,
+        cu_seqlens,
+        opts,
+        validate,
+        logprobs_name="old_logprobs",
+    )
     if backend == "reference":
         _check_finite(None, x, validate)
-        return reference.shape_token_advantages(advantages, old_logprobs, x["mask"], shaping, entropy=entropy,
-                                                cu_seqlens=x["cu_seqlens"])  # fmt: skip
+        return reference.shape_token_advantages(
+            advantages, old_logprobs, x["mask"], shaping, entropy=entropy, cu_seqlens=x["cu_seqlens"]
+        )
     lp = x["logprobs"].detach()
-    sums, _, _, tok = _policy_loss_fwd(lp, lp, x["advantages"], x["mask"], None, None,
-                                    None if x["entropy"] is None else x["entropy"].detach(), x["cu_seqlens"],
-                                    x["threshold"], _fparams(opts), _iparams(opts, x, 2), False, backend)  # fmt: skip
+    sums, _, _, tok = _policy_loss_fwd(
+        lp,
+        lp,
+        x["advantages"],
+        x["mask"],
+        None,
+        None,
+        None if x["entropy"] is None else x["entropy"].detach(),
+        x["cu_seqlens"],
+        x["threshold"],
+        _fparams(opts),
+        _iparams(opts, x, 2),
+        False,
+        backend,
+    )
     _check_finite(sums, x, validate)
     return tok
 
 
 # ------------------------------------------------------------------ helpers
-_OPTION_NAMES = ("loss_type", "clip_low", "clip_high", "clip_ratio_c", "kl", "kl_coef", "rollout_correction",
-                 "rollout_threshold", "entropy_coef", "agg", "shaping")  # fmt: skip
+_OPTION_NAMES = (
+    "loss_type",
+    "clip_low",
+    "clip_high",
+    "clip_ratio_c",
+    "kl",
+    "kl_coef",
+    "rollout_correction",
+    "rollout_threshold",
+    "entropy_coef",
+    "agg",
+    "shaping",
+)
 
 
 def _resolve(preset, options, **overrides) -> PolicyLossOptions:
@@ -322,7 +413,9 @@ def _resolve(preset, options, **overrides) -> PolicyLossOptions:
             raise TypeError(f"options: expected a rlvr_kernels.PolicyLossOptions, got {type(options).__name__}")
         given = [k for k, v in overrides.items() if v is not None]
         if given or preset is not None:
-            raise ValueError(f"options: give either options= or preset/keyword options, not both (got {given or preset})")
+            raise ValueError(
+                f"options: give either options= or preset/keyword options, not both (got {given or preset})"
+            )
         return options
     return resolve_policy_loss_options(preset, **overrides)
 
@@ -331,20 +424,38 @@ def _fparams(o: PolicyLossOptions) -> List[float]:
     s = o.shaping
     a3 = [float(v) for knob in s.a3po_knobs for v in knob]
     return [
-        1.0 - o.clip_low, 1.0 + o.clip_high, float(o.clip_ratio_c or 0.0), float(o.log_ratio_clamp or 0.0),
-        float(o.gspo_log_clamp) if o.gspo_log_clamp is not None else float("inf"), float(o.tau_pos), float(o.tau_neg), float(o.kl_coef if o.kl else 0.0),
-        float(o.mis_low), float(o.rollout_threshold), float(o.entropy_coef), float(s.w_pos), float(s.w_neg),
-        float(s.probability), *a3,
-    ]  # fmt: skip
+        1.0 - o.clip_low,
+        1.0 + o.clip_high,
+        float(o.clip_ratio_c or 0.0),
+        float(o.log_ratio_clamp or 0.0),
+        float(o.gspo_log_clamp) if o.gspo_log_clamp is not None else float("inf"),
+        float(o.tau_pos),
+        float(o.tau_neg),
+        float(o.kl_coef if o.kl else 0.0),
+        float(o.mis_low),
+        float(o.rollout_threshold),
+        float(o.entropy_coef),
+        float(s.w_pos),
+        float(s.w_neg),
+        float(s.probability),
+        *a3,
+    ]
 
 
 def _iparams(o: PolicyLossOptions, x, token_out: int) -> List[int]:
     s = o.shaping
     return [
-        LOSS_CODES[o.loss_type], KL_CODES[o.kl], int(o.kl_clamp), RC_CODES[o.rollout_correction],
-        int(o.agg == "seq-mean-token-mean"), token_out, int(s.a3po_metric == "entropy"), int(s.a3po_active),
-        int(s.entropy_quantile is not None), int(x["seq_adv"]),
-    ]  # fmt: skip
+        LOSS_CODES[o.loss_type],
+        KL_CODES[o.kl],
+        int(o.kl_clamp),
+        RC_CODES[o.rollout_correction],
+        int(o.agg == "seq-mean-token-mean"),
+        token_out,
+        int(s.a3po_metric == "entropy"),
+        int(s.a3po_active),
+        int(s.entropy_quantile is not None),
+        int(x["seq_adv"]),
+    ]
 
 
 def _safe_div(num, den):
@@ -352,7 +463,11 @@ def _safe_div(num, den):
 
 
 def _as_count(value, like: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(value, device=like.device).to(like.dtype) if not isinstance(value, torch.Tensor) else value.to(like.device, like.dtype)
+    return (
+        torch.as_tensor(value, device=like.device).to(like.dtype)
+        if not isinstance(value, torch.Tensor)
+        else value.to(like.device, like.dtype)
+    )
 
 
 def _norm(opts, sums, logprobs, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor) -> torch.Tensor:
@@ -406,17 +521,32 @@ def _check_agg_args(opts, cu_seqlens, global_num_tokens, global_num_seqs, dp_siz
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0) or v == float("inf"):
             raise ValueError(f"{name}: expected a finite count >= 0, got {v!r}")
     if loss_scale_factor is not None:
-        if isinstance(loss_scale_factor, bool) or not isinstance(loss_scale_factor, (int, float)) or not (
-            0 < loss_scale_factor < float("inf")
+        if (
+            isinstance(loss_scale_factor, bool)
+            or not isinstance(loss_scale_factor, (int, float))
+            or not (0 < loss_scale_factor < float("inf"))
         ):
             raise ValueError(f"loss_scale_factor: expected a finite number > 0, got {loss_scale_factor!r}")
     if opts.agg == "seq-mean-token-sum-norm" and cu_seqlens is not None and loss_scale_factor is None:
-        raise ValueError("loss_scale_factor: agg='seq-mean-token-sum-norm' on the packed layout needs it "
-                         "(the padded layout defaults to L)")  # fmt: skip
+        raise ValueError(
+            "loss_scale_factor: agg='seq-mean-token-sum-norm' on the packed layout needs it "
+            "(the padded layout defaults to L)"
+        )
 
 
-def _validate(logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_logprobs, entropy, cu_seqlens, opts,
-              validate, logprobs_name="logprobs"):  # fmt: skip
+def _validate(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    ref_logprobs,
+    rollout_logprobs,
+    entropy,
+    cu_seqlens,
+    opts,
+    validate,
+    logprobs_name="logprobs",
+):
     """Static checks (always) and value checks (``validate``); returns kernel-ready inputs."""
     check_tensor(logprobs_name, logprobs, dtypes=FLOAT_DTYPES, ndim=(1, 2))
     dev, shape, dt = logprobs.device, tuple(logprobs.shape), logprobs.dtype
@@ -443,8 +573,10 @@ def _validate(logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_lo
 
     if cu_seqlens is None:
         if logprobs.dim() != 2:
-            raise ValueError(f"{logprobs_name}: a 1-D (packed [T]) tensor needs cu_seqlens; give [B, L] with a mask "
-                             f"for the padded layout")  # fmt: skip
+            raise ValueError(
+                f"{logprobs_name}: a 1-D (packed [T]) tensor needs cu_seqlens; give [B, L] with a mask "
+                f"for the padded layout"
+            )
         if mask is None:
             raise ValueError("mask: the padded [B, L] layout needs a token mask")
         B = shape[0]
@@ -473,8 +605,9 @@ def _validate(logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_lo
     elif tuple(advantages.shape) == (B,):
         seq_adv = True
     else:
-        raise ValueError(f"advantages: expected [B={B}] (per sequence) or {shape} (per token), "
-                         f"got {tuple(advantages.shape)}")  # fmt: skip
+        raise ValueError(
+            f"advantages: expected [B={B}] (per sequence) or {shape} (per token), got {tuple(advantages.shape)}"
+        )
     adv = advantages.detach().to(cdt).contiguous()
 
     if opts.kl is not None and ref is None:
@@ -503,9 +636,19 @@ def _validate(logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_lo
     if sh.entropy_quantile is not None:
         valid = packed_mask(mask, cu, shape[0], dev) if cu is not None else mask
         threshold = entropy_quantile_threshold(ent, valid, sh.entropy_quantile)
-    return dict(logprobs=logprobs.contiguous(), old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref,
-                rollout_logprobs=roll, entropy=ent, cu_seqlens=cu, threshold=threshold, seq_adv=seq_adv,
-                names=(logprobs_name, "old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs", "entropy"))  # fmt: skip
+    return dict(
+        logprobs=logprobs.contiguous(),
+        old_logprobs=old,
+        advantages=adv,
+        mask=mask,
+        ref_logprobs=ref,
+        rollout_logprobs=roll,
+        entropy=ent,
+        cu_seqlens=cu,
+        threshold=threshold,
+        seq_adv=seq_adv,
+        names=(logprobs_name, "old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs", "entropy"),
+    )
 
 
 def _check_finite(sums: torch.Tensor, x, validate: bool) -> None:

@@ -271,6 +271,7 @@ def policy_loss(
     dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
     T = logprobs.shape[0]
     valid = _valid_padded(logprobs, mask, cu_seqlens)
+
     # Every log-prob-like input is first rounded to the dtype of ``logprobs`` (the kernels'
     # single input dtype); advantages are read in the compute dtype.
     def same_dtype(x):
@@ -336,8 +337,12 @@ def policy_loss(
     with torch.no_grad():
         is_max = torch.where(valid, is_w, torch.zeros_like(is_w)).max() if valid.numel() else lp.new_zeros(())
         metrics = PolicyLossMetrics(
-            pg_loss=aggregate(pg_tok.detach()).sum().float() if opts.agg == "none" else aggregate(pg_tok.detach()).float(),
-            kl_loss=aggregate(kl_tok.detach()).sum().float() if opts.agg == "none" else aggregate(kl_tok.detach()).float(),
+            pg_loss=aggregate(pg_tok.detach()).sum().float()
+            if opts.agg == "none"
+            else aggregate(pg_tok.detach()).float(),
+            kl_loss=aggregate(kl_tok.detach()).sum().float()
+            if opts.agg == "none"
+            else aggregate(kl_tok.detach()).float(),
             pg_clipfrac=mean(clipped),
             pg_clipfrac_lower=mean(clip_lower),
             ppo_kl=mean(-delta.detach()),

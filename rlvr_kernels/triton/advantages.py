@@ -18,6 +18,7 @@ come from unvalidated input (group ids, offsets) are clamped before they address
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import triton
@@ -45,13 +46,20 @@ def _group_stats_kernel(
     order_ptr,  # [B] int64: samples sorted by group, excluded ones last
     offsets_ptr,  # [G + 1] int64: group g owns order[offsets[g]:offsets[g + 1]]
     weight_ptr,  # [B] fp32 token weights (OPO), read only if HAS_WEIGHT
-    mean_ptr, std_ptr, ext_a_ptr, ext_b_ptr,  # [G] fp32 outputs
+    mean_ptr,
+    std_ptr,
+    ext_a_ptr,
+    ext_b_ptr,  # [G] fp32 outputs
     count_ptr,  # [G] int64 output
     degenerate_ptr,  # [G] int8 output
-    passk_k, eps,
-    STD_UNBIASED: tl.constexpr, EPS_IN_SQRT: tl.constexpr, BASELINE: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    passk_k,
+    eps,
+    STD_UNBIASED: tl.constexpr,
+    EPS_IN_SQRT: tl.constexpr,
+    BASELINE: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     g = tl.program_id(0).to(tl.int64)
     begin = tl.load(offsets_ptr + g)
     end = tl.load(offsets_ptr + g + 1)
@@ -174,16 +182,25 @@ def _sample_kernel(
     scores_ptr,  # [B] float
     group_ptr,  # [B] int64 group ids
     ok_ptr,  # [B] int8: valid, finite and in range
-    mean_ptr, std_ptr, ext_a_ptr, ext_b_ptr,  # [G] fp32 group statistics
+    mean_ptr,
+    std_ptr,
+    ext_a_ptr,
+    ext_b_ptr,  # [G] fp32 group statistics
     count_ptr,  # [G] int64
     degenerate_ptr,  # [G] int8
     moments_ptr,  # [4] fp32 from _moments_kernel over the valid scores (batch σ, GPG α)
     adv_ptr,  # [B] fp32 output
     keep_ptr,  # [B] int8 output
-    B, G, eps,
-    BASELINE: tl.constexpr, SCALE: tl.constexpr, STD_UNBIASED: tl.constexpr,
-    EPS_IN_SQRT: tl.constexpr, SINGLETON_RAW: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    B,
+    G,
+    eps,
+    BASELINE: tl.constexpr,
+    SCALE: tl.constexpr,
+    STD_UNBIASED: tl.constexpr,
+    EPS_IN_SQRT: tl.constexpr,
+    SINGLETON_RAW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = i < B
     ok = tl.load(ok_ptr + i, mask=inside, other=0) != 0
@@ -242,9 +259,11 @@ def _whiten_kernel(
     adv_ptr,  # [B] fp32, whitened in place
     weight_ptr,  # [B] fp32 whitening weights
     moments_ptr,  # [4] fp32 from _moments_kernel over adv
-    B, eps,
-    EPS_IN_SQRT: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    B,
+    eps,
+    EPS_IN_SQRT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = i < B
     W = tl.load(moments_ptr + 0)
@@ -261,9 +280,12 @@ def _row_sum_kernel(
     mask_ptr,  # [B, L] padded or [T] packed mask, any dtype
     cu_ptr,  # [B + 1] offsets (PACKED only)
     out_ptr,  # [B] fp32 token counts
-    B, L, T,
-    PACKED: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    B,
+    L,
+    T,
+    PACKED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     if PACKED:
         begin = tl.minimum(tl.maximum(tl.load(cu_ptr + row).to(tl.int64), 0), T)
@@ -283,9 +305,11 @@ def _padded_tokens_kernel(
     adv_ptr,  # [B] fp32
     mask_ptr,  # [B, L] contiguous, any dtype
     out_ptr,  # [B, L] contiguous, out dtype
-    B, L,
-    BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr,
-):  # fmt: skip
+    B,
+    L,
+    BLOCK_B: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
     a = tl.load(adv_ptr + rows, mask=rows < B, other=0.0)
@@ -301,9 +325,12 @@ def _packed_tokens_kernel(
     cu_ptr,  # [B + 1] int32/int64 offsets
     mask_ptr,  # [T] mask, read only if HAS_MASK
     out_ptr,  # [T] out dtype
-    B, T,
-    HAS_MASK: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    B,
+    T,
+    HAS_MASK: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = t < T
     # Largest i in [0, B] with cu[i] <= t; tokens before cu[0] or from cu[B] on get 0.
@@ -327,9 +354,27 @@ _BLOCK = 1024
 
 
 def group_advantages_triton(
-    scores, group_index, num_groups, group_size, valid, lengths, response_mask, cu_seqlens, num_tokens, baseline, scale,
-    std_unbiased, eps, eps_in_sqrt, singleton_raw, passk_k, whiten, whiten_eps, whiten_eps_in_sqrt, out_dtype,
-):  # fmt: skip
+    scores,
+    group_index,
+    num_groups,
+    group_size,
+    valid,
+    lengths,
+    response_mask,
+    cu_seqlens,
+    num_tokens,
+    baseline,
+    scale,
+    std_unbiased,
+    eps,
+    eps_in_sqrt,
+    singleton_raw,
+    passk_k,
+    whiten,
+    whiten_eps,
+    whiten_eps_in_sqrt,
+    out_dtype,
+):
     """Same contract as the C++ kernel ``rlvr_kernels_C::group_advantages``."""
     dev = scores.device
     B, G = scores.shape[0], num_groups
@@ -367,8 +412,9 @@ def group_advantages_triton(
             m = response_mask.contiguous()
             L = 1 if packed else m.shape[1]
             cu = cu_seqlens.contiguous() if packed else weights  # unused when not packed
-            _row_sum_kernel[(B,)](m, cu, weights, B, L, token_adv.shape[0] if packed else 0, PACKED=packed,
-                                  BLOCK=_BLOCK)  # fmt: skip
+            _row_sum_kernel[(B,)](
+                m, cu, weights, B, L, token_adv.shape[0] if packed else 0, PACKED=packed, BLOCK=_BLOCK
+            )
 
     # Segments: a stable sort keeps each group's samples in sample order.
     key = torch.where(ok, group_index, torch.full_like(group_index, G))
@@ -383,10 +429,24 @@ def group_advantages_triton(
     degenerate = torch.ones(G, dtype=torch.int8, device=dev)
     if G > 0:
         _group_stats_kernel[(G,)](
-            scores, order, offsets, weights if weights is not None else mean, mean, sd, ext_a, ext_b, count,
-            degenerate, int(passk_k), float(eps), STD_UNBIASED=bool(std_unbiased), EPS_IN_SQRT=bool(eps_in_sqrt),
-            BASELINE=int(baseline), HAS_WEIGHT=weights is not None, BLOCK=64,
-        )  # fmt: skip
+            scores,
+            order,
+            offsets,
+            weights if weights is not None else mean,
+            mean,
+            sd,
+            ext_a,
+            ext_b,
+            count,
+            degenerate,
+            int(passk_k),
+            float(eps),
+            STD_UNBIASED=bool(std_unbiased),
+            EPS_IN_SQRT=bool(eps_in_sqrt),
+            BASELINE=int(baseline),
+            HAS_WEIGHT=weights is not None,
+            BLOCK=64,
+        )
 
     moments = torch.zeros(4, **f32)
     adv = torch.zeros(B, **f32)
@@ -396,16 +456,35 @@ def group_advantages_triton(
         if (baseline == MEAN and scale == SCALE_BATCH) or baseline == GPG:
             _moments_kernel[(1,)](scores, ok_f, moments, B, BLOCK=_BLOCK)
         _sample_kernel[(triton.cdiv(B, _BLOCK),)](
-            scores, group_index, ok8, mean, sd, ext_a, ext_b, count, degenerate, moments, adv, keep8, B, G,
-            float(eps), BASELINE=int(baseline), SCALE=int(scale), STD_UNBIASED=bool(std_unbiased),
-            EPS_IN_SQRT=bool(eps_in_sqrt), SINGLETON_RAW=bool(singleton_raw), BLOCK=_BLOCK,
-        )  # fmt: skip
+            scores,
+            group_index,
+            ok8,
+            mean,
+            sd,
+            ext_a,
+            ext_b,
+            count,
+            degenerate,
+            moments,
+            adv,
+            keep8,
+            B,
+            G,
+            float(eps),
+            BASELINE=int(baseline),
+            SCALE=int(scale),
+            STD_UNBIASED=bool(std_unbiased),
+            EPS_IN_SQRT=bool(eps_in_sqrt),
+            SINGLETON_RAW=bool(singleton_raw),
+            BLOCK=_BLOCK,
+        )
         if whiten != WHITEN_OFF:
             wts = ok_f * weights if (whiten == WHITEN_TOKENS and weights is not None) else ok_f
             wmom = torch.zeros(4, **f32)
             _moments_kernel[(1,)](adv, wts, wmom, B, BLOCK=_BLOCK)
-            _whiten_kernel[(triton.cdiv(B, _BLOCK),)](adv, wts, wmom, B, float(whiten_eps),
-                                                      EPS_IN_SQRT=bool(whiten_eps_in_sqrt), BLOCK=_BLOCK)  # fmt: skip
+            _whiten_kernel[(triton.cdiv(B, _BLOCK),)](
+                adv, wts, wmom, B, float(whiten_eps), EPS_IN_SQRT=bool(whiten_eps_in_sqrt), BLOCK=_BLOCK
+            )
 
     if has_layout and token_adv.numel() > 0:
         if packed:
@@ -413,16 +492,24 @@ def group_advantages_triton(
             steps = max(1, math.ceil(math.log2(B + 1)) + 1)
             m = response_mask.contiguous() if response_mask is not None else token_adv
             _packed_tokens_kernel[(triton.cdiv(T, _BLOCK),)](
-                adv, cu_seqlens.contiguous(), m, token_adv, B, T, HAS_MASK=response_mask is not None,
-                SEARCH_STEPS=steps, BLOCK=_BLOCK,
-            )  # fmt: skip
+                adv,
+                cu_seqlens.contiguous(),
+                m,
+                token_adv,
+                B,
+                T,
+                HAS_MASK=response_mask is not None,
+                SEARCH_STEPS=steps,
+                BLOCK=_BLOCK,
+            )
         else:
             L = response_mask.shape[1]
             block_l = min(1024, max(16, triton.next_power_of_2(L)))
             block_b = max(1, 2048 // block_l)
             grid = (triton.cdiv(B, block_b), triton.cdiv(L, block_l))
-            _padded_tokens_kernel[grid](adv, response_mask.contiguous(), token_adv, B, L, BLOCK_B=block_b,
-                                        BLOCK_L=block_l)  # fmt: skip
+            _padded_tokens_kernel[grid](
+                adv, response_mask.contiguous(), token_adv, B, L, BLOCK_B=block_b, BLOCK_L=block_l
+            )
 
     return (
         adv.to(out_dtype),
@@ -433,3 +520,70 @@ def group_advantages_triton(
         degenerate.bool(),
         keep8.bool(),
     )
+
+
+def aot_specs():
+    """Variants compiled ahead of time by ``python -m rlvr_kernels.triton.aot`` (see there for the
+    spec format): every statistics plan, the per-sample, whitening and token kernels."""
+    k = sys.modules[__name__]
+
+    p32, pi64, pi8 = "*fp32", "*i64", "*i8"
+    for baseline in (k.MEAN, k.OPO, k.PASSK):
+        sig = dict(
+            scores_ptr="*bf16",
+            order_ptr=pi64,
+            offsets_ptr=pi64,
+            weight_ptr=p32,
+            mean_ptr=p32,
+            std_ptr=p32,
+            ext_a_ptr=p32,
+            ext_b_ptr=p32,
+            count_ptr=pi64,
+            degenerate_ptr=pi8,
+            passk_k="i32",
+            eps="fp32",
+        )
+        const = dict(STD_UNBIASED=True, EPS_IN_SQRT=False, BASELINE=baseline, HAS_WEIGHT=baseline == k.OPO, BLOCK=64)
+        yield f"_group_stats_kernel[baseline={baseline}]", k._group_stats_kernel, sig, const
+    yield (
+        "_moments_kernel",
+        k._moments_kernel,
+        dict(values_ptr=p32, weight_ptr=p32, out_ptr=p32, B="i32"),
+        dict(BLOCK=1024),
+    )
+    for baseline, scale in ((k.MEAN, k.SCALE_GROUP), (k.MEAN, k.SCALE_BATCH), (k.GPG, k.SCALE_NONE), (k.PASSK, 0)):
+        sig = dict(
+            scores_ptr=p32,
+            group_ptr=pi64,
+            ok_ptr=pi8,
+            mean_ptr=p32,
+            std_ptr=p32,
+            ext_a_ptr=p32,
+            ext_b_ptr=p32,
+            count_ptr=pi64,
+            degenerate_ptr=pi8,
+            moments_ptr=p32,
+            adv_ptr=p32,
+            keep_ptr=pi8,
+            B="i32",
+            G="i32",
+            eps="fp32",
+        )
+        const = dict(
+            BASELINE=baseline, SCALE=scale, STD_UNBIASED=True, EPS_IN_SQRT=False, SINGLETON_RAW=True, BLOCK=1024
+        )
+        yield f"_sample_kernel[baseline={baseline},scale={scale}]", k._sample_kernel, sig, const
+    yield (
+        "_whiten_kernel",
+        k._whiten_kernel,
+        dict(adv_ptr=p32, weight_ptr=p32, moments_ptr=p32, B="i32", eps="fp32"),
+        dict(EPS_IN_SQRT=True, BLOCK=1024),
+    )
+    for packed in (False, True):
+        sig = dict(mask_ptr=p32, cu_ptr=pi64, out_ptr=p32, B="i32", L="i32", T="i64")
+        yield f"_row_sum_kernel[packed={packed}]", k._row_sum_kernel, sig, dict(PACKED=packed, BLOCK=1024)
+    for mask in ("*fp32", "*i1"):
+        sig = dict(adv_ptr=p32, mask_ptr=mask, out_ptr=p32, B="i32", L="i32")
+        yield f"_padded_tokens_kernel[mask={mask}]", k._padded_tokens_kernel, sig, dict(BLOCK_B=2, BLOCK_L=1024)
+    sig = dict(adv_ptr=p32, cu_ptr="*i32", mask_ptr="*i1", out_ptr="*bf16", B="i32", T="i64")
+    yield "_packed_tokens_kernel", k._packed_tokens_kernel, sig, dict(HAS_MASK=True, SEARCH_STEPS=14, BLOCK=1024)

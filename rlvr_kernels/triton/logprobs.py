@@ -57,6 +57,7 @@ GPU run.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import triton
@@ -164,10 +165,22 @@ def _csr(rowptr_ptr, rows, row_ok, M):
 
 @triton.jit
 def _z_tile(
-    x_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, inv_t, H,
-    HAS_BIAS: tl.constexpr, CDT: tl.constexpr, OP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    rows,
+    cols,
+    row_ok,
+    col_ok,
+    inv_t,
+    H,
+    HAS_BIAS: tl.constexpr,
+    CDT: tl.constexpr,
+    OP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """z[rows, cols] = (hidden[rows]·W[cols]ᵀ + b[cols]) · inv_t[rows] in the compute dtype
     (masked rows / columns compute from zeros; the caller masks them)."""
     ks = tl.arange(0, BLOCK_H)
@@ -198,9 +211,19 @@ def _tile_local(t, ok, v0, V, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _row_grad_stats(
-    g_ptr, lse_ptr, ent_ptr, gent_ptr, rows, row_ok, beg, cnt, kmax,
-    HAS_GENT: tl.constexpr, CDT: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    g_ptr,
+    lse_ptr,
+    ent_ptr,
+    gent_ptr,
+    rows,
+    row_ok,
+    beg,
+    cnt,
+    kmax,
+    HAS_GENT: tl.constexpr,
+    CDT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Per-row lse, entropy, h = grad_entropy (0 without) and G = Σ of the row's g."""
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0).to(CDT)
     ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0).to(CDT)
@@ -216,9 +239,26 @@ def _row_grad_stats(
 
 @triton.jit
 def _dz_tile(
-    z, tgt_ptr, g_ptr, beg, cnt, kmax, vl, v0, V, inv_t, lse, ent, hg, G, row_ok, col_ok,
-    HAS_GENT: tl.constexpr, CDT: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
+    z,
+    tgt_ptr,
+    g_ptr,
+    beg,
+    cnt,
+    kmax,
+    vl,
+    v0,
+    V,
+    inv_t,
+    lse,
+    ent,
+    hg,
+    G,
+    row_ok,
+    col_ok,
+    HAS_GENT: tl.constexpr,
+    CDT: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     """dz = inv_T · (S − G·p − h·p·(z − lse + entropy)) on the tile, 0 outside the valid
     rows / columns, with S[n, v] = Σ_{k in row n, t_k = v} g_k (an id outside [0, V)
     never matches). S is added into the tile in z's own (MMA) layout: a separate
@@ -253,10 +293,18 @@ def _linear_fwd_kernel(
     tgt_ptr,  # [M] int64 local vocabulary ids (compared only)
     stats_ptr,  # [N, 3] compute dtype output: max z, Σexp(z − max), Σexp(z − max)·(z − max)
     tlog_ptr,  # [M] compute dtype output, zeroed by the launcher: z of each matching target
-    N, V, H, M,
-    HAS_BIAS: tl.constexpr, NEED_ENTROPY: tl.constexpr, CDT: tl.constexpr, OP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-):  # fmt: skip
+    N,
+    V,
+    H,
+    M,
+    HAS_BIAS: tl.constexpr,
+    NEED_ENTROPY: tl.constexpr,
+    CDT: tl.constexpr,
+    OP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     row_ok = rows < N
@@ -271,8 +319,9 @@ def _linear_fwd_kernel(
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + vl.to(tl.int64)  # addresses only; the tile compares int32 local ids
         col_ok = vl < V - v0
-        z = _z_tile(x_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, inv_t, H,
-                    HAS_BIAS, CDT, OP, BLOCK_N, BLOCK_V, BLOCK_H)  # fmt: skip
+        z = _z_tile(
+            x_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, inv_t, H, HAS_BIAS, CDT, OP, BLOCK_N, BLOCK_V, BLOCK_H
+        )
         # Target logits straight from the tile.
         for k in range(kmax):
             k_ok = k < cnt
@@ -299,34 +348,50 @@ def _linear_fwd_kernel(
 
 @triton.jit
 def _linear_bwd_hidden_kernel(
-    x_ptr, w_ptr, b_ptr,  # hidden [N, H], weight [V, H], bias [V] (HAS_BIAS): input dtype
+    x_ptr,
+    w_ptr,
+    b_ptr,  # hidden [N, H], weight [V, H], bias [V] (HAS_BIAS): input dtype
     invt_ptr,  # [N] compute dtype
-    rowptr_ptr, tgt_ptr,  # [N + 1], [M] int64 CSR of the targets
+    rowptr_ptr,
+    tgt_ptr,  # [N + 1], [M] int64 CSR of the targets
     g_ptr,  # [M] compute dtype: gradient of each target's log-prob
-    lse_ptr, ent_ptr,  # [N] compute dtype: global logsumexp and entropy
+    lse_ptr,
+    ent_ptr,  # [N] compute dtype: global logsumexp and entropy
     gent_ptr,  # [N] compute dtype: gradient of the entropy (HAS_GENT)
     gh_ptr,  # [N, H] compute dtype output (accumulated in place): dz·W
-    N, V, H, M,
-    HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, CDT: tl.constexpr, OP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HG: tl.constexpr,
-):  # fmt: skip
+    N,
+    V,
+    H,
+    M,
+    HAS_BIAS: tl.constexpr,
+    HAS_GENT: tl.constexpr,
+    CDT: tl.constexpr,
+    OP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HG: tl.constexpr,
+):
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     row_ok = rows < N
     inv_t = tl.load(invt_ptr + rows, mask=row_ok, other=0.0).to(CDT)
     beg, cnt = _csr(rowptr_ptr, rows, row_ok, M)
     kmax = tl.max(cnt, 0)
-    lse, ent, hg, G = _row_grad_stats(g_ptr, lse_ptr, ent_ptr, gent_ptr, rows, row_ok, beg, cnt, kmax,
-                                      HAS_GENT, CDT, BLOCK_N)  # fmt: skip
+    lse, ent, hg, G = _row_grad_stats(
+        g_ptr, lse_ptr, ent_ptr, gent_ptr, rows, row_ok, beg, cnt, kmax, HAS_GENT, CDT, BLOCK_N
+    )
     vl = tl.arange(0, BLOCK_V)
     hl = tl.arange(0, BLOCK_HG)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + vl.to(tl.int64)  # addresses only; the tile compares int32 local ids
         col_ok = vl < V - v0
-        z = _z_tile(x_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, inv_t, H,
-                    HAS_BIAS, CDT, OP, BLOCK_N, BLOCK_V, BLOCK_H)  # fmt: skip
-        dz = _dz_tile(z, tgt_ptr, g_ptr, beg, cnt, kmax, vl, v0, V, inv_t, lse, ent, hg, G, row_ok, col_ok,
-                      HAS_GENT, CDT, BLOCK_V).to(OP)  # fmt: skip
+        z = _z_tile(
+            x_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, inv_t, H, HAS_BIAS, CDT, OP, BLOCK_N, BLOCK_V, BLOCK_H
+        )
+        dz = _dz_tile(
+            z, tgt_ptr, g_ptr, beg, cnt, kmax, vl, v0, V, inv_t, lse, ent, hg, G, row_ok, col_ok, HAS_GENT, CDT, BLOCK_V
+        ).to(OP)
         # grad_hidden[rows] (+)= dz · W[cols]: the first tile writes, later ones add.
         not_first = (tl.zeros([BLOCK_HG], tl.int32) + v0) > 0
         w_ptrs = w_ptr + cols[:, None] * H + hl[None, :]  # [BLOCK_V, BLOCK_HG]
@@ -344,19 +409,33 @@ def _linear_bwd_hidden_kernel(
 
 @triton.jit
 def _linear_bwd_weight_kernel(
-    x_ptr, w_ptr, b_ptr,  # hidden [N, H], weight [V, H], bias [V] (HAS_BIAS): input dtype
+    x_ptr,
+    w_ptr,
+    b_ptr,  # hidden [N, H], weight [V, H], bias [V] (HAS_BIAS): input dtype
     invt_ptr,  # [N] compute dtype
-    rowptr_ptr, tgt_ptr,  # [N + 1], [M] int64 CSR of the targets
+    rowptr_ptr,
+    tgt_ptr,  # [N + 1], [M] int64 CSR of the targets
     g_ptr,  # [M] compute dtype: gradient of each target's log-prob
-    lse_ptr, ent_ptr,  # [N] compute dtype: global logsumexp and entropy
+    lse_ptr,
+    ent_ptr,  # [N] compute dtype: global logsumexp and entropy
     gent_ptr,  # [N] compute dtype: gradient of the entropy (HAS_GENT)
     gw_ptr,  # [V, H] compute dtype output (accumulated in place): dzᵀ·hidden (NEED_W)
     gb_ptr,  # [V] bias-dtype output: Σ_rows dz (NEED_B)
-    N, V, H, M,
-    HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, NEED_W: tl.constexpr, NEED_B: tl.constexpr,
-    CDT: tl.constexpr, OP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HG: tl.constexpr,
-):  # fmt: skip
+    N,
+    V,
+    H,
+    M,
+    HAS_BIAS: tl.constexpr,
+    HAS_GENT: tl.constexpr,
+    NEED_W: tl.constexpr,
+    NEED_B: tl.constexpr,
+    CDT: tl.constexpr,
+    OP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HG: tl.constexpr,
+):
     v0 = tl.program_id(0) * BLOCK_V
     vl = tl.arange(0, BLOCK_V)
     cols = v0 + vl.to(tl.int64)  # addresses only; the tile compares int32 local ids
@@ -370,12 +449,15 @@ def _linear_bwd_weight_kernel(
         inv_t = tl.load(invt_ptr + rows, mask=row_ok, other=0.0).to(CDT)
         beg, cnt = _csr(rowptr_ptr, rows, row_ok, M)
         kmax = tl.max(cnt, 0)
-        lse, ent, hg, G = _row_grad_stats(g_ptr, lse_ptr, ent_ptr, gent_ptr, rows, row_ok, beg, cnt, kmax,
-                                          HAS_GENT, CDT, BLOCK_N)  # fmt: skip
-        z = _z_tile(x_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, inv_t, H,
-                    HAS_BIAS, CDT, OP, BLOCK_N, BLOCK_V, BLOCK_H)  # fmt: skip
-        dz = _dz_tile(z, tgt_ptr, g_ptr, beg, cnt, kmax, vl, v0, V, inv_t, lse, ent, hg, G, row_ok, col_ok,
-                      HAS_GENT, CDT, BLOCK_V)  # fmt: skip
+        lse, ent, hg, G = _row_grad_stats(
+            g_ptr, lse_ptr, ent_ptr, gent_ptr, rows, row_ok, beg, cnt, kmax, HAS_GENT, CDT, BLOCK_N
+        )
+        z = _z_tile(
+            x_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, inv_t, H, HAS_BIAS, CDT, OP, BLOCK_N, BLOCK_V, BLOCK_H
+        )
+        dz = _dz_tile(
+            z, tgt_ptr, g_ptr, beg, cnt, kmax, vl, v0, V, inv_t, lse, ent, hg, G, row_ok, col_ok, HAS_GENT, CDT, BLOCK_V
+        )
         if NEED_B:
             gb += tl.sum(dz, 0)
         if NEED_W:
@@ -408,9 +490,12 @@ def _logits_fwd_kernel(
     invt_ptr,  # [N] compute dtype
     stats_ptr,  # [N, 3] compute dtype output: max z, Σexp(z − max), Σexp(z − max)·(z − max)
     tlog_ptr,  # [N] compute dtype output: z of the target, 0 when it is outside [0, V)
-    V, stride,
-    NEED_ENTROPY: tl.constexpr, CDT: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    V,
+    stride,
+    NEED_ENTROPY: tl.constexpr,
+    CDT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     n = tl.program_id(0).to(tl.int64)
     base = l_ptr + n * stride
     inv_t = tl.load(invt_ptr + n).to(CDT)
@@ -445,12 +530,18 @@ def _logits_fwd_kernel(
 def _logits_bwd_kernel(
     l_ptr,  # [N, V] logits, row stride `stride`, unit column stride
     tgt_ptr,  # [N] int64 local vocabulary ids (compared only)
-    invt_ptr, g_ptr, lse_ptr, ent_ptr,  # [N] compute dtype: inv T, grad of log p, lse, entropy
+    invt_ptr,
+    g_ptr,
+    lse_ptr,
+    ent_ptr,  # [N] compute dtype: inv T, grad of log p, lse, entropy
     gent_ptr,  # [N] compute dtype: gradient of the entropy (HAS_GENT)
     out_ptr,  # [N, V] contiguous, logits' dtype: dz
-    V, stride,
-    HAS_GENT: tl.constexpr, CDT: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    V,
+    stride,
+    HAS_GENT: tl.constexpr,
+    CDT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     n = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     ok = cols < V
@@ -488,15 +579,42 @@ def linear_logprobs_fwd(hidden, weight, bias, inv_temperature, row_ptr, sorted_t
     cfg = config("linear_fwd", hidden.dtype, device_arch(dev))
     grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
     _linear_fwd_kernel[grid](
-        hidden, weight, bias if bias is not None else hidden, inv_temperature, row_ptr, sorted_targets,
-        stats, target_logits, N, V, H, M,
-        HAS_BIAS=bias is not None, NEED_ENTROPY=bool(need_entropy), CDT=CDT, OP=operand_dtype(hidden.dtype), **cfg,
-    )  # fmt: skip
+        hidden,
+        weight,
+        bias if bias is not None else hidden,
+        inv_temperature,
+        row_ptr,
+        sorted_targets,
+        stats,
+        target_logits,
+        N,
+        V,
+        H,
+        M,
+        HAS_BIAS=bias is not None,
+        NEED_ENTROPY=bool(need_entropy),
+        CDT=CDT,
+        OP=operand_dtype(hidden.dtype),
+        **cfg,
+    )
     return stats, target_logits
 
 
-def linear_logprobs_bwd(hidden, weight, bias, inv_temperature, row_ptr, sorted_targets, sorted_grad, lse, entropy,
-                        grad_entropy, need_hidden, need_weight, need_bias):  # fmt: skip
+def linear_logprobs_bwd(
+    hidden,
+    weight,
+    bias,
+    inv_temperature,
+    row_ptr,
+    sorted_targets,
+    sorted_grad,
+    lse,
+    entropy,
+    grad_entropy,
+    need_hidden,
+    need_weight,
+    need_bias,
+):
     """-> (grad_hidden [N, H], grad_weight [V, H], grad_bias [V]) in the inputs' dtypes; an
     output not needed is an empty [0] tensor."""
     N, H = hidden.shape
@@ -507,10 +625,21 @@ def linear_logprobs_bwd(hidden, weight, bias, inv_temperature, row_ptr, sorted_t
     need_bias = bool(need_bias) and bias is not None
     empty = torch.empty(0, dtype=hidden.dtype, device=dev)
     cfg = config("linear_bwd", hidden.dtype, device_arch(dev))
-    common = dict(HAS_BIAS=bias is not None, HAS_GENT=grad_entropy is not None, CDT=CDT,
-                  OP=operand_dtype(hidden.dtype), **cfg)  # fmt: skip
-    args = (hidden, weight, bias if bias is not None else hidden, inv_temperature, row_ptr, sorted_targets,
-            sorted_grad, lse, entropy, grad_entropy if grad_entropy is not None else lse)  # fmt: skip
+    common = dict(
+        HAS_BIAS=bias is not None, HAS_GENT=grad_entropy is not None, CDT=CDT, OP=operand_dtype(hidden.dtype), **cfg
+    )
+    args = (
+        hidden,
+        weight,
+        bias if bias is not None else hidden,
+        inv_temperature,
+        row_ptr,
+        sorted_targets,
+        sorted_grad,
+        lse,
+        entropy,
+        grad_entropy if grad_entropy is not None else lse,
+    )
 
     grad_hidden = empty
     if need_hidden:
@@ -529,9 +658,17 @@ def linear_logprobs_bwd(hidden, weight, bias, inv_temperature, row_ptr, sorted_t
             gb.zero_()
         elif (need_weight and H > 0) or need_bias:
             _linear_bwd_weight_kernel[(triton.cdiv(V, cfg["BLOCK_V"]),)](
-                *args, gw if need_weight else lse, gb if need_bias else lse, N, V, H, M,
-                NEED_W=bool(need_weight) and H > 0, NEED_B=need_bias, **common,
-            )  # fmt: skip
+                *args,
+                gw if need_weight else lse,
+                gb if need_bias else lse,
+                N,
+                V,
+                H,
+                M,
+                NEED_W=bool(need_weight) and H > 0,
+                NEED_B=need_bias,
+                **common,
+            )
         if need_weight:
             grad_weight = gw.to(weight.dtype)
         if need_bias:
@@ -549,8 +686,18 @@ def logits_logprobs_fwd(logits, targets, inv_temperature, need_entropy):
         return stats, target_logits
     cfg = config("logits_fwd", logits.dtype, device_arch(logits.device))
     cfg["BLOCK"] = min(cfg["BLOCK"], max(16, triton.next_power_of_2(V)))
-    _logits_fwd_kernel[(N,)](logits, targets, inv_temperature, stats, target_logits, V, logits.stride(0),
-                             NEED_ENTROPY=bool(need_entropy), CDT=CDT, **cfg)  # fmt: skip
+    _logits_fwd_kernel[(N,)](
+        logits,
+        targets,
+        inv_temperature,
+        stats,
+        target_logits,
+        V,
+        logits.stride(0),
+        NEED_ENTROPY=bool(need_entropy),
+        CDT=CDT,
+        **cfg,
+    )
     return stats, target_logits
 
 
@@ -565,8 +712,126 @@ def logits_logprobs_bwd(logits, targets, inv_temperature, grad_logp, lse, entrop
     cfg["BLOCK"] = min(cfg["BLOCK"], max(16, triton.next_power_of_2(V)))
     grid = (N, triton.cdiv(V, cfg["BLOCK"]))
     _logits_bwd_kernel[grid](
-        logits, targets, inv_temperature, grad_logp, lse, entropy,
-        grad_entropy if grad_entropy is not None else lse, out, V, logits.stride(0),
-        HAS_GENT=grad_entropy is not None, CDT=CDT, **cfg,
-    )  # fmt: skip
+        logits,
+        targets,
+        inv_temperature,
+        grad_logp,
+        lse,
+        entropy,
+        grad_entropy if grad_entropy is not None else lse,
+        out,
+        V,
+        logits.stride(0),
+        HAS_GENT=grad_entropy is not None,
+        CDT=CDT,
+        **cfg,
+    )
     return out
+
+
+def aot_specs():
+    """The logprobs kernels at each arch's launch configuration (triton/logprobs.py
+    ``config``: sm_90 has its own 16-bit forward tile): bf16 (tensor cores: HGMMA on sm_90,
+    HMMA on sm_80), fp32 (IEEE FMA dot) and fp64 (DMMA), with / without bias, entropy and
+    its gradient. H and the row strides carry the ``:16`` hint, as for real model sizes
+    (another H runs unvectorised tile loads: correct, slower, not checked here)."""
+    import torch
+    import triton.language as tl
+
+    from .aot import ARCHS
+
+    k = sys.modules[__name__]
+
+    pi64 = "*i64:16"
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+
+    def setup(kind, dt, arch):
+        cfg = k.config(kind, dtypes[dt], arch)
+        opts = {n: cfg.pop(n) for n in ("num_warps", "num_stages", "enable_fp_fusion") if n in cfg}
+        opts["archs"] = (arch,)
+        _, cdt = k.compute_dtype(dtypes[dt])
+        c = "*fp64:16" if cdt is tl.float64 else "*fp32:16"
+        const = dict(CDT=cdt, **cfg)
+        if kind.startswith("linear"):
+            const["OP"] = k.operand_dtype(dtypes[dt], interpret=False)
+        return f"*{dt}:16", c, const, opts
+
+    def linear_fwd(dt, bias, entropy, arch):
+        inp, c, const, opts = setup("linear_fwd", dt, arch)
+        sig = dict(
+            x_ptr=inp,
+            w_ptr=inp,
+            b_ptr=inp,
+            invt_ptr=c,
+            rowptr_ptr=pi64,
+            tgt_ptr=pi64,
+            stats_ptr=c,
+            tlog_ptr=c,
+            N="i32",
+            V="i32",
+            H="i32:16",
+            M="i32",
+        )
+        const.update(HAS_BIAS=bias, NEED_ENTROPY=entropy)
+        name = f"_linear_fwd_kernel[{dt},bias={int(bias)},entropy={int(entropy)}]"
+        return name, k._linear_fwd_kernel, sig, const, opts
+
+    def linear_bwd(which, dt, bias, gent, arch, need_w=True, need_b=True):
+        inp, c, const, opts = setup("linear_bwd", dt, arch)
+        sig = dict(
+            x_ptr=inp,
+            w_ptr=inp,
+            b_ptr=inp,
+            invt_ptr=c,
+            rowptr_ptr=pi64,
+            tgt_ptr=pi64,
+            g_ptr=c,
+            lse_ptr=c,
+            ent_ptr=c,
+            gent_ptr=c,
+        )
+        const.update(HAS_BIAS=bias, HAS_GENT=gent)
+        if which == "hidden":
+            sig["gh_ptr"] = c
+            kernel, extra = k._linear_bwd_hidden_kernel, ""
+        else:
+            sig.update(gw_ptr=c, gb_ptr=inp)
+            const.update(NEED_W=need_w, NEED_B=need_b and bias)
+            kernel, extra = k._linear_bwd_weight_kernel, f",need_w={int(need_w)},need_b={int(need_b and bias)}"
+        sig.update(N="i32", V="i32", H="i32:16", M="i32")
+        name = f"{kernel.__name__}[{dt},bias={int(bias)},grad_entropy={int(gent)}{extra}]"
+        return name, kernel, sig, const, opts
+
+    for arch in ARCHS:
+        yield linear_fwd("bf16", True, True, arch)
+        yield linear_fwd("bf16", False, False, arch)
+        yield linear_fwd("fp32", True, True, arch)
+        yield linear_fwd("fp64", True, True, arch)
+        yield linear_bwd("hidden", "bf16", True, True, arch)
+        yield linear_bwd("hidden", "fp32", True, True, arch)
+        yield linear_bwd("hidden", "fp64", True, True, arch)
+        yield linear_bwd("weight", "bf16", True, True, arch)
+        yield linear_bwd("weight", "bf16", False, False, arch)
+        yield linear_bwd("weight", "fp32", True, True, arch)
+        yield linear_bwd("weight", "fp64", True, True, arch)
+
+        for dt, flag in (("bf16", True), ("fp32", False), ("fp64", True)):
+            inp, c, const, opts = setup("logits_fwd", dt, arch)
+            sig = dict(l_ptr=inp, tgt_ptr=pi64, invt_ptr=c, stats_ptr=c, tlog_ptr=c, V="i32", stride="i32:16")
+            const["NEED_ENTROPY"] = flag
+            yield f"_logits_fwd_kernel[{dt},entropy={int(flag)}]", k._logits_fwd_kernel, sig, const, opts
+            inp, c, const, opts = setup("logits_bwd", dt, arch)
+            sig = dict(
+                l_ptr=inp,
+                tgt_ptr=pi64,
+                invt_ptr=c,
+                g_ptr=c,
+                lse_ptr=c,
+                ent_ptr=c,
+                gent_ptr=c,
+                out_ptr=inp,
+                V="i32:16",
+                stride="i32:16",
+            )
+            const["HAS_GENT"] = flag
+            yield f"_logits_bwd_kernel[{dt},grad_entropy={int(flag)}]", k._logits_bwd_kernel, sig, const, opts

@@ -40,17 +40,55 @@ used option, so this favours exactness and simplicity over speed.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import triton
 import triton.language as tl
 
 from ..ops.policy_loss import (
-    F_A3PO, F_CLIP_C, F_CLIP_HI, F_CLIP_LO, F_ENT_COEF, F_GSPO_CLAMP, F_KL_COEF, F_LOG_RATIO_CLAMP, F_PROB_LAMBDA,
-    F_RC_HIGH, F_RC_LOW, F_TAU_NEG, F_TAU_POS, F_W_NEG, F_W_POS, I_A3PO_METRIC, I_A3PO_ON, I_ENT_QUANTILE, I_KL,
-    I_KL_CLAMP, I_LOSS_TYPE, I_RC, I_SEQ_ADV, I_SEQ_MEAN, I_TOKEN_OUT, NUM_SUMS, S_CLIP, S_CLIP_LOWER, S_ENT, S_IS,
-    S_IS_MAX, S_KL, S_KL_RAW, S_NEG_DELTA, S_NONFINITE, S_NSEQ, S_NTOK, S_PG, S_REJECT, S_SHAPED, S_TOTAL,
-)  # fmt: skip
+    F_A3PO,
+    F_CLIP_C,
+    F_CLIP_HI,
+    F_CLIP_LO,
+    F_ENT_COEF,
+    F_GSPO_CLAMP,
+    F_KL_COEF,
+    F_LOG_RATIO_CLAMP,
+    F_PROB_LAMBDA,
+    F_RC_HIGH,
+    F_RC_LOW,
+    F_TAU_NEG,
+    F_TAU_POS,
+    F_W_NEG,
+    F_W_POS,
+    I_A3PO_METRIC,
+    I_A3PO_ON,
+    I_ENT_QUANTILE,
+    I_KL,
+    I_KL_CLAMP,
+    I_LOSS_TYPE,
+    I_RC,
+    I_SEQ_ADV,
+    I_SEQ_MEAN,
+    I_TOKEN_OUT,
+    NUM_SUMS,
+    S_CLIP,
+    S_CLIP_LOWER,
+    S_ENT,
+    S_IS,
+    S_IS_MAX,
+    S_KL,
+    S_KL_RAW,
+    S_NEG_DELTA,
+    S_NONFINITE,
+    S_NSEQ,
+    S_NTOK,
+    S_PG,
+    S_REJECT,
+    S_SHAPED,
+    S_TOTAL,
+)
 
 # Loss / KL / rollout-correction codes (rlvr_kernels/ops/policy_loss.py LOSS_CODES, ...).
 PPO, GSPO, CISPO, SAPO, REINFORCE = 0, 1, 2, 3, 4
@@ -120,9 +158,11 @@ def _order_key(x):
 def _block_offsets_kernel(
     cu_ptr,  # [B + 1] int64
     boff_ptr,  # [B + 3] int64 output: segment s owns programs [boff[s], boff[s + 1])
-    B, T,
-    TOKEN_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    B,
+    T,
+    TOKEN_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     nseg = B + 2
     tl.store(boff_ptr + lanes, tl.zeros([BLOCK], tl.int64), mask=lanes == 0)
@@ -138,20 +178,36 @@ def _block_offsets_kernel(
 
 @triton.jit
 def _seq_stats_kernel(
-    logp_ptr, old_ptr,  # token-shaped, input dtype
+    logp_ptr,
+    old_ptr,  # token-shaped, input dtype
     adv_ptr,  # [B] or token-shaped, compute dtype
     mask_ptr,  # token-shaped bool (HAS_MASK)
-    roll_ptr, ent_ptr,  # token-shaped, input dtype (NEED_LOGW / A3PO entropy metric)
+    roll_ptr,
+    ent_ptr,  # token-shaped, input dtype (NEED_LOGW / A3PO entropy metric)
     cu_ptr,  # [B + 1] int64 (PACKED)
     seqf_ptr,  # [B, 4] compute dtype output: n_i, log s_i, Σ log w·m
     a3po_ptr,  # [B, 5] int64 output (A3PO): polarity, K_high, cut_high, K_low, cut_low
-    B, L, T,
-    r_pos_high: tl.float64, s_pos_high: tl.float64, r_pos_low: tl.float64, s_pos_low: tl.float64,
-    r_neg_high: tl.float64, s_neg_high: tl.float64, r_neg_low: tl.float64, s_neg_low: tl.float64,
-    CDT: tl.constexpr, PACKED: tl.constexpr, HAS_MASK: tl.constexpr, SEQ_ADV: tl.constexpr,
-    NEED_DELTA: tl.constexpr, NEED_LOGW: tl.constexpr, A3PO: tl.constexpr, A3PO_ENT: tl.constexpr,
+    B,
+    L,
+    T,
+    r_pos_high: tl.float64,
+    s_pos_high: tl.float64,
+    r_pos_low: tl.float64,
+    s_pos_low: tl.float64,
+    r_neg_high: tl.float64,
+    s_neg_high: tl.float64,
+    r_neg_low: tl.float64,
+    s_neg_low: tl.float64,
+    CDT: tl.constexpr,
+    PACKED: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SEQ_ADV: tl.constexpr,
+    NEED_DELTA: tl.constexpr,
+    NEED_LOGW: tl.constexpr,
+    A3PO: tl.constexpr,
+    A3PO_ENT: tl.constexpr,
     BLOCK: tl.constexpr,
-):  # fmt: skip
+):
     i = tl.program_id(0).to(tl.int64)
     if PACKED:
         begin, end = _segment(cu_ptr, i + 1, B, T, True)
@@ -312,10 +368,13 @@ def _seq_stats_kernel(
 
 @triton.jit
 def _token_kernel(
-    logp_ptr, old_ptr,  # token-shaped, input dtype
+    logp_ptr,
+    old_ptr,  # token-shaped, input dtype
     adv_ptr,  # [B] (SEQ_ADV) or token-shaped, compute dtype
     mask_ptr,  # token-shaped bool (HAS_MASK)
-    ref_ptr, roll_ptr, ent_ptr,  # token-shaped, input dtype (KL / RC / HAS_ENT)
+    ref_ptr,
+    roll_ptr,
+    ent_ptr,  # token-shaped, input dtype (KL / RC / HAS_ENT)
     thr_ptr,  # 0-d fp32 entropy threshold (ENT_Q)
     cu_ptr,  # [B + 1] int64 (PACKED)
     boff_ptr,  # [B + 3] int64 program offsets of the packed segments (PACKED)
@@ -325,18 +384,52 @@ def _token_kernel(
     gent_ptr,  # token-shaped compute dtype: a_t · ∂ℓ_t/∂entropy_t (ENT_GRAD)
     tok_ptr,  # token-shaped compute dtype: ℓ·m (TOKEN_OUT = 1) or A·w·m (TOKEN_OUT = 2)
     part_ptr,  # [programs, 16] compute dtype: per-program partial sums (S_* columns)
-    B, L, T, NBL,
-    clip_lo: tl.float64, clip_hi: tl.float64, clip_c: tl.float64, lr_clamp: tl.float64, gspo_clamp: tl.float64,
-    tau_pos: tl.float64, tau_neg: tl.float64, kl_coef: tl.float64, rc_low: tl.float64, rc_high: tl.float64,
-    ent_coef: tl.float64, w_pos: tl.float64, w_neg: tl.float64, prob_lambda: tl.float64,
-    s_pos_high: tl.float64, s_pos_low: tl.float64, s_neg_high: tl.float64, s_neg_low: tl.float64,
-    CDT: tl.constexpr, PACKED: tl.constexpr, HAS_MASK: tl.constexpr, SEQ_ADV: tl.constexpr,
-    LOSS: tl.constexpr, DUAL_CLIP: tl.constexpr, LR_CLAMP: tl.constexpr, KL: tl.constexpr, KL_CLAMP: tl.constexpr,
-    RC: tl.constexpr, SEQ_MEAN: tl.constexpr, N_FROM_STATS: tl.constexpr, TOKEN_OUT: tl.constexpr,
-    HAS_ENT: tl.constexpr, ENT_TERM: tl.constexpr, ENT_GRAD: tl.constexpr, SHAPE_POL: tl.constexpr,
-    SHAPE_PROB: tl.constexpr, A3PO: tl.constexpr, A3PO_ENT: tl.constexpr, ENT_Q: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    B,
+    L,
+    T,
+    NBL,
+    clip_lo: tl.float64,
+    clip_hi: tl.float64,
+    clip_c: tl.float64,
+    lr_clamp: tl.float64,
+    gspo_clamp: tl.float64,
+    tau_pos: tl.float64,
+    tau_neg: tl.float64,
+    kl_coef: tl.float64,
+    rc_low: tl.float64,
+    rc_high: tl.float64,
+    ent_coef: tl.float64,
+    w_pos: tl.float64,
+    w_neg: tl.float64,
+    prob_lambda: tl.float64,
+    s_pos_high: tl.float64,
+    s_pos_low: tl.float64,
+    s_neg_high: tl.float64,
+    s_neg_low: tl.float64,
+    CDT: tl.constexpr,
+    PACKED: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SEQ_ADV: tl.constexpr,
+    LOSS: tl.constexpr,
+    DUAL_CLIP: tl.constexpr,
+    LR_CLAMP: tl.constexpr,
+    KL: tl.constexpr,
+    KL_CLAMP: tl.constexpr,
+    RC: tl.constexpr,
+    SEQ_MEAN: tl.constexpr,
+    N_FROM_STATS: tl.constexpr,
+    TOKEN_OUT: tl.constexpr,
+    HAS_ENT: tl.constexpr,
+    ENT_TERM: tl.constexpr,
+    ENT_GRAD: tl.constexpr,
+    SHAPE_POL: tl.constexpr,
+    SHAPE_PROB: tl.constexpr,
+    A3PO: tl.constexpr,
+    A3PO_ENT: tl.constexpr,
+    ENT_Q: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     p = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK)
     if PACKED:
@@ -617,9 +710,15 @@ def _finalize_kernel(
     seqf_ptr,  # [B, 4] per-sequence stats (HAS_STATS: column 0 is n_i)
     boff_ptr,  # [B + 3] int64 program offsets (PACKED)
     sums_ptr,  # [NUM_SUMS] compute dtype output
-    P, B, NBL,
-    CDT: tl.constexpr, PACKED: tl.constexpr, HAS_STATS: tl.constexpr, ROWS: tl.constexpr, SEQS: tl.constexpr,
-):  # fmt: skip
+    P,
+    B,
+    NBL,
+    CDT: tl.constexpr,
+    PACKED: tl.constexpr,
+    HAS_STATS: tl.constexpr,
+    ROWS: tl.constexpr,
+    SEQS: tl.constexpr,
+):
     cols = tl.arange(0, _NP)
     acc = tl.zeros([_NP], tl.float64)
     mx = tl.zeros([_NP], tl.float64)
@@ -673,9 +772,19 @@ def seq_block(fp64: bool, a3po: bool) -> int:
 
 
 def policy_loss_triton(
-    logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_logprobs, entropy, cu_seqlens, entropy_threshold,
-    fparams, iparams, need_entropy_grad,
-):  # fmt: skip
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    ref_logprobs,
+    rollout_logprobs,
+    entropy,
+    cu_seqlens,
+    entropy_threshold,
+    fparams,
+    iparams,
+    need_entropy_grad,
+):
     """Same contract as the C++ kernel ``rlvr_kernels_C::policy_loss_fwd``: returns
     ``(sums, grad_logprobs, grad_entropy, token_out)``."""
     dev = logprobs.device
@@ -727,33 +836,304 @@ def policy_loss_triton(
         if a3po:
             a3po_rows = torch.empty(B * 5, dtype=torch.int64, device=dev)
         _seq_stats_kernel[(B,)](
-            logprobs, old_logprobs, advantages, mask if has_mask else dummy,
-            rollout_logprobs if need_logw else dummy, entropy if has_ent else dummy, cu, seqf,
-            a3po_rows if a3po else dummy, B, L, T, *a3,
-            CDT=CDT, PACKED=packed, HAS_MASK=has_mask, SEQ_ADV=seq_adv, NEED_DELTA=need_delta, NEED_LOGW=need_logw,
-            A3PO=a3po, A3PO_ENT=a3po_ent, BLOCK=seq_block(fp64, a3po), num_warps=_WARPS,
-        )  # fmt: skip
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask if has_mask else dummy,
+            rollout_logprobs if need_logw else dummy,
+            entropy if has_ent else dummy,
+            cu,
+            seqf,
+            a3po_rows if a3po else dummy,
+            B,
+            L,
+            T,
+            *a3,
+            CDT=CDT,
+            PACKED=packed,
+            HAS_MASK=has_mask,
+            SEQ_ADV=seq_adv,
+            NEED_DELTA=need_delta,
+            NEED_LOGW=need_logw,
+            A3PO=a3po,
+            A3PO_ENT=a3po_ent,
+            BLOCK=seq_block(fp64, a3po),
+            num_warps=_WARPS,
+        )
 
     part = torch.empty(max(P, 1) * 16, dtype=cdt, device=dev)
     if P > 0:
         _token_kernel[(P,)](
-            logprobs, old_logprobs, advantages, mask if has_mask else dummy,
-            ref_logprobs if kl else dummy, rollout_logprobs if rc else dummy, entropy if has_ent else dummy,
-            entropy_threshold if ent_q else dummy, cu, boff, seqf, a3po_rows if a3po else dummy,
-            grad, gent if need_entropy_grad else dummy, tok if token_out else dummy, part,
-            B, L, T, NBL,
-            f[F_CLIP_LO], f[F_CLIP_HI], f[F_CLIP_C], f[F_LOG_RATIO_CLAMP], f[F_GSPO_CLAMP], tau_pos, tau_neg,
-            f[F_KL_COEF], f[F_RC_LOW], f[F_RC_HIGH], f[F_ENT_COEF], w_pos, w_neg, f[F_PROB_LAMBDA],
-            a3[1], a3[3], a3[5], a3[7],
-            CDT=CDT, PACKED=packed, HAS_MASK=has_mask, SEQ_ADV=seq_adv, LOSS=loss,
-            DUAL_CLIP=loss == PPO and f[F_CLIP_C] > 0, LR_CLAMP=f[F_LOG_RATIO_CLAMP] > 0, KL=kl,
-            KL_CLAMP=bool(iparams[I_KL_CLAMP]), RC=rc, SEQ_MEAN=seq_mean, N_FROM_STATS=n_from_stats,
-            TOKEN_OUT=token_out, HAS_ENT=has_ent, ENT_TERM=has_ent and f[F_ENT_COEF] != 0,
-            ENT_GRAD=bool(need_entropy_grad), SHAPE_POL=w_pos != 1.0 or w_neg != 1.0,
-            SHAPE_PROB=shape_prob, A3PO=a3po, A3PO_ENT=a3po_ent, ENT_Q=ent_q,
-            SEARCH_STEPS=max(1, math.ceil(math.log2(B + 2)) + 1) if packed else 1, BLOCK=tb,
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask if has_mask else dummy,
+            ref_logprobs if kl else dummy,
+            rollout_logprobs if rc else dummy,
+            entropy if has_ent else dummy,
+            entropy_threshold if ent_q else dummy,
+            cu,
+            boff,
+            seqf,
+            a3po_rows if a3po else dummy,
+            grad,
+            gent if need_entropy_grad else dummy,
+            tok if token_out else dummy,
+            part,
+            B,
+            L,
+            T,
+            NBL,
+            f[F_CLIP_LO],
+            f[F_CLIP_HI],
+            f[F_CLIP_C],
+            f[F_LOG_RATIO_CLAMP],
+            f[F_GSPO_CLAMP],
+            tau_pos,
+            tau_neg,
+            f[F_KL_COEF],
+            f[F_RC_LOW],
+            f[F_RC_HIGH],
+            f[F_ENT_COEF],
+            w_pos,
+            w_neg,
+            f[F_PROB_LAMBDA],
+            a3[1],
+            a3[3],
+            a3[5],
+            a3[7],
+            CDT=CDT,
+            PACKED=packed,
+            HAS_MASK=has_mask,
+            SEQ_ADV=seq_adv,
+            LOSS=loss,
+            DUAL_CLIP=loss == PPO and f[F_CLIP_C] > 0,
+            LR_CLAMP=f[F_LOG_RATIO_CLAMP] > 0,
+            KL=kl,
+            KL_CLAMP=bool(iparams[I_KL_CLAMP]),
+            RC=rc,
+            SEQ_MEAN=seq_mean,
+            N_FROM_STATS=n_from_stats,
+            TOKEN_OUT=token_out,
+            HAS_ENT=has_ent,
+            ENT_TERM=has_ent and f[F_ENT_COEF] != 0,
+            ENT_GRAD=bool(need_entropy_grad),
+            SHAPE_POL=w_pos != 1.0 or w_neg != 1.0,
+            SHAPE_PROB=shape_prob,
+            A3PO=a3po,
+            A3PO_ENT=a3po_ent,
+            ENT_Q=ent_q,
+            SEARCH_STEPS=max(1, math.ceil(math.log2(B + 2)) + 1) if packed else 1,
+            BLOCK=tb,
             num_warps=_WARPS,
-        )  # fmt: skip
-    _finalize_kernel[(1,)](part, seqf, boff, sums, P, B, NBL, CDT=CDT, PACKED=packed,
-                           HAS_STATS=bool(stats and B > 0), ROWS=64, SEQS=256)  # fmt: skip
+        )
+    _finalize_kernel[(1,)](
+        part, seqf, boff, sums, P, B, NBL, CDT=CDT, PACKED=packed, HAS_STATS=bool(stats and B > 0), ROWS=64, SEQS=256
+    )
     return sums, grad, gent, tok
+
+
+def aot_specs():
+    """The policy_loss kernels: the common single pass, each loss type and feature family,
+    the fp64 variants, and the per-sequence (GSPO / seq IS / A3PO) pre-pass."""
+    import triton.language as tl
+
+    k = sys.modules[__name__]
+
+    pi64 = "*i64"
+    yield (
+        "_block_offsets_kernel",
+        k._block_offsets_kernel,
+        dict(cu_ptr=pi64, boff_ptr=pi64, B="i32", T="i32"),
+        dict(TOKEN_BLOCK=k._TOKEN_BLOCK, BLOCK=1024),
+    )
+
+    def seq_stats(name, inp, cdt, **const):
+        c = "*fp64" if cdt is tl.float64 else "*fp32"
+        sig = dict(
+            logp_ptr=inp,
+            old_ptr=inp,
+            adv_ptr=c,
+            mask_ptr="*i1",
+            roll_ptr=inp,
+            ent_ptr=inp,
+            cu_ptr=pi64,
+            seqf_ptr=c,
+            a3po_ptr=pi64,
+            B="i32",
+            L="i32",
+            T="i32",
+        )
+        sig.update(
+            {
+                n: "fp64"
+                for n in (
+                    "r_pos_high",
+                    "s_pos_high",
+                    "r_pos_low",
+                    "s_pos_low",
+                    "r_neg_high",
+                    "s_neg_high",
+                    "r_neg_low",
+                    "s_neg_low",
+                )
+            }
+        )
+        full = dict(
+            CDT=cdt,
+            PACKED=False,
+            HAS_MASK=True,
+            SEQ_ADV=True,
+            NEED_DELTA=False,
+            NEED_LOGW=False,
+            A3PO=False,
+            A3PO_ENT=False,
+        )
+        full.update(const)
+        full["BLOCK"] = k.seq_block(cdt is tl.float64, full["A3PO"])
+        return f"_seq_stats_kernel[{name}]", k._seq_stats_kernel, sig, full
+
+    yield seq_stats("seq_mean,packed", "*bf16", tl.float32, PACKED=True)
+    yield seq_stats("gspo,seq_tis", "*bf16", tl.float32, NEED_DELTA=True, NEED_LOGW=True)
+    yield seq_stats("a3po_prob,token_adv", "*bf16", tl.float32, A3PO=True, SEQ_ADV=False)
+    yield seq_stats("a3po_entropy,packed", "*fp32", tl.float32, A3PO=True, A3PO_ENT=True, PACKED=True)
+    yield seq_stats("fp64,all", "*fp64", tl.float64, NEED_DELTA=True, NEED_LOGW=True, A3PO=True)
+
+    floats = (
+        "clip_lo",
+        "clip_hi",
+        "clip_c",
+        "lr_clamp",
+        "gspo_clamp",
+        "tau_pos",
+        "tau_neg",
+        "kl_coef",
+        "rc_low",
+        "rc_high",
+        "ent_coef",
+        "w_pos",
+        "w_neg",
+        "prob_lambda",
+        "s_pos_high",
+        "s_pos_low",
+        "s_neg_high",
+        "s_neg_low",
+    )
+
+    def token(name, inp, cdt, **const):
+        c = "*fp64" if cdt is tl.float64 else "*fp32"
+        sig = dict(
+            logp_ptr=inp,
+            old_ptr=inp,
+            adv_ptr=c,
+            mask_ptr="*i1",
+            ref_ptr=inp,
+            roll_ptr=inp,
+            ent_ptr=inp,
+            thr_ptr="*fp32",
+            cu_ptr=pi64,
+            boff_ptr=pi64,
+            seqf_ptr=c,
+            a3po_ptr=pi64,
+            grad_ptr=c,
+            gent_ptr=c,
+            tok_ptr=c,
+            part_ptr=c,
+            B="i32",
+            L="i32",
+            T="i32",
+            NBL="i32",
+        )
+        sig.update({n: "fp64" for n in floats})
+        full = dict(
+            CDT=cdt,
+            PACKED=False,
+            HAS_MASK=True,
+            SEQ_ADV=True,
+            LOSS=k.PPO,
+            DUAL_CLIP=False,
+            LR_CLAMP=True,
+            KL=0,
+            KL_CLAMP=True,
+            RC=0,
+            SEQ_MEAN=False,
+            N_FROM_STATS=False,
+            TOKEN_OUT=0,
+            HAS_ENT=False,
+            ENT_TERM=False,
+            ENT_GRAD=False,
+            SHAPE_POL=False,
+            SHAPE_PROB=False,
+            A3PO=False,
+            A3PO_ENT=False,
+            ENT_Q=False,
+            SEARCH_STEPS=1,
+        )
+        full.update(const)
+        full["BLOCK"] = k.token_block(cdt is tl.float64, full["A3PO"] or full["SHAPE_PROB"])
+        return f"_token_kernel[{name}]", k._token_kernel, sig, full
+
+    common = dict(KL=k.K3, RC=k.TOKEN_TIS)
+    yield token("ppo,k3,token_tis", "*bf16", tl.float32, **common)
+    yield token("ppo,k3,token_tis,packed", "*bf16", tl.float32, PACKED=True, HAS_MASK=False, SEARCH_STEPS=8, **common)
+    yield token("ppo,fp32,dual_clip,k1", "*fp32", tl.float32, DUAL_CLIP=True, KL=k.K1, SEQ_ADV=False)
+    yield token(
+        "gspo,seq_tis,seq_mean", "*bf16", tl.float32, LOSS=k.GSPO, RC=k.SEQ_TIS, SEQ_MEAN=True, N_FROM_STATS=True
+    )
+    yield token("cispo,k2,token_mis", "*fp16", tl.float32, LOSS=k.CISPO, KL=k.K2, RC=k.TOKEN_MIS)
+    yield token(
+        "sapo,seq_mis,entropy",
+        "*bf16",
+        tl.float32,
+        LOSS=k.SAPO,
+        RC=k.SEQ_MIS,
+        HAS_ENT=True,
+        ENT_TERM=True,
+        ENT_GRAD=True,
+    )
+    yield token(
+        "reinforce,shaping,token_out=2",
+        "*fp32",
+        tl.float32,
+        LOSS=k.REINFORCE,
+        SHAPE_POL=True,
+        SHAPE_PROB=True,
+        A3PO=True,
+        HAS_ENT=True,
+        ENT_Q=True,
+        TOKEN_OUT=2,
+        SEQ_ADV=False,
+    )
+    everything = dict(
+        DUAL_CLIP=True,
+        KL=k.K3PLUS,
+        RC=k.DECOUPLED,
+        SEQ_MEAN=True,
+        N_FROM_STATS=True,
+        TOKEN_OUT=1,
+        HAS_ENT=True,
+        ENT_TERM=True,
+        ENT_GRAD=True,
+        SHAPE_POL=True,
+        SHAPE_PROB=True,
+        A3PO=True,
+        A3PO_ENT=True,
+        ENT_Q=True,
+    )
+    yield token("everything,packed", "*bf16", tl.float32, PACKED=True, SEARCH_STEPS=8, **everything)
+    yield token("fp64,everything", "*fp64", tl.float64, **everything)
+    yield token("fp64,gspo", "*fp64", tl.float64, LOSS=k.GSPO, KL=k.K3)
+
+    for name, cdt, packed, stats in (
+        ("padded", tl.float32, False, False),
+        ("packed", tl.float32, True, False),
+        ("stats,fp64", tl.float64, False, True),
+    ):
+        c = "*fp64" if cdt is tl.float64 else "*fp32"
+        sig = dict(part_ptr=c, seqf_ptr=c, boff_ptr=pi64, sums_ptr=c, P="i32", B="i32", NBL="i32")
+        yield (
+            f"_finalize_kernel[{name}]",
+            k._finalize_kernel,
+            sig,
+            dict(CDT=cdt, PACKED=packed, HAS_STATS=stats, ROWS=64, SEQS=256),
+        )

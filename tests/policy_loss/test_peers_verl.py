@@ -29,9 +29,9 @@ from unittest import mock
 
 import pytest
 import torch
-from tensordict import TensorDict
-
 import verl.workers.utils.losses as verl_losses
+from _backends import ALL
+from tensordict import TensorDict
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
 from verl.utils import tensordict_utils as tu
@@ -40,18 +40,37 @@ from verl.workers.config.actor import PolicyLossConfig
 
 from rlvr_kernels.integrations import verl as ours
 
-from _backends import ALL
-
 ATOL, RTOL = 1e-6, 1e-5
 LOSS_MODES = ["vanilla", "gspo", "cispo", "sapo", "gpg"]
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KL_TYPES = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
-            "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]  # fmt: skip
+KL_TYPES = [
+    "kl",
+    "k1",
+    "abs",
+    "mse",
+    "k2",
+    "low_var_kl",
+    "k3",
+    "kl+",
+    "k1+",
+    "abs+",
+    "mse+",
+    "k2+",
+    "low_var_kl+",
+    "k3+",
+]
 # One spelling per distinct estimator (both spellings of each appear), for the actor-loss grid;
 # test_kl_penalty_matches_verl runs every name.
 KL_DISTINCT = ["k1", "abs", "mse", "low_var_kl", "kl+", "abs+", "k2+", "k3+"]
-NEW_NAMES = ["compute_policy_loss_vanilla", "compute_policy_loss_gspo", "compute_policy_loss_cispo",
-             "compute_policy_loss_sapo", "compute_policy_loss_gpg", "kl_penalty", "agg_loss"]  # fmt: skip
+NEW_NAMES = [
+    "compute_policy_loss_vanilla",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_cispo",
+    "compute_policy_loss_sapo",
+    "compute_policy_loss_gpg",
+    "kl_penalty",
+    "agg_loss",
+]
 
 
 # ---------------------------------------------------------------------------------------
@@ -101,9 +120,16 @@ def make_batch(seed: int, device="cpu", token_adv=None) -> dict:
 
 
 def actor_config(loss_mode="vanilla", agg="token-mean", **kw) -> ActorConfig:
-    fields = dict(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2,
-                  clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=agg,
-                  policy_loss=PolicyLossConfig(loss_mode=loss_mode))  # fmt: skip
+    fields = dict(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        loss_agg_mode=agg,
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+    )
     fields.update(kw)
     return ActorConfig(**fields)
 
@@ -168,8 +194,10 @@ def close(mine, v32, v64, what):
     verl_err = (a - e).abs()
     err = (m - e).abs()
     bad = err > tol + 2 * verl_err
-    assert not bad.any(), (f"{what}: ours differs from verl's float64 result by {float((err - tol - 2 * verl_err).max()):.3g} "
-                           f"beyond the tolerance (verl's own float32 error up to {float(verl_err.max()):.3g})")  # fmt: skip
+    assert not bad.any(), (
+        f"{what}: ours differs from verl's float64 result by {float((err - tol - 2 * verl_err).max()):.3g} "
+        f"beyond the tolerance (verl's own float32 error up to {float(verl_err.max()):.3g})"
+    )
     if (verl_err <= tol / 4).all():
         torch.testing.assert_close(m, a, atol=ATOL, rtol=RTOL, msg=lambda msg: f"{what} vs verl float32\n{msg}")
 
@@ -215,8 +243,12 @@ def compare_policy_fn(name, batch, backend, what, weights=None, **kwargs):
         close(mine[2], t32[2], t64[2], what + " grad")
         close_metrics(mine[1], t32[1], t64[1], what)
 
-    against_verl(compare, mine, t32,
-                 lambda: call_policy_fn(getattr(core_algos, name), as64(batch), None, **kwargs, **(w64 or {})))  # fmt: skip
+    against_verl(
+        compare,
+        mine,
+        t32,
+        lambda: call_policy_fn(getattr(core_algos, name), as64(batch), None, **kwargs, **(w64 or {})),
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -238,8 +270,9 @@ def test_batches_exercise_every_branch():
     (measured with verl's own functions), else the comparisons below prove little."""
     for seed in range(4):
         b = make_batch(seed)
-        _, m = core_algos.compute_policy_loss_vanilla(b["old_log_prob"], b["log_prob"], b["advantages"],
-                                                      b["response_mask"], config=actor_config())  # fmt: skip
+        _, m = core_algos.compute_policy_loss_vanilla(
+            b["old_log_prob"], b["log_prob"], b["advantages"], b["response_mask"], config=actor_config()
+        )
         assert m["actor/pg_clipfrac"] > 0.05 and m["actor/pg_clipfrac_lower"] > 0.005
         ratio = (b["log_prob"] - b["old_log_prob"]).exp()[b["response_mask"]]
         adv = b["advantages"][b["response_mask"]]
@@ -261,8 +294,9 @@ def test_policy_losses_match_verl(backend, device, loss_mode):
     grid = [(i, agg, j, info) for i, agg in enumerate(AGG_MODES) for j, info in enumerate(["local", "int", "tensor"])]
     for i, agg, j, info in subsample(backend, device, grid):
         batch = make_batch(100 * i + 10 * j + LOSS_MODES.index(loss_mode), device)
-        cfg = actor_config(loss_mode, agg, clip_ratio_c=2.5 if j == 1 else 3.0, tau_pos=1.0 if j else 1.3,
-                           tau_neg=1.05 if j else 0.9)  # fmt: skip
+        cfg = actor_config(
+            loss_mode, agg, clip_ratio_c=2.5 if j == 1 else 3.0, tau_pos=1.0 if j else 1.3, tau_neg=1.05 if j else 0.9
+        )
         cfg.global_batch_info.update(batch_info(info, batch))
         compare_policy_fn(name, batch, backend, f"{name} agg={agg} info={info}", loss_agg_mode=agg, config=cfg)
 
@@ -276,13 +310,19 @@ def test_rollout_is_weights_match_verl(backend, device, loss_mode):
     IcePop, token and sequence): folded into the advantages, loss, gradient and metrics
     (IcePop's zero weights included) match."""
     name = f"compute_policy_loss_{loss_mode}"
-    grid = [(k, level, threshold, agg) for k, (level, threshold) in enumerate(WEIGHT_KINDS)
-            for agg in ("token-mean", "seq-mean-token-mean")]  # fmt: skip
+    grid = [
+        (k, level, threshold, agg)
+        for k, (level, threshold) in enumerate(WEIGHT_KINDS)
+        for agg in ("token-mean", "seq-mean-token-mean")
+    ]
     for k, level, threshold, agg in subsample(backend, device, grid):
         batch = make_batch(7 + k, device)
-        w, _ = compute_rollout_correction_weights(batch["old_log_prob"] - batch["rollout_log_probs"],
-                                                  batch["response_mask"], rollout_is=level,
-                                                  rollout_is_threshold=threshold)  # fmt: skip
+        w, _ = compute_rollout_correction_weights(
+            batch["old_log_prob"] - batch["rollout_log_probs"],
+            batch["response_mask"],
+            rollout_is=level,
+            rollout_is_threshold=threshold,
+        )
         if isinstance(threshold, str):
             assert ((w == 0) & batch["response_mask"]).any()  # IcePop dropped tokens
         what = f"{name} rollout_is={level} threshold={threshold} agg={agg}"
@@ -294,8 +334,14 @@ def test_negative_rollout_is_weights_rejected():
     w = torch.ones_like(batch["log_prob"])
     w[0, 0] = -0.5
     with pytest.raises(ValueError, match="rollout_is_weights"):
-        ours.compute_policy_loss_vanilla(batch["old_log_prob"], batch["log_prob"], batch["advantages"],
-                                         batch["response_mask"], config=actor_config(), rollout_is_weights=w)  # fmt: skip
+        ours.compute_policy_loss_vanilla(
+            batch["old_log_prob"],
+            batch["log_prob"],
+            batch["advantages"],
+            batch["response_mask"],
+            config=actor_config(),
+            rollout_is_weights=w,
+        )
 
 
 def test_global_counts_required_like_verl():
@@ -331,8 +377,12 @@ def test_kl_penalty_matches_verl(backend, device):
             close(mine[0], t32[0], t64[0], f"kl_penalty {kind} value")
             close(mine[1], t32[1], t64[1], f"kl_penalty {kind} grad")
 
-        against_verl(compare, run(ours.kl_penalty, batch, backend), run(core_algos.kl_penalty, batch, "auto"),
-                     lambda: run(core_algos.kl_penalty, as64(batch), "auto"))  # fmt: skip
+        against_verl(
+            compare,
+            run(ours.kl_penalty, batch, backend),
+            run(core_algos.kl_penalty, batch, "auto"),
+            lambda: run(core_algos.kl_penalty, as64(batch), "auto"),
+        )
     for fn in (core_algos.kl_penalty, ours.kl_penalty):
         with pytest.raises(NotImplementedError):
             fn(batch["log_prob"], batch["ref_log_prob"], "full")
@@ -359,8 +409,12 @@ def test_agg_loss_matches_verl(backend, device):
             close(mine[0], t32[0], t64[0], f"agg_loss {mode} {info} value")
             close(mine[1], t32[1], t64[1], f"agg_loss {mode} {info} grad")
 
-        against_verl(compare, run(ours.agg_loss, torch.float32, backend), run(core_algos.agg_loss, torch.float32, "auto"),
-                     lambda: run(core_algos.agg_loss, torch.float64, "auto"))  # fmt: skip
+        against_verl(
+            compare,
+            run(ours.agg_loss, torch.float32, backend),
+            run(core_algos.agg_loss, torch.float32, "auto"),
+            lambda: run(core_algos.agg_loss, torch.float64, "auto"),
+        )
     batch = make_batch(0)
     for fn in (core_algos.agg_loss, ours.agg_loss):
         with pytest.raises(ValueError, match="Invalid loss_agg_mode"):
@@ -379,13 +433,21 @@ def verl_actor_loss(cfg, batch, info, *, entropy=True, rollout_is_weights=None):
     lp = batch["log_prob"].clone().requires_grad_(True)
     ent = batch["entropy"].clone().requires_grad_(True)
     B = lp.shape[0]
-    fields = dict(response_mask=batch["response_mask"].clone(), old_log_probs=batch["old_log_prob"].clone(),
-                  advantages=batch["advantages"].clone(), ref_log_prob=batch["ref_log_prob"].clone())  # fmt: skip
+    fields = dict(
+        response_mask=batch["response_mask"].clone(),
+        old_log_probs=batch["old_log_prob"].clone(),
+        advantages=batch["advantages"].clone(),
+        ref_log_prob=batch["ref_log_prob"].clone(),
+    )
     if rollout_is_weights is not None:
         fields["rollout_is_weights"] = rollout_is_weights.clone()
     data = TensorDict(fields, batch_size=[B])
-    tu.assign_non_tensor(data, dp_size=info.get("dp_size", 1), batch_num_tokens=info.get("batch_num_tokens"),
-                         global_batch_size=info.get("global_batch_size"))  # fmt: skip
+    tu.assign_non_tensor(
+        data,
+        dp_size=info.get("dp_size", 1),
+        batch_num_tokens=info.get("batch_num_tokens"),
+        global_batch_size=info.get("global_batch_size"),
+    )
     out = {"log_probs": lp}
     if entropy:
         out["entropy"] = ent
@@ -400,11 +462,19 @@ def our_actor_loss(cfg, batch, info, backend, *, entropy=True, **kwargs):
     lp = batch["log_prob"].clone().requires_grad_(True)
     ent = batch["entropy"].clone().requires_grad_(True)
     loss, metrics = ours.policy_loss_verl(
-        batch["old_log_prob"].clone(), lp, batch["advantages"].clone(), batch["response_mask"].clone(), cfg,
-        entropy=ent if entropy else None, ref_log_prob=batch["ref_log_prob"].clone(), backend=backend,
-        dp_size=info.get("dp_size", 1), batch_num_tokens=info.get("batch_num_tokens"),
-        global_batch_size=info.get("global_batch_size"), **kwargs,
-    )  # fmt: skip
+        batch["old_log_prob"].clone(),
+        lp,
+        batch["advantages"].clone(),
+        batch["response_mask"].clone(),
+        cfg,
+        entropy=ent if entropy else None,
+        ref_log_prob=batch["ref_log_prob"].clone(),
+        backend=backend,
+        dp_size=info.get("dp_size", 1),
+        batch_num_tokens=info.get("batch_num_tokens"),
+        global_batch_size=info.get("global_batch_size"),
+        **kwargs,
+    )
     loss.backward()
     return loss, metrics, lp.grad, (ent.grad if entropy else None)
 
@@ -442,9 +512,15 @@ def test_actor_loss_matches_verl(backend, device, loss_mode):
         entropy = case % 5 != 0
         batch = make_batch(1000 + 17 * case + LOSS_MODES.index(loss_mode), device)
         info = batch_info(info_kind, batch)
-        cfg = actor_config(loss_mode, agg, use_kl_loss=kl_type is not None, kl_loss_type=kl_type or "low_var_kl",
-                           kl_loss_coef=0.05, entropy_coeff=0.01 if case % 4 else 0.0,
-                           loss_scale_factor=info.get("loss_scale_factor"))  # fmt: skip
+        cfg = actor_config(
+            loss_mode,
+            agg,
+            use_kl_loss=kl_type is not None,
+            kl_loss_type=kl_type or "low_var_kl",
+            kl_loss_coef=0.05,
+            entropy_coeff=0.01 if case % 4 else 0.0,
+            loss_scale_factor=info.get("loss_scale_factor"),
+        )
         mine = our_actor_loss(cfg, batch, info, backend, entropy=entropy)
         what = f"{loss_mode} agg={agg} kl={kl_type} entropy={entropy} info={info_kind}"
         compare_actor(mine, cfg, batch, info, what, entropy=entropy)
@@ -455,21 +531,37 @@ def test_actor_loss_rollout_correction_matches_verl(backend, device, loss_mode):
     """verl's TIS weights (token / sequence, float threshold) computed inside our kernel
     from rollout_log_probs, and verl's weights given as a tensor (TIS and IcePop), vs
     ppo_loss with verl's rollout_is_weights."""
-    grid = [(k, level, threshold, agg) for k, (level, threshold) in enumerate(WEIGHT_KINDS)
-            for agg in ("token-mean", "seq-mean-token-sum")]  # fmt: skip
+    grid = [
+        (k, level, threshold, agg)
+        for k, (level, threshold) in enumerate(WEIGHT_KINDS)
+        for agg in ("token-mean", "seq-mean-token-sum")
+    ]
     for k, level, threshold, agg in subsample(backend, device, grid):
         batch = make_batch(300 + 2 * k + (agg == "token-mean"), device)
         b64 = as64(batch)
-        w, w64 = (compute_rollout_correction_weights(b["old_log_prob"] - b["rollout_log_probs"], b["response_mask"],
-                                                     rollout_is=level, rollout_is_threshold=threshold)[0]
-                  for b in (batch, b64))  # fmt: skip
+        w, w64 = (
+            compute_rollout_correction_weights(
+                b["old_log_prob"] - b["rollout_log_probs"],
+                b["response_mask"],
+                rollout_is=level,
+                rollout_is_threshold=threshold,
+            )[0]
+            for b in (batch, b64)
+        )
         cfg = actor_config(loss_mode, agg, use_kl_loss=True, kl_loss_type="low_var_kl", entropy_coeff=0.02)
         what = f"{loss_mode} rollout_is={level} threshold={threshold} agg={agg}"
         mine = our_actor_loss(cfg, batch, {}, backend, rollout_is_weights=w.clone())
         compare_actor(mine, cfg, batch, {}, what + " (weights tensor)", weights=w)
         if not isinstance(threshold, str):
-            mine = our_actor_loss(cfg, batch, {}, backend, rollout_log_probs=batch["rollout_log_probs"],
-                                  rollout_is=level, rollout_is_threshold=threshold)  # fmt: skip
+            mine = our_actor_loss(
+                cfg,
+                batch,
+                {},
+                backend,
+                rollout_log_probs=batch["rollout_log_probs"],
+                rollout_is=level,
+                rollout_is_threshold=threshold,
+            )
             compare_actor(mine, cfg, batch, {}, what + " (fused TIS)", weights=w, weights64=w64)
 
 
@@ -491,5 +583,12 @@ def test_actor_loss_tensor_metrics():
 def test_actor_loss_icepop_threshold_not_fused():
     batch = make_batch(2)
     with pytest.raises(NotImplementedError, match="IcePop"):
-        our_actor_loss(actor_config(), batch, {}, "reference", rollout_log_probs=batch["rollout_log_probs"],
-                       rollout_is="token", rollout_is_threshold="0.5_2.0")  # fmt: skip
+        our_actor_loss(
+            actor_config(),
+            batch,
+            {},
+            "reference",
+            rollout_log_probs=batch["rollout_log_probs"],
+            rollout_is="token",
+            rollout_is_threshold="0.5_2.0",
+        )

@@ -6,6 +6,7 @@ import zlib
 
 import pytest
 import torch
+from _backends import FAST, INTERPRETED
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,8 +20,6 @@ from rlvr_kernels.testing import (
     run_policy_loss,
     upstream_for,
 )
-
-from _backends import FAST, INTERPRETED
 
 
 def assert_matches_reference(inputs, opts, backend, gen, entropy_grad=True):
@@ -65,8 +64,9 @@ OPTIONS = st.fixed_dictionaries(
         "clip_high": st.sampled_from([0.2, 0.28]),
         "kl": st.sampled_from([None, "k1", "k2", "k3", "k3+"]),
         "rollout_correction": st.sampled_from([None, "token_tis", "seq_tis", "token_mis", "seq_mis", "decoupled"]),
-        "agg": st.sampled_from(["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                                "seq-mean-token-sum-norm", "none"]),  # fmt: skip
+        "agg": st.sampled_from(
+            ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "none"]
+        ),
         "shaping": SHAPINGS,
         "entropy_coef": st.sampled_from([0.0, 0.01]),
         "preset": st.sampled_from([None, "verl", "trl"]),
@@ -104,7 +104,9 @@ def test_random_options(backend, device, opts, layout, dtype, B, L, token_adv, s
 def test_other_dtypes(backend, device, dtype):
     gen = torch.Generator().manual_seed(3)
     inputs = random_policy_case(gen, B=7, L=33, dtype=dtype, device=device)
-    assert_matches_reference(inputs, dict(preset="verl", kl="k3", kl_coef=0.1, rollout_correction="token_tis"), backend, gen)
+    assert_matches_reference(
+        inputs, dict(preset="verl", kl="k3", kl_coef=0.1, rollout_correction="token_tis"), backend, gen
+    )
 
 
 @pytest.mark.parametrize("backend,device", FAST)
@@ -113,9 +115,11 @@ def test_long_rows_and_many_sequences(backend, device):
     gen = torch.Generator().manual_seed(4)
     for B, L in ((3, 4099), (33 if INTERPRETED else 129, 7)):
         inputs = random_policy_case(gen, B=B, L=L, device=device)
-        for opts in (dict(preset="verl", kl="k3", kl_coef=0.1, rollout_correction="token_tis"),
-                     dict(loss_type="gspo", agg="seq-mean-token-mean", rollout_correction="seq_tis"),
-                     dict(shaping=TokenShaping(a3po_pos_high=(0.2, 2.0), a3po_neg_low=(0.1, 0.5)), agg="none")):  # fmt: skip
+        for opts in (
+            dict(preset="verl", kl="k3", kl_coef=0.1, rollout_correction="token_tis"),
+            dict(loss_type="gspo", agg="seq-mean-token-mean", rollout_correction="seq_tis"),
+            dict(shaping=TokenShaping(a3po_pos_high=(0.2, 2.0), a3po_neg_low=(0.1, 0.5)), agg="none"),
+        ):
             assert_matches_reference(inputs, opts, backend, gen)
 
 
@@ -154,8 +158,14 @@ def test_packed_equals_padded(backend, device):
 def test_deterministic_and_batch_invariant(backend, device):
     gen = torch.Generator().manual_seed(7)
     inputs = random_policy_case(gen, B=12, L=50, device=device)
-    opts = dict(preset="verl", kl="k3", kl_coef=0.1, rollout_correction="seq_tis", agg="none",
-                shaping=TokenShaping(probability=0.5, a3po_pos_high=(0.2, 2.0)))  # fmt: skip
+    opts = dict(
+        preset="verl",
+        kl="k3",
+        kl_coef=0.1,
+        rollout_correction="seq_tis",
+        agg="none",
+        shaping=TokenShaping(probability=0.5, a3po_pos_high=(0.2, 2.0)),
+    )
     up = torch.randn(inputs["logprobs"].shape, generator=gen).to(device)
     a = run_policy_loss(inputs, opts, backend, up)
     b = run_policy_loss(inputs, opts, backend, up)
@@ -215,12 +225,25 @@ def test_shape_token_advantages_matches_reference(backend, device):
     gen = torch.Generator().manual_seed(10)
     for layout in ("padded", "packed"):
         inputs = random_policy_case(gen, B=9, L=37, layout=layout, device=device)
-        sh = TokenShaping(w_pos=0.5, probability=0.7, a3po_metric="entropy", a3po_pos_high=(0.2, 2.0),
-                          a3po_neg_low=(0.3, 0.5), entropy_quantile=0.5)  # fmt: skip
+        sh = TokenShaping(
+            w_pos=0.5,
+            probability=0.7,
+            a3po_metric="entropy",
+            a3po_pos_high=(0.2, 2.0),
+            a3po_neg_low=(0.3, 0.5),
+            entropy_quantile=0.5,
+        )
         kw = dict(entropy=inputs["entropy"], cu_seqlens=inputs.get("cu_seqlens"))
-        ref = rk.shape_token_advantages(inputs["advantages"].double(), inputs["old_logprobs"].double(),
-                                        inputs["mask"], sh, backend="reference", **kw)  # fmt: skip
-        fast = rk.shape_token_advantages(inputs["advantages"], inputs["old_logprobs"], inputs["mask"], sh,
-                                         backend=backend, **kw)  # fmt: skip
+        ref = rk.shape_token_advantages(
+            inputs["advantages"].double(),
+            inputs["old_logprobs"].double(),
+            inputs["mask"],
+            sh,
+            backend="reference",
+            **kw,
+        )
+        fast = rk.shape_token_advantages(
+            inputs["advantages"], inputs["old_logprobs"], inputs["mask"], sh, backend=backend, **kw
+        )
         assert fast.dtype == torch.float32
         torch.testing.assert_close(fast.double().cpu(), ref.cpu(), rtol=1e-5, atol=1e-6)

@@ -4,10 +4,9 @@ import math
 
 import pytest
 import torch
+from _backends import ALL, to
 
 import rlvr_kernels as rk
-
-from _backends import ALL, to
 
 
 def run(backend, device, **kw):
@@ -60,8 +59,9 @@ class TestHandComputed:
     def test_passk_analytic(self, backend, device):
         # n = 4, one correct, k = 2: R̄ = 1 − C(3,2)/C(4,2) = 1/2, σ = 1/2,
         # correct (1 − R̄)/σ = 1, incorrect (1 − R̄ − C(2,1)/C(3,1))/σ = −1/3.
-        out = run(backend, device, scores=torch.tensor([1.0, 0.0, 0.0, 0.0]), group_size=4, estimator="passk", k=2,
-                  eps=0.0)  # fmt: skip
+        out = run(
+            backend, device, scores=torch.tensor([1.0, 0.0, 0.0, 0.0]), group_size=4, estimator="passk", k=2, eps=0.0
+        )
         close(out.advantages, [1.0, -1 / 3, -1 / 3, -1 / 3])
         # Fewer samples than k: no k-subset, no signal.
         few = run(backend, device, scores=torch.tensor([1.0, 0.0]), group_size=2, estimator="passk", k=3)
@@ -87,8 +87,10 @@ class TestHandComputed:
     def test_singletons(self, backend, device):
         r = torch.tensor([2.0, 1.0, 0.0])
         gi = torch.tensor([0, 1, 1])
-        close(run(backend, device, scores=r, group_index=gi, singleton="zero", eps=0.0).advantages,
-              [0.0, 0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5)])  # fmt: skip
+        close(
+            run(backend, device, scores=r, group_index=gi, singleton="zero", eps=0.0).advantages,
+            [0.0, 0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5)],
+        )
         # verl's loop: a lone sample is compared with mean 0 and std 1.
         close(run(backend, device, scores=r, group_index=gi, preset="verl").advantages[:1], [2.0 / (1 + 1e-6)])
         close(run(backend, device, scores=r, group_index=gi, preset="verl", estimator="rloo").advantages[:1], [2.0])
@@ -105,8 +107,16 @@ class TestHandComputed:
 
     def test_gdpo_two_terms(self, backend, device):
         terms = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
-        out = run(backend, device, scores=terms, group_size=2, estimator="gdpo", eps=0.0,
-                  reward_weights=torch.tensor([1.0, 2.0]), whitening=rk.Whitening("samples", 0.0, True))  # fmt: skip
+        out = run(
+            backend,
+            device,
+            scores=terms,
+            group_size=2,
+            estimator="gdpo",
+            eps=0.0,
+            reward_weights=torch.tensor([1.0, 2.0]),
+            whitening=rk.Whitening("samples", 0.0, True),
+        )
         # Per term A = ±1/√2; total = A_1 + 2·A_2 = [−1/√2, 1/√2]; whitened: mean 0, var 1.
         close(out.advantages, [-1 / math.sqrt(2), 1 / math.sqrt(2)])
         assert out.group_mean.shape == (1, 2)
@@ -132,20 +142,41 @@ class TestHandComputed:
 
 @pytest.mark.parametrize("backend,device", ALL)
 def test_empty_and_all_masked_inputs_give_zeros(backend, device):
-    empty = run(backend, device, scores=torch.zeros(0), group_index=torch.zeros(0, dtype=torch.long), num_groups=0,
-                response_mask=torch.zeros(0, 7))  # fmt: skip
+    empty = run(
+        backend,
+        device,
+        scores=torch.zeros(0),
+        group_index=torch.zeros(0, dtype=torch.long),
+        num_groups=0,
+        response_mask=torch.zeros(0, 7),
+    )
     assert empty.advantages.shape == (0,) and empty.token_advantages.shape == (0, 7)
     assert empty.group_mean.shape == (0,)
     # No samples but some groups: every group is empty, degenerate, with zero statistics.
-    no_rows = run(backend, device, scores=torch.zeros(0), group_index=torch.zeros(0, dtype=torch.long), num_groups=3,
-                  cu_seqlens=torch.zeros(1, dtype=torch.int32), response_mask=torch.zeros(0))  # fmt: skip
+    no_rows = run(
+        backend,
+        device,
+        scores=torch.zeros(0),
+        group_index=torch.zeros(0, dtype=torch.long),
+        num_groups=3,
+        cu_seqlens=torch.zeros(1, dtype=torch.int32),
+        response_mask=torch.zeros(0),
+    )
     assert no_rows.group_count.tolist() == [0, 0, 0] and no_rows.group_degenerate.all()
     assert (no_rows.group_mean == 0).all() and no_rows.token_advantages.shape == (0,)
     # Groups that exist but have no valid sample: zeros, degenerate, nothing kept, no NaN.
     r = torch.tensor([1.0, 0.0, 1.0])
     for est in ("grpo", "rloo", "opo", "gpg", "reinforce_pp_baseline", "gdpo"):
-        out = run(backend, device, scores=r, group_index=torch.tensor([0, 0, 2]), num_groups=4, estimator=est,
-                  sample_mask=torch.zeros(3, dtype=torch.bool), response_mask=torch.ones(3, 5))  # fmt: skip
+        out = run(
+            backend,
+            device,
+            scores=r,
+            group_index=torch.tensor([0, 0, 2]),
+            num_groups=4,
+            estimator=est,
+            sample_mask=torch.zeros(3, dtype=torch.bool),
+            response_mask=torch.ones(3, 5),
+        )
         for name in ("advantages", "token_advantages", "group_mean", "group_std"):
             t = getattr(out, name)
             assert torch.isfinite(t).all() and (t == 0).all(), (est, name, t)

@@ -5,12 +5,11 @@ import importlib
 
 import pytest
 import torch
+from _backends import FAST, HEAVY
 
 import rlvr_kernels as rk
 from rlvr_kernels import TokenShaping
 from rlvr_kernels.testing import random_policy_case
-
-from _backends import FAST, HEAVY
 
 ops = importlib.import_module("rlvr_kernels.ops.policy_loss")  # (the package re-exports a function of that name)
 
@@ -18,16 +17,43 @@ ops = importlib.import_module("rlvr_kernels.ops.policy_loss")  # (the package re
 def op_args(device, backend, layout, agg="token-mean", token_out=0, need_entropy_grad=True):
     gen = torch.Generator().manual_seed(0)
     inputs = random_policy_case(gen, B=7, L=13, layout=layout, device=device)
-    opts = rk.PolicyLossOptions(kl="k3", kl_coef=0.1, rollout_correction="seq_tis", entropy_coef=0.01, agg=agg,
-                                shaping=TokenShaping(probability=0.5, entropy_quantile=0.5))  # fmt: skip
-    x = ops._validate(inputs["logprobs"], inputs["old_logprobs"], inputs["advantages"], inputs["mask"],
-                      inputs["ref_logprobs"], inputs["rollout_logprobs"], inputs["entropy"],
-                      inputs.get("cu_seqlens"), opts, True)  # fmt: skip
+    opts = rk.PolicyLossOptions(
+        kl="k3",
+        kl_coef=0.1,
+        rollout_correction="seq_tis",
+        entropy_coef=0.01,
+        agg=agg,
+        shaping=TokenShaping(probability=0.5, entropy_quantile=0.5),
+    )
+    x = ops._validate(
+        inputs["logprobs"],
+        inputs["old_logprobs"],
+        inputs["advantages"],
+        inputs["mask"],
+        inputs["ref_logprobs"],
+        inputs["rollout_logprobs"],
+        inputs["entropy"],
+        inputs.get("cu_seqlens"),
+        opts,
+        True,
+    )
     lp = x["logprobs"].detach().requires_grad_(True)
     ent = x["entropy"].detach().requires_grad_(need_entropy_grad)
-    return (lp, x["old_logprobs"], x["advantages"], x["mask"], x["ref_logprobs"], x["rollout_logprobs"], ent,
-            x["cu_seqlens"], x["threshold"], ops._fparams(opts), ops._iparams(opts, x, token_out), need_entropy_grad,
-            backend)  # fmt: skip
+    return (
+        lp,
+        x["old_logprobs"],
+        x["advantages"],
+        x["mask"],
+        x["ref_logprobs"],
+        x["rollout_logprobs"],
+        ent,
+        x["cu_seqlens"],
+        x["threshold"],
+        ops._fparams(opts),
+        ops._iparams(opts, x, token_out),
+        need_entropy_grad,
+        backend,
+    )
 
 
 @pytest.mark.parametrize("backend,device", FAST)
@@ -59,9 +85,21 @@ def test_torch_compile_fullgraph(backend, device, layout):
     n_tok = inputs["mask"].sum()
 
     def step(logprobs, old, adv, mask, ref, roll, cu):
-        loss, met = rk.policy_loss(logprobs, old, adv, mask, preset="verl", kl="k3", kl_coef=0.1, ref_logprobs=ref,
-                                   rollout_correction="token_tis", rollout_logprobs=roll, cu_seqlens=cu,
-                                   global_num_tokens=n_tok, backend=backend)  # fmt: skip
+        loss, met = rk.policy_loss(
+            logprobs,
+            old,
+            adv,
+            mask,
+            preset="verl",
+            kl="k3",
+            kl_coef=0.1,
+            ref_logprobs=ref,
+            rollout_correction="token_tis",
+            rollout_logprobs=roll,
+            cu_seqlens=cu,
+            global_num_tokens=n_tok,
+            backend=backend,
+        )
         return loss * 2.0, met.pg_clipfrac
 
     args = [inputs[k] for k in ("logprobs", "old_logprobs", "advantages", "mask", "ref_logprobs", "rollout_logprobs")]
@@ -95,12 +133,26 @@ def test_gradcheck_fp64(backend, device, loss_type):
     if loss_type == "gspo":
         shaping, correction = None, "seq_tis"
     for agg, kl in (("token-mean", "k3"), ("seq-mean-token-mean", "k2"), ("none", "k1")):
+
         def f(lp, ent):
-            loss, _ = rk.policy_loss(lp, old, inputs["advantages"], inputs["mask"], loss_type=loss_type,
-                                     clip_ratio_c=3.0 if loss_type == "ppo" else None, kl=kl, kl_coef=0.1,
-                                     ref_logprobs=inputs["ref_logprobs"], entropy=ent, entropy_coef=0.01,
-                                     rollout_correction=correction, rollout_logprobs=inputs["rollout_logprobs"],
-                                     shaping=shaping, agg=agg, backend=backend)  # fmt: skip
+            loss, _ = rk.policy_loss(
+                lp,
+                old,
+                inputs["advantages"],
+                inputs["mask"],
+                loss_type=loss_type,
+                clip_ratio_c=3.0 if loss_type == "ppo" else None,
+                kl=kl,
+                kl_coef=0.1,
+                ref_logprobs=inputs["ref_logprobs"],
+                entropy=ent,
+                entropy_coef=0.01,
+                rollout_correction=correction,
+                rollout_logprobs=inputs["rollout_logprobs"],
+                shaping=shaping,
+                agg=agg,
+                backend=backend,
+            )
             return loss
 
         lp = inputs["logprobs"].detach().clone().requires_grad_(True)

@@ -40,7 +40,7 @@ def test_seed_learning_task_example_runs():
     import runpy
     from pathlib import Path
 
-    out = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "seed_learning_task.py"))
+    out = runpy.run_path(str(Path(__file__).parents[2] / "examples" / "seed_learning_task.py"))
     # 2 of 8 correct: mean 0.25, unbiased std sqrt(0.25·0.75·8/7).
     assert abs(float(out["mean_std"].group_mean) - 0.25) < 1e-7
     assert abs(float(out["mean_only"].advantages[0]) - 0.75) < 1e-7

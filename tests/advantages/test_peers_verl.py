@@ -46,7 +46,6 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from omegaconf import OmegaConf
-
 from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo import core_algos
 
@@ -228,11 +227,17 @@ def check_against_verl(name, batch: Batch, kwargs=None, *, call=None, exact=None
         assert (a[batch.response_mask == 0] == 0).all(), f"{what}: nonzero outside the response"
         e = e.to(b.dtype)
         where = f"(seed={batch.seed}, sizes={batch.group_sizes}, kwargs={kwargs})"
-        torch.testing.assert_close(a, e, atol=ATOL + gap, rtol=RTOL,
-                                   msg=lambda m: f"{what} differ from verl's formula in float64 {where}:\n{m}")  # fmt: skip
+        torch.testing.assert_close(
+            a,
+            e,
+            atol=ATOL + gap,
+            rtol=RTOL,
+            msg=lambda m: f"{what} differ from verl's formula in float64 {where}:\n{m}",
+        )
         if gap <= 1e-7 and torch.allclose(b, e, atol=ATOL / 4, rtol=RTOL / 4):
-            torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL,
-                                       msg=lambda m: f"{what} differ from verl {where}:\n{m}")  # fmt: skip
+            torch.testing.assert_close(
+                a, b, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what} differ from verl {where}:\n{m}"
+            )
         else:
             strict = False
     if currently_in_test_context():
@@ -251,7 +256,7 @@ def test_signatures_match_verl(name):
     want = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(core_algos, name)).parameters.values()]
     got = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(ours, name)).parameters.values()]
     assert got == want
-    assert set(NAMES) <= set(ours.__all__)  # (the policy-loss drop-ins: tests/test_policy_loss_verl.py)
+    assert set(NAMES) <= set(ours.__all__)  # (the policy-loss drop-ins: tests/policy_loss/test_peers_verl.py)
 
 
 EPSILONS = st.sampled_from([None, 1e-8, 1e-4, 0.1, 1.0])
@@ -355,8 +360,9 @@ def _key_scores(kind, bs, gen, container):
     container=st.sampled_from(["float64", "float32", "object", "list"]),
     prompt_len=st.integers(1, 8),
 )
-def test_gdpo_multi_key_matches_verl(spec, num_keys, key_kinds, weights, norm, epsilon, config_kind, container,
-                                     prompt_len):  # fmt: skip
+def test_gdpo_multi_key_matches_verl(
+    spec, num_keys, key_kinds, weights, norm, epsilon, config_kind, container, prompt_len
+):
     """GDPO with several reward terms read from non_tensor_batch[key] (config.gdpo_reward_keys,
     optional config.gdpo_reward_weights), each normalised per group, weighted, whitened."""
     batch = make_batch(spec)
@@ -406,7 +412,9 @@ def test_gdpo_multi_key_matches_verl(spec, num_keys, key_kinds, weights, norm, e
         total = torch.zeros_like(mask)
         for k, key in enumerate(keys):
             scores = torch.zeros_like(mask)
-            scores[torch.arange(bs), last] = torch.from_numpy(np.asarray(non_tensor_batch[key], dtype=np.float32)).double()
+            scores[torch.arange(bs), last] = torch.from_numpy(
+                np.asarray(non_tensor_batch[key], dtype=np.float32)
+            ).double()
             term, _ = core_algos.compute_grpo_outcome_advantage(
                 scores, mask, batch.index.copy(), epsilon=kwargs.get("epsilon", 1e-6), norm_adv_by_std_in_grpo=norm
             )
@@ -431,7 +439,9 @@ def test_dtypes_match_verl(name, mask_dtype, reward_dtype, spec):
     check_against_verl(name, batch)
 
 
-@pytest.mark.parametrize("name", ["compute_gdpo_outcome_advantage", "compute_reinforce_plus_plus_baseline_outcome_advantage"])
+@pytest.mark.parametrize(
+    "name", ["compute_gdpo_outcome_advantage", "compute_reinforce_plus_plus_baseline_outcome_advantage"]
+)
 def test_whitening_a_constant(name):
     """The whitening exception, pinned. One group, scores [0, 0, 1], the third response
     empty: Dr.GRPO / r − mean give c = −1/3 to both samples with tokens (W = 10 tokens), so

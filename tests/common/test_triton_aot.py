@@ -11,21 +11,37 @@ import sys
 
 def test_all_kernels_compile_for_sm80_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "rlvr_kernels.triton.aot"], capture_output=True, text=True, env=env,
-                         timeout=600)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "rlvr_kernels.triton.aot"], capture_output=True, text=True, env=env, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     kernels = {r["kernel"] for r in rows}
-    assert {"_group_stats_kernel[baseline=1]", "_sample_kernel[baseline=1,scale=1]", "_padded_tokens_kernel[mask=*fp32]",
-            "_packed_tokens_kernel", "_moments_kernel", "_whiten_kernel"} <= kernels  # fmt: skip
-    assert {"_block_offsets_kernel", "_seq_stats_kernel[a3po_prob,token_adv]", "_token_kernel[ppo,k3,token_tis]",
-            "_token_kernel[ppo,k3,token_tis,packed]", "_token_kernel[fp64,everything]",
-            "_finalize_kernel[padded]"} <= kernels  # fmt: skip
+    assert {
+        "_group_stats_kernel[baseline=1]",
+        "_sample_kernel[baseline=1,scale=1]",
+        "_padded_tokens_kernel[mask=*fp32]",
+        "_packed_tokens_kernel",
+        "_moments_kernel",
+        "_whiten_kernel",
+    } <= kernels
+    assert {
+        "_block_offsets_kernel",
+        "_seq_stats_kernel[a3po_prob,token_adv]",
+        "_token_kernel[ppo,k3,token_tis]",
+        "_token_kernel[ppo,k3,token_tis,packed]",
+        "_token_kernel[fp64,everything]",
+        "_finalize_kernel[padded]",
+    } <= kernels
     lp_fwd = "_linear_fwd_kernel[bf16,bias=1,entropy=1]"
-    assert {lp_fwd, "_linear_bwd_hidden_kernel[bf16,bias=1,grad_entropy=1]",
-            "_linear_bwd_weight_kernel[bf16,bias=1,grad_entropy=1,need_w=1,need_b=1]",
-            "_linear_fwd_kernel[fp64,bias=1,entropy=1]", "_logits_fwd_kernel[bf16,entropy=1]",
-            "_logits_bwd_kernel[bf16,grad_entropy=1]"} <= kernels  # fmt: skip
+    assert {
+        lp_fwd,
+        "_linear_bwd_hidden_kernel[bf16,bias=1,grad_entropy=1]",
+        "_linear_bwd_weight_kernel[bf16,bias=1,grad_entropy=1,need_w=1,need_b=1]",
+        "_linear_fwd_kernel[fp64,bias=1,entropy=1]",
+        "_logits_fwd_kernel[bf16,entropy=1]",
+        "_logits_bwd_kernel[bf16,grad_entropy=1]",
+    } <= kernels
     assert {r["arch"] for r in rows} == {"sm_80", "sm_90"}
     for r in rows:
         assert r["registers"] > 0, r

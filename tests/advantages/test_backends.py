@@ -3,13 +3,12 @@ determinism and layout/dtype coverage. Rule: |fast − ref64| ≤ 2·|torch_same
 
 import pytest
 import torch
+from _backends import FAST, to
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rlvr_kernels as rk
 from rlvr_kernels.testing import as_float64, compare_advantages
-
-from _backends import FAST, to
 
 ESTIMATOR_OPTIONS = [
     dict(estimator="grpo"),
@@ -116,8 +115,12 @@ def test_triton_matches_reference(args):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_out_dtypes(backend, device, out_dtype):
     gen = torch.Generator().manual_seed(3)
-    kw = dict(scores=torch.randn(97, generator=gen), group_index=torch.randint(0, 11, (97,), generator=gen),
-              num_groups=11, response_mask=torch.rand(97, 13, generator=gen) > 0.3)  # fmt: skip
+    kw = dict(
+        scores=torch.randn(97, generator=gen),
+        group_index=torch.randint(0, 11, (97,), generator=gen),
+        num_groups=11,
+        response_mask=torch.rand(97, 13, generator=gen) > 0.3,
+    )
     check_against_reference(backend, device, kw, dict(estimator="grpo"), out_dtype=out_dtype)
 
 
@@ -128,7 +131,9 @@ def test_non_contiguous_and_int32_inputs(backend, device):
     scores = torch.randn(B, 2, generator=gen)[:, 1]  # strided
     mask = (torch.rand(L, B, generator=gen) > 0.4).float().t()  # transposed view
     gi = torch.randint(0, 9, (B,), generator=gen).to(torch.int32)
-    kw = dict(scores=scores, group_index=gi, num_groups=9, response_mask=mask, sample_mask=torch.rand(B, generator=gen) > 0.2)
+    kw = dict(
+        scores=scores, group_index=gi, num_groups=9, response_mask=mask, sample_mask=torch.rand(B, generator=gen) > 0.2
+    )
     check_against_reference(backend, device, kw, dict(estimator="reinforce_pp_baseline"))
 
 
@@ -136,8 +141,9 @@ def test_non_contiguous_and_int32_inputs(backend, device):
 def test_cpu_large_batch_many_groups():
     gen = torch.Generator().manual_seed(5)
     B = 60_001  # the reference loops over groups in Python: keep its O(B·G) work small
-    kw = dict(scores=torch.randn(B, generator=gen), group_index=torch.randint(0, 3_000, (B,), generator=gen),
-              num_groups=3_000)  # fmt: skip
+    kw = dict(
+        scores=torch.randn(B, generator=gen), group_index=torch.randint(0, 3_000, (B,), generator=gen), num_groups=3_000
+    )
     for opts in (dict(estimator="grpo", scale="batch"), dict(estimator="gpg"), dict(estimator="reinforce_pp_baseline")):
         check_against_reference("cpu", "cpu", kw, opts)
 
@@ -146,15 +152,22 @@ def test_cpu_large_batch_many_groups():
 def test_cpu_bitwise_identical_across_thread_counts():
     gen = torch.Generator().manual_seed(6)
     B = 100_000
-    kw = dict(scores=torch.randn(B, generator=gen), group_index=torch.randint(0, 5000, (B,), generator=gen),
-              num_groups=5000, response_mask=torch.rand(B, 9, generator=gen) > 0.5)  # fmt: skip
+    kw = dict(
+        scores=torch.randn(B, generator=gen),
+        group_index=torch.randint(0, 5000, (B,), generator=gen),
+        num_groups=5000,
+        response_mask=torch.rand(B, 9, generator=gen) > 0.5,
+    )
     threads = torch.get_num_threads()
     try:
         results = []
         for n in (1, max(2, threads), 3):
             torch.set_num_threads(n)
-            for opts in (dict(estimator="grpo", scale="batch"), dict(estimator="reinforce_pp_baseline"),
-                         dict(estimator="opo")):  # fmt: skip
+            for opts in (
+                dict(estimator="grpo", scale="batch"),
+                dict(estimator="reinforce_pp_baseline"),
+                dict(estimator="opo"),
+            ):
                 results.append((n, rk.group_advantages(**kw, **opts, backend="cpu")))
     finally:
         torch.set_num_threads(threads)
@@ -170,8 +183,15 @@ def test_cpu_bitwise_identical_across_thread_counts():
 @pytest.mark.parametrize("backend,device", FAST)
 def test_repeated_calls_bitwise_identical(backend, device):
     gen = torch.Generator().manual_seed(7)
-    kw = to(dict(scores=torch.randn(300, generator=gen), group_index=torch.randint(0, 40, (300,), generator=gen),
-                 num_groups=40, response_mask=torch.rand(300, 17, generator=gen) > 0.5), device)  # fmt: skip
+    kw = to(
+        dict(
+            scores=torch.randn(300, generator=gen),
+            group_index=torch.randint(0, 40, (300,), generator=gen),
+            num_groups=40,
+            response_mask=torch.rand(300, 17, generator=gen) > 0.5,
+        ),
+        device,
+    )
     a = rk.group_advantages(**kw, estimator="gdpo", backend=backend)
     b = rk.group_advantages(**kw, estimator="gdpo", backend=backend)
     for x, y in zip(a, b):
@@ -184,9 +204,20 @@ def test_unvalidated_bad_input_stays_in_bounds(backend, device):
     # out-of-bounds access (the sanitizer run checks the C++ side), bad rows excluded.
     gi = torch.tensor([0, 5, -1, 1, 1])
     cu = torch.tensor([0, 4, 2, 9, 3, 1], dtype=torch.int64)
-    out = rk.group_advantages(**to(dict(scores=torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0]), group_index=gi, cu_seqlens=cu,
-                                        response_mask=torch.ones(6)), device),  # fmt: skip
-                              num_groups=2, validate=False, backend=backend)
+    out = rk.group_advantages(
+        **to(
+            dict(
+                scores=torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0]),
+                group_index=gi,
+                cu_seqlens=cu,
+                response_mask=torch.ones(6),
+            ),
+            device,
+        ),
+        num_groups=2,
+        validate=False,
+        backend=backend,
+    )
     assert out.advantages[1].item() == 0 and out.advantages[2].item() == 0
     assert not out.sample_keep[1] and not out.sample_keep[2]
     assert torch.isfinite(out.token_advantages).all()
@@ -208,11 +239,23 @@ def test_group_size_equals_contiguous_group_index(backend, device, estimator):
     # The contiguous-groups fast path (no ids read) gives bitwise the same numbers.
     gen = torch.Generator().manual_seed(8)
     B, G = 96, 8
-    kw = to(dict(scores=torch.randint(-1, 3, (B,), generator=gen).float(), response_mask=torch.rand(B, 5, generator=gen) > 0.3,
-                 sample_mask=torch.rand(B, generator=gen) > 0.2), device)  # fmt: skip
+    kw = to(
+        dict(
+            scores=torch.randint(-1, 3, (B,), generator=gen).float(),
+            response_mask=torch.rand(B, 5, generator=gen) > 0.3,
+            sample_mask=torch.rand(B, generator=gen) > 0.2,
+        ),
+        device,
+    )
     extra = dict(k=2) if estimator == "passk" else {}
     a = rk.group_advantages(**kw, group_size=G, estimator=estimator, backend=backend, **extra)
-    b = rk.group_advantages(**kw, group_index=torch.arange(B, device=device) // G, num_groups=B // G,
-                            estimator=estimator, backend=backend, **extra)  # fmt: skip
+    b = rk.group_advantages(
+        **kw,
+        group_index=torch.arange(B, device=device) // G,
+        num_groups=B // G,
+        estimator=estimator,
+        backend=backend,
+        **extra,
+    )
     for x, y in zip(a, b):
         assert torch.equal(x, y)

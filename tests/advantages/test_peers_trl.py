@@ -54,12 +54,16 @@ def _cut(source: str, start: str, end: str, where: str) -> str:
     lines = source.splitlines()
     first = [i for i, line in enumerate(lines) if start in line]
     if len(first) != 1:
-        pytest.fail(f"TRL {trl.__version__}: expected exactly one line containing {start!r} in {where}, "
-                    f"found {len(first)}; TRL's advantage code moved, update tests/test_integrations_trl.py")  # fmt: skip
+        pytest.fail(
+            f"TRL {trl.__version__}: expected exactly one line containing {start!r} in {where}, "
+            f"found {len(first)}; TRL's advantage code moved, update tests/advantages/test_peers_trl.py"
+        )
     last = [i for i in range(first[0], len(lines)) if end in lines[i]]
     if not last:
-        pytest.fail(f"TRL {trl.__version__}: no line containing {end!r} after {start!r} in {where}; "
-                    f"TRL's advantage code changed, update tests/test_integrations_trl.py")  # fmt: skip
+        pytest.fail(
+            f"TRL {trl.__version__}: no line containing {end!r} after {start!r} in {where}; "
+            f"TRL's advantage code changed, update tests/advantages/test_peers_trl.py"
+        )
     return textwrap.dedent("\n".join(lines[first[0] : last[0] + 1]))
 
 
@@ -91,8 +95,14 @@ def trl_grpo_advantages(rewards_per_func, num_generations, reward_weights, scale
         reward_weights=reward_weights.clone(),
         reward_funcs=[object() for _ in range(K)],
     )
-    namespace = dict(self=self, rewards_per_func=rewards_per_func.clone(), num_generations=num_generations,
-                     device=rewards_per_func.device, torch=torch, nanstd=nanstd)  # fmt: skip
+    namespace = dict(
+        self=self,
+        rewards_per_func=rewards_per_func.clone(),
+        num_generations=num_generations,
+        device=rewards_per_func.device,
+        torch=torch,
+        nanstd=nanstd,
+    )
     exec(sync_block()[1], namespace)
     return namespace["advantages"]
 
@@ -200,8 +210,9 @@ def test_grpo_advantages_match_trl(scale_rewards, aggregation, spec, weights):
     exact = trl_grpo_advantages(r.double(), G, w64, scale_rewards, aggregation).float()
 
     r_in, w_in = r.clone(), (None if w is None else w.clone())
-    mine = compute_grpo_advantages(r_in, G, reward_weights=w_in, scale_rewards=scale_rewards,
-                                   multi_objective_aggregation=aggregation)  # fmt: skip
+    mine = compute_grpo_advantages(
+        r_in, G, reward_weights=w_in, scale_rewards=scale_rewards, multi_objective_aggregation=aggregation
+    )
     assert torch.equal(r_in.isnan(), r.isnan()) and torch.equal(r_in.nan_to_num(), r.nan_to_num())
     assert w is None or torch.equal(w_in, w)
 
@@ -229,8 +240,9 @@ def test_grpo_advantages_match_trl_fp64(scale_rewards, aggregation, spec):
     w = draw_weights("float", r.shape[1], torch.Generator().manual_seed(spec["seed"] ^ 0xF00D)).double()
     G = spec["num_generations"]
     theirs = trl_grpo_advantages(r, G, w, scale_rewards, aggregation)
-    mine = compute_grpo_advantages(r.clone(), G, reward_weights=w.clone(), scale_rewards=scale_rewards,
-                                   multi_objective_aggregation=aggregation)  # fmt: skip
+    mine = compute_grpo_advantages(
+        r.clone(), G, reward_weights=w.clone(), scale_rewards=scale_rewards, multi_objective_aggregation=aggregation
+    )
     check(mine, theirs, what=f"{scale_rewards}/{aggregation} spec={spec}")
 
 
@@ -244,8 +256,10 @@ def test_degenerate_group_with_inexact_weights():
     theirs = trl_grpo_advantages(r, 3, w, "group", "sum_then_normalize")
     ulp = 2 * torch.finfo(torch.float32).eps  # float32 spacing in [2, 4)
     assert theirs.abs().max() <= 2 * ulp / 1e-4  # TRL's float32 rounding noise (2.4e-3 in TRL 1.16)
-    assert torch.equal(trl_grpo_advantages(r.double(), 3, w.double(), "group", "sum_then_normalize"),
-                       torch.zeros(3, dtype=torch.float64))  # fmt: skip
+    assert torch.equal(
+        trl_grpo_advantages(r.double(), 3, w.double(), "group", "sum_then_normalize"),
+        torch.zeros(3, dtype=torch.float64),
+    )
 
 
 @settings(max_examples=EXAMPLES)

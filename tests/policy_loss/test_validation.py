@@ -3,11 +3,10 @@ the argument, raised before any kernel runs."""
 
 import pytest
 import torch
+from _backends import ALL
 
 import rlvr_kernels as rk
 from rlvr_kernels import PolicyLossOptions, TokenShaping
-
-from _backends import ALL
 
 
 def base(B=3, L=5):
@@ -136,8 +135,12 @@ def test_shaping_options_are_checked():
         TokenShaping(a3po_metric="logit")
     kw = base()
     with pytest.raises(ValueError, match="entropy: shaping.a3po_metric='entropy' needs"):
-        rk.shape_token_advantages(kw["advantages"], kw["old_logprobs"], kw["mask"],
-                                  TokenShaping(a3po_metric="entropy", a3po_pos_high=(0.2, 2.0)))  # fmt: skip
+        rk.shape_token_advantages(
+            kw["advantages"],
+            kw["old_logprobs"],
+            kw["mask"],
+            TokenShaping(a3po_metric="entropy", a3po_pos_high=(0.2, 2.0)),
+        )
 
 
 def test_devices_must_match():

@@ -38,13 +38,23 @@ CASES = [
     ({}, dict(lengths=torch.tensor([1.0, -1, 1, 1, 1, 1])), ValueError, "lengths"),
     ({}, dict(reward_weights=torch.ones(1)), ValueError, "reward_weights"),
     (dict(scores=torch.zeros(6, 2)), dict(reward_weights=torch.ones(3)), ValueError, "reward_weights"),
-    (dict(scores=torch.zeros(6, 2)), dict(reward_weights=torch.tensor([1.0, float("nan")])), ValueError, "reward_weights"),
+    (
+        dict(scores=torch.zeros(6, 2)),
+        dict(reward_weights=torch.tensor([1.0, float("nan")])),
+        ValueError,
+        "reward_weights",
+    ),
     (dict(response_mask=None), dict(cu_seqlens=torch.tensor([0, 1, 2, 3, 4, 5])), ValueError, "cu_seqlens"),
     (dict(response_mask=None), dict(cu_seqlens=torch.tensor([0.0, 1, 2, 3, 4, 5, 6])), TypeError, "cu_seqlens"),
     (dict(response_mask=None), dict(cu_seqlens=torch.tensor([1, 1, 2, 3, 4, 5, 6])), ValueError, "cu_seqlens"),
     (dict(response_mask=None), dict(cu_seqlens=torch.tensor([0, 2, 1, 3, 4, 5, 6])), ValueError, "cu_seqlens"),
     (dict(response_mask=torch.ones(5)), dict(cu_seqlens=torch.tensor([0, 1, 2, 3, 4, 5, 6])), ValueError, "cu_seqlens"),
-    (dict(response_mask=torch.ones(6, 1)), dict(cu_seqlens=torch.tensor([0, 1, 2, 3, 4, 5, 6])), ValueError, "response_mask"),
+    (
+        dict(response_mask=torch.ones(6, 1)),
+        dict(cu_seqlens=torch.tensor([0, 1, 2, 3, 4, 5, 6])),
+        ValueError,
+        "response_mask",
+    ),
     (dict(group_index=torch.tensor([0, 0, 1, 1, 2, 2], device="meta")), {}, ValueError, "group_index"),
     (dict(response_mask=torch.ones(6, 4, device="meta")), {}, ValueError, "response_mask"),
     (dict(group_index=None), {}, ValueError, "group_size"),
@@ -79,7 +89,9 @@ def test_bad_input_raises_before_any_kernel(monkeypatch, overrides, extra, exc, 
     kw = good()
     kw.update(overrides)
     kw = {k: v for k, v in kw.items() if v is not None}
-    snapshot = {k: v.clone() for k, v in {**kw, **extra}.items() if isinstance(v, torch.Tensor) and v.device.type == "cpu"}
+    snapshot = {
+        k: v.clone() for k, v in {**kw, **extra}.items() if isinstance(v, torch.Tensor) and v.device.type == "cpu"
+    }
     calls = []
     monkeypatch.setattr(ops_adv, "_group_advantages_op", lambda *a, **k: calls.append(a))
     with pytest.raises(exc) as info:

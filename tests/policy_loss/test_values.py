@@ -6,11 +6,10 @@ import math
 
 import pytest
 import torch
+from _backends import ALL
 
 import rlvr_kernels as rk
 from rlvr_kernels import TokenShaping
-
-from _backends import ALL
 
 
 def one_token(backend, device, *, logp, old, adv, **opts):
@@ -19,8 +18,11 @@ def one_token(backend, device, *, logp, old, adv, **opts):
     o = torch.tensor([[old]], dtype=torch.float64, device=device)
     a = torch.tensor([adv], dtype=torch.float64, device=device)
     m = torch.ones(1, 1, dtype=torch.bool, device=device)
-    extra = {k: torch.tensor([[v]], dtype=torch.float64, device=device) for k, v in opts.items()
-             if k in ("ref_logprobs", "rollout_logprobs")}  # fmt: skip
+    extra = {
+        k: torch.tensor([[v]], dtype=torch.float64, device=device)
+        for k, v in opts.items()
+        if k in ("ref_logprobs", "rollout_logprobs")
+    }
     kw = {k: v for k, v in opts.items() if k not in extra}
     loss, metrics = rk.policy_loss(lp, o, a, m, **extra, **kw, backend=backend)
     loss.backward()
@@ -83,10 +85,17 @@ def test_gspo_sequence_ratio(backend, device):
     old = torch.zeros(1, 3, dtype=torch.float64, device=device)
     m = torch.tensor([[True, True, False]], device=device)
     s = math.exp(0.5)
-    for adv, expect, grad in ((1.0, -1.2, 0.0), (-1.0, s, -(-1.0) * s / 2)):
+    for adv, expect, grad in ((1.0, -1.2, 0.0), (-1.0, s, 1.0 * s / 2)):
         lp.grad = None
-        loss, met = rk.policy_loss(lp, old, torch.tensor([adv], dtype=torch.float64, device=device), m,
-                                   loss_type="gspo", agg="seq-mean-token-mean", backend=backend)  # fmt: skip
+        loss, met = rk.policy_loss(
+            lp,
+            old,
+            torch.tensor([adv], dtype=torch.float64, device=device),
+            m,
+            loss_type="gspo",
+            agg="seq-mean-token-mean",
+            backend=backend,
+        )
         loss.backward()
         assert float(loss.detach()) == pytest.approx(expect, abs=1e-9)
         # seq-mean-token-mean: each of the 2 tokens has weight 1/2.
@@ -133,11 +142,13 @@ def test_kl_estimators(backend, device, kind, value, grad):
 @pytest.mark.parametrize("backend,device", ALL)
 def test_k3_clamps(backend, device):
     # ref − logp = 30: verl clamps x to 20 and the value to 10 (no gradient); TRL does not.
-    loss, g, _ = one_token(backend, device, logp=-31.0, old=-31.0, adv=0.0, kl="k3", kl_coef=1.0, ref_logprobs=-1.0,
-                           preset="verl")  # fmt: skip
+    loss, g, _ = one_token(
+        backend, device, logp=-31.0, old=-31.0, adv=0.0, kl="k3", kl_coef=1.0, ref_logprobs=-1.0, preset="verl"
+    )
     assert (loss, g) == (10.0, 0.0)
-    loss, g, _ = one_token(backend, device, logp=-4.0, old=-4.0, adv=0.0, kl="k3", kl_coef=1.0, ref_logprobs=-1.0,
-                           preset="trl")  # fmt: skip
+    loss, g, _ = one_token(
+        backend, device, logp=-4.0, old=-4.0, adv=0.0, kl="k3", kl_coef=1.0, ref_logprobs=-1.0, preset="trl"
+    )
     assert loss == pytest.approx(math.exp(3) - 3 - 1)
     assert g == pytest.approx(1 - math.exp(3))
 
@@ -146,21 +157,33 @@ def test_k3_clamps(backend, device):
 def test_rollout_corrections(backend, device):
     common = dict(logp=-1.0, old=-1.0, adv=1.0)  # ρ = 1: pg = −A, gradient −A before the weight
     # token_tis: w = min(π_old/π_rollout, C) = min(3, 2) = 2.
-    loss, g, met = one_token(backend, device, **common, rollout_correction="token_tis", rollout_logprobs=-1 - math.log(3))
+    loss, g, met = one_token(
+        backend, device, **common, rollout_correction="token_tis", rollout_logprobs=-1 - math.log(3)
+    )
     assert (loss, g) == (pytest.approx(-2.0), pytest.approx(-2.0))
     assert float(met.is_weight_mean) == pytest.approx(2.0) and float(met.is_weight_max) == pytest.approx(2.0)
-    loss, g, _ = one_token(backend, device, **common, rollout_correction="token_tis", rollout_logprobs=-1 - math.log(1.5))
+    loss, g, _ = one_token(
+        backend, device, **common, rollout_correction="token_tis", rollout_logprobs=-1 - math.log(1.5)
+    )
     assert (loss, g) == (pytest.approx(-1.5), pytest.approx(-1.5))
     # token_mis: weight 1 inside [1/C, C], rejected outside.
-    loss, g, met = one_token(backend, device, **common, rollout_correction="token_mis", rollout_logprobs=-1 - math.log(1.5))
+    loss, g, met = one_token(
+        backend, device, **common, rollout_correction="token_mis", rollout_logprobs=-1 - math.log(1.5)
+    )
     assert (loss, g) == (pytest.approx(-1.0), pytest.approx(-1.0))
-    loss, g, met = one_token(backend, device, **common, rollout_correction="token_mis", rollout_logprobs=-1 - math.log(3))
+    loss, g, met = one_token(
+        backend, device, **common, rollout_correction="token_mis", rollout_logprobs=-1 - math.log(3)
+    )
     assert (loss, g) == (0.0, 0.0)
     assert float(met.is_masked_frac) == 1.0
     # decoupled (AReaL): w = π_prox/π_behav, dropped above the cap.
-    loss, g, _ = one_token(backend, device, **common, rollout_correction="decoupled", rollout_logprobs=-1 - math.log(1.5))
+    loss, g, _ = one_token(
+        backend, device, **common, rollout_correction="decoupled", rollout_logprobs=-1 - math.log(1.5)
+    )
     assert (loss, g) == (pytest.approx(-1.5), pytest.approx(-1.5))
-    loss, g, met = one_token(backend, device, **common, rollout_correction="decoupled", rollout_logprobs=-1 - math.log(3))
+    loss, g, met = one_token(
+        backend, device, **common, rollout_correction="decoupled", rollout_logprobs=-1 - math.log(3)
+    )
     assert (loss, g) == (0.0, 0.0) and float(met.is_masked_frac) == 1.0
 
 
@@ -172,9 +195,15 @@ def test_sequence_level_corrections(backend, device):
     roll = old - math.log(1.5)
     m = torch.ones(1, 2, dtype=torch.bool, device=device)
     a = torch.ones(1, dtype=torch.float64, device=device)
-    for kind, C, expect in (("seq_tis", 2.0, -2.0), ("seq_tis", 3.0, -2.25), ("seq_mis", 2.0, 0.0), ("seq_mis", 3.0, -1.0)):
-        loss, _ = rk.policy_loss(lp, old, a, m, rollout_correction=kind, rollout_threshold=C, rollout_logprobs=roll,
-                                 backend=backend)  # fmt: skip
+    for kind, C, expect in (
+        ("seq_tis", 2.0, -2.0),
+        ("seq_tis", 3.0, -2.25),
+        ("seq_mis", 2.0, 0.0),
+        ("seq_mis", 3.0, -1.0),
+    ):
+        loss, _ = rk.policy_loss(
+            lp, old, a, m, rollout_correction=kind, rollout_threshold=C, rollout_logprobs=roll, backend=backend
+        )
         assert float(loss.detach()) == pytest.approx(expect)
 
 
@@ -251,10 +280,22 @@ def test_all_masked_and_empty_give_zeros(backend, device, layout, agg):
             m = torch.zeros(B * L, dtype=torch.bool, device=device)
             extra = dict(cu_seqlens=torch.arange(B + 1, device=device) * L, loss_scale_factor=1.0)
         ent = torch.rand_like(lp, requires_grad=True)
-        loss, met = rk.policy_loss(lp, lp.detach() + 0.3, torch.randn(B, device=device), m, agg=agg, kl="k3",
-                                   kl_coef=0.1, ref_logprobs=lp.detach(), entropy=ent, entropy_coef=0.01,
-                                   rollout_correction="seq_tis", rollout_logprobs=lp.detach() - 5, **extra,
-                                   backend=backend)  # fmt: skip
+        loss, met = rk.policy_loss(
+            lp,
+            lp.detach() + 0.3,
+            torch.randn(B, device=device),
+            m,
+            agg=agg,
+            kl="k3",
+            kl_coef=0.1,
+            ref_logprobs=lp.detach(),
+            entropy=ent,
+            entropy_coef=0.01,
+            rollout_correction="seq_tis",
+            rollout_logprobs=lp.detach() - 5,
+            **extra,
+            backend=backend,
+        )
         loss.sum().backward()
         assert float(loss.abs().sum()) == 0.0
         assert float(lp.grad.abs().sum()) == 0.0 and float(ent.grad.abs().sum()) == 0.0
@@ -268,8 +309,9 @@ def test_a3po_rank_selection(backend, device):
     p = torch.tensor([[0.1, 0.5, 0.5, 0.9, 0.3, 0.7], [0.2, 0.6, 0.4, 0.8, 0.6, 0.05]], device=device)
     m = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool, device=device)
     adv = torch.tensor([1.0, -1.0], device=device)
-    sh = TokenShaping(a3po_pos_high=(0.4, 2.0), a3po_pos_low=(0.2, 3.0), a3po_neg_high=(0.34, 0.5),
-                      a3po_neg_low=(0.01, 4.0))  # fmt: skip
+    sh = TokenShaping(
+        a3po_pos_high=(0.4, 2.0), a3po_pos_low=(0.2, 3.0), a3po_neg_high=(0.34, 0.5), a3po_neg_low=(0.01, 4.0)
+    )
     out = rk.shape_token_advantages(adv, p.log(), m, sh, backend=backend).cpu()
     # Row 0: n = 5, pos-high k = 2: 0.9 (t3) and the first 0.5 (t1, lower index wins the tie);
     # pos-low k = 1: 0.1 (t0). Row 1: n = 6, neg-high k = 2: 0.8 (t3), 0.6 (t1, before t4);
@@ -286,11 +328,13 @@ def test_entropy_quantile_mask(backend, device):
     m = torch.ones(1, 12, dtype=torch.bool, device=device)
     m[0, 10:] = False
     adv = torch.ones(1, device=device)
-    out = rk.shape_token_advantages(adv, torch.zeros(1, 12, device=device), m, TokenShaping(entropy_quantile=0.2),
-                                    entropy=ent, backend=backend)  # fmt: skip
+    out = rk.shape_token_advantages(
+        adv, torch.zeros(1, 12, device=device), m, TokenShaping(entropy_quantile=0.2), entropy=ent, backend=backend
+    )
     assert out.cpu().flatten().tolist() == [0.0] * 8 + [1.0, 1.0, 0.0, 0.0]
     lp = torch.zeros(1, 12, device=device, requires_grad=True)
-    loss, met = rk.policy_loss(lp, lp.detach(), adv, m, shaping=TokenShaping(entropy_quantile=0.2), entropy=ent,
-                               backend=backend)  # fmt: skip
+    loss, met = rk.policy_loss(
+        lp, lp.detach(), adv, m, shaping=TokenShaping(entropy_quantile=0.2), entropy=ent, backend=backend
+    )
     assert float(loss) == pytest.approx(-2 / 10)
     assert float(met.shaped_frac) == pytest.approx(0.8)

@@ -19,7 +19,11 @@ def args(**over):
 @pytest.mark.parametrize(
     "over,exc,match",
     [
-        (dict(targets=torch.tensor([0, 1, V, 2, 3])), ValueError, r"targets: expected ids in \[0, 11\).*got 11 at position 2"),
+        (
+            dict(targets=torch.tensor([0, 1, V, 2, 3])),
+            ValueError,
+            r"targets: expected ids in \[0, 11\).*got 11 at position 2",
+        ),
         (dict(targets=torch.tensor([0, -1, 2, 2, 3])), ValueError, r"targets: .*got -1 at position 1"),
         (dict(targets=torch.zeros(N)), TypeError, "targets: expected dtype"),
         (dict(targets=torch.zeros(N + 1, dtype=torch.int64)), ValueError, r"targets: expected shape \(5,\)"),
@@ -34,14 +38,18 @@ def args(**over):
         (dict(temperature=-1.0), ValueError, "temperature: expected a finite value > 0"),
         (dict(temperature=float("nan")), ValueError, "temperature: expected a finite value > 0"),
         (dict(temperature="hot"), TypeError, "temperature: expected a float or a tensor"),
-        (dict(temperature=torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0])), ValueError, "temperature: expected finite values > 0"),
+        (
+            dict(temperature=torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0])),
+            ValueError,
+            "temperature: expected finite values > 0",
+        ),
         (dict(temperature=torch.ones(N + 1)), ValueError, "temperature: expected a float or a tensor broadcastable"),
         (dict(row_index=torch.tensor([0, 1, 5, 2, 3])), ValueError, r"row_index: expected rows in \[0, 5\)"),
         (dict(row_index=torch.tensor([0, 1, 2])), ValueError, r"row_index: expected shape \(5,\)"),
         (dict(row_index=torch.zeros(N)), TypeError, "row_index: expected dtype"),
         (dict(ignore_index=1.5), TypeError, "ignore_index: expected an int"),
     ],
-)  # fmt: skip
+)
 def test_linear_logprobs_errors(backend, over, exc, match):
     with pytest.raises(exc, match=match):
         rk.linear_logprobs(**args(**over), backend=backend)
@@ -66,21 +74,39 @@ def test_validate_false_skips_value_checks_but_stays_in_bounds():
 @pytest.mark.parametrize(
     "call,exc,match",
     [
-        (lambda: rk.logprobs_from_logits(torch.randn(4, V), torch.zeros(5, dtype=torch.int64)), ValueError,
-         r"targets: expected shape \(4,\)"),
+        (
+            lambda: rk.logprobs_from_logits(torch.randn(4, V), torch.zeros(5, dtype=torch.int64)),
+            ValueError,
+            r"targets: expected shape \(4,\)",
+        ),
         (lambda: rk.logprobs_from_logits(torch.randn(4, V), torch.full((4,), V)), ValueError, "targets: expected ids"),
-        (lambda: rk.logprobs_from_logits(torch.randn(4, V).long(), torch.zeros(4, dtype=torch.int64)), TypeError,
-         "logits: expected dtype"),
-        (lambda: rk.logprobs_from_logits(torch.randn(4, 0), torch.zeros(4, dtype=torch.int64)), ValueError,
-         "logits: expected a vocabulary of at least 1"),
-        (lambda: rk.logprobs_from_logits(torch.randn(4, V), torch.zeros(4, dtype=torch.int64), 0.0), ValueError,
-         "temperature"),
-        (lambda: rk.logprobs_from_logits(torch.randn(4, V), torch.zeros(4, dtype=torch.int64), backend="gpu"),
-         ValueError, "backend: expected one of"),
-        (lambda: rk.linear_logprobs(**args(), process_group=object(), backend="reference"), ValueError,
-         "process_group: the reference backend is single-process"),
+        (
+            lambda: rk.logprobs_from_logits(torch.randn(4, V).long(), torch.zeros(4, dtype=torch.int64)),
+            TypeError,
+            "logits: expected dtype",
+        ),
+        (
+            lambda: rk.logprobs_from_logits(torch.randn(4, 0), torch.zeros(4, dtype=torch.int64)),
+            ValueError,
+            "logits: expected a vocabulary of at least 1",
+        ),
+        (
+            lambda: rk.logprobs_from_logits(torch.randn(4, V), torch.zeros(4, dtype=torch.int64), 0.0),
+            ValueError,
+            "temperature",
+        ),
+        (
+            lambda: rk.logprobs_from_logits(torch.randn(4, V), torch.zeros(4, dtype=torch.int64), backend="gpu"),
+            ValueError,
+            "backend: expected one of",
+        ),
+        (
+            lambda: rk.linear_logprobs(**args(), process_group=object(), backend="reference"),
+            ValueError,
+            "process_group: the reference backend is single-process",
+        ),
     ],
-)  # fmt: skip
+)
 def test_other_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()

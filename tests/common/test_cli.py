@@ -8,8 +8,9 @@ import sys
 
 def run_cli(*args, cwd=None):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "-m", "rlvr_kernels", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=900)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "rlvr_kernels", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=900
+    )
 
 
 def test_info():

@@ -426,8 +426,8 @@ def test_baseline_isa_build():
     """The 16-byte-vector build (what runs without AVX2), in a subprocess: the choice is made once."""
     code = (
         "import torch, sys\n"
-        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-        "import test_logprobs_cpu_kernel as t\n"
+        f"sys.path[:0] = [{os.path.dirname(__file__)!r}, {os.path.dirname(os.path.dirname(__file__))!r}]\n"
+        "import test_kernel_cpu as t\n"
         "t.test_linear_fwd_matches_fp64(torch.float32, 33, 64, 2053, True)\n"
         "t.test_linear_bwd_matches_fp64(torch.bfloat16, 33, 64, 2053, True)\n"
         "t.test_logits_kernels_match_fp64(torch.float64, 33, 2053)\n"

@@ -6,7 +6,7 @@ Without a GPU the kernels run in Triton's interpreter (conftest sets TRITON_INTE
 with 16-wide tiles, so that these tiny shapes still cross every tile boundary (N, V and H
 are not multiples of the tiles); 16-bit dot operands are upcast to fp32 there (the
 interpreter's bf16 dot is broken), and the real bf16 path is covered by the ahead-of-time
-compile (tests/test_triton_aot.py) and the GPU run, which also runs the default tiles.
+compile (tests/common/test_triton_aot.py) and the GPU run, which also runs the default tiles.
 """
 
 import pytest
@@ -76,8 +76,7 @@ def linear_case(N, V, H, dtype, bias=True, seed=0, max_count=3, row_ptr=None):
             tg[lo + 1] = tg[lo]  # a repeated id
     x, w = x.to(dtype), w.to(dtype)
     b = b.to(dtype) if b is not None else None
-    return dict(hidden=x, weight=w, bias=b, inv_temperature=inv_t.to(cdt_of(dtype)), row_ptr=row_ptr,
-                sorted_targets=tg)  # fmt: skip
+    return dict(hidden=x, weight=w, bias=b, inv_temperature=inv_t.to(cdt_of(dtype)), row_ptr=row_ptr, sorted_targets=tg)
 
 
 def csr_rows(row_ptr, M):
@@ -177,8 +176,13 @@ def test_linear_fwd(dtype, N, V, H, bias, need_entropy):
     z64 = ref_z(c, F64)
     zs = ref_z(c, cdt)
     check("stats", stats, ref_stats(z64, need_entropy), ref_stats(zs, need_entropy).to(F64), cdt)
-    check("target_logits", tlog, ref_target_logits(z64, c["row_ptr"], c["sorted_targets"]),
-          ref_target_logits(zs, c["row_ptr"], c["sorted_targets"]).to(F64), cdt)  # fmt: skip
+    check(
+        "target_logits",
+        tlog,
+        ref_target_logits(z64, c["row_ptr"], c["sorted_targets"]),
+        ref_target_logits(zs, c["row_ptr"], c["sorted_targets"]).to(F64),
+        cdt,
+    )
     if not need_entropy:
         assert not stats[:, 2].any()
     # Unmatched targets (−1, other shards' ids) read exactly 0; log p = z_t − lse ≤ 0.
@@ -207,13 +211,25 @@ def bwd_inputs(c, grad_entropy, seed=1):
     cdt = cdt_of(c["hidden"].dtype)
     N, M = c["hidden"].shape[0], c["sorted_targets"].shape[0]
     lse, ent = global_stats(ref_z(c, F64))
-    return dict(sorted_grad=torch.randn(M, generator=gen, dtype=F64).to(cdt), lse=lse.to(cdt), entropy=ent.to(cdt),
-                grad_entropy=torch.randn(N, generator=gen, dtype=F64).to(cdt) if grad_entropy else None)  # fmt: skip
+    return dict(
+        sorted_grad=torch.randn(M, generator=gen, dtype=F64).to(cdt),
+        lse=lse.to(cdt),
+        entropy=ent.to(cdt),
+        grad_entropy=torch.randn(N, generator=gen, dtype=F64).to(cdt) if grad_entropy else None,
+    )
 
 
 def ref_linear_bwd(c, gi, rdt):
-    dz = ref_dz(ref_z(c, rdt), c["row_ptr"], c["sorted_targets"], gi["sorted_grad"], gi["lse"], gi["entropy"],
-                gi["grad_entropy"], c["inv_temperature"])  # fmt: skip
+    dz = ref_dz(
+        ref_z(c, rdt),
+        c["row_ptr"],
+        c["sorted_targets"],
+        gi["sorted_grad"],
+        gi["lse"],
+        gi["entropy"],
+        gi["grad_entropy"],
+        c["inv_temperature"],
+    )
     return dz @ c["weight"].to(rdt), dz.T @ c["hidden"].to(rdt), dz.sum(0)
 
 
@@ -221,8 +237,9 @@ def ref_linear_bwd(c, gi, rdt):
 def test_linear_bwd(dtype, N, V, H, bias, grad_entropy, needs):
     c = linear_case(N, V, H, dtype, bias)
     gi = bwd_inputs(c, grad_entropy)
-    out = lp.linear_logprobs_bwd(**on_device(c), **on_device(gi), need_hidden=needs[0], need_weight=needs[1],
-                                 need_bias=needs[2])  # fmt: skip
+    out = lp.linear_logprobs_bwd(
+        **on_device(c), **on_device(gi), need_hidden=needs[0], need_weight=needs[1], need_bias=needs[2]
+    )
     r64 = ref_linear_bwd(c, gi, F64)
     rs = ref_linear_bwd(c, gi, cdt_of(dtype))
     for name, fast, ref64, same, need in zip(
@@ -276,8 +293,9 @@ def test_linear_empty():
     stats, tlog = lp.linear_logprobs_fwd(**on_device(c), need_entropy=True)
     assert stats.shape == (0, 3) and tlog.shape == (0,)
     gi = dict(sorted_grad=torch.zeros(0), lse=torch.zeros(0), entropy=torch.zeros(0), grad_entropy=torch.zeros(0))
-    gh, gw, gb = lp.linear_logprobs_bwd(**on_device(c), **on_device(gi), need_hidden=True, need_weight=True,
-                                        need_bias=True)  # fmt: skip
+    gh, gw, gb = lp.linear_logprobs_bwd(
+        **on_device(c), **on_device(gi), need_hidden=True, need_weight=True, need_bias=True
+    )
     assert gh.shape == (0, 5) and gh.dtype == F32
     assert gw.shape == (7, 5) and not gw.any() and gb.shape == (7,) and not gb.any()
     # M = 0, N > 0: no targets; the statistics and the entropy gradient still flow.
@@ -308,8 +326,13 @@ def test_linear_malformed_csr_stays_in_bounds():
     gbuf[4 : 4 + M] = torch.tensor([0.5, -1.0, 2.0, 0.25])
     _, tlog = lp.linear_logprobs_fwd(**on_device(c), need_entropy=True)
     z64 = ref_z(c, F64)
-    check("target_logits", tlog, ref_target_logits(z64, row_ptr, c["sorted_targets"]),
-          ref_target_logits(ref_z(c, F32), row_ptr, c["sorted_targets"]).to(F64), F32)  # fmt: skip
+    check(
+        "target_logits",
+        tlog,
+        ref_target_logits(z64, row_ptr, c["sorted_targets"]),
+        ref_target_logits(ref_z(c, F32), row_ptr, c["sorted_targets"]).to(F64),
+        F32,
+    )
     lse, ent = global_stats(z64)
     gi = dict(sorted_grad=gbuf[4 : 4 + M], lse=lse.float(), entropy=ent.float(), grad_entropy=None)
     out = lp.linear_logprobs_bwd(**on_device(c), **on_device(gi), need_hidden=True, need_weight=True, need_bias=True)
@@ -363,8 +386,13 @@ def test_logits_fwd_bwd(dtype, N, V, flag):
     rows = torch.arange(N + 1)
     tg = c["targets"]
     check("stats", stats, ref_stats(z_of(F64), flag), ref_stats(z_of(cdt), flag).to(F64), cdt)
-    check("target_logits", tlog, ref_target_logits(z_of(F64), rows, tg), ref_target_logits(z_of(cdt), rows, tg).to(F64),
-          cdt)  # fmt: skip
+    check(
+        "target_logits",
+        tlog,
+        ref_target_logits(z_of(F64), rows, tg),
+        ref_target_logits(z_of(cdt), rows, tg).to(F64),
+        cdt,
+    )
     if not flag:
         assert not stats[:, 2].any()
 

@@ -10,6 +10,7 @@ import zlib
 
 import pytest
 import torch
+from _backends import FAST, INTERPRETED
 
 import rlvr_kernels as rk
 from rlvr_kernels.testing import (
@@ -22,8 +23,6 @@ from rlvr_kernels.testing import (
     random_logprobs_case,
     run_logprobs,
 )
-
-from _backends import FAST, INTERPRETED
 
 
 def assert_matches_reference(inputs, backend, gen):
@@ -104,8 +103,12 @@ def test_peaked_rows_exact(backend, device):
 @pytest.mark.parametrize("backend,device", FAST)
 def test_flat_rows_entropy_is_log_v(backend, device):
     V = 131
-    inputs = dict(hidden=torch.zeros(5, 8, device=device), weight=torch.randn(V, 8, device=device),
-                  targets=torch.arange(5, device=device), return_entropy=True)  # fmt: skip
+    inputs = dict(
+        hidden=torch.zeros(5, 8, device=device),
+        weight=torch.randn(V, 8, device=device),
+        targets=torch.arange(5, device=device),
+        return_entropy=True,
+    )
     logp, entropy = rk.linear_logprobs(**inputs, backend=backend)
     torch.testing.assert_close(logp, torch.full_like(logp, -math.log(V)), rtol=0, atol=1e-6)
     torch.testing.assert_close(entropy, torch.full_like(entropy, math.log(V)), rtol=0, atol=1e-6)
@@ -199,8 +202,9 @@ def test_empty_and_all_ignored(backend, device):
     w = torch.randn(V, H, device=device, requires_grad=True)
     # N = 0
     h = torch.zeros(0, H, device=device, requires_grad=True)
-    logp, ent = rk.linear_logprobs(h, w, torch.zeros(0, dtype=torch.int64, device=device), return_entropy=True,
-                                   backend=backend)  # fmt: skip
+    logp, ent = rk.linear_logprobs(
+        h, w, torch.zeros(0, dtype=torch.int64, device=device), return_entropy=True, backend=backend
+    )
     assert logp.shape == (0,) and ent.shape == (0,)
     (logp.sum() + ent.sum()).backward()
     assert h.grad.shape == (0, H) and bool((w.grad == 0).all())

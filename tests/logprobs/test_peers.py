@@ -7,13 +7,11 @@ import pytest
 import torch
 import trl.trainer.utils as trl_utils
 import verl.utils.torch_functional as verl_F
+from _backends import FAST
 
 from rlvr_kernels.integrations import trl as ours_trl
 from rlvr_kernels.integrations import verl as ours_verl
-
 from rlvr_kernels.testing import compare
-
-from _backends import FAST
 
 
 def _logits(dtype, shape=(3, 17, 151), seed=0):
@@ -51,8 +49,9 @@ def test_trl_selective_log_softmax(dtype, temperature):
     up = torch.randn(index.shape, generator=gen)
     for kw in (dict(), dict(row_mask=row_mask)):
         theirs = _value_and_grad(lambda z: trl_utils.selective_log_softmax(z, index, temperature, **kw), logits, up)
-        truth = _value_and_grad(lambda z: trl_utils.selective_log_softmax(z, index, temperature, **kw),
-                                logits.double(), up)  # fmt: skip
+        truth = _value_and_grad(
+            lambda z: trl_utils.selective_log_softmax(z, index, temperature, **kw), logits.double(), up
+        )
         ours = _value_and_grad(lambda z: ours_trl.selective_log_softmax(z, index, temperature, **kw), logits, up)
         assert_same_as_peer(ours, theirs, truth, dtype)
 

@@ -29,12 +29,11 @@ from collections import defaultdict
 import pytest
 import torch
 import trl
+from _backends import ALL
 from trl.trainer.grpo_trainer import GRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
 from rlvr_kernels.integrations.trl import grpo_loss_trl
-
-from _backends import ALL
 
 ATOL, RTOL = 1e-6, 1e-5
 START = "if self.top_entropy_quantile < 1.0:"
@@ -49,12 +48,15 @@ def trl_loss_fn():
     lines = inspect.getsource(GRPOTrainer._compute_loss).splitlines()
     first = [i for i, line in enumerate(lines) if line.strip() == START]
     if len(first) != 1:
-        pytest.fail(f"TRL {trl.__version__}: expected one line {START!r} in {where}, found {len(first)}; "
-                    f"TRL's loss code moved, update tests/test_policy_loss_trl.py")  # fmt: skip
+        pytest.fail(
+            f"TRL {trl.__version__}: expected one line {START!r} in {where}, found {len(first)}; "
+            f"TRL's loss code moved, update tests/policy_loss/test_peers_trl.py"
+        )
     last = [i for i in range(first[0], len(lines)) if lines[i].strip() == END]
     if not last:
-        pytest.fail(f"TRL {trl.__version__}: no {END!r} after {START!r} in {where}; "
-                    f"update tests/test_policy_loss_trl.py")  # fmt: skip
+        pytest.fail(
+            f"TRL {trl.__version__}: no {END!r} after {START!r} in {where}; update tests/policy_loss/test_peers_trl.py"
+        )
     body = textwrap.dedent("\n".join(lines[first[0] : last[0] + 1]))
     text = "def trl_loss(self, inputs, per_token_logps, entropies, mask, aux_loss):\n" + textwrap.indent(body, "    ")
     namespace = dict(torch=torch, nanmin=nanmin, nanmax=nanmax)
@@ -72,8 +74,13 @@ def trl_self(c: dict):
         pad_across_processes=lambda t, dim=0, pad_index=0: t,
         sync_gradients=True,
     )
-    args = types.SimpleNamespace(use_bias_correction_kl=False, delta=c["delta"], steps_per_generation=c["spg"],
-                                 sapo_temperature_pos=c["tau_pos"], sapo_temperature_neg=c["tau_neg"])  # fmt: skip
+    args = types.SimpleNamespace(
+        use_bias_correction_kl=False,
+        delta=c["delta"],
+        steps_per_generation=c["spg"],
+        sapo_temperature_pos=c["tau_pos"],
+        sapo_temperature_neg=c["tau_neg"],
+    )
     self = types.SimpleNamespace(
         top_entropy_quantile=c["top_entropy_quantile"],
         off_policy_mask_threshold=None,
@@ -122,11 +129,19 @@ def make_batch(seed: int, device="cpu") -> dict:
     logp = old + delta
     ref = logp + torch.randn(B, T, generator=gen) * 0.5
     sampling_gap = 0.15 * torch.randn(B, T, generator=gen)
-    sampling_gap = torch.where(torch.rand(B, T, generator=gen) < 0.06, 1.2 * torch.randn(B, T, generator=gen),
-                               sampling_gap)  # fmt: skip
-    out = dict(per_token_logps=logp, old_per_token_logps=old, advantages=adv, completion_mask=mask,
-               ref_per_token_logps=ref, entropies=torch.rand(B, T, generator=gen) * 2, sampling_gap=sampling_gap,
-               num_items=torch.tensor(int(mask.sum()) * 3 + 5))  # fmt: skip
+    sampling_gap = torch.where(
+        torch.rand(B, T, generator=gen) < 0.06, 1.2 * torch.randn(B, T, generator=gen), sampling_gap
+    )
+    out = dict(
+        per_token_logps=logp,
+        old_per_token_logps=old,
+        advantages=adv,
+        completion_mask=mask,
+        ref_per_token_logps=ref,
+        entropies=torch.rand(B, T, generator=gen) * 2,
+        sampling_gap=sampling_gap,
+        num_items=torch.tensor(int(mask.sum()) * 3 + 5),
+    )
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -201,8 +216,11 @@ def run_trl(batch, c):
     self = trl_self(c)
     lp = batch["per_token_logps"].clone().requires_grad_(True)
     ent = batch["entropies"].clone().requires_grad_(True)
-    inputs = dict(advantages=advantages_as(batch, c["adv_shape"]), num_items_in_batch=batch["num_items"].clone(),
-                  ref_per_token_logps=batch["ref_per_token_logps"].clone())  # fmt: skip
+    inputs = dict(
+        advantages=advantages_as(batch, c["adv_shape"]),
+        num_items_in_batch=batch["num_items"].clone(),
+        ref_per_token_logps=batch["ref_per_token_logps"].clone(),
+    )
     if c["old_given"]:
         inputs["old_per_token_logps"] = batch["old_per_token_logps"].clone()
     ratio = is_ratio(batch, c["is_ratio"])
@@ -218,16 +236,31 @@ def run_ours(batch, c, backend):
     lp = batch["per_token_logps"].clone().requires_grad_(True)
     ent = batch["entropies"].clone().requires_grad_(True)
     loss, m = grpo_loss_trl(
-        lp, batch["old_per_token_logps"].clone() if c["old_given"] else None, advantages_as(batch, c["adv_shape"]),
-        batch["completion_mask"].clone(), loss_type=c["loss_type"], epsilon_low=c["eps_low"],
-        epsilon_high=c["eps_high"], delta=c["delta"], importance_sampling_level=c["level"], beta=c["beta"],
-        ref_per_token_logps=batch["ref_per_token_logps"].clone(), sapo_temperature_pos=c["tau_pos"],
-        sapo_temperature_neg=c["tau_neg"], top_entropy_quantile=c["top_entropy_quantile"], entropies=ent,
-        entropy_coef=c["entropy_coef"], importance_sampling_ratio=is_ratio(batch, c["is_ratio"]),
-        max_completion_length=c["max_len"], num_items_in_batch=batch["num_items"].clone(),
-        gradient_accumulation_steps=c["ga"], num_processes=c["num_processes"], steps_per_generation=c["spg"],
-        training=c["training"], backend=backend,
-    )  # fmt: skip
+        lp,
+        batch["old_per_token_logps"].clone() if c["old_given"] else None,
+        advantages_as(batch, c["adv_shape"]),
+        batch["completion_mask"].clone(),
+        loss_type=c["loss_type"],
+        epsilon_low=c["eps_low"],
+        epsilon_high=c["eps_high"],
+        delta=c["delta"],
+        importance_sampling_level=c["level"],
+        beta=c["beta"],
+        ref_per_token_logps=batch["ref_per_token_logps"].clone(),
+        sapo_temperature_pos=c["tau_pos"],
+        sapo_temperature_neg=c["tau_neg"],
+        top_entropy_quantile=c["top_entropy_quantile"],
+        entropies=ent,
+        entropy_coef=c["entropy_coef"],
+        importance_sampling_ratio=is_ratio(batch, c["is_ratio"]),
+        max_completion_length=c["max_len"],
+        num_items_in_batch=batch["num_items"].clone(),
+        gradient_accumulation_steps=c["ga"],
+        num_processes=c["num_processes"],
+        steps_per_generation=c["spg"],
+        training=c["training"],
+        backend=backend,
+    )
     loss.backward()
     return loss, lp.grad, ent.grad, m
 
@@ -236,7 +269,7 @@ def close(mine, v32, v64, what):
     """``mine`` against TRL's float32 result ``v32`` and float64 result ``v64`` (tensors or
     floats): within the tolerance of the float64 result widened by twice TRL's own float32
     rounding, and within the tolerance of the float32 result wherever that rounding is
-    below a quarter of it (as tests/test_policy_loss_verl.py)."""
+    below a quarter of it (as tests/policy_loss/test_peers_verl.py)."""
     if isinstance(v32, torch.Tensor):
         assert isinstance(mine, torch.Tensor), what
         assert mine.dtype == v32.dtype, f"{what}: dtype {mine.dtype} != TRL's {v32.dtype}"
@@ -247,8 +280,9 @@ def close(mine, v32, v64, what):
     tol = ATOL + RTOL * e.abs()
     trl_err = (a - e).abs()
     excess = (m - e).abs() - tol - 2 * trl_err
-    assert not (excess > 0).any(), (f"{what}: ours differs from TRL's float64 result by {float(excess.max()):.3g} "
-                                    f"beyond the tolerance")  # fmt: skip
+    assert not (excess > 0).any(), (
+        f"{what}: ours differs from TRL's float64 result by {float(excess.max()):.3g} beyond the tolerance"
+    )
     if (trl_err <= tol / 4).all():
         torch.testing.assert_close(m, a, atol=ATOL, rtol=RTOL, msg=lambda msg: f"{what} vs TRL float32\n{msg}")
 

@@ -3,11 +3,10 @@ torch.compile(fullgraph=True) over code that calls the public function."""
 
 import pytest
 import torch
+from _backends import FAST, to
 
 import rlvr_kernels as rk
 from rlvr_kernels.ops.advantages import _group_advantages_op
-
-from _backends import FAST, to
 
 
 def op_args(device, backend, layout):
@@ -25,8 +24,29 @@ def op_args(device, backend, layout):
         mask = torch.rand(int(cu[-1]), generator=gen) > 0.3
         num_tokens = int(cu[-1])
     valid = torch.rand(B, generator=gen) > 0.2
-    args = (scores, gi, 5, 0, valid, None, mask, cu, num_tokens, 1, 1, True, 1e-6, False, False, 0, 1, 1e-8, True,
-            torch.float32, backend)  # fmt: skip
+    args = (
+        scores,
+        gi,
+        5,
+        0,
+        valid,
+        None,
+        mask,
+        cu,
+        num_tokens,
+        1,
+        1,
+        True,
+        1e-6,
+        False,
+        False,
+        0,
+        1,
+        1e-8,
+        True,
+        torch.float32,
+        backend,
+    )
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
 
@@ -52,8 +72,10 @@ def test_fake_kernel_shapes_match_real_outputs():
 def test_torch_compile_fullgraph(backend, device):
     gen = torch.Generator().manual_seed(1)
     B, L = 32, 12
-    kw = to(dict(scores=torch.randint(0, 2, (B,), generator=gen).float(), mask=torch.rand(B, L, generator=gen) > 0.3),
-            device)  # fmt: skip
+    kw = to(
+        dict(scores=torch.randint(0, 2, (B,), generator=gen).float(), mask=torch.rand(B, L, generator=gen) > 0.3),
+        device,
+    )
 
     def step(scores, mask):
         out = rk.group_advantages(scores, group_size=8, response_mask=mask, preset="verl", backend=backend)

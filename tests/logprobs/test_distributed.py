@@ -9,11 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _backends import DEVICE, INTERPRETED
 
 import rlvr_kernels as rk
 from rlvr_kernels.testing import random_logprobs_case
-
-from _backends import DEVICE, INTERPRETED
 
 
 def _free_port() -> int:
@@ -26,9 +25,17 @@ def _run(inputs, backend, up, weight, bias, group=None):
     hidden = inputs["hidden"].clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     b = bias.clone().requires_grad_(True)
-    logp, ent = rk.linear_logprobs(hidden, w, inputs["targets"], row_index=inputs["row_index"], bias=b,
-                                   temperature=inputs["temperature"], return_entropy=True, process_group=group,
-                                   backend=backend)  # fmt: skip
+    logp, ent = rk.linear_logprobs(
+        hidden,
+        w,
+        inputs["targets"],
+        row_index=inputs["row_index"],
+        bias=b,
+        temperature=inputs["temperature"],
+        return_entropy=True,
+        process_group=group,
+        backend=backend,
+    )
     ((logp * up[0]).sum() + (ent * up[1]).sum()).backward()
     return logp.detach(), ent.detach(), hidden.grad, w.grad, b.grad
 
@@ -41,10 +48,13 @@ def _worker(rank, world, port, backends):
         for backend, dtype in backends:
             gen = torch.Generator().manual_seed(17)  # every rank builds the same batch
             V = 101 if backend == "triton" else 1031
-            inputs = random_logprobs_case(gen, N=13, H=24, V=V, dtype=dtype, bias=True, branching=True,
-                                          ignore_fraction=0.1, temperature="rows")  # fmt: skip
-            up = (torch.randn(inputs["targets"].shape[0], generator=gen).to(dtype),
-                  torch.randn(13, generator=gen).to(dtype))  # fmt: skip
+            inputs = random_logprobs_case(
+                gen, N=13, H=24, V=V, dtype=dtype, bias=True, branching=True, ignore_fraction=0.1, temperature="rows"
+            )
+            up = (
+                torch.randn(inputs["targets"].shape[0], generator=gen).to(dtype),
+                torch.randn(13, generator=gen).to(dtype),
+            )
             # Uneven shards: rank r holds rows [bounds[r], bounds[r+1]).
             bounds = [0] + [V * (k + 1) // world + (3 if k + 1 < world else 0) for k in range(world)]
             lo, hi = bounds[rank], bounds[rank + 1]

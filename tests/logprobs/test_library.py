@@ -6,25 +6,45 @@ import importlib
 
 import pytest
 import torch
+from _backends import FAST, HEAVY
 
 import rlvr_kernels as rk
 from rlvr_kernels.testing import random_logprobs_case
-
-from _backends import FAST, HEAVY
 
 ops = importlib.import_module("rlvr_kernels.ops.logprobs")  # (the package re-exports functions of its names)
 
 
 def linear_op_args(device, backend, branching, dtype=torch.float32):
     gen = torch.Generator().manual_seed(0)
-    x = random_logprobs_case(gen, N=9, H=8, V=37, bias=True, branching=branching, ignore_fraction=0.2, dtype=dtype,
-                             temperature="rows", device=device)  # fmt: skip
+    x = random_logprobs_case(
+        gen,
+        N=9,
+        H=8,
+        V=37,
+        bias=True,
+        branching=branching,
+        ignore_fraction=0.2,
+        dtype=dtype,
+        temperature="rows",
+        device=device,
+    )
     n = x["hidden"].shape[0]
     row_ptr, order = ops._csr(x["row_index"], n, x["hidden"].device)
     inv_t = ops._inv_temperature(x["temperature"], n, x["hidden"].device, torch.float32)
     rows = None if x["row_index"] is None else x["row_index"].long()
-    return (x["hidden"].requires_grad_(True), x["weight"].requires_grad_(True), x["bias"].requires_grad_(True),
-            x["targets"], rows, row_ptr, order, inv_t, -100, True, backend)  # fmt: skip
+    return (
+        x["hidden"].requires_grad_(True),
+        x["weight"].requires_grad_(True),
+        x["bias"].requires_grad_(True),
+        x["targets"],
+        rows,
+        row_ptr,
+        order,
+        inv_t,
+        -100,
+        True,
+        backend,
+    )
 
 
 @pytest.mark.parametrize("backend,device", FAST)
@@ -64,16 +84,27 @@ def test_torch_compile_fullgraph(backend, device):
     h = torch.randn(12, generator=gen).to(device)
 
     def step(hidden, weight, bias, logits):
-        logp, ent = rk.linear_logprobs(hidden, weight, x["targets"], row_index=x["row_index"], bias=bias,
-                                       temperature=0.7, return_entropy=True, backend=backend)  # fmt: skip
+        logp, ent = rk.linear_logprobs(
+            hidden,
+            weight,
+            x["targets"],
+            row_index=x["row_index"],
+            bias=bias,
+            temperature=0.7,
+            return_entropy=True,
+            backend=backend,
+        )
         lp2, ent2 = rk.logprobs_from_logits(logits, x["targets"][:12], 0.7, True, backend=backend)
         return (logp * g).sum() + (ent * h).sum() + (lp2 * h).sum() + ent2.sum()
 
     results = []
     for fn in (step, torch.compile(step, fullgraph=True)):
-        leaves = [x["hidden"].clone().requires_grad_(True), x["weight"].clone().requires_grad_(True),
-                  x["bias"].clone().requires_grad_(True), torch.randn(12, 53, generator=torch.Generator().manual_seed(3))
-                  .to(device).requires_grad_(True)]  # fmt: skip
+        leaves = [
+            x["hidden"].clone().requires_grad_(True),
+            x["weight"].clone().requires_grad_(True),
+            x["bias"].clone().requires_grad_(True),
+            torch.randn(12, 53, generator=torch.Generator().manual_seed(3)).to(device).requires_grad_(True),
+        ]
         loss = fn(*leaves)
         loss.backward()
         results.append([loss.detach()] + [t.grad for t in leaves])
@@ -85,13 +116,31 @@ def test_torch_compile_fullgraph(backend, device):
 @pytest.mark.parametrize("entropy", [False, True])
 def test_gradcheck_linear(backend, device, entropy):
     gen = torch.Generator().manual_seed(4)
-    x = random_logprobs_case(gen, N=5, H=4, V=7, bias=True, branching=True, ignore_fraction=0.2,
-                             dtype=torch.float64, temperature="rows", device=device)  # fmt: skip
+    x = random_logprobs_case(
+        gen,
+        N=5,
+        H=4,
+        V=7,
+        bias=True,
+        branching=True,
+        ignore_fraction=0.2,
+        dtype=torch.float64,
+        temperature="rows",
+        device=device,
+    )
     temp = x["temperature"].double()
 
     def fn(hidden, weight, bias):
-        out = rk.linear_logprobs(hidden, weight, x["targets"], row_index=x["row_index"], bias=bias, temperature=temp,
-                                 return_entropy=entropy, backend=backend)  # fmt: skip
+        out = rk.linear_logprobs(
+            hidden,
+            weight,
+            x["targets"],
+            row_index=x["row_index"],
+            bias=bias,
+            temperature=temp,
+            return_entropy=entropy,
+            backend=backend,
+        )
         return out
 
     leaves = (x["hidden"].requires_grad_(True), x["weight"].requires_grad_(True), x["bias"].requires_grad_(True))
