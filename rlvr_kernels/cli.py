@@ -64,27 +64,18 @@ def cmd_check(args) -> int:
     import torch
 
     from .ops import _dispatch
-    from .testing import (
-        check_case_count,
-        check_group_advantages,
-        check_logprobs,
-        check_policy_loss,
-        logprobs_check_case_count,
-        policy_check_case_count,
-    )
+    from .testing import CHECK_SUITES, run_checks
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     backends = args.backend or _dispatch.available_backends(device)
-    total = (check_case_count() + policy_check_case_count() + logprobs_check_case_count()) * len(backends)
+    total = sum(suite.count() for suite in CHECK_SUITES.values()) * len(backends)
     done = [0]
 
     def progress():
         done[0] += 1
         print(f"\r  checking {done[0]}/{total}", end="", file=sys.stderr, flush=True)
 
-    rows = check_group_advantages(backends, device=device, seed=args.seed, progress=progress)
-    rows += check_policy_loss(backends, device=device, seed=args.seed, progress=progress)
-    rows += check_logprobs(backends, device=device, seed=args.seed, progress=progress)
+    rows = run_checks(CHECK_SUITES, backends, device=device, seed=args.seed, progress=progress)
     print("", file=sys.stderr)
     header = f"{'op':<20} {'backend':<9} {'case':<44} {'max abs err':>11} {'max rel err':>11}  result"
     print(header)

@@ -14,7 +14,6 @@ from _backends import FAST, INTERPRETED
 
 import rlvr_kernels as rk
 from rlvr_kernels.testing import (
-    _logprobs_check_cases,
     as_float64,
     compare_logprobs,
     logit_scale,
@@ -23,6 +22,7 @@ from rlvr_kernels.testing import (
     random_logprobs_case,
     run_logprobs,
 )
+from rlvr_kernels.testing.logprobs import check_cases
 
 
 def assert_matches_reference(inputs, backend, gen):
@@ -42,7 +42,7 @@ def assert_matches_reference(inputs, backend, gen):
     return fast
 
 
-CASES = _logprobs_check_cases()
+CASES = check_cases()
 
 
 @pytest.mark.parametrize("backend,device", FAST)

@@ -13,13 +13,13 @@ from hypothesis import strategies as st
 import rlvr_kernels as rk
 from rlvr_kernels import TokenShaping
 from rlvr_kernels.testing import (
-    _policy_check_cases,
     as_float64,
     compare_policy,
     random_policy_case,
     run_policy_loss,
     upstream_for,
 )
+from rlvr_kernels.testing.policy_loss import check_cases
 
 
 def assert_matches_reference(inputs, opts, backend, gen, entropy_grad=True):
@@ -33,7 +33,7 @@ def assert_matches_reference(inputs, opts, backend, gen, entropy_grad=True):
     return fast
 
 
-CASES = _policy_check_cases()
+CASES = check_cases()
 
 
 @pytest.mark.parametrize("backend,device", FAST)
