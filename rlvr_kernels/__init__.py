@@ -1,14 +1,10 @@
 """rlvr_kernels: fused, exact, drop-in PyTorch ops for RL with verifiable rewards."""
 
-from .ops import (
-    group_advantages,
-    linear_logprobs,
-    logprobs_from_logits,
-    policy_loss,
-    shape_token_advantages,
-    uids_to_group_index,
-)
 from .ops._cache import cpu_cache_stats, empty_cpu_cache
+from .ops.advantages import group_advantages
+from .ops.groups import uids_to_group_index
+from .ops.logprobs import linear_logprobs, logprobs_from_logits
+from .ops.policy_loss import policy_loss, shape_token_advantages
 from .options import (
     AdvantageOptions,
     GroupAdvantages,

@@ -11,7 +11,7 @@ import rlvr_kernels as rk
 from rlvr_kernels import TokenShaping
 from rlvr_kernels.testing import random_policy_case
 
-ops = importlib.import_module("rlvr_kernels.ops.policy_loss")  # (the package re-exports a function of that name)
+ops = importlib.import_module("rlvr_kernels.ops.policy_loss")
 
 
 def op_args(device, backend, layout, agg="token-mean", token_out=0, need_entropy_grad=True):
