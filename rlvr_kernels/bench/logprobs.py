@@ -1,9 +1,8 @@
 """Benchmark of ``linear_logprobs`` (log-probs + entropy from hidden states and the LM
 head, forward + backward) against the ways trainers compute them today.
 
-CPU workload (the issue's): N = 2048 tokens, H = 1024, V = 32768, fp32. GPU workload (on
-a lent GPU): N = 16384, H = 4096, V = 151936 (Qwen's vocabulary), bf16. Every method
-computes the target log-probs *and* the entropies, then backpropagates random per-token
+CPU workload: N = 2048 tokens, H = 1024, V = 32768, fp32. GPU workload: N = 16384,
+H = 4096, V = 151936 (Qwen's vocabulary), bf16. Every method computes the target log-probs *and* the entropies, then backpropagates random per-token
 upstream gradients of both into ``hidden`` and ``weight`` (leaves, ``.grad`` reset to
 None before each call), as an actor update does.
 
@@ -37,7 +36,7 @@ from .. import linear_logprobs
 from .advantages import _target
 from .timing import time_fn
 
-# The issue's targets, CPU: time ≤ 1.1× eager and extra peak memory ≤ 0.2 GB.
+# Targets on CPU: time ≤ 1.1× eager and extra peak memory ≤ 0.2 GB.
 CPU_TIME_TARGET = 1.1
 CPU_MEMORY_TARGET_GB = 0.2
 
@@ -273,7 +272,7 @@ def workload(device: str, quick: bool = False) -> Dict:
         )
     for key, why in errors.items():
         notes.append(f"{key} did not run here: {why}")
-    kind = "quick" if quick else "issue"
+    kind = "quick" if quick else "standard"
     return {
         "name": f"{kind} workload: N={N}, H={H}, V={V}, {str(x['dtype']).replace('torch.', '')}; "
         "log-probs + entropy, forward + backward",
