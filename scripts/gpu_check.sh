@@ -6,12 +6,16 @@
 #
 # It builds the package against the machine's own torch, runs the test suite with the
 # Triton kernels compiled for the GPU (CUDA tensors, checked against the fp64 reference),
-# `rlvr-kernels check` and `rlvr-kernels bench` on CUDA, and leaves logs and result files
-# in $OUT (commit them as benchmarks/results/<date>-h200.*).
+# `rlvr-kernels check` and `rlvr-kernels bench` on CUDA. Only a few files come back from
+# the device, so $OUT receives at most four: logs.tar.gz (every log), and the bench's
+# .json/.md/.png (commit them as benchmarks/results/<date>-h200.*). The tarball is written
+# on any exit, a timeout included.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rlvr-gpu-out}
 mkdir -p "$OUT"
+LOGS=$(mktemp -d)
+trap 'cp "$LOGS"/results/*.{json,md,png} "$OUT"/ 2>/dev/null; tar czf "$OUT/logs.tar.gz" -C "$LOGS" .' EXIT
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 start=$(date +%s)
@@ -19,26 +23,26 @@ stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > "$OUT/wheels.log" 2>&1 || { stamp "wheel install failed"; tail -20 "$OUT/wheels.log"; }
+    > "$LOGS/wheels.log" 2>&1 || { stamp "wheel install failed"; tail -20 "$LOGS/wheels.log"; }
   # ray (imported by verl at module level, never used by the functions we call) is stubbed.
   export PYTHONPATH=/tmp/site:$PWD/scripts/gpu_stubs${PYTHONPATH:+:$PYTHONPATH}
 fi
 
 stamp "build"
-if ! $PY -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
-  tail -40 "$OUT/build.log"; exit 1
+if ! $PY -m pip install -q --no-build-isolation --no-deps -e . > "$LOGS/build.log" 2>&1; then
+  tail -40 "$LOGS/build.log"; exit 1
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
-$PY -m rlvr_kernels info | tee "$OUT/info.txt"
-$PY -c "import verl.trainer.ppo.core_algos, trl" > "$OUT/peers.txt" 2>&1 && echo "peers importable" || { echo "peers NOT importable:"; tail -3 "$OUT/peers.txt"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$LOGS/gpu.txt" 2>&1
+$PY -m rlvr_kernels info | tee "$LOGS/info.txt"
+$PY -c "import verl.trainer.ppo.core_algos, trl" > "$LOGS/peers.txt" 2>&1 && echo "peers importable" || { echo "peers NOT importable:"; tail -3 "$LOGS/peers.txt"; }
 
 stamp "tests on CUDA"
 # The CLI tests re-run check and a quick bench, both done below on the real workload.
-timeout 240 $PY -m pytest -q -p no:cacheprovider --ignore=tests/common/test_cli.py tests 2>&1 | tee "$OUT/tests.log" | tail -12
+timeout 240 $PY -m pytest -q -p no:cacheprovider --ignore=tests/common/test_cli.py tests 2>&1 | tee "$LOGS/tests.log" | tail -12
 
 stamp "check"
-timeout 60 $PY -m rlvr_kernels check > "$OUT/check.txt" 2>&1; echo "check exit code $?"; tail -3 "$OUT/check.txt"
+timeout 60 $PY -m rlvr_kernels check > "$LOGS/check.txt" 2>&1; echo "check exit code $?"; tail -3 "$LOGS/check.txt"
 
 stamp "bench"
-timeout 180 $PY -m rlvr_kernels bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^bench" | tail -40
+timeout 180 $PY -m rlvr_kernels bench --out "$LOGS/results" 2>&1 | tee "$LOGS/bench.log" | grep -v "^bench" | tail -40
 stamp "done"
