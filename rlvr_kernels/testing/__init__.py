@@ -1,12 +1,6 @@
-"""Correctness harness shared by the test suite and ``rlvr-kernels check``.
-
-The rule (flash-attention's, SPEC "Standards"): a fast result passes when
-    |fast − ref64| ≤ 2·|torch_same_dtype − ref64| + atol
-elementwise, where ref64 is the reference on float64 copies of the inputs and
-torch_same_dtype the reference run in the inputs' own dtype. ``atol`` covers the last
-few ulps of the output dtype at the result's magnitude, which the reference may happen
-to round exactly.
-"""
+"""Correctness harness shared by the test suite and ``rlvr-kernels check``: the tolerance
+rule (``_compare``), per-op random cases, runners and comparisons (``advantages``,
+``policy_loss``, ``logprobs``), and ``CHECK_SUITES``, the registry the CLI iterates."""
 
 from __future__ import annotations
 
