@@ -2,9 +2,10 @@
 head, forward + backward) against the ways trainers compute them today.
 
 CPU workload: N = 2048 tokens, H = 1024, V = 32768, fp32. GPU workload: N = 16384,
-H = 4096, V = 151936 (Qwen's vocabulary), bf16. Every method computes the target log-probs *and* the entropies, then backpropagates random per-token
-upstream gradients of both into ``hidden`` and ``weight`` (leaves, ``.grad`` reset to
-None before each call), as an actor update does.
+H = 4096, V = 151936 (Qwen's vocabulary), bf16. Every method computes the target
+log-probs *and* the entropies, then backpropagates random per-token upstream gradients
+of both into ``hidden`` and ``weight`` (leaves, ``.grad`` reset to None before each
+call), as an actor update does.
 
 Methods:
 - fused: ``rlvr_kernels.linear_logprobs(..., return_entropy=True)``.
