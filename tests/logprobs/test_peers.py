@@ -1,7 +1,10 @@
 """The log-prob drop-ins against the real peer functions on the same inputs: TRL's
-``selective_log_softmax`` / ``entropy_from_logits`` and verl's ``logprobs_from_logits`` /
+``selective_log_softmax`` (one or K ids per position) / ``entropy_from_logits`` /
+``selective_log_softmax_and_entropy`` and verl's ``logprobs_from_logits`` /
 ``entropy_from_logits`` (values and logits gradients), and verl's ``linear_cross_entropy``
 signature against verl's own torch path on materialised logits."""
+
+import functools
 
 import pytest
 import torch
@@ -41,38 +44,91 @@ def assert_same_as_peer(ours, theirs, truth, dtype):
             assert c.ok, c
 
 
+@pytest.mark.parametrize("backend,device", FAST)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_trl_selective_log_softmax(dtype, temperature):
+def test_trl_selective_log_softmax(backend, device, dtype, temperature):
     logits, index, gen = _logits(dtype)
     row_mask = torch.rand(index.shape, generator=gen) > 0.2
     up = torch.randn(index.shape, generator=gen)
+    logits, index, row_mask, up = logits.to(device), index.to(device), row_mask.to(device), up.to(device)
     for kw in (dict(), dict(row_mask=row_mask)):
         theirs = _value_and_grad(lambda z: trl_utils.selective_log_softmax(z, index, temperature, **kw), logits, up)
         truth = _value_and_grad(
             lambda z: trl_utils.selective_log_softmax(z, index, temperature, **kw), logits.double(), up
         )
-        ours = _value_and_grad(lambda z: ours_trl.selective_log_softmax(z, index, temperature, **kw), logits, up)
+        with ours_trl.use_backend(backend):
+            ours = _value_and_grad(lambda z: ours_trl.selective_log_softmax(z, index, temperature, **kw), logits, up)
         assert_same_as_peer(ours, theirs, truth, dtype)
 
 
+@pytest.mark.parametrize("backend,device", FAST)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_trl_entropy_from_logits(dtype):
+def test_trl_selective_log_softmax_multi_index(backend, device, dtype):
+    """K log-probs per position (``index [..., K]``), with and without a row mask, at a
+    temperature: values and the logits' gradient as TRL's torch path."""
+    logits, _, gen = _logits(dtype, seed=4)
+    index = torch.randint(0, logits.shape[-1], (*logits.shape[:-1], 5), generator=gen)
+    row_mask = torch.rand(index.shape, generator=gen) > 0.3
+    up = torch.randn(index.shape, generator=gen)
+    logits, index, row_mask, up = logits.to(device), index.to(device), row_mask.to(device), up.to(device)
+    for kw in (dict(), dict(row_mask=row_mask)):
+        fn = functools.partial(trl_utils.selective_log_softmax, index=index, temperature=0.7, **kw)
+        with ours_trl.use_backend(backend):
+            ours = _value_and_grad(
+                functools.partial(ours_trl.selective_log_softmax, index=index, temperature=0.7, **kw), logits, up
+            )
+        assert ours[0].shape == index.shape
+        assert_same_as_peer(ours, _value_and_grad(fn, logits, up), _value_and_grad(fn, logits.double(), up), dtype)
+
+
+@pytest.mark.parametrize("backend,device", FAST)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_trl_entropy_from_logits(backend, device, dtype):
     logits, index, gen = _logits(dtype, seed=1)
     up = torch.randn(index.shape, generator=gen)
+    logits, up = logits.to(device), up.to(device)
     theirs = _value_and_grad(trl_utils.entropy_from_logits, logits, up)
     truth = _value_and_grad(trl_utils.entropy_from_logits, logits.double(), up)
-    ours = _value_and_grad(ours_trl.entropy_from_logits, logits, up)
+    with ours_trl.use_backend(backend):
+        ours = _value_and_grad(ours_trl.entropy_from_logits, logits, up)
     assert_same_as_peer(ours, theirs, truth, dtype)
-    lp, ent = ours_trl.selective_log_softmax_and_entropy(logits, index)
-    torch.testing.assert_close(lp, trl_utils.selective_log_softmax(logits.float(), index), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent, trl_utils.entropy_from_logits(logits.float()), rtol=1e-5, atol=1e-5)
 
 
-def test_trl_multi_index_is_refused_clearly():
-    logits, index, _ = _logits(torch.float32)
-    with pytest.raises(NotImplementedError, match="index: only one target per position"):
-        ours_trl.selective_log_softmax(logits, index[..., None].expand(-1, -1, 2))
+@pytest.mark.parametrize("backend,device", FAST)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("entropy_requires_grad", [True, False])
+def test_trl_selective_log_softmax_and_entropy(backend, device, dtype, entropy_requires_grad):
+    """Both outputs (values, dtypes, zeros on masked rows) and the logits' gradient of a
+    loss using both, against TRL's function called with the same arguments."""
+    logits, index, gen = _logits(dtype, seed=5)
+    row_mask = torch.rand(index.shape, generator=gen) > 0.25
+    up_lp, up_ent = torch.randn(index.shape, generator=gen), torch.randn(index.shape, generator=gen)
+    logits, index, row_mask = logits.to(device), index.to(device), row_mask.to(device)
+    up_lp, up_ent = up_lp.to(device), up_ent.to(device)
+
+    def run(fn, z0, **kw):
+        z = z0.detach().clone().requires_grad_(True)
+        lp, ent = fn(z, index, entropy_requires_grad, 0.8, **kw)
+        assert ent.requires_grad == entropy_requires_grad
+        loss = (lp.float() * up_lp).sum() + ((ent.float() * up_ent).sum() if entropy_requires_grad else 0.0)
+        loss.backward()
+        return lp.detach(), ent.detach(), z.grad
+
+    for kw in (dict(), dict(row_mask=row_mask)):
+        with ours_trl.use_backend(backend):
+            ours = run(ours_trl.selective_log_softmax_and_entropy, logits, **kw)
+        theirs = run(trl_utils.selective_log_softmax_and_entropy, logits, **kw)
+        truth = run(trl_utils.selective_log_softmax_and_entropy, logits.double(), **kw)
+        if kw:
+            assert not ours[0][~row_mask].any() and not ours[1][~row_mask].any()
+        for name, a, b, t in zip(("logp", "entropy", "grad"), ours, theirs, truth):
+            assert a.dtype == b.dtype, name
+            if dtype == torch.float32:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            else:
+                c = compare(name, a, t, b, dtype)
+                assert c.ok, c
 
 
 @pytest.mark.parametrize("backend,device", FAST)

@@ -247,6 +247,7 @@ def run_ours(batch, c, backend):
         importance_sampling_level=c["level"],
         beta=c["beta"],
         ref_per_token_logps=batch["ref_per_token_logps"].clone(),
+        use_bias_correction_kl=False,  # as trl_self's args (the default True is not fused: raises)
         sapo_temperature_pos=c["tau_pos"],
         sapo_temperature_neg=c["tau_neg"],
         top_entropy_quantile=c["top_entropy_quantile"],
