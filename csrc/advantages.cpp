@@ -199,7 +199,7 @@ torch::Tensor to_double(const torch::Tensor& t) {
 template <typename T, typename idx_t>
 struct SampleView {
   const T* r;
-  const idx_t* g;     // nullptr: contiguous groups, group of row i = i / group_size
+  const idx_t* g;     // ids; nullptr with contiguous groups (group of row i = i / group_size)
   const bool* vm;     // nullptr: no sample mask
   const double* w;    // token weights, or nullptr (weight 1)
   int64_t G, group_size;
@@ -271,6 +271,22 @@ Batch batch_scalars(const Inputs& in, const View& v) {
 // shifted by its first valid score x₁ (d = x − x₁): n, Σd, Σd², so μ = x₁ + Σd/n and
 // m2 = Σd² − (Σd)²/n. The shift keeps the cancellation harmless (Σd² ≤ (2n + 1)·m2 with x₁
 // inside the group's range) and makes a constant group exact: d = 0, so μ = x₁, σ = 0, A = 0.
+// The per-sample extras a baseline accumulates, a compile-time choice: the common baselines
+// need none, and their accumulation loop is the hot one.
+enum class Extras { NONE, OPO, PASSK };
+template <Extras E>
+using ExtrasTag = std::integral_constant<Extras, E>;
+
+template <typename F>
+void with_extras(Baseline baseline, const F& f) {
+  if (baseline == Baseline::OPO)
+    f(ExtrasTag<Extras::OPO>{});
+  else if (baseline == Baseline::PASSK)
+    f(ExtrasTag<Extras::PASSK>{});
+  else
+    f(ExtrasTag<Extras::NONE>{});
+}
+
 struct Acc {
   double first = 0.0;    // x₁
   double s = 0.0;        // Σd
@@ -280,17 +296,18 @@ struct Acc {
   int64_t n = 0;
   bool differs = false;  // some valid score differs from x₁ (group_degenerate is its negation)
 
-  RLVR_INLINE void add(double x, double w, Baseline baseline) {
+  template <Extras E>
+  RLVR_INLINE void add(double x, double w) {
     first = n == 0 ? x : first;
     n += 1;
     const double d = x - first;
     s += d;
     s2 += d * d;
     differs |= d != 0.0;
-    if (baseline == Baseline::OPO) {
+    if constexpr (E == Extras::OPO) {
       extra += w * x;
       extra_w += w;
-    } else if (baseline == Baseline::PASSK) {
+    } else if constexpr (E == Extras::PASSK) {
       extra += x <= 0.0 ? 1.0 : 0.0;
     }
   }
@@ -382,30 +399,43 @@ RLVR_INLINE double advantage(Baseline baseline, const Affine& t, double x) {
 }
 
 // ------------------------------------------------------------------ 3–5 for contiguous groups
+// A note on the hot loops below: they take the view, pointers and codes as local copies (by
+// value), never through the references a lambda captures. Their stores go through bool
+// pointers, which may alias anything, so values read through a reference would be reloaded
+// from memory after every store.
+
 // Rows [i0, i1) form group k: its statistics, affine map, advantages and keep flags in one
 // sweep while the rows are in L1.
-template <typename View, typename out_t>
-RLVR_INLINE void sweep_group(const Inputs& in, const View& v, const Batch& batch, const GroupOut& out, int64_t k,
-                             int64_t i0, int64_t i1, out_t* adv, bool* keep) {
+template <Extras E, typename View, typename out_t>
+RLVR_INLINE void sweep_group(const View v, const Baseline baseline, const Inputs& in, const Batch& batch,
+                             const GroupOut& out, int64_t k, int64_t i0, int64_t i1, out_t* const adv,
+                             bool* const keep) {
   Acc a;
   for (int64_t i = i0; i < i1; ++i)
-    if (v.ok(i)) a.add(v.r[i], v.weight(i), in.baseline);
+    if (v.ok(i)) a.add<E>(v.r[i], v.weight(i));
   const Affine t = finish_group(in, batch, a, k, out);
   const bool kept = !out.degenerate[k];
   for (int64_t i = i0; i < i1; ++i) {
     const bool ok = v.ok(i);
-    adv[i] = static_cast<out_t>(ok ? advantage(in.baseline, t, v.r[i]) : 0.0);
+    adv[i] = static_cast<out_t>(ok ? advantage(baseline, t, v.r[i]) : 0.0);
     keep[i] = ok && kept;
   }
 }
 
 // group_size > 0: group k is rows [k·G, (k+1)·G).
 template <typename View, typename out_t>
-void sweep_fixed_groups(const Inputs& in, const View& v, const Batch& batch, const GroupOut& out, out_t* adv,
+void sweep_fixed_groups(const Inputs& in, const View v, const Batch& batch, const GroupOut& out, out_t* adv,
                         bool* keep) {
   const int64_t gs = in.group_size;
-  at::parallel_for(0, in.G, std::max<int64_t>(1, 16384 / gs), [&](int64_t k0, int64_t k1) {
-    for (int64_t k = k0; k < k1; ++k) sweep_group(in, v, batch, out, k, k * gs, (k + 1) * gs, adv, keep);
+  with_extras(in.baseline, [&](auto tag) {
+    at::parallel_for(0, in.G, std::max<int64_t>(1, 16384 / gs), [&](int64_t k0, int64_t k1) {
+      const View lv = v;
+      const Baseline baseline = in.baseline;
+      out_t* const o = adv;
+      bool* const kp = keep;
+      for (int64_t k = k0; k < k1; ++k)
+        sweep_group<decltype(tag)::value>(lv, baseline, in, batch, out, k, k * gs, (k + 1) * gs, o, kp);
+    });
   });
 }
 
@@ -430,7 +460,7 @@ bool ids_sorted(const idx_t* g, int64_t B) {
 // rows). Pieces of the batch start at run starts, so a run is swept by exactly one task;
 // groups no row names are empty.
 template <typename View, typename out_t>
-void sweep_sorted_runs(const Inputs& in, const View& v, const Batch& batch, const GroupOut& out, out_t* adv,
+void sweep_sorted_runs(const Inputs& in, const View v, const Batch& batch, const GroupOut& out, out_t* adv,
                        bool* keep) {
   const int64_t B = in.B, G = in.G;
   at::parallel_for(0, G, 1 << 14, [&](int64_t k0, int64_t k1) {
@@ -439,37 +469,50 @@ void sweep_sorted_runs(const Inputs& in, const View& v, const Batch& batch, cons
   const int64_t pieces = std::min<int64_t>(B, 8 * int64_t(std::max(1, at::get_num_threads())));
   std::vector<int64_t> start(size_t(pieces + 1), B);
   for (int64_t p = 0; p < pieces; ++p) {
-    int64_t i = B * p / pieces;
-    while (i > 0 && i < B && v.g[i] == v.g[i - 1]) ++i;  // forward to the next run start
-    start[p] = i;
+    const int64_t i = B * p / pieces;  // forward to the next run start (a binary search: the ids are sorted)
+    start[p] = i == 0 ? 0 : std::upper_bound(v.g + i, v.g + B, v.g[i - 1]) - v.g;
   }
-  at::parallel_for(0, pieces, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      for (int64_t i = start[p], end = std::max(start[p], start[p + 1]); i < end;) {
-        int64_t j = i + 1;
-        while (j < B && v.g[j] == v.g[i]) ++j;
-        if (v.in_range(i)) {
-          sweep_group(in, v, batch, out, v.group(i), i, j, adv, keep);
-        } else {
-          for (int64_t t = i; t < j; ++t) adv[t] = static_cast<out_t>(0.0), keep[t] = false;
+  with_extras(in.baseline, [&](auto tag) {
+    at::parallel_for(0, pieces, 1, [&](int64_t p0, int64_t p1) {
+      const View lv = v;
+      const Baseline baseline = in.baseline;
+      out_t* const o = adv;
+      bool* const kp = keep;
+      for (int64_t p = p0; p < p1; ++p) {
+        for (int64_t i = start[p], end = std::max(start[p], start[p + 1]); i < end;) {
+          int64_t j = i + 1;
+          while (j < B && lv.g[j] == lv.g[i]) ++j;
+          if (lv.in_range(i)) {
+            sweep_group<decltype(tag)::value>(lv, baseline, in, batch, out, lv.group(i), i, j, o, kp);
+          } else {
+            for (int64_t t = i; t < j; ++t) o[t] = static_cast<out_t>(0.0), kp[t] = false;
+          }
+          i = j;
         }
-        i = j;
       }
-    }
+    });
   });
 }
 
 // ------------------------------------------------------------------ 3–5 for arbitrary ids
 // The valid samples grouped by id block (id >> shift) by a stable counting sort, chunk by
-// chunk: chunk c's records are [c·chunk, c·chunk + n_c) of the arrays, block b's part of
+// chunk: chunk c's records (id, score) are [c·chunk, c·chunk + n_c) of the arrays, block b's part of
 // them [seg(c, b), seg(c, b + 1)), in sample order. Counting and scattering a chunk back to
 // back reads its ids and scores from memory once. The layout depends on the chunk size only.
+template <typename T>
+struct Record {
+  int32_t key;  // group id
+  T x;          // score
+};
+
 template <typename T>
 struct Blocks {
   int shift = 0;
   int64_t count = 0, nchunks = 0;
-  std::vector<int64_t> seg;            // nchunks × (count + 1)
-  torch::Tensor ids, scores, weights;  // int32 [B], T [B], double [B] or undefined
+  std::vector<int64_t> seg;  // nchunks × (count + 1)
+  torch::Tensor records;     // Record<T> [B] (as bytes)
+  torch::Tensor weights;     // double [B] (OPO's token weights) or undefined
+  const Record<T>* data() const { return reinterpret_cast<const Record<T>*>(records.data_ptr<uint8_t>()); }
   const int64_t* segments(int64_t c) const { return seg.data() + c * (count + 1); }
 };
 
@@ -477,7 +520,7 @@ struct Blocks {
 // them for every thread to have several; capped in number (the counting sort's tables grow
 // with it), so a huge id range gets larger blocks.
 int block_shift(int64_t G) {
-  constexpr int kFine = 9, kMaxBlocks = 1024;
+  constexpr int kFine = 9, kMaxBlocks = 1024;  // kMaxBlocks + 1 < 2^16: a block id fits uint16
   int coarse = 0;
   while ((G >> coarse) > kMaxBlocks) ++coarse;
   const int64_t want = 4 * int64_t(std::max(1, at::get_num_threads()));
@@ -487,7 +530,7 @@ int block_shift(int64_t G) {
 }
 
 template <typename T, typename View>
-Blocks<T> partition_by_block(const Inputs& in, const View& v, bool with_weights) {
+Blocks<T> partition_by_block(const Inputs& in, const View v, bool with_weights) {
   Blocks<T> out;
   const int64_t B = in.B, G = in.G;
   const int shift = out.shift = block_shift(G);
@@ -495,36 +538,45 @@ Blocks<T> partition_by_block(const Inputs& in, const View& v, bool with_weights)
   const int64_t chunk = std::max<int64_t>(16384, (B + 255) / 256);
   const int64_t nchunks = out.nchunks = (B + chunk - 1) / chunk;
   out.seg.assign(size_t(nchunks * (nb + 1)), 0);
-  out.ids = empty_output({B}, torch::kInt32);
-  out.scores = empty_output({B}, c10::CppTypeToScalarType<T>::value);
+  out.records = empty_output({B * int64_t(sizeof(Record<T>))}, torch::kUInt8);
   if (with_weights) out.weights = empty_output({B}, torch::kFloat64);
-  int32_t* key = out.ids.template data_ptr<int32_t>();
-  T* x = out.scores.template data_ptr<T>();
+  Record<T>* rec = reinterpret_cast<Record<T>*>(out.records.template data_ptr<uint8_t>());
   double* w = with_weights ? out.weights.template data_ptr<double>() : nullptr;
   at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
-    // Four interleaved histograms: runs of one block (nearly sorted ids) would otherwise chain
-    // every increment through the same counter.
-    std::vector<int32_t> hist(static_cast<size_t>(4 * nb));
-    std::vector<int64_t> cur(static_cast<size_t>(nb));
+    // A chunk's block of each sample (nb: excluded), counted in four interleaved histograms:
+    // runs of one block (nearly sorted ids) would otherwise chain every increment through the
+    // same counter.
+    const View lv = v;
+    const int64_t nh = nb + 1;
+    std::vector<int32_t> hist_v(static_cast<size_t>(4 * nh));
+    std::vector<int64_t> cur_v(static_cast<size_t>(nb));
+    std::vector<uint16_t> block_v(static_cast<size_t>(chunk));
+    int32_t* const hist = hist_v.data();
+    int64_t* const cur = cur_v.data();
+    uint16_t* const block = block_v.data();
+    Record<T>* const rp = rec;
+    double* const wp = w;
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t i0 = c * chunk, i1 = std::min(B, i0 + chunk);
-      std::fill(hist.begin(), hist.end(), 0);
-      for (int64_t i = i0; i < i1; ++i)
-        if (v.ok(i)) ++hist[(i & 3) * nb + (v.group(i) >> shift)];
+      std::fill(hist, hist + 4 * nh, 0);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = lv.ok(i) ? lv.group(i) >> shift : nb;
+        block[i - i0] = uint16_t(b);
+        ++hist[(i & 3) * nh + b];
+      }
       int64_t* seg = out.seg.data() + c * (nb + 1);
       int64_t pos = i0;
       for (int64_t b = 0; b < nb; ++b) {
         seg[b] = cur[b] = pos;
-        pos += int64_t(hist[b]) + hist[nb + b] + hist[2 * nb + b] + hist[3 * nb + b];
+        pos += int64_t(hist[b]) + hist[nh + b] + hist[2 * nh + b] + hist[3 * nh + b];
       }
       seg[nb] = pos;
       for (int64_t i = i0; i < i1; ++i) {
-        if (!v.ok(i)) continue;
-        const int64_t k = v.group(i);
-        const int64_t j = cur[k >> shift]++;
-        key[j] = int32_t(k);
-        x[j] = v.r[i];
-        if (w != nullptr) w[j] = v.weight(i);
+        const int64_t b = block[i - i0];
+        if (b == nb) continue;
+        const int64_t j = cur[b]++;
+        rp[j] = Record<T>{int32_t(lv.g[i]), lv.r[i]};
+        if (wp != nullptr) wp[j] = lv.weight(i);
       }
     }
   });
@@ -538,42 +590,54 @@ template <typename T>
 void block_statistics(const Inputs& in, const Blocks<T>& blocks, const Batch& batch, const GroupOut& out,
                       Affine* affine) {
   const int64_t G = in.G, width = std::min<int64_t>(G, int64_t(1) << blocks.shift);
-  const int32_t* key = blocks.ids.template data_ptr<int32_t>();
-  const T* x = blocks.scores.template data_ptr<T>();
+  const Record<T>* rec = blocks.data();
   const double* w = blocks.weights.defined() ? blocks.weights.template data_ptr<double>() : nullptr;
-  at::parallel_for(0, blocks.count, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<Acc> acc(static_cast<size_t>(width));
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t k0 = b << blocks.shift, k1 = std::min(G, k0 + width);
-      std::fill(acc.begin(), acc.begin() + (k1 - k0), Acc{});
-      for (int64_t c = 0; c < blocks.nchunks; ++c) {
-        const int64_t* seg = blocks.segments(c);
-        // Every id of block b is in [k0, k1) (the partition put it there): acc[id − k0] is in bounds.
-        for (int64_t j = seg[b]; j < seg[b + 1]; ++j)
-          acc[key[j] - k0].add(x[j], w == nullptr ? 1.0 : w[j], in.baseline);
+  with_extras(in.baseline, [&](auto tag) {
+    at::parallel_for(0, blocks.count, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<Acc> acc_v(static_cast<size_t>(width));
+      Acc* const acc = acc_v.data();
+      const Record<T>* const rp = rec;
+      const double* const wp = w;
+      const int shift = blocks.shift;
+      const int64_t nchunks = blocks.nchunks;
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t k0 = b << shift, k1 = std::min(G, k0 + width);
+        std::fill(acc, acc + (k1 - k0), Acc{});
+        for (int64_t c = 0; c < nchunks; ++c) {
+          const int64_t* seg = blocks.segments(c);
+          // Every id of block b is in [k0, k1) (the partition put it there): acc[id − k0] is in bounds.
+          for (int64_t j = seg[b], j1 = seg[b + 1]; j < j1; ++j)
+            acc[rp[j].key - k0].template add<decltype(tag)::value>(rp[j].x, wp == nullptr ? 1.0 : wp[j]);
+        }
+        for (int64_t k = k0; k < k1; ++k) affine[k] = finish_group(in, batch, acc[k - k0], k, out);
       }
-      for (int64_t k = k0; k < k1; ++k) affine[k] = finish_group(in, batch, acc[k - k0], k, out);
-    }
+    });
   });
 }
 
 // Per-sample advantages and keep flags of arbitrary ids, from the affine table.
 template <typename View, typename out_t>
-void sample_advantages(const Inputs& in, const View& v, const Affine* affine, const bool* degenerate, out_t* adv,
+void sample_advantages(const Inputs& in, const View v, const Affine* affine, const bool* degenerate, out_t* adv,
                        bool* keep) {
   constexpr int64_t kAhead = 16;  // prefetch distance: the table lookups are random accesses
   at::parallel_for(0, in.B, 1 << 14, [&](int64_t i0, int64_t i1) {
+    const View lv = v;
+    const Baseline baseline = in.baseline;
+    const Affine* const table = affine;
+    const bool* const deg = degenerate;
+    out_t* const o = adv;
+    bool* const kp = keep;
     for (int64_t i = i0; i < i1; ++i) {
 #if defined(__GNUC__)
-      if (i + kAhead < i1 && v.in_range(i + kAhead)) __builtin_prefetch(affine + v.group(i + kAhead));
+      if (i + kAhead < i1 && lv.in_range(i + kAhead)) __builtin_prefetch(table + lv.group(i + kAhead));
 #endif
-      if (v.ok(i)) {
-        const int64_t k = v.group(i);
-        adv[i] = static_cast<out_t>(advantage(in.baseline, affine[k], v.r[i]));
-        keep[i] = !degenerate[k];
+      if (lv.ok(i)) {
+        const int64_t k = lv.group(i);
+        o[i] = static_cast<out_t>(advantage(baseline, table[k], lv.r[i]));
+        kp[i] = !deg[k];
       } else {
-        adv[i] = static_cast<out_t>(0.0);
-        keep[i] = false;
+        o[i] = static_cast<out_t>(0.0);
+        kp[i] = false;
       }
     }
   });

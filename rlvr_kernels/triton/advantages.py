@@ -403,6 +403,7 @@ def _check_shapes(scores, group_index, valid, lengths, response_mask, cu_seqlens
         need(t is None or t.shape == (B,), f"{name} must be [B] = [{B}], got {None if t is None else t.shape}")
     if cu_seqlens is not None:
         need(cu_seqlens.shape == (B + 1,), f"cu_seqlens must be [B + 1] = [{B + 1}], got {cu_seqlens.shape}")
+        need(not cu_seqlens.is_floating_point(), f"cu_seqlens must hold integers, got {cu_seqlens.dtype}")
         if response_mask is not None:
             need(response_mask.dim() == 1, f"a packed response_mask must be [T], got {response_mask.shape}")
             return response_mask.shape[0]
