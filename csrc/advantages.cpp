@@ -9,18 +9,19 @@
 //      cu_seqlens is sanitised (spans.h) so that spans are in bounds and disjoint;
 //   1. token weights w_i (row sums of the mask) when OPO or token whitening needs them;
 //   2. batch scalars (batch σ, GPG α);
-//   3. group statistics, two passes over a group's valid samples in sample order, shifted by
-//      its first valid score: n, μ = x₁ + Σ(x − x₁)/n, then m2 = Σ(x − μ)² (never
-//      Σx² − (Σx)²/n; a constant group gets σ = 0 and A = 0 exactly);
+//   3. group statistics in float64, one pass over a group's valid samples in sample order,
+//      shifted by its first valid score (see Acc): a constant group gets σ = 0 and A = 0 exactly;
 //   4. per group, the affine map A = (r − b)·f (or pass@k's two values) every estimator
 //      reduces to;
 //   5. per-sample advantages and keep flags, batch whitening, then the token broadcast
 //      A_i · m_{i,t} written with streaming stores.
-// Contiguous groups (group_size > 0) run 3–5 in one sweep, one group at a time, while the
-// group's rows are in L1. Arbitrary ids are first partitioned by id block (a stable counting
-// sort on id >> shift): each block's accumulators fit in cache whatever the order of the ids,
-// and its samples stay in sample order, so the statistics are the same numbers as the
-// contiguous sweep's.
+// Three ways through 3–5, the same numbers from each (a group's samples are always summed in
+// sample order):
+//   - contiguous groups (group_size > 0) and sorted ids (verl's and TRL's layout, detected by
+//     one scan): each group is a run of rows, swept once while it is in L1;
+//   - arbitrary ids: the valid samples are partitioned by id block (a stable counting sort on
+//     id >> shift), so a block's accumulators stay in L1 whatever the order of the ids; then a
+//     per-sample pass reads each sample's affine map.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/types.h>
@@ -619,7 +620,6 @@ void block_statistics(const Inputs& in, const Blocks<T>& blocks, const Batch& ba
 template <typename View, typename out_t>
 void sample_advantages(const Inputs& in, const View v, const Affine* affine, const bool* degenerate, out_t* adv,
                        bool* keep) {
-  constexpr int64_t kAhead = 16;  // prefetch distance: the table lookups are random accesses
   at::parallel_for(0, in.B, 1 << 14, [&](int64_t i0, int64_t i1) {
     const View lv = v;
     const Baseline baseline = in.baseline;
@@ -628,9 +628,6 @@ void sample_advantages(const Inputs& in, const View v, const Affine* affine, con
     out_t* const o = adv;
     bool* const kp = keep;
     for (int64_t i = i0; i < i1; ++i) {
-#if defined(__GNUC__)
-      if (i + kAhead < i1 && lv.in_range(i + kAhead)) __builtin_prefetch(table + lv.group(i + kAhead));
-#endif
       if (lv.ok(i)) {
         const int64_t k = lv.group(i);
         o[i] = static_cast<out_t>(advantage(baseline, table[k], lv.r[i]));

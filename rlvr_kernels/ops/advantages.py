@@ -286,7 +286,8 @@ def group_advantages(
         group_index: ``[B]`` integer group id in ``[0, num_groups)``, any order and group sizes
             (see :func:`uids_to_group_index` for verl's uid strings). Or give ``group_size``.
         group_size: G, meaning rows ``[k·G, (k+1)·G)`` form group k (TRL's layout).
-        num_groups: Gn. Inferred as ``max(group_index) + 1`` when omitted (a host sync).
+        num_groups: Gn. Inferred as ``max(group_index) + 1`` when omitted (a host sync; required
+            with meta tensors). At most ``2**31 - 1``, like every count the kernels allocate.
         estimator: ``grpo`` (default), ``dr_grpo``, ``rloo``, ``opo``, ``gpg``, ``passk``,
             ``reinforce_pp_baseline``, ``gdpo``.
         preset: ``"verl"``, ``"trl"`` or ``"trl_async"``: the peer's exact conventions;
@@ -310,7 +311,8 @@ def group_advantages(
         whitening: :class:`Whitening` for ``reinforce_pp_baseline`` and ``gdpo``.
         out_dtype: dtype of the advantages, token advantages and group mean/std.
         validate: check values (group ids in range, finite scores, monotone ``cu_seqlens``);
-            reads the data (a host sync on CUDA), skipped under ``torch.compile``.
+            reads the data (a host sync on CUDA), skipped under ``torch.compile`` and for meta
+            tensors. Wrong values never make a kernel read or write out of bounds.
         backend: ``"auto"``, or ``"reference"``, ``"cpu"``, ``"triton"`` for tests.
 
     Returns:
