@@ -15,13 +15,16 @@
 //      reduces to;
 //   5. per-sample advantages and keep flags, batch whitening, then the token broadcast
 //      A_i · m_{i,t} written with streaming stores.
-// Three ways through 3–5, the same numbers from each (a group's samples are always summed in
-// sample order):
+// The ways through 3–5, each summing a group's samples in sample order:
 //   - contiguous groups (group_size > 0) and sorted ids (verl's and TRL's layout, detected by
 //     one scan): each group is a run of rows, swept once while it is in L1;
-//   - arbitrary ids: the valid samples are partitioned by id block (a stable counting sort on
-//     id >> shift), so a block's accumulators stay in L1 whatever the order of the ids; then a
-//     per-sample pass reads each sample's affine map.
+//   - arbitrary ids over a moderate id range: a table of every group's accumulators (up to
+//     kDirectTableBytes) per fixed range of the batch, filled in one pass and merged;
+//   - arbitrary ids over a large id range: the valid samples are partitioned by id block (a
+//     stable counting sort on id >> shift), so a block's accumulators stay in cache;
+//   then, for arbitrary ids, a per-sample pass reads each sample's affine map.
+// Which one runs depends on the inputs only (never on the thread count): the results are the
+// same bits for any thread count.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/types.h>
@@ -268,10 +271,6 @@ Batch batch_scalars(const Inputs& in, const View& v) {
 }
 
 // ------------------------------------------------------------------ 3. group statistics
-// One group's accumulators, filled in one pass over its valid samples in sample order and
-// shifted by its first valid score x₁ (d = x − x₁): n, Σd, Σd², so μ = x₁ + Σd/n and
-// m2 = Σd² − (Σd)²/n. The shift keeps the cancellation harmless (Σd² ≤ (2n + 1)·m2 with x₁
-// inside the group's range) and makes a constant group exact: d = 0, so μ = x₁, σ = 0, A = 0.
 // The per-sample extras a baseline accumulates, a compile-time choice: the common baselines
 // need none, and their accumulation loop is the hot one.
 enum class Extras { NONE, OPO, PASSK };
@@ -288,16 +287,31 @@ void with_extras(Baseline baseline, const F& f) {
     f(ExtrasTag<Extras::NONE>{});
 }
 
-struct Acc {
-  double first = 0.0;    // x₁
-  double s = 0.0;        // Σd
-  double s2 = 0.0;       // Σd²
-  double extra = 0.0;    // OPO: Σ w·x; pass@k: #incorrect (x <= 0)
-  double extra_w = 0.0;  // OPO: Σ w
-  int64_t n = 0;
-  bool differs = false;  // some valid score differs from x₁ (group_degenerate is its negation)
+template <Extras E>
+struct AccExtras {};
+template <>
+struct AccExtras<Extras::OPO> {
+  double wx = 0.0, w = 0.0;  // Σ w·x, Σ w
+};
+template <>
+struct AccExtras<Extras::PASSK> {
+  double incorrect = 0.0;  // #{x <= 0}
+};
 
-  template <Extras E>
+// One group's accumulators, filled in one pass over its valid samples in sample order and
+// shifted by its first valid score x₁ (d = x − x₁): n, Σd, Σd², so μ = x₁ + Σd/n and
+// m2 = Σd² − (Σd)²/n. The shift keeps the cancellation harmless (Σd² ≤ (2n + 1)·m2 with x₁
+// inside the group's range) and makes a constant group exact: d = 0, so μ = x₁, σ = 0, A = 0.
+// 32 bytes without extras: two groups per cache line.
+template <Extras E>
+struct Acc {
+  double first = 0.0;   // x₁
+  double s = 0.0;       // Σd
+  double s2 = 0.0;      // Σd²
+  int32_t n = 0;        // (B < 2^31)
+  int32_t differs = 0;  // some valid score differs from x₁ (group_degenerate is its negation)
+  [[no_unique_address]] AccExtras<E> ex;
+
   RLVR_INLINE void add(double x, double w) {
     first = n == 0 ? x : first;
     n += 1;
@@ -306,33 +320,51 @@ struct Acc {
     s2 += d * d;
     differs |= d != 0.0;
     if constexpr (E == Extras::OPO) {
-      extra += w * x;
-      extra_w += w;
+      ex.wx += w * x;
+      ex.w += w;
     } else if constexpr (E == Extras::PASSK) {
-      extra += x <= 0.0 ? 1.0 : 0.0;
+      ex.incorrect += x <= 0.0 ? 1.0 : 0.0;
+    }
+    (void)w;
+  }
+  // The accumulators of the samples that follow (the next range of the batch): their sums
+  // re-shifted to x₁ (Δ = x₁' − x₁: Σ(x − x₁) = s' + n'Δ, Σ(x − x₁)² = s2' + 2Δs' + n'Δ²),
+  // which is exact for a constant group (Δ = s' = s2' = 0).
+  RLVR_INLINE void merge(const Acc& b) {
+    if (b.n == 0) return;
+    if (n == 0) {
+      *this = b;
+      return;
+    }
+    const double delta = b.first - first, nb = double(b.n);
+    s2 += b.s2 + 2.0 * delta * b.s + nb * delta * delta;
+    s += b.s + nb * delta;
+    n += b.n;
+    differs |= b.differs | int32_t(delta != 0.0);
+    if constexpr (E == Extras::OPO) {
+      ex.wx += b.ex.wx;
+      ex.w += b.ex.w;
+    } else if constexpr (E == Extras::PASSK) {
+      ex.incorrect += b.ex.incorrect;
     }
   }
-  double mean() const { return n > 0 ? first + s / double(n) : 0.0; }
-  double m2() const { return n > 0 ? std::max(0.0, s2 - s * (s / double(n))) : 0.0; }
 };
+
+// 1/n from a table for small n: the per-group step of many small groups is otherwise bound by
+// the divider (three divisions and a square root per group).
+inline double reciprocal(int64_t n) {
+  constexpr int64_t kTable = 4096;
+  static const std::vector<double> table = [] {
+    std::vector<double> t(kTable, 0.0);
+    for (int64_t i = 1; i < kTable; ++i) t[i] = 1.0 / double(i);
+    return t;
+  }();
+  return n < kTable ? table[n] : 1.0 / double(n);
+}
 
 // ------------------------------------------------------------------ 4. per-group affine map
 struct Affine {
   double b, f;  // A = (r − b)·f; pass@k: A = b if r > 0 else f
-};
-
-// Where the per-group step writes the op's group outputs (float64 staging for mean / std).
-struct GroupOut {
-  int64_t* count;
-  bool* degenerate;
-  double* mean;
-  double* sd;
-
-  void set_empty(int64_t k) const {  // a group with no valid sample
-    count[k] = 0;
-    mean[k] = sd[k] = 0.0;
-    degenerate[k] = true;
-  }
 };
 
 // Analytic pass@k advantages of a group with n valid samples, n_neg of them incorrect.
@@ -353,47 +385,79 @@ void passk_values(int64_t n, int64_t n_neg, int64_t k, double eps, bool eps_in_s
   neg = divide(all_neg - drop, s, eps, eps_in_sqrt);
 }
 
-// Group k's outputs from its accumulators, and the affine map of its advantages.
-Affine finish_group(const Inputs& in, const Batch& batch, const Acc& a, int64_t k, const GroupOut& out) {
-  const GroupAdvantagesParams& p = in.p;
-  const int64_t n = a.n;
-  if (n == 0) {
-    out.set_empty(k);
-    return {0.0, 0.0};
-  }
-  out.count[k] = n;
-  const double mean = out.mean[k] = a.mean();
-  const double denom = p.std_unbiased ? double(n - 1) : double(n);
-  const double sd = out.sd[k] = denom > 0 ? std::sqrt(a.m2() / denom) : 0.0;
-  out.degenerate[k] = !a.differs;
+// The per-group step: group k's outputs from its accumulators, and the affine map of its
+// advantages. Everything it reads is a member (a copy made once per call), so the loops that
+// call it keep these in registers across the stores of the outputs.
+struct GroupFinish {
+  Baseline baseline;
+  Scale scale;
+  bool std_unbiased, singleton_raw, eps_in_sqrt;
+  double eps;
+  int64_t passk_k;
+  Batch batch;
+  // The op's group outputs (mean and std staged in float64).
+  int64_t* count;
+  bool* degenerate;
+  double* mean;
+  double* sd;
+
   // 1/(σ + eps) or 1/sqrt(σ² + eps); 0 for a zero divisor.
-  auto inverse = [&](double sigma) { return divide(1.0, sigma, p.eps, p.eps_in_sqrt); };
-  if (in.baseline == Baseline::NONE) return {0.0, 1.0};
-  if (in.baseline == Baseline::PASSK) {
-    Affine t;
-    passk_values(n, int64_t(a.extra), p.passk_k, p.eps, p.eps_in_sqrt, t.b, t.f);
-    return t;
+  RLVR_INLINE double inverse(double sigma) const { return divide(1.0, sigma, eps, eps_in_sqrt); }
+
+  RLVR_INLINE void set_empty(int64_t k) const {  // a group with no valid sample
+    count[k] = 0;
+    mean[k] = sd[k] = 0.0;
+    degenerate[k] = true;
   }
-  if (n == 1) {
-    // singleton: A = 0, or verl's loop rule (mean 0 and std 1 for a lone sample)
-    const double f = in.baseline == Baseline::MEAN && in.scale != Scale::NONE ? inverse(1.0)
-                     : in.baseline == Baseline::GPG                          ? batch.gpg_alpha
-                                                                             : 1.0;
-    return {0.0, p.singleton_raw ? f : 0.0};
+
+  // Out of line for the sweeps, where inlining it crowds the registers of the per-row loops;
+  // inlined into the loops over groups (direct and block statistics).
+  template <Extras E>
+  __attribute__((noinline)) Affine outlined(const Acc<E>& a, int64_t k) const {
+    return (*this)(a, k);
   }
-  switch (in.baseline) {
-    case Baseline::MEAN:
-      return {mean, in.scale == Scale::GROUP   ? inverse(sd)
-                    : in.scale == Scale::BATCH ? inverse(batch.sigma)
-                                               : 1.0};
-    case Baseline::RLOO:
-      return {mean, double(n) / double(n - 1)};
-    case Baseline::OPO:  // no tokens at all: equal weights
-      return {a.extra_w > 0 ? a.extra / a.extra_w : mean, 1.0};
-    default:  // GPG
-      return {mean, batch.gpg_alpha};
+
+  template <Extras E>
+  RLVR_INLINE Affine operator()(const Acc<E>& a, int64_t k) const {
+    const int64_t n = a.n;
+    if (n == 0) {
+      set_empty(k);
+      return {0.0, 0.0};
+    }
+    const double d = a.s * reciprocal(n);
+    const double mu = a.first + d;  // exact for a constant group: d = 0
+    const int64_t denom = std_unbiased ? n - 1 : n;
+    const double sigma = denom > 0 ? std::sqrt(std::max(0.0, a.s2 - a.s * d) * reciprocal(denom)) : 0.0;
+    count[k] = n;
+    mean[k] = mu;
+    sd[k] = sigma;
+    degenerate[k] = !a.differs;
+    if (baseline == Baseline::NONE) return {0.0, 1.0};
+    if constexpr (E == Extras::PASSK) {
+      Affine t;
+      passk_values(n, int64_t(a.ex.incorrect), passk_k, eps, eps_in_sqrt, t.b, t.f);
+      return t;
+    }
+    if (n == 1) {
+      // singleton: A = 0, or verl's loop rule (mean 0 and std 1 for a lone sample)
+      const double f = baseline == Baseline::MEAN && scale != Scale::NONE ? inverse(1.0)
+                       : baseline == Baseline::GPG                       ? batch.gpg_alpha
+                                                                         : 1.0;
+      return {0.0, singleton_raw ? f : 0.0};
+    }
+    switch (baseline) {
+      case Baseline::MEAN:
+        return {mu, scale == Scale::GROUP ? inverse(sigma) : scale == Scale::BATCH ? inverse(batch.sigma) : 1.0};
+      case Baseline::RLOO:
+        return {mu, double(n) / double(n - 1)};
+      case Baseline::OPO:  // no tokens at all: equal weights
+        if constexpr (E == Extras::OPO) return {a.ex.w > 0 ? a.ex.wx / a.ex.w : mu, 1.0};
+        return {mu, 1.0};
+      default:  // GPG
+        return {mu, batch.gpg_alpha};
+    }
   }
-}
+};
 
 RLVR_INLINE double advantage(Baseline baseline, const Affine& t, double x) {
   return baseline == Baseline::PASSK ? (x > 0.0 ? t.b : t.f) : (x - t.b) * t.f;
@@ -408,34 +472,31 @@ RLVR_INLINE double advantage(Baseline baseline, const Affine& t, double x) {
 // Rows [i0, i1) form group k: its statistics, affine map, advantages and keep flags in one
 // sweep while the rows are in L1.
 template <Extras E, typename View, typename out_t>
-RLVR_INLINE void sweep_group(const View v, const Baseline baseline, const Inputs& in, const Batch& batch,
-                             const GroupOut& out, int64_t k, int64_t i0, int64_t i1, out_t* const adv,
-                             bool* const keep) {
-  Acc a;
+RLVR_INLINE void sweep_group(const View v, const GroupFinish& fin, int64_t k, int64_t i0, int64_t i1,
+                             out_t* const adv, bool* const keep) {
+  Acc<E> a;
   for (int64_t i = i0; i < i1; ++i)
-    if (v.ok(i)) a.add<E>(v.r[i], v.weight(i));
-  const Affine t = finish_group(in, batch, a, k, out);
-  const bool kept = !out.degenerate[k];
+    if (v.ok(i)) a.add(v.r[i], v.weight(i));
+  const Affine t = fin.outlined(a, k);
+  const bool kept = a.n > 0 && a.differs != 0;  // not degenerate
   for (int64_t i = i0; i < i1; ++i) {
     const bool ok = v.ok(i);
-    adv[i] = static_cast<out_t>(ok ? advantage(baseline, t, v.r[i]) : 0.0);
+    adv[i] = static_cast<out_t>(ok ? advantage(fin.baseline, t, v.r[i]) : 0.0);
     keep[i] = ok && kept;
   }
 }
 
 // group_size > 0: group k is rows [k·G, (k+1)·G).
 template <typename View, typename out_t>
-void sweep_fixed_groups(const Inputs& in, const View v, const Batch& batch, const GroupOut& out, out_t* adv,
-                        bool* keep) {
+void sweep_fixed_groups(const Inputs& in, const View v, const GroupFinish& fin, out_t* adv, bool* keep) {
   const int64_t gs = in.group_size;
   with_extras(in.baseline, [&](auto tag) {
     at::parallel_for(0, in.G, std::max<int64_t>(1, 16384 / gs), [&](int64_t k0, int64_t k1) {
       const View lv = v;
-      const Baseline baseline = in.baseline;
+      const GroupFinish lf = fin;
       out_t* const o = adv;
       bool* const kp = keep;
-      for (int64_t k = k0; k < k1; ++k)
-        sweep_group<decltype(tag)::value>(lv, baseline, in, batch, out, k, k * gs, (k + 1) * gs, o, kp);
+      for (int64_t k = k0; k < k1; ++k) sweep_group<decltype(tag)::value>(lv, lf, k, k * gs, (k + 1) * gs, o, kp);
     });
   });
 }
@@ -461,11 +522,10 @@ bool ids_sorted(const idx_t* g, int64_t B) {
 // rows). Pieces of the batch start at run starts, so a run is swept by exactly one task;
 // groups no row names are empty.
 template <typename View, typename out_t>
-void sweep_sorted_runs(const Inputs& in, const View v, const Batch& batch, const GroupOut& out, out_t* adv,
-                       bool* keep) {
+void sweep_sorted_runs(const Inputs& in, const View v, const GroupFinish& fin, out_t* adv, bool* keep) {
   const int64_t B = in.B, G = in.G;
   at::parallel_for(0, G, 1 << 14, [&](int64_t k0, int64_t k1) {
-    for (int64_t k = k0; k < k1; ++k) out.set_empty(k);
+    for (int64_t k = k0; k < k1; ++k) fin.set_empty(k);
   });
   const int64_t pieces = std::min<int64_t>(B, 8 * int64_t(std::max(1, at::get_num_threads())));
   std::vector<int64_t> start(size_t(pieces + 1), B);
@@ -476,7 +536,7 @@ void sweep_sorted_runs(const Inputs& in, const View v, const Batch& batch, const
   with_extras(in.baseline, [&](auto tag) {
     at::parallel_for(0, pieces, 1, [&](int64_t p0, int64_t p1) {
       const View lv = v;
-      const Baseline baseline = in.baseline;
+      const GroupFinish lf = fin;
       out_t* const o = adv;
       bool* const kp = keep;
       for (int64_t p = p0; p < p1; ++p) {
@@ -484,7 +544,7 @@ void sweep_sorted_runs(const Inputs& in, const View v, const Batch& batch, const
           int64_t j = i + 1;
           while (j < B && lv.g[j] == lv.g[i]) ++j;
           if (lv.in_range(i)) {
-            sweep_group<decltype(tag)::value>(lv, baseline, in, batch, out, lv.group(i), i, j, o, kp);
+            sweep_group<decltype(tag)::value>(lv, lf, lv.group(i), i, j, o, kp);
           } else {
             for (int64_t t = i; t < j; ++t) o[t] = static_cast<out_t>(0.0), kp[t] = false;
           }
@@ -496,10 +556,56 @@ void sweep_sorted_runs(const Inputs& in, const View v, const Batch& batch, const
 }
 
 // ------------------------------------------------------------------ 3–5 for arbitrary ids
-// The valid samples grouped by id block (id >> shift) by a stable counting sort, chunk by
-// chunk: chunk c's records (id, score) are [c·chunk, c·chunk + n_c) of the arrays, block b's part of
-// them [seg(c, b), seg(c, b + 1)), in sample order. Counting and scattering a chunk back to
-// back reads its ids and scores from memory once. The layout depends on the chunk size only.
+// A moderate id range (a table of every group's accumulators fits in L2/L3): no partition.
+// The batch is split into a fixed number of sample ranges (it depends on B only, so the
+// numbers do not depend on the thread count); each range accumulates the groups it names into
+// its own table in sample order, and the tables are merged in range order (Acc::merge).
+constexpr int64_t kDirectTableBytes = int64_t(4) << 20;
+
+// Two ranges for a large batch: its halves are filled in parallel (each range costs a table,
+// so more ranges would buy parallelism with memory traffic); one for a small batch.
+int64_t direct_parts(int64_t B) { return B >= (int64_t(1) << 17) ? 2 : 1; }
+
+template <Extras E>
+bool use_direct_tables(int64_t G) {
+  return G * int64_t(sizeof(Acc<E>)) <= kDirectTableBytes;
+}
+
+template <Extras E, typename View>
+void direct_statistics(const Inputs& in, const View v, const GroupFinish& fin, Affine* affine) {
+  const int64_t B = in.B, G = in.G, M = direct_parts(B);
+  torch::Tensor tables_t = empty_output({M * G * int64_t(sizeof(Acc<E>))}, torch::kUInt8);
+  Acc<E>* const tables = reinterpret_cast<Acc<E>*>(tables_t.data_ptr<uint8_t>());
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    const View lv = v;
+    for (int64_t m = m0; m < m1; ++m) {
+      Acc<E>* const t = tables + m * G;
+      std::fill(t, t + G, Acc<E>{});  // (by the thread that fills it)
+      const int64_t i0 = B * m / M, end = B * (m + 1) / M;
+      constexpr int64_t kAhead = 24;  // the table outgrows L2: fetch a sample's accumulators early
+      for (int64_t i = i0; i < end; ++i) {
+        if (i + kAhead < end && lv.in_range(i + kAhead)) __builtin_prefetch(t + lv.group(i + kAhead), 1);
+        if (lv.ok(i)) t[lv.group(i)].add(lv.r[i], lv.weight(i));
+      }
+    }
+  });
+  at::parallel_for(0, G, 2048, [&](int64_t k0, int64_t k1) {
+    const GroupFinish lf = fin;
+    const Acc<E>* const t = tables;
+    Affine* const af = affine;
+    for (int64_t k = k0; k < k1; ++k) {
+      Acc<E> a = t[k];
+      for (int64_t m = 1; m < M; ++m) a.merge(t[m * G + k]);
+      af[k] = lf(a, k);
+    }
+  });
+}
+
+// A large id range: the valid samples grouped by id block (id >> shift) by a stable counting
+// sort, chunk by chunk: chunk c's records (id, score) are [c·chunk, c·chunk + n_c) of the
+// array, block b's part of them [seg(c, b), seg(c, b + 1)), in sample order. Counting and
+// scattering a chunk back to back reads its ids and scores from memory once. The layout
+// depends on the chunk size only.
 template <typename T>
 struct Record {
   int32_t key;  // group id
@@ -517,7 +623,7 @@ struct Blocks {
   const int64_t* segments(int64_t c) const { return seg.data() + c * (count + 1); }
 };
 
-// Blocks small enough that a block's accumulators stay in L1 (Acc: 56 bytes), and enough of
+// Blocks small enough that a block's accumulators stay in L1 (Acc: 32 to 48 bytes), and enough of
 // them for every thread to have several; capped in number (the counting sort's tables grow
 // with it), so a huge id range gets larger blocks.
 int block_shift(int64_t G) {
@@ -548,7 +654,8 @@ Blocks<T> partition_by_block(const Inputs& in, const View v, bool with_weights) 
     // runs of one block (nearly sorted ids) would otherwise chain every increment through the
     // same counter.
     const View lv = v;
-    const int64_t nh = nb + 1;
+    const int64_t nbl = nb, nh = nb + 1, n = B;
+    const int sh = shift;
     std::vector<int32_t> hist_v(static_cast<size_t>(4 * nh));
     std::vector<int64_t> cur_v(static_cast<size_t>(nb));
     std::vector<uint16_t> block_v(static_cast<size_t>(chunk));
@@ -558,25 +665,26 @@ Blocks<T> partition_by_block(const Inputs& in, const View v, bool with_weights) 
     Record<T>* const rp = rec;
     double* const wp = w;
     for (int64_t c = c0; c < c1; ++c) {
-      const int64_t i0 = c * chunk, i1 = std::min(B, i0 + chunk);
+      const int64_t i0 = c * chunk, i1 = std::min(n, i0 + chunk);
       std::fill(hist, hist + 4 * nh, 0);
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = lv.ok(i) ? lv.group(i) >> shift : nb;
+        const int64_t b = lv.ok(i) ? lv.group(i) >> sh : nbl;
         block[i - i0] = uint16_t(b);
         ++hist[(i & 3) * nh + b];
       }
-      int64_t* seg = out.seg.data() + c * (nb + 1);
+      int64_t* seg = out.seg.data() + c * nh;
       int64_t pos = i0;
-      for (int64_t b = 0; b < nb; ++b) {
+      for (int64_t b = 0; b < nbl; ++b) {
         seg[b] = cur[b] = pos;
         pos += int64_t(hist[b]) + hist[nh + b] + hist[2 * nh + b] + hist[3 * nh + b];
       }
-      seg[nb] = pos;
+      seg[nbl] = pos;
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = block[i - i0];
-        if (b == nb) continue;
+        if (b == nbl) continue;
         const int64_t j = cur[b]++;
-        rp[j] = Record<T>{int32_t(lv.g[i]), lv.r[i]};
+        rp[j].key = int32_t(lv.g[i]);
+        rp[j].x = lv.r[i];
         if (wp != nullptr) wp[j] = lv.weight(i);
       }
     }
@@ -588,29 +696,30 @@ Blocks<T> partition_by_block(const Inputs& in, const View v, bool with_weights) 
 // the id range [b << shift, (b + 1) << shift), its records chunk by chunk in sample order);
 // fills the group outputs and the affine table.
 template <typename T>
-void block_statistics(const Inputs& in, const Blocks<T>& blocks, const Batch& batch, const GroupOut& out,
-                      Affine* affine) {
+void block_statistics(const Inputs& in, const Blocks<T>& blocks, const GroupFinish& fin, Affine* affine) {
   const int64_t G = in.G, width = std::min<int64_t>(G, int64_t(1) << blocks.shift);
   const Record<T>* rec = blocks.data();
   const double* w = blocks.weights.defined() ? blocks.weights.template data_ptr<double>() : nullptr;
   with_extras(in.baseline, [&](auto tag) {
     at::parallel_for(0, blocks.count, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<Acc> acc_v(static_cast<size_t>(width));
-      Acc* const acc = acc_v.data();
+      constexpr Extras E = decltype(tag)::value;
+      std::vector<Acc<E>> acc_v(static_cast<size_t>(width));
+      Acc<E>* const acc = acc_v.data();
       const Record<T>* const rp = rec;
       const double* const wp = w;
       const int shift = blocks.shift;
       const int64_t nchunks = blocks.nchunks;
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t k0 = b << shift, k1 = std::min(G, k0 + width);
-        std::fill(acc, acc + (k1 - k0), Acc{});
+        std::fill(acc, acc + (k1 - k0), Acc<E>{});
         for (int64_t c = 0; c < nchunks; ++c) {
           const int64_t* seg = blocks.segments(c);
           // Every id of block b is in [k0, k1) (the partition put it there): acc[id − k0] is in bounds.
           for (int64_t j = seg[b], j1 = seg[b + 1]; j < j1; ++j)
-            acc[rp[j].key - k0].template add<decltype(tag)::value>(rp[j].x, wp == nullptr ? 1.0 : wp[j]);
+            acc[rp[j].key - k0].add(rp[j].x, wp == nullptr ? 1.0 : wp[j]);
         }
-        for (int64_t k = k0; k < k1; ++k) affine[k] = finish_group(in, batch, acc[k - k0], k, out);
+        const GroupFinish lf = fin;
+        for (int64_t k = k0; k < k1; ++k) affine[k] = lf(acc[k - k0], k);
       }
     });
   });
@@ -752,8 +861,19 @@ Result run(const Inputs& in, at::ScalarType out_dtype) {
 
   torch::Tensor count_t = empty_output({G}, torch::kInt64), deg_t = empty_output({G}, torch::kBool);
   torch::Tensor mean_t = empty_output({G}, torch::kFloat64), std_t = empty_output({G}, torch::kFloat64);
-  const GroupOut out{count_t.data_ptr<int64_t>(), deg_t.data_ptr<bool>(), mean_t.data_ptr<double>(),
-                     std_t.data_ptr<double>()};
+  const GroupAdvantagesParams& p = in.p;
+  const GroupFinish fin{in.baseline,
+                        in.scale,
+                        p.std_unbiased != 0,
+                        p.singleton_raw != 0,
+                        p.eps_in_sqrt != 0,
+                        p.eps,
+                        p.passk_k,
+                        batch,
+                        count_t.data_ptr<int64_t>(),
+                        deg_t.data_ptr<bool>(),
+                        mean_t.data_ptr<double>(),
+                        std_t.data_ptr<double>()};
   torch::Tensor keep_t = empty_output({B}, torch::kBool);
   bool* keep = keep_t.data_ptr<bool>();
   // Advantages go straight to the output unless whitening or the token broadcast needs them
@@ -764,18 +884,26 @@ Result run(const Inputs& in, at::ScalarType out_dtype) {
   const bool sorted = fixed || ids_sorted(v.g, B);
   torch::Tensor affine_t;
   if (!sorted) {
-    const Blocks<T> blocks = partition_by_block<T>(in, v, opo);
     affine_t = empty_output({G, 2}, torch::kFloat64);
-    block_statistics(in, blocks, batch, out, reinterpret_cast<Affine*>(affine_t.data_ptr<double>()));
+    Affine* const affine = reinterpret_cast<Affine*>(affine_t.data_ptr<double>());
+    with_extras(in.baseline, [&](auto tag) {
+      constexpr Extras E = decltype(tag)::value;
+      if (use_direct_tables<E>(G)) {
+        direct_statistics<E>(in, v, fin, affine);
+      } else {
+        const Blocks<T> blocks = partition_by_block<T>(in, v, opo);
+        block_statistics(in, blocks, fin, affine);
+      }
+    });
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, adv_t.scalar_type(), "rlvr_advantages", [&] {
     scalar_t* adv = adv_t.data_ptr<scalar_t>();
     if (fixed)
-      sweep_fixed_groups(in, v, batch, out, adv, keep);
+      sweep_fixed_groups(in, v, fin, adv, keep);
     else if (sorted)
-      sweep_sorted_runs(in, v, batch, out, adv, keep);
+      sweep_sorted_runs(in, v, fin, adv, keep);
     else
-      sample_advantages(in, v, reinterpret_cast<const Affine*>(affine_t.data_ptr<double>()), out.degenerate, adv,
+      sample_advantages(in, v, reinterpret_cast<const Affine*>(affine_t.data_ptr<double>()), fin.degenerate, adv,
                         keep);
   });
 
