@@ -15,8 +15,11 @@ _CACHE = {}
 
 def _methods(kind):
     if kind not in _CACHE:
-        make = token_methods if kind == "tokens" else group_methods
-        _CACHE[kind] = dict((key, fn) for _, fn, key in make(DEVICE)[1])
+        if kind == "tokens":
+            methods = token_methods(DEVICE)[1]
+        else:
+            methods = group_methods(DEVICE, shuffled=kind == "groups_shuffled")[1]
+        _CACHE[kind] = dict((key, fn) for _, fn, key in methods)
     return _CACHE[kind]
 
 
@@ -27,6 +30,11 @@ def test_tokens(benchmark, key):
     benchmark.pedantic(fn, rounds=3 if key == "verl_loop" else 9, warmup_rounds=1)
 
 
-@pytest.mark.parametrize("key", ["fused", "eager", "verl_vec"])
-def test_groups(benchmark, key):
-    benchmark.pedantic(_methods("groups")[key], rounds=9, warmup_rounds=1)
+@pytest.mark.parametrize("key", ["fused", "eager_lean", "eager", "verl_vec"])
+def test_groups_shuffled(benchmark, key):
+    benchmark.pedantic(_methods("groups_shuffled")[key], rounds=9, warmup_rounds=1)
+
+
+@pytest.mark.parametrize("key", ["fused", "fused_group_size", "eager_lean", "eager", "verl_vec"])
+def test_groups_contiguous(benchmark, key):
+    benchmark.pedantic(_methods("groups_contiguous")[key], rounds=9, warmup_rounds=1)

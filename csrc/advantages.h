@@ -1,19 +1,37 @@
+// group_advantages on the CPU: the kernel contract's C++ mirror (rlvr_kernels/contracts/advantages.py)
+// and the entry point registered as rlvr_kernels_C::group_advantages (csrc/ops.cpp).
 #pragma once
 
 #include <torch/types.h>
 
 #include <tuple>
 
+#include "params.h"
+
+// Scalar parameters, in the order of GroupAdvantagesParams' float and int fields.
+#define RLVR_GROUP_ADVANTAGES_FPARAMS(X) X(eps) X(whiten_eps)
+#define RLVR_GROUP_ADVANTAGES_IPARAMS(X)                                                                    \
+  X(num_groups) X(group_size) X(num_tokens) X(baseline) X(scale) X(std_unbiased) X(eps_in_sqrt) \
+      X(singleton_raw) X(passk_k) X(whiten) X(whiten_eps_in_sqrt)
+
+// Branch codes: contracts.advantages.Baseline / Scale / Whiten.
+#define RLVR_BASELINE_CODES(X) X(NONE, 0) X(MEAN, 1) X(RLOO, 2) X(OPO, 3) X(GPG, 4) X(PASSK, 5)
+#define RLVR_SCALE_CODES(X) X(NONE, 0) X(GROUP, 1) X(BATCH, 2)
+#define RLVR_WHITEN_CODES(X) X(OFF, 0) X(TOKENS, 1) X(SAMPLES, 2)
+
 namespace rlvr {
 
-// See advantages.cpp and rlvr_kernels/ops/advantages.py for the contract.
+RLVR_DEFINE_PARAMS(GroupAdvantagesParams, RLVR_GROUP_ADVANTAGES_FPARAMS, RLVR_GROUP_ADVANTAGES_IPARAMS)
+RLVR_DEFINE_ENUM(Baseline, RLVR_BASELINE_CODES)
+RLVR_DEFINE_ENUM(Scale, RLVR_SCALE_CODES)
+RLVR_DEFINE_ENUM(Whiten, RLVR_WHITEN_CODES)
+
+// (advantages [B], token_advantages ([B, L], [T] or [0]), group_mean [Gn], group_std [Gn],
+//  group_count [Gn] int64, group_degenerate [Gn] bool, sample_keep [B] bool); see advantages.cpp.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>
-group_advantages_cpu(const torch::Tensor& scores, const torch::Tensor& group_index, int64_t num_groups,
-                     int64_t group_size, const c10::optional<torch::Tensor>& valid,
-                     const c10::optional<torch::Tensor>& lengths, const c10::optional<torch::Tensor>& response_mask,
-                     const c10::optional<torch::Tensor>& cu_seqlens, int64_t num_tokens, int64_t baseline,
-                     int64_t scale, bool std_unbiased, double eps, bool eps_in_sqrt, bool singleton_raw,
-                     int64_t passk_k, int64_t whiten, double whiten_eps, bool whiten_eps_in_sqrt,
-                     at::ScalarType out_dtype);
+group_advantages_cpu(const torch::Tensor& scores, const c10::optional<torch::Tensor>& group_index,
+                     const c10::optional<torch::Tensor>& valid, const c10::optional<torch::Tensor>& lengths,
+                     const c10::optional<torch::Tensor>& response_mask, const c10::optional<torch::Tensor>& cu_seqlens,
+                     c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams, at::ScalarType out_dtype);
 
 }  // namespace rlvr

@@ -10,11 +10,9 @@
 
 TORCH_LIBRARY(rlvr_kernels_C, m) {
   m.def(
-      "group_advantages(Tensor scores, Tensor group_index, int num_groups, int group_size, Tensor? valid, Tensor? "
-      "lengths, "
-      "Tensor? response_mask, Tensor? cu_seqlens, int num_tokens, int baseline, int scale, bool std_unbiased, "
-      "float eps, bool eps_in_sqrt, bool singleton_raw, int passk_k, int whiten, float whiten_eps, "
-      "bool whiten_eps_in_sqrt, ScalarType out_dtype) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "group_advantages(Tensor scores, Tensor? group_index, Tensor? valid, Tensor? lengths, Tensor? response_mask, "
+      "Tensor? cu_seqlens, float[] fparams, int[] iparams, ScalarType out_dtype) -> (Tensor, Tensor, Tensor, Tensor, "
+      "Tensor, Tensor, Tensor)");
   m.def(
       "policy_loss_fwd(Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor? mask, Tensor? ref_logprobs, "
       "Tensor? rollout_logprobs, Tensor? entropy, Tensor? cu_seqlens, Tensor? entropy_threshold, float[] fparams, "

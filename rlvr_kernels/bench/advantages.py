@@ -1,13 +1,20 @@
-"""Benchmark of ``group_advantages`` against verl and eager PyTorch (issue #2's table).
+"""Benchmark of ``group_advantages`` against verl and eager PyTorch.
 
 Workloads (the driver-side call of a verl GRPO step):
 - tokens: 512 prompts × 16 samples, L = 4096, response lengths uniform in [1, L], binary
   rewards, float32 ``response_mask``; token advantages are written.
-- groups: B = 2^20 samples in groups of 16, group statistics and per-sample advantages only.
+- groups: B = 2^20 samples in groups of 16, group statistics and per-sample advantages only,
+  with contiguous and with shuffled group ids; measured against the leanest eager version
+  (``bincount`` + two ``index_add_`` + gathers).
+Methods are timed interleaved (one call of each per round), so a change in the machine's
+load hits every row alike; the table reports medians and the load average.
 """
 
 from __future__ import annotations
 
+import os
+import statistics
+import time
 import uuid
 from typing import Callable, Dict, List, Optional
 
@@ -16,7 +23,7 @@ import torch
 
 from .. import group_advantages, uids_to_group_index
 from ..integrations import verl as verl_dropin
-from .timing import copy_bandwidth, time_fn
+from .timing import copy_bandwidth
 
 
 def _eager_grpo(scores, group_index, num_groups, response_mask=None, eps=1e-6):
@@ -28,6 +35,18 @@ def _eager_grpo(scores, group_index, num_groups, response_mask=None, eps=1e-6):
     var = scores.new_zeros(num_groups).index_add_(0, group_index, centered * centered) / (count - 1).clamp_min(1)
     adv = centered / (var.sqrt()[group_index] + eps)
     return adv if response_mask is None else adv[:, None] * response_mask
+
+
+def _lean_eager_grpo(scores, group_index, num_groups, eps=1e-6):
+    """The leanest eager GRPO we know: ``bincount`` counts, two ``index_add_`` sums (Σr, then
+    Σ(r − μ)²), gathers and in-place arithmetic; the numbers of ``preset="verl"`` on groups
+    of two or more samples (no NaN, no masks)."""
+    count = torch.bincount(group_index, minlength=num_groups).to(scores.dtype)
+    mean = scores.new_zeros(num_groups).index_add_(0, group_index, scores).div_(count.clamp_min(1))
+    centered = scores - mean[group_index]
+    m2 = scores.new_zeros(num_groups).index_add_(0, group_index, centered * centered)
+    sd = m2.div_((count - 1).clamp_min(1)).sqrt_().add_(eps)
+    return centered.div_(sd[group_index])
 
 
 def _peer(name: str) -> Optional[object]:
@@ -146,6 +165,11 @@ def group_methods(device: str, quick: bool = False, shuffled: bool = True):
             lambda: group_advantages(scores, group_index, num_groups=num_groups, preset="verl"),
             "fused",
         ),
+        (
+            "eager torch, leanest (bincount + two index_add_ + gathers)",
+            lambda: _lean_eager_grpo(scores, group_index, num_groups),
+            "eager_lean",
+        ),
         ("eager torch, vectorised (index_add stats)", lambda: _eager_grpo(scores, group_index, num_groups), "eager"),
     ]
     if not shuffled:  # TRL's layout: groups are contiguous rows, no ids to read
@@ -171,28 +195,86 @@ def group_methods(device: str, quick: bool = False, shuffled: bool = True):
 def group_workload(device: str, quick: bool = False, shuffled: bool = True) -> Dict:
     shape, methods = group_methods(device, quick, shuffled)
     B, G = shape["B"], shape["G"]
-    rows = _time_methods(methods, device)
+    load_before = os.getloadavg()
+    agreement = _check_agreement(methods)
+    rows = _time_methods(methods, device, repeats=7 if quick else 21)
+    load_after = os.getloadavg()
     fused = rows["fused"]["ms"]
     for r in rows.values():
         r["ratio"] = r["ms"] / fused if r.get("ms") else None
     ids = "shuffled" if shuffled else "contiguous"
+    targets = [_target("leanest eager / fused", rows, "eager_lean", "fused", ">=", 1.5)]
+    if "fused_group_size" in rows:
+        targets.append(_target("leanest eager / fused(group_size)", rows, "eager_lean", "fused_group_size", ">=", 1.5))
     return {
         "name": f"groups only: B = {B} samples, groups of {G}, {ids} ids",
         "rows": list(rows.values()),
-        "targets": [],
+        "targets": targets,
         "copy_gbps": None,
+        "agreement": agreement,
+        "load": {"before": load_before, "after": load_after},
+        "notes": [
+            "max |advantage − fused| per method: " + ", ".join(f"{k} {v:.1e}" for k, v in agreement.items()),
+            f"interleaved rounds, medians; load average (1/5/15 min) {_load(load_before)} before, "
+            f"{_load(load_after)} after",
+        ],
     }
 
 
-def _time_methods(methods, device, slow=frozenset()) -> Dict[str, Dict]:
-    rows = {}
-    for label, fn, key in methods:
-        row = {"method": label, "key": key}
-        if fn is not None:
-            t = time_fn(fn, device, repeats=3 if key in slow else 9, warmup=1)
-            row.update(t)
-        rows[key] = row
+def _load(avg) -> str:
+    return "/".join(f"{x:.2f}" for x in avg)
+
+
+def _advantages_of(out) -> torch.Tensor:
+    return out.advantages if hasattr(out, "advantages") else out
+
+
+def _check_agreement(methods, tol: float = 1e-4) -> Dict[str, float]:
+    """Every method computes the fused op's advantages (a benchmark of a method that computes
+    something else measures nothing): the largest difference from the fused op's, or an error."""
+    outs = {key: _advantages_of(fn()) for _, fn, key in methods if fn is not None}
+    fused = outs.pop("fused").double()
+    agreement = {}
+    for key, out in outs.items():
+        diff = float((out.double() - fused).abs().max()) if out.numel() else 0.0
+        if not diff <= tol:
+            raise RuntimeError(f"group_advantages bench: {key} disagrees with the fused op (max abs diff {diff:.3g})")
+        agreement[key] = diff
+    return agreement
+
+
+def _time_methods(methods, device, slow=frozenset(), repeats: int = 9) -> Dict[str, Dict]:
+    """Median (and min) wall time of each method, timed interleaved: one call of every method per
+    round, after one warm-up call each; ``slow`` methods run in the first three rounds only."""
+    rows = {key: {"method": label, "key": key} for label, _, key in methods}
+    runnable = [(fn, key) for _, fn, key in methods if fn is not None]
+    for fn, _ in runnable:
+        fn()
+    times: Dict[str, list] = {key: [] for _, key in runnable}
+    for r in range(repeats):
+        for fn, key in runnable:
+            if key in slow and r >= 3:
+                continue
+            times[key].append(_time_once(fn, device))
+    for key, ts in times.items():
+        rows[key].update(ms=statistics.median(ts), min_ms=min(ts), runs=len(ts))
     return rows
+
+
+def _time_once(fn, device) -> float:
+    """One call in milliseconds (CUDA: events around it). The output is dropped before the
+    next call, as a training loop would."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def _target(label, rows, num, den, op, value):

@@ -1,27 +1,61 @@
-"""``group_advantages``: validation, the ``rlvr_kernels::group_advantages`` custom op and
-its dispatch to the C++ (CPU) and Triton (CUDA) kernels.
+"""``group_advantages`` (SPEC §1): masked group-relative advantages, group statistics and
+dynamic-sampling flags, as the ``rlvr_kernels::group_advantages`` custom op over the C++
+(CPU) and Triton (CUDA) kernels.
 
-The kernels compute one score column per call, described by a small plan:
-  baseline  none | mean | rloo | opo | gpg | passk   (what is subtracted / how A is formed)
-  scale     none | group | batch                     (the σ that divides, mean baseline)
-  whiten    off | tokens | samples                   (batch whitening after the baseline)
-Every estimator of SPEC §1 is one plan, except ``gdpo``, which runs one ``mean`` plan per
-reward term and a final ``none`` + whitening plan over their weighted sum.
+Every estimator is one or more *plans* over one score column:
+  baseline  NONE | MEAN | RLOO | OPO | GPG | PASSK   (what is subtracted / how A is formed)
+  scale     NONE | GROUP | BATCH                     (the σ that divides a MEAN baseline)
+  whiten    OFF | TOKENS | SAMPLES                   (batch whitening after the baseline)
+(:mod:`rlvr_kernels.contracts.advantages`). Every estimator of SPEC §1 is one plan, except
+``gdpo``, which runs one MEAN plan per reward term and a final NONE + whitening plan over
+their weighted sum. ``[B, K]`` reward terms of the other estimators are summed first.
+
+Kernel contract (C++ ``csrc/advantages.cpp``, Triton ``triton/advantages.py``; both named
+``group_advantages`` in the dispatch table):
+
+  group_advantages(scores [B] float, group_index [B] int32/int64 or None, valid [B] bool or None,
+                   lengths [B] real or None, response_mask [B, L] / [T] or None,
+                   cu_seqlens [B + 1] int32/int64 or None,
+                   fparams, iparams (GroupAdvantagesParams.pack()), out_dtype)
+      -> (advantages [B], token_advantages ([B, L] padded, [T] packed, [0] without a layout),
+          group_mean [Gn], group_std [Gn], group_count [Gn] int64, group_degenerate [Gn] bool,
+          sample_keep [B] bool)
+  - Groups: ``group_size`` G > 0 means group k is rows [k·G, (k+1)·G), ``group_index`` is
+    None and Gn·G == B; otherwise ``group_index`` holds the ids.
+  - Sample i is valid when ``valid[i]`` (if given), ``scores[i]`` is finite and its group id
+    is in [0, Gn). Invalid samples get A = 0, keep = False and count nowhere.
+  - Statistics over each group's valid samples: n, μ, σ (``std_unbiased``: Bessel), in
+    float64 on the CPU; in the scores' precision (fp32, fp64 for fp64 scores) in Triton.
+    Empty groups: n = 0, μ = σ = 0, degenerate. Degenerate: all valid scores equal.
+  - A per plan (SPEC §1), then whitening, in the kernel's compute precision; the outputs are
+    rounded once to ``out_dtype`` (token values as ``A.to(float32) · mask`` for sub-fp64 outputs).
+  - Token weights w_i (OPO, TOKENS whitening): ``lengths``, else the row sums of the token
+    layout (span lengths for a packed layout without a mask, T = ``num_tokens``).
+  - Packed spans follow the one cu_seqlens rule (``csrc/spans.h``): in bounds and disjoint
+    whatever the offsets; tokens outside every span get 0.
+  - Results are deterministic: the same bits for any thread count.
+  The kernels check every shape relation they rely on (the registered ops are reachable
+  directly); values (ids in range, monotone offsets, finite scores) are checked here when
+  ``validate=True`` and are harmless when they are wrong.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import dataclasses
+from typing import List, Optional, Tuple
 
 import torch
 
-from .. import reference
+from ..contracts.advantages import Baseline, GroupAdvantagesParams, Scale, Whiten
 from ..options import AdvantageOptions, GroupAdvantages, Whitening, resolve_advantage_options
 from . import _dispatch
 from ._validation import (
     FLOAT_DTYPES,
+    INDEX_DTYPES,
     INT_DTYPES,
     MASK_DTYPES,
+    MAX_COUNT,
+    check_cu_seqlens,
     check_int,
     check_out_dtype,
     check_shape,
@@ -30,87 +64,46 @@ from ._validation import (
     fail_if,
 )
 
-BASELINE = {"none": 0, "mean": 1, "rloo": 2, "opo": 3, "gpg": 4, "passk": 5}
-SCALE = {"none": 0, "group": 1, "batch": 2}
-WHITEN = {"off": 0, "tokens": 1, "samples": 2}
-
-# estimator -> (baseline, uses opts.scale, whitening)
-_PLANS = {
-    "grpo": ("mean", True, "off"),
-    "dr_grpo": ("mean", False, "off"),
-    "rloo": ("rloo", False, "off"),
-    "opo": ("opo", False, "off"),
-    "gpg": ("gpg", False, "off"),
-    "passk": ("passk", False, "off"),
-    "reinforce_pp_baseline": ("mean", False, "whiten"),
-}
-
 _Out = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+# ------------------------------------------------------------------ custom op
 @torch.library.custom_op("rlvr_kernels::group_advantages", mutates_args=())
 def _group_advantages_op(
     scores: torch.Tensor,
-    group_index: torch.Tensor,
-    num_groups: int,
-    group_size: int,
+    group_index: Optional[torch.Tensor],
     valid: Optional[torch.Tensor],
     lengths: Optional[torch.Tensor],
     response_mask: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor],
-    num_tokens: int,
-    baseline: int,
-    scale: int,
-    std_unbiased: bool,
-    eps: float,
-    eps_in_sqrt: bool,
-    singleton_raw: bool,
-    passk_k: int,
-    whiten: int,
-    whiten_eps: float,
-    whiten_eps_in_sqrt: bool,
+    fparams: List[float],
+    iparams: List[int],
     out_dtype: torch.dtype,
     backend: str,
 ) -> _Out:
-    """One score column → (advantages [B], token_advantages ([B, L], [T] or [0]),
-    group_mean [Gn], group_std [Gn], group_count [Gn] int64, group_degenerate [Gn] bool,
-    sample_keep [B] bool). With ``group_size > 0`` groups are contiguous rows and
-    ``group_index`` is empty (not read)."""
-    args = (
+    """One plan over one score column: the kernel contract above."""
+    return _dispatch.run(
+        "group_advantages",
+        backend,
+        scores.device,
         scores,
         group_index,
-        num_groups,
-        group_size,
         valid,
         lengths,
         response_mask,
         cu_seqlens,
-        num_tokens,
-        baseline,
-        scale,
-        std_unbiased,
-        eps,
-        eps_in_sqrt,
-        singleton_raw,
-        passk_k,
-        whiten,
-        whiten_eps,
-        whiten_eps_in_sqrt,
+        fparams,
+        iparams,
         out_dtype,
     )
-    if _dispatch.resolve_backend(backend, scores.device) == "cpu":
-        return torch.ops.rlvr_kernels_C.group_advantages(*args)
-    from ..triton.advantages import group_advantages_triton
-
-    return group_advantages_triton(*args)
 
 
 @_group_advantages_op.register_fake
-def _(scores, group_index, num_groups, group_size, valid, lengths, response_mask, cu_seqlens, num_tokens, *rest):
-    out_dtype = rest[-2]
-    B = scores.shape[0]
+def _(scores, group_index, valid, lengths, response_mask, cu_seqlens, fparams, iparams, out_dtype, backend):
+    params = GroupAdvantagesParams.unpack(fparams, iparams)
+    B, Gn = scores.shape[0], params.num_groups
     if cu_seqlens is not None:
-        token_shape = (response_mask.shape[0] if response_mask is not None else num_tokens,)
+        token_shape = (response_mask.shape[0] if response_mask is not None else params.num_tokens,)
     elif response_mask is not None:
         token_shape = tuple(response_mask.shape)
     else:
@@ -119,14 +112,147 @@ def _(scores, group_index, num_groups, group_size, valid, lengths, response_mask
     return (
         new((B,), dtype=out_dtype),
         new(token_shape, dtype=out_dtype),
-        new((num_groups,), dtype=out_dtype),
-        new((num_groups,), dtype=out_dtype),
-        new((num_groups,), dtype=torch.int64),
-        new((num_groups,), dtype=torch.bool),
+        new((Gn,), dtype=out_dtype),
+        new((Gn,), dtype=out_dtype),
+        new((Gn,), dtype=torch.int64),
+        new((Gn,), dtype=torch.bool),
         new((B,), dtype=torch.bool),
     )
 
 
+# ------------------------------------------------------------------ validation
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """Kernel-ready inputs of one call, as :func:`_validate` returns them."""
+
+    scores: torch.Tensor  # [B] or [B, K] reward terms, detached
+    group_index: Optional[torch.Tensor]  # [B] int32/int64 ids; None with group_size
+    num_groups: int
+    group_size: int  # G > 0: contiguous groups of G rows; 0: group_index given
+    sample_mask: Optional[torch.Tensor]  # [B] bool
+    response_mask: Optional[torch.Tensor]  # [B, L] padded, or [T] with cu_seqlens
+    cu_seqlens: Optional[torch.Tensor]  # [B + 1] int32/int64
+    lengths: Optional[torch.Tensor]  # [B]
+    reward_weights: Optional[torch.Tensor]  # [K]
+    num_tokens: int  # T of a packed layout without response_mask; -1 otherwise
+
+    @property
+    def has_layout(self) -> bool:
+        return self.response_mask is not None or self.cu_seqlens is not None
+
+
+def _validate(
+    scores,
+    group_index,
+    group_size,
+    num_groups,
+    sample_mask,
+    response_mask,
+    cu_seqlens,
+    lengths,
+    reward_weights,
+    opts: AdvantageOptions,
+    validate: bool,
+) -> _Inputs:
+    """Static checks (always: types, dtypes, shapes, devices, sizes) and value checks
+    (``validate``, not under torch.compile nor on meta tensors); the inputs, kernel-ready."""
+    check_tensor("scores", scores, dtypes=FLOAT_DTYPES, ndim=(1, 2))
+    B = scores.shape[0]
+    if B > MAX_COUNT:
+        raise ValueError(f"scores: expected at most {MAX_COUNT} samples, got {B}")
+    like = dict(like=scores, like_name="scores")
+    tensors = (scores, group_index, sample_mask, response_mask, cu_seqlens, lengths, reward_weights)
+    values = checks_enabled(validate, *tensors)
+    if (group_index is None) == (group_size is None):
+        raise ValueError("group_index / group_size: give exactly one of them")
+    if group_size is not None:
+        check_int("group_size", group_size, minimum=1)
+        if B % group_size:
+            raise ValueError(f"group_size: B = {B} samples do not split into groups of {group_size}")
+        if num_groups is not None and num_groups != B // group_size:
+            raise ValueError(f"num_groups: expected B / group_size = {B // group_size}, got {num_groups}")
+        num_groups = B // group_size
+    else:
+        check_tensor("group_index", group_index, dtypes=INT_DTYPES, ndim=(1,), **like)
+        check_shape("group_index", group_index, (B,), "one group id per row of scores")
+        if group_index.dtype not in INDEX_DTYPES:
+            group_index = group_index.long()
+        if num_groups is None:
+            num_groups = _infer_num_groups(group_index)
+        check_int("num_groups", num_groups, minimum=0)
+    if sample_mask is not None:
+        check_tensor("sample_mask", sample_mask, dtypes=MASK_DTYPES, ndim=(1,), **like)
+        check_shape("sample_mask", sample_mask, (B,), "one flag per sample")
+        sample_mask = sample_mask != 0
+    if scores.dim() == 2:
+        if reward_weights is not None:
+            check_tensor("reward_weights", reward_weights, dtypes=FLOAT_DTYPES, ndim=(1,), **like)
+            check_shape("reward_weights", reward_weights, (scores.shape[1],), "one weight per reward term")
+    elif reward_weights is not None:
+        raise ValueError("reward_weights: only used with [B, K] scores (K reward terms)")
+    num_tokens = -1
+    if cu_seqlens is not None:
+        if response_mask is not None:
+            check_tensor("response_mask", response_mask, dtypes=MASK_DTYPES, ndim=(1,), **like)
+        T = response_mask.shape[0] if response_mask is not None else None
+        check_cu_seqlens(cu_seqlens, **like, num_seqs=B, num_tokens=T, total="equal", validate=validate)
+        if response_mask is None:
+            num_tokens = _packed_token_count(cu_seqlens)
+    elif response_mask is not None:
+        check_tensor("response_mask", response_mask, dtypes=MASK_DTYPES, ndim=(2,), **like)
+        if response_mask.shape[0] != B:
+            raise ValueError(
+                f"response_mask: expected [B={B}, L] rows matching scores, got {tuple(response_mask.shape)}"
+            )
+    if lengths is not None:
+        check_tensor("lengths", lengths, dtypes=FLOAT_DTYPES + INT_DTYPES, ndim=(1,), **like)
+        check_shape("lengths", lengths, (B,), "one token count per sample")
+    if opts.estimator == "opo" and lengths is None and response_mask is None and cu_seqlens is None:
+        raise ValueError("lengths: estimator='opo' needs lengths, response_mask or cu_seqlens for its length weights")
+    if values and B:
+        _check_values(scores, group_index if group_size is None else None, num_groups, sample_mask, opts)
+        if reward_weights is not None:
+            fail_if(~torch.isfinite(reward_weights).all(), "reward_weights: expected finite weights")
+        if lengths is not None:
+            fail_if(~(torch.isfinite(lengths.double()) & (lengths >= 0)).all(), "lengths: expected finite counts >= 0")
+    return _Inputs(
+        scores=scores.detach(),  # advantages are constants of the loss: no gradient to rewards
+        group_index=group_index if group_size is None else None,
+        num_groups=num_groups,
+        group_size=group_size or 0,
+        sample_mask=sample_mask,
+        response_mask=response_mask,
+        cu_seqlens=cu_seqlens,
+        lengths=lengths,
+        reward_weights=reward_weights,
+        num_tokens=num_tokens,
+    )
+
+
+def _check_values(scores, group_index, num_groups, sample_mask, opts) -> None:
+    """Group ids in range and finite scores (of unmasked samples, with ``nan_policy="error"``):
+    one reduction each; the exact search for the offending row only runs when it fails."""
+    if group_index is not None:
+        lo, hi = torch.aminmax(group_index)
+        if int(lo) < 0 or int(hi) >= num_groups:
+            bad = (group_index < 0) | (group_index >= num_groups)
+            i = int(bad.nonzero()[0])
+            raise ValueError(
+                f"group_index: expected ids in [0, num_groups={num_groups}), got {int(group_index[i])} at row {i}"
+            )
+    # A sum is finite iff every term is, unless finite terms overflow it: then the exact check.
+    if opts.nan_policy == "error" and not bool(torch.isfinite(scores.sum())):
+        finite = torch.isfinite(scores) if scores.dim() == 1 else torch.isfinite(scores).all(dim=1)
+        counted = ~finite if sample_mask is None else ~finite & sample_mask
+        if bool(counted.any()):
+            i = int(counted.nonzero()[0])
+            raise ValueError(
+                f"scores: non-finite score at row {i} (pass nan_policy='unscorable' to exclude such "
+                f"samples, or mask them with sample_mask)"
+            )
+
+
+# ------------------------------------------------------------------ public function
 def group_advantages(
     scores: torch.Tensor,
     group_index: Optional[torch.Tensor] = None,
@@ -160,7 +286,8 @@ def group_advantages(
         group_index: ``[B]`` integer group id in ``[0, num_groups)``, any order and group sizes
             (see :func:`uids_to_group_index` for verl's uid strings). Or give ``group_size``.
         group_size: G, meaning rows ``[k·G, (k+1)·G)`` form group k (TRL's layout).
-        num_groups: Gn. Inferred as ``max(group_index) + 1`` when omitted (a host sync).
+        num_groups: Gn. Inferred as ``max(group_index) + 1`` when omitted (a host sync; required
+            with meta tensors). At most ``2**31 - 1``, like every count the kernels allocate.
         estimator: ``grpo`` (default), ``dr_grpo``, ``rloo``, ``opo``, ``gpg``, ``passk``,
             ``reinforce_pp_baseline``, ``gdpo``.
         preset: ``"verl"``, ``"trl"`` or ``"trl_async"``: the peer's exact conventions;
@@ -184,7 +311,8 @@ def group_advantages(
         whitening: :class:`Whitening` for ``reinforce_pp_baseline`` and ``gdpo``.
         out_dtype: dtype of the advantages, token advantages and group mean/std.
         validate: check values (group ids in range, finite scores, monotone ``cu_seqlens``);
-            reads the data (a host sync on CUDA), skipped under ``torch.compile``.
+            reads the data (a host sync on CUDA), skipped under ``torch.compile`` and for meta
+            tensors. Wrong values never make a kernel read or write out of bounds.
         backend: ``"auto"``, or ``"reference"``, ``"cpu"``, ``"triton"`` for tests.
 
     Returns:
@@ -204,7 +332,7 @@ def group_advantages(
         whitening=whitening,
     )
     out_dtype = check_out_dtype(out_dtype)
-    inputs = _validate(
+    x = _validate(
         scores,
         group_index,
         group_size,
@@ -217,73 +345,66 @@ def group_advantages(
         opts,
         validate,
     )
-    scores, group_index, num_groups, group_size, sample_mask, num_tokens = inputs
-    scores = scores.detach()  # advantages are constants of the loss: no gradient to rewards
-
     if backend == "reference":
-        if group_size:
-            group_index = torch.arange(scores.shape[0], device=scores.device) // group_size
-        return reference.group_advantages(
-            scores,
-            group_index,
-            num_groups,
-            opts,
-            sample_mask=sample_mask,
-            response_mask=response_mask,
-            cu_seqlens=cu_seqlens,
-            lengths=lengths,
-            reward_weights=reward_weights,
-            out_dtype=out_dtype,
-        )
-
-    layout = dict(lengths=lengths, response_mask=response_mask, cu_seqlens=cu_seqlens, num_tokens=num_tokens)
-    groups = (group_index, num_groups, group_size)
-    if scores.dim() == 1 and opts.estimator != "gdpo":
-        r, valid = scores, sample_mask  # the kernels exclude non-finite scores themselves
+        return _reference(x, opts, out_dtype)
+    if x.scores.dim() == 1 and opts.estimator != "gdpo":
+        r, valid = x.scores, x.sample_mask  # the kernels exclude non-finite scores themselves
     else:
         # Reward terms: a row counts when some term is finite (TRL: all-NaN rows are unscorable).
-        terms = scores if scores.dim() == 2 else scores[:, None]
+        terms = x.scores if x.scores.dim() == 2 else x.scores[:, None]
         finite = torch.isfinite(terms)
-        valid = finite.any(dim=1) if sample_mask is None else sample_mask & finite.any(dim=1)
-        dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
-        w = reward_weights.to(dtype) if reward_weights is not None else terms.new_ones(terms.shape[1], dtype=dtype)
+        valid = finite.any(dim=1) if x.sample_mask is None else x.sample_mask & finite.any(dim=1)
+        dtype = torch.float64 if terms.dtype == torch.float64 else torch.float32
+        ones = terms.new_ones(terms.shape[1], dtype=dtype)
+        w = x.reward_weights.to(dtype) if x.reward_weights is not None else ones
         if opts.estimator == "gdpo":
-            return _gdpo(terms, finite, valid, w, groups, layout, opts, out_dtype, backend)
+            return _gdpo(x, terms, finite, valid, w, opts, out_dtype, backend)
         # One estimator over r = Σ_k w_k r_k, NaN terms counted as 0 (TRL's nansum).
-        r = torch.where(finite, terms.to(dtype) * w, torch.zeros((), dtype=dtype, device=scores.device)).sum(1)
-    baseline, uses_scale, whiten = _PLANS[opts.estimator]
-    out = _call(
-        r,
-        groups,
-        valid,
-        layout,
-        opts,
-        baseline,
-        opts.scale if uses_scale else "none",
-        opts.whitening.over if whiten == "whiten" else "off",
-        out_dtype,
-        backend,
+        r = torch.where(finite, terms.to(dtype) * w, torch.zeros((), dtype=dtype, device=terms.device)).sum(1)
+    baseline, scale_code, whiten = _plan(opts)
+    adv, tok, mean, sd, count, degenerate, keep = _call(
+        x, r, valid, opts, baseline, scale_code, whiten, out_dtype, backend
     )
-    adv, tok, mean, sd, count, degenerate, keep = out
-    return GroupAdvantages(adv, _token_or_none(tok, layout), mean, sd, count, degenerate, keep)
+    return GroupAdvantages(adv, tok if x.has_layout else None, mean, sd, count, degenerate, keep)
 
 
-def _gdpo(terms, finite, valid, weights, groups, layout, opts, out_dtype, backend) -> GroupAdvantages:
+# ------------------------------------------------------------------ helpers
+def _plan(opts: AdvantageOptions) -> Tuple[Baseline, Scale, Whiten]:
+    """The one kernel plan of every estimator but gdpo."""
+    baseline = {
+        "grpo": Baseline.MEAN,
+        "dr_grpo": Baseline.MEAN,
+        "rloo": Baseline.RLOO,
+        "opo": Baseline.OPO,
+        "gpg": Baseline.GPG,
+        "passk": Baseline.PASSK,
+        "reinforce_pp_baseline": Baseline.MEAN,
+    }[opts.estimator]
+    scale = _SCALES[opts.scale] if opts.estimator == "grpo" else Scale.NONE
+    whiten = _WHITEN[opts.whitening.over] if opts.estimator == "reinforce_pp_baseline" else Whiten.OFF
+    return baseline, scale, whiten
+
+
+_SCALES = {"none": Scale.NONE, "group": Scale.GROUP, "batch": Scale.BATCH}
+_WHITEN = {"tokens": Whiten.TOKENS, "samples": Whiten.SAMPLES}
+
+
+def _gdpo(x: _Inputs, terms, finite, valid, weights, opts, out_dtype, backend) -> GroupAdvantages:
     """GDPO: each reward term normalised within its groups (GRPO), a weighted sum in
     float64, then one whitening pass that also writes the token advantages."""
-    group_index, num_groups, group_size = groups
     total = torch.zeros(terms.shape[0], dtype=torch.float64, device=terms.device)
     means, stds, degs = [], [], []
+    # The per-term plans need the token weights only (no token output).
+    per_term = dataclasses.replace(x, response_mask=None, cu_seqlens=None, num_tokens=-1)
     for j in range(terms.shape[1]):
         a, _, mean, sd, _, deg, _ = _call(
+            per_term,
             terms[:, j],
-            groups,
             valid & finite[:, j],
-            dict(lengths=layout["lengths"]),
             opts,
-            "mean",
-            opts.scale,
-            "off",
+            Baseline.MEAN,
+            _SCALES[opts.scale],
+            Whiten.OFF,
             torch.float64,
             backend,
         )
@@ -291,21 +412,21 @@ def _gdpo(terms, finite, valid, weights, groups, layout, opts, out_dtype, backen
         means.append(mean)
         stds.append(sd)
         degs.append(deg)
-    adv, tok, _, _, count, _, _ = _call(
-        total, groups, valid, layout, opts, "none", "none", opts.whitening.over, out_dtype, backend
-    )
+    whiten = _WHITEN[opts.whitening.over]
+    adv, tok, _, _, count, _, _ = _call(x, total, valid, opts, Baseline.NONE, Scale.NONE, whiten, out_dtype, backend)
     # Degenerate: every reward term constant in the group; keep: valid and not degenerate.
     degenerate = torch.stack(degs, dim=1).all(dim=1)
-    if group_size:
-        keep = valid & ~degenerate.repeat_interleave(group_size)
-    elif num_groups:
-        in_range = (group_index >= 0) & (group_index < num_groups)
-        keep = valid & in_range & ~degenerate[group_index.clamp(0, num_groups - 1)]
+    if x.group_size:
+        keep = valid & ~degenerate.repeat_interleave(x.group_size)
+    elif x.num_groups:
+        gi = x.group_index
+        in_range = (gi >= 0) & (gi < x.num_groups)
+        keep = valid & in_range & ~degenerate[gi.clamp(0, x.num_groups - 1)]
     else:
         keep = torch.zeros_like(valid)
     return GroupAdvantages(
         adv,
-        _token_or_none(tok, layout),
+        tok if x.has_layout else None,
         torch.stack(means, 1).to(out_dtype),
         torch.stack(stds, 1).to(out_dtype),
         count,
@@ -314,135 +435,79 @@ def _gdpo(terms, finite, valid, weights, groups, layout, opts, out_dtype, backen
     )
 
 
-def _call(r, groups, valid, layout, opts: AdvantageOptions, baseline, scale, whiten, out_dtype, backend):
-    group_index, num_groups, group_size = groups
+def _call(x: _Inputs, r, valid, opts: AdvantageOptions, baseline, scale, whiten, out_dtype, backend) -> _Out:
+    """One plan over the score column ``r`` through the custom op."""
+    params = GroupAdvantagesParams(
+        num_groups=x.num_groups,
+        group_size=x.group_size,
+        num_tokens=x.num_tokens,
+        baseline=baseline,
+        scale=scale,
+        std_unbiased=opts.std == "unbiased",
+        eps=float(opts.eps),
+        eps_in_sqrt=bool(opts.eps_in_sqrt),
+        singleton_raw=opts.singleton == "raw",
+        passk_k=int(opts.k or 0),
+        whiten=whiten,
+        whiten_eps=float(opts.whitening.eps),
+        whiten_eps_in_sqrt=bool(opts.whitening.eps_in_sqrt),
+    )
+    fparams, iparams = _pack(params)
     return _group_advantages_op(
-        r,
-        group_index,
-        num_groups,
-        group_size,
-        valid,
-        layout.get("lengths"),
-        layout.get("response_mask"),
-        layout.get("cu_seqlens"),
-        layout.get("num_tokens", -1),
-        BASELINE[baseline],
-        SCALE[scale],
-        opts.std == "unbiased",
-        float(opts.eps),
-        bool(opts.eps_in_sqrt),
-        opts.singleton == "raw",
-        int(opts.k or 0),
-        WHITEN[whiten],
-        float(opts.whitening.eps),
-        bool(opts.whitening.eps_in_sqrt),
-        out_dtype,
-        backend,
+        r, x.group_index, valid, x.lengths, x.response_mask, x.cu_seqlens, fparams, iparams, out_dtype, backend
     )
 
 
-def _token_or_none(tok, layout):
-    return tok if layout["response_mask"] is not None or layout["cu_seqlens"] is not None else None
+_FLOAT_FIELDS = GroupAdvantagesParams.float_fields()
+_INT_FIELDS = GroupAdvantagesParams.int_fields()
 
 
-def _validate(
-    scores,
-    group_index,
-    group_size,
-    num_groups,
-    sample_mask,
-    response_mask,
-    cu_seqlens,
-    lengths,
-    reward_weights,
-    opts,
-    validate,
-):
-    """Static checks (always) and value checks (``validate``); returns normalised inputs."""
-    check_tensor("scores", scores, dtypes=FLOAT_DTYPES, ndim=(1, 2))
-    dev = scores.device
-    B = scores.shape[0]
-    if (group_index is None) == (group_size is None):
-        raise ValueError("group_index / group_size: give exactly one of them")
-    if group_size is not None:
-        check_int("group_size", group_size, minimum=1)
-        if B % group_size:
-            raise ValueError(f"group_size: B = {B} samples do not split into groups of {group_size}")
-        if num_groups is not None and num_groups != B // group_size:
-            raise ValueError(f"num_groups: expected B / group_size = {B // group_size}, got {num_groups}")
-        num_groups = B // group_size
-        group_index = torch.empty(0, dtype=torch.long, device=dev)  # contiguous groups: no ids needed
-    else:
-        check_tensor("group_index", group_index, dtypes=INT_DTYPES, ndim=(1,), device=dev)
-        check_shape("group_index", group_index, (B,), "one group id per row of scores")
-        group_index = group_index.long()
-        if num_groups is None:
-            num_groups = int(group_index.max()) + 1 if B else 0
-        check_int("num_groups", num_groups, minimum=0)
-    if sample_mask is not None:
-        check_tensor("sample_mask", sample_mask, dtypes=MASK_DTYPES, ndim=(1,), device=dev)
-        check_shape("sample_mask", sample_mask, (B,), "one flag per sample")
-        sample_mask = sample_mask != 0
-    if scores.dim() == 2:
-        K = scores.shape[1]
-        if reward_weights is not None:
-            check_tensor("reward_weights", reward_weights, dtypes=FLOAT_DTYPES, ndim=(1,), device=dev)
-            check_shape("reward_weights", reward_weights, (K,), "one weight per reward term")
-    elif reward_weights is not None:
-        raise ValueError("reward_weights: only used with [B, K] scores (K reward terms)")
-    num_tokens = -1
-    if cu_seqlens is not None:
-        check_tensor("cu_seqlens", cu_seqlens, dtypes=(torch.int32, torch.int64), ndim=(1,), device=dev)
-        check_shape("cu_seqlens", cu_seqlens, (B + 1,), "B + 1 offsets of the packed layout")
-        if response_mask is not None:
-            check_tensor("response_mask", response_mask, dtypes=MASK_DTYPES, ndim=(1,), device=dev)
-            num_tokens = response_mask.shape[0]
-        else:
-            num_tokens = int(cu_seqlens[-1])  # a host sync; pass a [T] mask to avoid it
-    elif response_mask is not None:
-        check_tensor("response_mask", response_mask, dtypes=MASK_DTYPES, ndim=(2,), device=dev)
-        if response_mask.shape[0] != B:
-            raise ValueError(
-                f"response_mask: expected [B={B}, L] rows matching scores, got {tuple(response_mask.shape)}"
-            )
-    if lengths is not None:
-        check_tensor("lengths", lengths, dtypes=FLOAT_DTYPES + INT_DTYPES, ndim=(1,), device=dev)
-        check_shape("lengths", lengths, (B,), "one token count per sample")
-    if opts.estimator == "opo" and lengths is None and response_mask is None and cu_seqlens is None:
-        raise ValueError("lengths: estimator='opo' needs lengths, response_mask or cu_seqlens for its length weights")
+def _pack(params: GroupAdvantagesParams) -> Tuple[List[float], List[int]]:
+    """``params.pack()`` in a form torch.compile traces (``KernelParams.pack`` looks its field
+    lists up through ``functools.cache``, which dynamo cannot trace)."""
+    return [float(getattr(params, n)) for n in _FLOAT_FIELDS], [int(getattr(params, n)) for n in _INT_FIELDS]
 
-    if checks_enabled(validate) and B:
-        # One reduction each on the common (valid) path; the exact, slower search for the
-        # offending row only runs when that reduction says something is wrong.
-        if group_size is None:
-            lo, hi = torch.aminmax(group_index)
-            if int(lo) < 0 or int(hi) >= num_groups:
-                bad = (group_index < 0) | (group_index >= num_groups)
-                i = int(bad.nonzero()[0])
-                raise ValueError(
-                    f"group_index: expected ids in [0, num_groups={num_groups}), got {int(group_index[i])} at row {i}"
-                )
-        # A float64 sum is finite iff every score is (no overflow below 1e308 · B).
-        if opts.nan_policy == "error" and not bool(torch.isfinite(scores.sum(dtype=torch.float64))):
-            finite = torch.isfinite(scores) if scores.dim() == 1 else torch.isfinite(scores).all(dim=1)
-            counted = ~finite if sample_mask is None else ~finite & sample_mask
-            if bool(counted.any()):
-                i = int(counted.nonzero()[0])
-                raise ValueError(
-                    f"scores: non-finite score at row {i} (pass nan_policy='unscorable' to exclude such "
-                    f"samples, or mask them with sample_mask)"
-                )
-        if reward_weights is not None:
-            fail_if(~torch.isfinite(reward_weights).all(), "reward_weights: expected finite weights")
-        if lengths is not None:
-            fail_if(~(torch.isfinite(lengths.double()) & (lengths >= 0)).all(), "lengths: expected finite counts >= 0")
-    if checks_enabled(validate) and cu_seqlens is not None:
-        cu = cu_seqlens.long()
-        if int(cu[0]) != 0:
-            raise ValueError(f"cu_seqlens: expected cu_seqlens[0] == 0, got {int(cu[0])}")
-        fail_if((cu[1:] < cu[:-1]).any(), "cu_seqlens: expected non-decreasing offsets")
-        if response_mask is not None and int(cu[-1]) != num_tokens:
-            raise ValueError(
-                f"cu_seqlens: expected cu_seqlens[-1] == T = {num_tokens} (response_mask length), got {int(cu[-1])}"
-            )
-    return scores, group_index, num_groups, group_size or 0, sample_mask, num_tokens
+
+def _reference(x: _Inputs, opts: AdvantageOptions, out_dtype: torch.dtype) -> GroupAdvantages:
+    """``backend="reference"``: the spec, through the dispatch table (never imported here)."""
+    group_index = x.group_index
+    if x.group_size:
+        group_index = torch.arange(x.scores.shape[0], device=x.scores.device) // x.group_size
+    return _dispatch.kernel("group_advantages", "reference")(
+        x.scores,
+        group_index,
+        x.num_groups,
+        opts,
+        sample_mask=x.sample_mask,
+        response_mask=x.response_mask,
+        cu_seqlens=x.cu_seqlens,
+        lengths=x.lengths,
+        reward_weights=x.reward_weights,
+        out_dtype=out_dtype,
+    )
+
+
+def _infer_num_groups(group_index: torch.Tensor) -> int:
+    """max(group_index) + 1 (a host sync), refused when it is no count the kernels allocate."""
+    if group_index.device.type == "meta":
+        raise ValueError("num_groups: required with meta tensors (group_index holds no values to infer it from)")
+    if group_index.numel() == 0:
+        return 0
+    hi = int(group_index.max())
+    if hi >= MAX_COUNT:
+        i = int(torch.argmax(group_index))
+        raise ValueError(
+            f"group_index: ids must be < {MAX_COUNT} (num_groups is inferred as max id + 1), got {hi} at row {i}"
+        )
+    return hi + 1
+
+
+def _packed_token_count(cu_seqlens: torch.Tensor) -> int:
+    """T = cu_seqlens[-1] of a packed layout without a mask (a host sync; pass a [T] mask to
+    avoid it): the size of the token output, so it is checked even with ``validate=False``."""
+    if cu_seqlens.device.type == "meta":
+        raise ValueError("cu_seqlens: with meta tensors, pass a [T] response_mask (cu_seqlens holds no token count)")
+    T = int(cu_seqlens[-1])
+    if not 0 <= T <= MAX_COUNT:
+        raise ValueError(f"cu_seqlens: expected cu_seqlens[-1] (the token count) in [0, {MAX_COUNT}], got {T}")
+    return T

@@ -30,14 +30,18 @@ def random_advantage_case(
     reward: str = "binary",
     dtype: torch.dtype = torch.float32,
     mask_fraction: float = 0.0,
+    grouping: str = "shuffled",
     device: str = "cpu",
 ) -> Dict:
     """Fresh random inputs for ``group_advantages``: shuffled group ids (uneven sizes,
-    some groups possibly empty), rewards of the named kind, an optional sample mask and a
-    padded (``"padded"``) or packed (``"packed"``) token layout with ragged lengths."""
+    some groups possibly empty; ``grouping="sorted"``: the same, group by group as verl and
+    TRL lay out a batch), rewards of the named kind, an optional sample mask and a padded
+    (``"padded"``) or packed (``"packed"``) token layout with ragged lengths."""
     group_index = (
         torch.randint(0, max(num_groups, 1), (B,), generator=gen) if num_groups else torch.zeros(B, dtype=torch.long)
     )
+    if grouping == "sorted":
+        group_index = group_index.sort().values
     if reward == "binary":
         scores = torch.randint(0, 2, (B,), generator=gen).to(torch.float32)
     elif reward == "int":
@@ -88,6 +92,23 @@ def check_cases() -> List[tuple]:
     )
     cases.append(
         ("grpo group-only B=4097", dict(layout="none", B=4097, num_groups=300, reward="normal"), dict(estimator="grpo"))
+    )
+    cases.append(
+        (
+            "grpo group-only B=4097, sorted ids",
+            dict(layout="none", B=4097, num_groups=300, reward="normal", grouping="sorted"),
+            dict(estimator="grpo", preset="verl"),
+        )
+    )
+    cases.append(
+        ("grpo fp64 scores", dict(layout="packed", dtype=torch.float64, reward="normal"), dict(estimator="grpo"))
+    )
+    cases.append(
+        (
+            "reinforce_pp_baseline fp64 scores",
+            dict(layout="padded", dtype=torch.float64, mask_fraction=0.2),
+            dict(estimator="reinforce_pp_baseline", preset="verl"),
+        )
     )
     return cases
 

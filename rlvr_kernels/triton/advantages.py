@@ -1,18 +1,23 @@
-"""Masked group advantages in Triton (SPEC §1): the CUDA backend.
+"""Masked group advantages in Triton (SPEC §1): the CUDA backend of ``group_advantages``
+(contract: :mod:`rlvr_kernels.ops.advantages`; parameters:
+:class:`rlvr_kernels.contracts.GroupAdvantagesParams`).
 
 Design:
 - Group membership comes from a stable sort of the per-sample keys (the group id, or
   ``num_groups`` for excluded samples) and ``searchsorted`` offsets: no atomics, so the
   statistics are bitwise reproducible.
 - ``_group_stats_kernel``: one program per group walks its segment twice (mean, then
-  Σ(r − μ)², min/max and the OPO / pass@k extras) in fp32 — never Σr² − (Σr)²/n.
-- ``_moments_kernel``: one program, fixed-order blocked sums of weighted moments over B
-  (batch σ, GPG's α, the whitening mean/variance).
+  Σ(r − μ)², min/max and the OPO / pass@k extras) — never Σr² − (Σr)²/n.
+- ``_moments_kernel``: one program, fixed-order blocked float64 sums of weighted moments
+  over B (batch σ, GPG's α, the whitening mean/variance).
 - ``_sample_kernel`` forms A_i, ``_whiten_kernel`` whitens it, and
   ``_padded_tokens_kernel`` / ``_packed_tokens_kernel`` write A_i · m_{i,t}; the packed
-  kernel finds each token's sequence by a binary search in ``cu_seqlens``.
+  kernel finds each token's sequence by a binary search in the sanitised offsets.
+Compute dtype ``CDT``: float64 for float64 scores, float32 otherwise (as the other Triton
+kernels); token values are formed in float64 for a float64 output, else in float32.
 All pointer arithmetic is int64; every load and store is masked, and indices that could
-come from unvalidated input (group ids, offsets) are clamped before they address memory.
+come from unvalidated input (group ids, offsets) are clamped or sanitised before they
+address memory.
 """
 
 from __future__ import annotations
@@ -24,10 +29,18 @@ import torch
 import triton
 import triton.language as tl
 
-# Must match rlvr_kernels/ops/advantages.py (BASELINE, SCALE, WHITEN).
-NONE, MEAN, RLOO, OPO, GPG, PASSK = 0, 1, 2, 3, 4, 5
-SCALE_NONE, SCALE_GROUP, SCALE_BATCH = 0, 1, 2
-WHITEN_OFF, WHITEN_TOKENS, WHITEN_SAMPLES = 0, 1, 2
+from ..contracts import sanitized_offsets
+from ..contracts.advantages import Baseline, GroupAdvantagesParams, Scale, Whiten
+
+# The branch codes as constexprs the kernels compare against (contracts.advantages).
+BASELINE_NONE = tl.constexpr(int(Baseline.NONE))
+BASELINE_MEAN = tl.constexpr(int(Baseline.MEAN))
+BASELINE_RLOO = tl.constexpr(int(Baseline.RLOO))
+BASELINE_OPO = tl.constexpr(int(Baseline.OPO))
+BASELINE_PASSK = tl.constexpr(int(Baseline.PASSK))
+SCALE_NONE = tl.constexpr(int(Scale.NONE))
+SCALE_GROUP = tl.constexpr(int(Scale.GROUP))
+SCALE_BATCH = tl.constexpr(int(Scale.BATCH))
 
 
 @triton.jit
@@ -41,15 +54,38 @@ def _divide(x, sigma, eps, EPS_IN_SQRT: tl.constexpr):
 
 
 @triton.jit
+def _passk_values(n_neg_i, n, passk_k, eps, EPS_IN_SQRT: tl.constexpr):
+    """pass@k advantages (correct, incorrect) of a group with n valid samples, n_neg of them
+    incorrect, in float64 (a handful of scalar flops per group): R̄ close to 1 would
+    otherwise lose the small 1 − R̄ to cancellation. Written with a = 1 − R̄ = C(n_neg, k)/C(n, k)."""
+    n_neg = n_neg_i.to(tl.float64)
+    nd = n.to(tl.float64)
+    # C(n_neg, k)/C(n, k) = Π_{j<k} (n_neg − j)/(n − j); C(a, b) = 0 when a < b.
+    all_neg = nd * 0.0 + 1.0
+    drop = tl.where(n_neg >= 1.0, 1.0, 0.0).to(tl.float64)  # C(n_neg − 1, k − 1)/C(n − 1, k − 1)
+    for jj in range(0, passk_k):
+        jf = jj * 1.0
+        all_neg = all_neg * tl.maximum(n_neg - jf, 0.0) / tl.maximum(nd - jf, 1.0)
+        if jj < passk_k - 1:
+            drop = drop * tl.maximum(n_neg - 1.0 - jf, 0.0) / tl.maximum(nd - 1.0 - jf, 1.0)
+    s = tl.sqrt(all_neg * (1.0 - all_neg))
+    enough = nd >= passk_k
+    eps64 = nd * 0.0 + eps
+    pos = _divide(all_neg, s, eps64, EPS_IN_SQRT)
+    neg = _divide(all_neg - drop, s, eps64, EPS_IN_SQRT)
+    return tl.where(enough, pos, 0.0), tl.where(enough, neg, 0.0)
+
+
+@triton.jit
 def _group_stats_kernel(
     scores_ptr,  # [B] float, any float dtype
     order_ptr,  # [B] int64: samples sorted by group, excluded ones last
     offsets_ptr,  # [G + 1] int64: group g owns order[offsets[g]:offsets[g + 1]]
-    weight_ptr,  # [B] fp32 token weights (OPO), read only if HAS_WEIGHT
+    weight_ptr,  # [B] CDT token weights (OPO), read only if HAS_WEIGHT
     mean_ptr,
     std_ptr,
     ext_a_ptr,
-    ext_b_ptr,  # [G] fp32 outputs
+    ext_b_ptr,  # [G] CDT outputs
     count_ptr,  # [G] int64 output
     degenerate_ptr,  # [G] int8 output
     passk_k,
@@ -58,6 +94,7 @@ def _group_stats_kernel(
     EPS_IN_SQRT: tl.constexpr,
     BASELINE: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    CDT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
@@ -69,40 +106,40 @@ def _group_stats_kernel(
     # Shifted by the group's first score: a constant group sums to exactly 0, so its mean
     # is exact and its A is exactly 0 (not 1 ulp over a 1-ulp σ).
     first = tl.load(order_ptr + begin, mask=n > 0, other=0)  # an empty group reads nothing
-    shift = tl.load(scores_ptr + first, mask=n > 0, other=0.0).to(tl.float32)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    shift = tl.load(scores_ptr + first, mask=n > 0, other=0.0).to(CDT)
+    acc = tl.zeros([BLOCK], dtype=CDT)
     for start in range(begin, end, BLOCK):
         j = start + lanes
         inside = j < end
         idx = tl.load(order_ptr + j, mask=inside, other=0)
-        x = tl.load(scores_ptr + idx, mask=inside, other=0.0).to(tl.float32)
+        x = tl.load(scores_ptr + idx, mask=inside, other=0.0).to(CDT)
         acc += tl.where(inside, x - shift, 0.0)
-    nf = n.to(tl.float32)
+    nf = n.to(CDT)
     mu = shift + tl.sum(acc, axis=0) / tl.maximum(nf, 1.0)
 
-    m2 = tl.zeros([BLOCK], dtype=tl.float32)
-    lo = tl.full([BLOCK], float("inf"), tl.float32)
-    hi = tl.full([BLOCK], float("-inf"), tl.float32)
-    wr = tl.zeros([BLOCK], dtype=tl.float32)
-    ws = tl.zeros([BLOCK], dtype=tl.float32)
+    m2 = tl.zeros([BLOCK], dtype=CDT)
+    lo = tl.full([BLOCK], float("inf"), CDT)
+    hi = tl.full([BLOCK], float("-inf"), CDT)
+    wr = tl.zeros([BLOCK], dtype=CDT)
+    ws = tl.zeros([BLOCK], dtype=CDT)
     neg = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(begin, end, BLOCK):
         j = start + lanes
         inside = j < end
         idx = tl.load(order_ptr + j, mask=inside, other=0)
-        x = tl.load(scores_ptr + idx, mask=inside, other=0.0).to(tl.float32)
+        x = tl.load(scores_ptr + idx, mask=inside, other=0.0).to(CDT)
         d = tl.where(inside, x - mu, 0.0)
         m2 += d * d
         lo = tl.minimum(lo, tl.where(inside, x, float("inf")))
         hi = tl.maximum(hi, tl.where(inside, x, float("-inf")))
-        if BASELINE == 3:  # OPO: length-weighted baseline
+        if BASELINE == BASELINE_OPO:  # length-weighted baseline
             if HAS_WEIGHT:
-                w = tl.load(weight_ptr + idx, mask=inside, other=0.0)
+                w = tl.load(weight_ptr + idx, mask=inside, other=0.0).to(CDT)
             else:
-                w = tl.where(inside, 1.0, 0.0)
+                w = tl.where(inside, 1.0, 0.0).to(CDT)
             wr += w * x
             ws += w
-        if BASELINE == 5:  # pass@k: count incorrect samples (r <= 0)
+        if BASELINE == BASELINE_PASSK:  # count incorrect samples (r <= 0)
             neg += (inside & (x <= 0.0)).to(tl.int32)
     m2s = tl.sum(m2, axis=0)
     if STD_UNBIASED:
@@ -115,36 +152,20 @@ def _group_stats_kernel(
     tl.store(count_ptr + g, n)
     tl.store(degenerate_ptr + g, ((n == 0) | (tl.min(lo, axis=0) == tl.max(hi, axis=0))).to(tl.int8))
 
-    if BASELINE == 3:
+    if BASELINE == BASELINE_OPO:
         sw = tl.sum(ws, axis=0)
         tl.store(ext_a_ptr + g, tl.where(sw > 0.0, tl.sum(wr, axis=0) / tl.where(sw > 0.0, sw, 1.0), mu))
-    if BASELINE == 5:
-        # In float64 (a handful of scalar flops per group): R̄ close to 1 would otherwise
-        # lose the small 1 − R̄ to cancellation. Written with a = 1 − R̄ = C(n_neg, k)/C(n, k).
-        n_neg = tl.sum(neg, axis=0).to(tl.float64)
-        nd = nf.to(tl.float64)
-        # C(n_neg, k)/C(n, k) = Π_{j<k} (n_neg − j)/(n − j); C(a, b) = 0 when a < b.
-        all_neg = nd * 0.0 + 1.0
-        drop = tl.where(n_neg >= 1.0, 1.0, 0.0).to(tl.float64)  # C(n_neg − 1, k − 1)/C(n − 1, k − 1)
-        for jj in range(0, passk_k):
-            jf = jj * 1.0
-            all_neg = all_neg * tl.maximum(n_neg - jf, 0.0) / tl.maximum(nd - jf, 1.0)
-            if jj < passk_k - 1:
-                drop = drop * tl.maximum(n_neg - 1.0 - jf, 0.0) / tl.maximum(nd - 1.0 - jf, 1.0)
-        s = tl.sqrt(all_neg * (1.0 - all_neg))
-        enough = nf >= passk_k
-        eps64 = nd * 0.0 + eps
-        pos = _divide(all_neg, s, eps64, EPS_IN_SQRT).to(tl.float32)
-        negv = _divide(all_neg - drop, s, eps64, EPS_IN_SQRT).to(tl.float32)
-        tl.store(ext_a_ptr + g, tl.where(enough, pos, 0.0))
-        tl.store(ext_b_ptr + g, tl.where(enough, negv, 0.0))
+    if BASELINE == BASELINE_PASSK:
+        pos, negv = _passk_values(tl.sum(neg, axis=0), n, passk_k, eps, EPS_IN_SQRT)
+        tl.store(ext_a_ptr + g, pos.to(CDT))
+        tl.store(ext_b_ptr + g, negv.to(CDT))
 
 
 @triton.jit
 def _moments_kernel(
     values_ptr,  # [B] float
-    weight_ptr,  # [B] fp32 weights (0 = excluded)
-    out_ptr,  # [4] fp32: Σw, weighted mean, Σw(x − mean)², Σw·[x ≠ 0]
+    weight_ptr,  # [B] float weights (0 = excluded)
+    out_ptr,  # [4] CDT: Σw, weighted mean, Σw(x − mean)², Σw·[x ≠ 0]
     B,
     BLOCK: tl.constexpr,
 ):
@@ -171,10 +192,11 @@ def _moments_kernel(
         w = tl.load(weight_ptr + i, mask=inside, other=0.0).to(tl.float64)
         x = tl.load(values_ptr + i, mask=inside, other=0.0).to(tl.float64)
         m2 += w * (x - mean) * (x - mean)
-    tl.store(out_ptr + 0, W.to(tl.float32))
-    tl.store(out_ptr + 1, mean.to(tl.float32))
-    tl.store(out_ptr + 2, tl.sum(m2, axis=0).to(tl.float32))
-    tl.store(out_ptr + 3, tl.sum(nz, axis=0).to(tl.float32))
+    out_dt = out_ptr.dtype.element_ty
+    tl.store(out_ptr + 0, W.to(out_dt))
+    tl.store(out_ptr + 1, mean.to(out_dt))
+    tl.store(out_ptr + 2, tl.sum(m2, axis=0).to(out_dt))
+    tl.store(out_ptr + 3, tl.sum(nz, axis=0).to(out_dt))
 
 
 @triton.jit
@@ -185,11 +207,11 @@ def _sample_kernel(
     mean_ptr,
     std_ptr,
     ext_a_ptr,
-    ext_b_ptr,  # [G] fp32 group statistics
+    ext_b_ptr,  # [G] CDT group statistics
     count_ptr,  # [G] int64
     degenerate_ptr,  # [G] int8
-    moments_ptr,  # [4] fp32 from _moments_kernel over the valid scores (batch σ, GPG α)
-    adv_ptr,  # [B] fp32 output
+    moments_ptr,  # [4] CDT from _moments_kernel over the valid scores (batch σ, GPG α)
+    adv_ptr,  # [B] CDT output
     keep_ptr,  # [B] int8 output
     B,
     G,
@@ -199,6 +221,7 @@ def _sample_kernel(
     STD_UNBIASED: tl.constexpr,
     EPS_IN_SQRT: tl.constexpr,
     SINGLETON_RAW: tl.constexpr,
+    CDT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -206,22 +229,22 @@ def _sample_kernel(
     ok = tl.load(ok_ptr + i, mask=inside, other=0) != 0
     g = tl.load(group_ptr + i, mask=inside, other=0)
     g = tl.minimum(tl.maximum(g, 0), tl.maximum(G - 1, 0))  # never address outside [0, G)
-    x = tl.load(scores_ptr + i, mask=ok, other=0.0).to(tl.float32)
-    n = tl.load(count_ptr + g, mask=ok, other=0).to(tl.float32)
+    x = tl.load(scores_ptr + i, mask=ok, other=0.0).to(CDT)
+    n = tl.load(count_ptr + g, mask=ok, other=0).to(CDT)
     mu = tl.load(mean_ptr + g, mask=ok, other=0.0)
     sd = tl.load(std_ptr + g, mask=ok, other=0.0)
     deg = tl.load(degenerate_ptr + g, mask=ok, other=1) != 0
 
-    if BASELINE == 0:
+    if BASELINE == BASELINE_NONE:
         a = x
-    elif BASELINE == 5:
+    elif BASELINE == BASELINE_PASSK:
         a = tl.where(x > 0.0, tl.load(ext_a_ptr + g, mask=ok, other=0.0), tl.load(ext_b_ptr + g, mask=ok, other=0.0))
     else:
         W = tl.load(moments_ptr + 0)
-        if BASELINE == 1:
-            if SCALE == 1:
+        if BASELINE == BASELINE_MEAN:
+            if SCALE == SCALE_GROUP:
                 a = _divide(x - mu, sd, eps, EPS_IN_SQRT)
-            elif SCALE == 2:
+            elif SCALE == SCALE_BATCH:
                 m2 = tl.load(moments_ptr + 2)
                 if STD_UNBIASED:
                     denom = W - 1.0
@@ -231,14 +254,14 @@ def _sample_kernel(
                 a = _divide(x - mu, batch_sd, eps, EPS_IN_SQRT)
             else:
                 a = x - mu
-            if SCALE == 0:
+            if SCALE == SCALE_NONE:
                 lone = x
             else:
                 lone = _divide(x, 1.0, eps, EPS_IN_SQRT)  # verl's loop rule: mean 0, std 1
-        elif BASELINE == 2:
+        elif BASELINE == BASELINE_RLOO:
             a = n / tl.maximum(n - 1.0, 1.0) * (x - mu)
             lone = x
-        elif BASELINE == 3:
+        elif BASELINE == BASELINE_OPO:
             a = x - tl.load(ext_a_ptr + g, mask=ok, other=0.0)
             lone = x
         else:  # GPG: α = B_valid / max(#{valid r ≠ 0}, 1)
@@ -250,15 +273,15 @@ def _sample_kernel(
         else:
             a = tl.where(n == 1.0, 0.0, a)
     a = tl.where(ok, a, 0.0)
-    tl.store(adv_ptr + i, a, mask=inside)
+    tl.store(adv_ptr + i, a.to(CDT), mask=inside)
     tl.store(keep_ptr + i, (ok & ~deg).to(tl.int8), mask=inside)
 
 
 @triton.jit
 def _whiten_kernel(
-    adv_ptr,  # [B] fp32, whitened in place
-    weight_ptr,  # [B] fp32 whitening weights
-    moments_ptr,  # [4] fp32 from _moments_kernel over adv
+    adv_ptr,  # [B] CDT, whitened in place
+    weight_ptr,  # [B] CDT whitening weights
+    moments_ptr,  # [4] CDT from _moments_kernel over adv
     B,
     eps,
     EPS_IN_SQRT: tl.constexpr,
@@ -278,56 +301,57 @@ def _whiten_kernel(
 @triton.jit
 def _row_sum_kernel(
     mask_ptr,  # [B, L] padded or [T] packed mask, any dtype
-    cu_ptr,  # [B + 1] offsets (PACKED only)
-    out_ptr,  # [B] fp32 token counts
+    cu_ptr,  # [B + 1] int64 sanitised offsets (PACKED only)
+    out_ptr,  # [B] token counts (the compute dtype)
     B,
     L,
-    T,
     PACKED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    if PACKED:
-        begin = tl.minimum(tl.maximum(tl.load(cu_ptr + row).to(tl.int64), 0), T)
-        end = tl.minimum(tl.maximum(tl.load(cu_ptr + row + 1).to(tl.int64), begin), T)
+    if PACKED:  # sanitised: 0 <= begin <= end <= T
+        begin = tl.load(cu_ptr + row)
+        end = tl.load(cu_ptr + row + 1)
     else:
         begin = row * L
         end = begin + L
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty)
     for start in range(begin, end, BLOCK):
         t = start + tl.arange(0, BLOCK)
-        acc += tl.load(mask_ptr + t, mask=t < end, other=0).to(tl.float32)
+        acc += tl.load(mask_ptr + t, mask=t < end, other=0).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row, tl.sum(acc, axis=0))
 
 
 @triton.jit
 def _padded_tokens_kernel(
-    adv_ptr,  # [B] fp32
+    adv_ptr,  # [B] compute dtype
     mask_ptr,  # [B, L] contiguous, any dtype
     out_ptr,  # [B, L] contiguous, out dtype
     B,
     L,
+    TDT: tl.constexpr,  # token math: float64 for a float64 output, else float32
     BLOCK_B: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
-    a = tl.load(adv_ptr + rows, mask=rows < B, other=0.0)
+    a = tl.load(adv_ptr + rows, mask=rows < B, other=0.0).to(TDT)
     inside = (rows[:, None] < B) & (cols[None, :] < L)
     offs = rows[:, None] * L + cols[None, :]
-    m = tl.load(mask_ptr + offs, mask=inside, other=0).to(tl.float32)
+    m = tl.load(mask_ptr + offs, mask=inside, other=0).to(TDT)
     tl.store(out_ptr + offs, a[:, None] * m, mask=inside)
 
 
 @triton.jit
 def _packed_tokens_kernel(
-    adv_ptr,  # [B] fp32
-    cu_ptr,  # [B + 1] int32/int64 offsets
+    adv_ptr,  # [B] compute dtype
+    cu_ptr,  # [B + 1] int64 sanitised offsets
     mask_ptr,  # [T] mask, read only if HAS_MASK
     out_ptr,  # [T] out dtype
     B,
     T,
     HAS_MASK: tl.constexpr,
+    TDT: tl.constexpr,  # token math: float64 for a float64 output, else float32
     SEARCH_STEPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -344,76 +368,95 @@ def _packed_tokens_kernel(
         hi = tl.where(go, hi, mid - 1)
     first = tl.load(cu_ptr + 0).to(tl.int64)
     covered = inside & (lo < B) & (t >= first)
-    a = tl.load(adv_ptr + lo, mask=covered, other=0.0)
+    a = tl.load(adv_ptr + lo, mask=covered, other=0.0).to(TDT)
     if HAS_MASK:
-        a = a * tl.load(mask_ptr + t, mask=covered, other=0).to(tl.float32)
+        a = a * tl.load(mask_ptr + t, mask=covered, other=0).to(TDT)
     tl.store(out_ptr + t, a, mask=inside)
 
 
 _BLOCK = 1024
 
 
-def group_advantages_triton(
-    scores,
-    group_index,
-    num_groups,
-    group_size,
-    valid,
-    lengths,
-    response_mask,
-    cu_seqlens,
-    num_tokens,
-    baseline,
-    scale,
-    std_unbiased,
-    eps,
-    eps_in_sqrt,
-    singleton_raw,
-    passk_k,
-    whiten,
-    whiten_eps,
-    whiten_eps_in_sqrt,
-    out_dtype,
-):
-    """Same contract as the C++ kernel ``rlvr_kernels_C::group_advantages``."""
+def _check_shapes(scores, group_index, valid, lengths, response_mask, cu_seqlens, p: GroupAdvantagesParams):
+    """The shape relations the kernels rely on (the C++ kernel's TORCH_CHECKs); returns T
+    of a packed layout (else -1)."""
+
+    def need(cond, message):
+        if not cond:
+            raise ValueError(f"group_advantages: {message}")
+
+    need(scores.dim() == 1 and scores.is_floating_point(), f"scores must be a 1-D float tensor [B], got {scores.shape}")
+    B = scores.shape[0]
+    need(0 <= p.num_groups <= 2**31 - 1, f"num_groups must be in [0, 2^31 - 1], got {p.num_groups}")
+    need(0 <= p.group_size <= 2**31 - 1, f"group_size must be in [0, 2^31 - 1], got {p.group_size}")
+    need(p.baseline != Baseline.PASSK or p.passk_k >= 1, f"passk_k must be >= 1, got {p.passk_k}")
+    if p.group_size > 0:
+        need(group_index is None, "group_index must be None with group_size > 0")
+        need(p.num_groups * p.group_size == B, f"num_groups x group_size must be B = {B}")
+    else:
+        need(group_index is not None, "group_index is required with group_size = 0")
+        need(
+            group_index.shape == (B,) and not group_index.is_floating_point(),
+            f"group_index must be integer [B] = [{B}], got {group_index.shape}",
+        )
+    for name, t in (("valid", valid), ("lengths", lengths)):
+        need(t is None or t.shape == (B,), f"{name} must be [B] = [{B}], got {None if t is None else t.shape}")
+    if cu_seqlens is not None:
+        need(cu_seqlens.shape == (B + 1,), f"cu_seqlens must be [B + 1] = [{B + 1}], got {cu_seqlens.shape}")
+        need(not cu_seqlens.is_floating_point(), f"cu_seqlens must hold integers, got {cu_seqlens.dtype}")
+        if response_mask is not None:
+            need(response_mask.dim() == 1, f"a packed response_mask must be [T], got {response_mask.shape}")
+            return response_mask.shape[0]
+        need(0 <= p.num_tokens <= 2**31 - 1, f"num_tokens must be in [0, 2^31 - 1], got {p.num_tokens}")
+        return p.num_tokens
+    if response_mask is not None:
+        need(
+            response_mask.dim() == 2 and response_mask.shape[0] == B,
+            f"a padded response_mask must be [B, L] with B = {B}, got {response_mask.shape}",
+        )
+    return -1
+
+
+def group_advantages(scores, group_index, valid, lengths, response_mask, cu_seqlens, fparams, iparams, out_dtype):
+    """The Triton kernels under the contract of ``rlvr_kernels_C::group_advantages``."""
+    p = GroupAdvantagesParams.unpack(fparams, iparams)
+    T = _check_shapes(scores, group_index, valid, lengths, response_mask, cu_seqlens, p)
     dev = scores.device
-    B, G = scores.shape[0], num_groups
-    f32 = dict(dtype=torch.float32, device=dev)
+    B, G = scores.shape[0], p.num_groups
+    cdt_torch, cdt = (torch.float64, tl.float64) if scores.dtype == torch.float64 else (torch.float32, tl.float32)
+    tdt = tl.float64 if out_dtype == torch.float64 else tl.float32
+    cf = dict(dtype=cdt_torch, device=dev)
     packed = cu_seqlens is not None
     has_layout = packed or response_mask is not None
     if packed:
-        T = response_mask.shape[0] if response_mask is not None else max(num_tokens, 0)
         token_adv = torch.empty(T, dtype=out_dtype, device=dev)
+        cu = sanitized_offsets(cu_seqlens, T).contiguous()  # in bounds and disjoint, whatever the input
     elif response_mask is not None:
         token_adv = torch.empty(response_mask.shape, dtype=out_dtype, device=dev)
     else:
         token_adv = torch.empty(0, dtype=out_dtype, device=dev)
 
     scores = scores.contiguous()
-    if group_size > 0:  # contiguous groups: ids are cheap to make on the device
-        group_index = torch.arange(B, device=dev) // group_size
-    group_index = group_index.contiguous()
-    in_range = (group_index >= 0) & (group_index < G)
-    ok = torch.isfinite(scores) & in_range
+    if p.group_size > 0:  # contiguous groups: ids are cheap to make on the device
+        group_index = torch.arange(B, device=dev) // p.group_size
+    group_index = group_index.long().contiguous()
+    ok = torch.isfinite(scores) & (group_index >= 0) & (group_index < G)
     if valid is not None:
-        ok &= valid
+        ok &= valid.bool()
     ok8 = ok.to(torch.int8)
 
     # Token weights w_i: needed by OPO and token whitening.
     weights = None
-    if baseline == OPO or whiten == WHITEN_TOKENS:
+    if p.baseline == Baseline.OPO or p.whiten == Whiten.TOKENS:
         if lengths is not None:
-            weights = lengths.to(torch.float32).contiguous()
+            weights = lengths.to(cdt_torch).contiguous()
         elif packed and response_mask is None:
-            cu = cu_seqlens.long().clamp(0, token_adv.shape[0])
-            weights = (cu[1:] - torch.minimum(cu[:-1], cu[1:])).to(torch.float32)
+            weights = (cu[1:] - cu[:-1]).to(cdt_torch)
         elif has_layout and B > 0:
-            weights = torch.empty(B, **f32)
+            weights = torch.empty(B, **cf)
             m = response_mask.contiguous()
-            L = 1 if packed else m.shape[1]
-            cu = cu_seqlens.contiguous() if packed else weights  # unused when not packed
             _row_sum_kernel[(B,)](
-                m, cu, weights, B, L, token_adv.shape[0] if packed else 0, PACKED=packed, BLOCK=_BLOCK
+                m, cu if packed else weights, weights, B, 1 if packed else m.shape[1], PACKED=packed, BLOCK=_BLOCK
             )
 
     # Segments: a stable sort keeps each group's samples in sample order.
@@ -421,10 +464,10 @@ def group_advantages_triton(
     sorted_key, order = torch.sort(key, stable=True)
     offsets = torch.searchsorted(sorted_key, torch.arange(G + 1, device=dev, dtype=sorted_key.dtype))
 
-    mean = torch.zeros(G, **f32)
-    sd = torch.zeros(G, **f32)
-    ext_a = torch.zeros(G, **f32)
-    ext_b = torch.zeros(G, **f32)
+    mean = torch.zeros(G, **cf)
+    sd = torch.zeros(G, **cf)
+    ext_a = torch.zeros(G, **cf)
+    ext_b = torch.zeros(G, **cf)
     count = torch.zeros(G, dtype=torch.int64, device=dev)
     degenerate = torch.ones(G, dtype=torch.int8, device=dev)
     if G > 0:
@@ -439,21 +482,22 @@ def group_advantages_triton(
             ext_b,
             count,
             degenerate,
-            int(passk_k),
-            float(eps),
-            STD_UNBIASED=bool(std_unbiased),
-            EPS_IN_SQRT=bool(eps_in_sqrt),
-            BASELINE=int(baseline),
+            int(p.passk_k),
+            float(p.eps),
+            STD_UNBIASED=bool(p.std_unbiased),
+            EPS_IN_SQRT=bool(p.eps_in_sqrt),
+            BASELINE=int(p.baseline),
             HAS_WEIGHT=weights is not None,
+            CDT=cdt,
             BLOCK=64,
         )
 
-    moments = torch.zeros(4, **f32)
-    adv = torch.zeros(B, **f32)
+    moments = torch.zeros(4, **cf)
+    adv = torch.zeros(B, **cf)
     keep8 = torch.zeros(B, dtype=torch.int8, device=dev)
     if B > 0:
-        ok_f = ok.to(torch.float32)
-        if (baseline == MEAN and scale == SCALE_BATCH) or baseline == GPG:
+        ok_f = ok.to(cdt_torch)
+        if (p.baseline == Baseline.MEAN and p.scale == Scale.BATCH) or p.baseline == Baseline.GPG:
             _moments_kernel[(1,)](scores, ok_f, moments, B, BLOCK=_BLOCK)
         _sample_kernel[(triton.cdiv(B, _BLOCK),)](
             scores,
@@ -470,35 +514,36 @@ def group_advantages_triton(
             keep8,
             B,
             G,
-            float(eps),
-            BASELINE=int(baseline),
-            SCALE=int(scale),
-            STD_UNBIASED=bool(std_unbiased),
-            EPS_IN_SQRT=bool(eps_in_sqrt),
-            SINGLETON_RAW=bool(singleton_raw),
+            float(p.eps),
+            BASELINE=int(p.baseline),
+            SCALE=int(p.scale),
+            STD_UNBIASED=bool(p.std_unbiased),
+            EPS_IN_SQRT=bool(p.eps_in_sqrt),
+            SINGLETON_RAW=bool(p.singleton_raw),
+            CDT=cdt,
             BLOCK=_BLOCK,
         )
-        if whiten != WHITEN_OFF:
-            wts = ok_f * weights if (whiten == WHITEN_TOKENS and weights is not None) else ok_f
-            wmom = torch.zeros(4, **f32)
+        if p.whiten != Whiten.OFF:
+            wts = ok_f * weights if (p.whiten == Whiten.TOKENS and weights is not None) else ok_f
+            wmom = torch.zeros(4, **cf)
             _moments_kernel[(1,)](adv, wts, wmom, B, BLOCK=_BLOCK)
             _whiten_kernel[(triton.cdiv(B, _BLOCK),)](
-                adv, wts, wmom, B, float(whiten_eps), EPS_IN_SQRT=bool(whiten_eps_in_sqrt), BLOCK=_BLOCK
+                adv, wts, wmom, B, float(p.whiten_eps), EPS_IN_SQRT=bool(p.whiten_eps_in_sqrt), BLOCK=_BLOCK
             )
 
     if has_layout and token_adv.numel() > 0:
         if packed:
-            T = token_adv.shape[0]
             steps = max(1, math.ceil(math.log2(B + 1)) + 1)
             m = response_mask.contiguous() if response_mask is not None else token_adv
             _packed_tokens_kernel[(triton.cdiv(T, _BLOCK),)](
                 adv,
-                cu_seqlens.contiguous(),
+                cu,
                 m,
                 token_adv,
                 B,
                 T,
                 HAS_MASK=response_mask is not None,
+                TDT=tdt,
                 SEARCH_STEPS=steps,
                 BLOCK=_BLOCK,
             )
@@ -508,7 +553,7 @@ def group_advantages_triton(
             block_b = max(1, 2048 // block_l)
             grid = (triton.cdiv(B, block_b), triton.cdiv(L, block_l))
             _padded_tokens_kernel[grid](
-                adv, response_mask.contiguous(), token_adv, B, L, BLOCK_B=block_b, BLOCK_L=block_l
+                adv, response_mask.contiguous(), token_adv, B, L, TDT=tdt, BLOCK_B=block_b, BLOCK_L=block_l
             )
 
     return (
@@ -524,66 +569,90 @@ def group_advantages_triton(
 
 def aot_specs():
     """Variants compiled ahead of time by ``python -m rlvr_kernels.triton.aot`` (see there for the
-    spec format): every statistics plan, the per-sample, whitening and token kernels."""
+    spec format): every statistics plan, the per-sample, whitening and token kernels, in fp32 and
+    (statistics and per-sample kernels) fp64 compute."""
     k = sys.modules[__name__]
 
-    p32, pi64, pi8 = "*fp32", "*i64", "*i8"
-    for baseline in (k.MEAN, k.OPO, k.PASSK):
-        sig = dict(
-            scores_ptr="*bf16",
-            order_ptr=pi64,
-            offsets_ptr=pi64,
-            weight_ptr=p32,
-            mean_ptr=p32,
-            std_ptr=p32,
-            ext_a_ptr=p32,
-            ext_b_ptr=p32,
-            count_ptr=pi64,
-            degenerate_ptr=pi8,
-            passk_k="i32",
-            eps="fp32",
+    pi64, pi8 = "*i64", "*i8"
+    for cdt, tag in ((tl.float32, ""), (tl.float64, ",fp64")):
+        pc = "*fp64" if cdt is tl.float64 else "*fp32"
+        for baseline in (Baseline.MEAN, Baseline.OPO, Baseline.PASSK):
+            sig = dict(
+                scores_ptr="*fp64" if cdt is tl.float64 else "*bf16",
+                order_ptr=pi64,
+                offsets_ptr=pi64,
+                weight_ptr=pc,
+                mean_ptr=pc,
+                std_ptr=pc,
+                ext_a_ptr=pc,
+                ext_b_ptr=pc,
+                count_ptr=pi64,
+                degenerate_ptr=pi8,
+                passk_k="i32",
+                eps="fp32",
+            )
+            const = dict(
+                STD_UNBIASED=True,
+                EPS_IN_SQRT=False,
+                BASELINE=int(baseline),
+                HAS_WEIGHT=baseline == Baseline.OPO,
+                CDT=cdt,
+                BLOCK=64,
+            )
+            yield f"_group_stats_kernel[baseline={int(baseline)}{tag}]", k._group_stats_kernel, sig, const
+        plans = ((Baseline.MEAN, Scale.GROUP), (Baseline.MEAN, Scale.BATCH), (Baseline.GPG, Scale.NONE))
+        for baseline, scale in plans + ((Baseline.PASSK, Scale.NONE),):
+            sig = dict(
+                scores_ptr=pc,
+                group_ptr=pi64,
+                ok_ptr=pi8,
+                mean_ptr=pc,
+                std_ptr=pc,
+                ext_a_ptr=pc,
+                ext_b_ptr=pc,
+                count_ptr=pi64,
+                degenerate_ptr=pi8,
+                moments_ptr=pc,
+                adv_ptr=pc,
+                keep_ptr=pi8,
+                B="i32",
+                G="i32",
+                eps="fp32",
+            )
+            const = dict(
+                BASELINE=int(baseline),
+                SCALE=int(scale),
+                STD_UNBIASED=True,
+                EPS_IN_SQRT=False,
+                SINGLETON_RAW=True,
+                CDT=cdt,
+                BLOCK=1024,
+            )
+            name = f"_sample_kernel[baseline={int(baseline)},scale={int(scale)}{tag}]"
+            yield name, k._sample_kernel, sig, const
+        yield (
+            f"_moments_kernel{tag and '[fp64]'}",
+            k._moments_kernel,
+            dict(values_ptr=pc, weight_ptr=pc, out_ptr=pc, B="i32"),
+            dict(BLOCK=1024),
         )
-        const = dict(STD_UNBIASED=True, EPS_IN_SQRT=False, BASELINE=baseline, HAS_WEIGHT=baseline == k.OPO, BLOCK=64)
-        yield f"_group_stats_kernel[baseline={baseline}]", k._group_stats_kernel, sig, const
-    yield (
-        "_moments_kernel",
-        k._moments_kernel,
-        dict(values_ptr=p32, weight_ptr=p32, out_ptr=p32, B="i32"),
-        dict(BLOCK=1024),
-    )
-    for baseline, scale in ((k.MEAN, k.SCALE_GROUP), (k.MEAN, k.SCALE_BATCH), (k.GPG, k.SCALE_NONE), (k.PASSK, 0)):
-        sig = dict(
-            scores_ptr=p32,
-            group_ptr=pi64,
-            ok_ptr=pi8,
-            mean_ptr=p32,
-            std_ptr=p32,
-            ext_a_ptr=p32,
-            ext_b_ptr=p32,
-            count_ptr=pi64,
-            degenerate_ptr=pi8,
-            moments_ptr=p32,
-            adv_ptr=p32,
-            keep_ptr=pi8,
-            B="i32",
-            G="i32",
-            eps="fp32",
+        yield (
+            f"_whiten_kernel{tag and '[fp64]'}",
+            k._whiten_kernel,
+            dict(adv_ptr=pc, weight_ptr=pc, moments_ptr=pc, B="i32", eps="fp32"),
+            dict(EPS_IN_SQRT=True, BLOCK=1024),
         )
-        const = dict(
-            BASELINE=baseline, SCALE=scale, STD_UNBIASED=True, EPS_IN_SQRT=False, SINGLETON_RAW=True, BLOCK=1024
-        )
-        yield f"_sample_kernel[baseline={baseline},scale={scale}]", k._sample_kernel, sig, const
-    yield (
-        "_whiten_kernel",
-        k._whiten_kernel,
-        dict(adv_ptr=p32, weight_ptr=p32, moments_ptr=p32, B="i32", eps="fp32"),
-        dict(EPS_IN_SQRT=True, BLOCK=1024),
-    )
+    p32 = "*fp32"
     for packed in (False, True):
-        sig = dict(mask_ptr=p32, cu_ptr=pi64, out_ptr=p32, B="i32", L="i32", T="i64")
+        sig = dict(mask_ptr=p32, cu_ptr=pi64, out_ptr=p32, B="i32", L="i32")
         yield f"_row_sum_kernel[packed={packed}]", k._row_sum_kernel, sig, dict(PACKED=packed, BLOCK=1024)
     for mask in ("*fp32", "*i1"):
         sig = dict(adv_ptr=p32, mask_ptr=mask, out_ptr=p32, B="i32", L="i32")
-        yield f"_padded_tokens_kernel[mask={mask}]", k._padded_tokens_kernel, sig, dict(BLOCK_B=2, BLOCK_L=1024)
-    sig = dict(adv_ptr=p32, cu_ptr="*i32", mask_ptr="*i1", out_ptr="*bf16", B="i32", T="i64")
-    yield "_packed_tokens_kernel", k._packed_tokens_kernel, sig, dict(HAS_MASK=True, SEARCH_STEPS=14, BLOCK=1024)
+        const = dict(TDT=tl.float32, BLOCK_B=2, BLOCK_L=1024)
+        yield f"_padded_tokens_kernel[mask={mask}]", k._padded_tokens_kernel, sig, const
+    sig = dict(adv_ptr="*fp64", mask_ptr="*fp32", out_ptr="*fp64", B="i32", L="i32")
+    const = dict(TDT=tl.float64, BLOCK_B=2, BLOCK_L=1024)
+    yield "_padded_tokens_kernel[fp64]", k._padded_tokens_kernel, sig, const
+    sig = dict(adv_ptr=p32, cu_ptr=pi64, mask_ptr="*i1", out_ptr="*bf16", B="i32", T="i64")
+    const = dict(HAS_MASK=True, TDT=tl.float32, SEARCH_STEPS=14, BLOCK=1024)
+    yield "_packed_tokens_kernel", k._packed_tokens_kernel, sig, const

@@ -58,7 +58,7 @@ def advantage_inputs(draw, max_b):
         scores = torch.randn(shape, generator=gen)
     else:  # every group's rewards equal: degenerate groups
         scores = torch.randint(0, 2, (int(group_index.max()) + 1,) + shape[1:], generator=gen).float()[group_index]
-    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
     kw["scores"] = scores.to(dtype)
     if K > 1 and draw(st.booleans()):
         kw["reward_weights"] = torch.rand(K, generator=gen) + 0.5
@@ -86,7 +86,9 @@ def advantage_inputs(draw, max_b):
     return kw, opts
 
 
-def check_against_reference(backend, device, kw, opts, out_dtype=torch.float32):
+def check_against_reference(backend, device, kw, opts, out_dtype=None):
+    # fp64 scores: fp64 results, held to the fp64 reference (the kernels compute in fp64).
+    out_dtype = out_dtype or (torch.float64 if kw["scores"].dtype == torch.float64 else torch.float32)
     ref64 = rk.group_advantages(**as_float64(kw), **opts, backend="reference", out_dtype=torch.float64)
     same = rk.group_advantages(**kw, **opts, backend="reference", out_dtype=kw["scores"].dtype)
     fast = rk.group_advantages(**to(kw, device), **opts, backend=backend, out_dtype=out_dtype)
@@ -122,6 +124,33 @@ def test_out_dtypes(backend, device, out_dtype):
         response_mask=torch.rand(97, 13, generator=gen) > 0.3,
     )
     check_against_reference(backend, device, kw, dict(estimator="grpo"), out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("backend,device", FAST)
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(estimator="grpo"),
+        dict(estimator="grpo", scale="batch"),
+        dict(estimator="rloo"),
+        dict(estimator="reinforce_pp_baseline", preset="verl"),
+        dict(estimator="gdpo", preset="trl"),
+    ],
+)
+def test_fp64_scores_below_fp32_resolution(backend, device, opts):
+    # Rewards 1e4 apart by ~1e-4: fp32 cannot resolve them (its spacing there is ~1e-3), so
+    # only an fp64 computation meets the fp64 reference (for fp64 inputs "torch in the same
+    # dtype" is the reference itself: the bound is the few-ulp atol).
+    gen = torch.Generator().manual_seed(12)
+    B = 203
+    scores = 1e4 + 1e-4 * torch.randn(B, 2 if opts["estimator"] == "gdpo" else 1, generator=gen, dtype=torch.float64)
+    kw = dict(
+        scores=scores.squeeze(1) if scores.shape[1] == 1 else scores,
+        group_index=torch.randint(0, 17, (B,), generator=gen),
+        num_groups=17,
+        response_mask=torch.rand(B, 11, generator=gen) > 0.3,
+    )
+    check_against_reference(backend, device, kw, opts)
 
 
 @pytest.mark.parametrize("backend,device", FAST)

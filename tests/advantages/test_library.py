@@ -6,6 +6,7 @@ import torch
 from _backends import FAST, to
 
 import rlvr_kernels as rk
+from rlvr_kernels.contracts import Baseline, GroupAdvantagesParams, Scale, Whiten
 from rlvr_kernels.ops.advantages import _group_advantages_op
 
 
@@ -22,36 +23,32 @@ def op_args(device, backend, layout):
     elif layout == "packed":
         cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
         mask = torch.rand(int(cu[-1]), generator=gen) > 0.3
+    elif layout == "packed_nomask":
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
         num_tokens = int(cu[-1])
     valid = torch.rand(B, generator=gen) > 0.2
-    args = (
-        scores,
-        gi,
-        5,
-        0,
-        valid,
-        None,
-        mask,
-        cu,
-        num_tokens,
-        1,
-        1,
-        True,
-        1e-6,
-        False,
-        False,
-        0,
-        1,
-        1e-8,
-        True,
-        torch.float32,
-        backend,
+    params = GroupAdvantagesParams(
+        num_groups=5,
+        group_size=0,
+        num_tokens=num_tokens,
+        baseline=Baseline.MEAN,
+        scale=Scale.GROUP,
+        std_unbiased=True,
+        eps=1e-6,
+        eps_in_sqrt=False,
+        singleton_raw=False,
+        passk_k=0,
+        whiten=Whiten.TOKENS,
+        whiten_eps=1e-8,
+        whiten_eps_in_sqrt=True,
     )
+    fparams, iparams = params.pack()
+    args = (scores, gi, valid, None, mask, cu, fparams, iparams, torch.float32, backend)
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 @pytest.mark.parametrize("backend,device", FAST)
-@pytest.mark.parametrize("layout", ["none", "padded", "packed"])
+@pytest.mark.parametrize("layout", ["none", "padded", "packed", "packed_nomask"])
 def test_opcheck(backend, device, layout):
     torch.library.opcheck(_group_advantages_op, op_args(device, backend, layout))
 

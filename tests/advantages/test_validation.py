@@ -81,6 +81,42 @@ CASES = [
     ({}, dict(whitening=None, estimator="reinforce_pp_baseline", eps=float("inf")), ValueError, "eps"),
     ({}, dict(out_dtype=torch.int32), TypeError, "out_dtype"),
     ({}, dict(backend="cuda"), ValueError, "backend"),
+    # Absurd sizes: refused up front, naming the argument, not by the kernel's allocator.
+    ({}, dict(num_groups=2**40), ValueError, "num_groups"),
+    ({}, dict(num_groups=2**62), ValueError, "num_groups"),
+    (dict(group_index=torch.tensor([0, 0, 1, 1, 2, 2**40])), dict(validate=False), ValueError, "group_index"),
+    (dict(group_index=torch.tensor([0, 0, 1, 1, 2, 2**31 - 1])), {}, ValueError, "group_index"),
+    (dict(group_index=None), dict(group_size=2**40), ValueError, "group_size"),
+    (dict(response_mask=None), dict(cu_seqlens=torch.tensor([0, 1, 2, 3, 4, 5, 2**40])), ValueError, "cu_seqlens"),
+    (
+        dict(response_mask=None),
+        dict(cu_seqlens=torch.tensor([0, 1, 2, 3, 4, 5, 2**40]), validate=False),
+        ValueError,
+        "cu_seqlens",
+    ),
+    (
+        dict(response_mask=None),
+        dict(cu_seqlens=torch.tensor([0, 1, 2, 3, 4, 5, -1]), validate=False),
+        ValueError,
+        "cu_seqlens",
+    ),
+    # Meta tensors hold no values: what would need them is asked for, naming the argument.
+    (
+        dict(
+            scores=torch.zeros(6, device="meta"),
+            group_index=torch.zeros(6, dtype=torch.long, device="meta"),
+            response_mask=None,
+        ),
+        {},
+        ValueError,
+        "num_groups",
+    ),
+    (
+        dict(scores=torch.zeros(6, device="meta"), group_index=None, response_mask=None),
+        dict(group_size=2, cu_seqlens=torch.zeros(7, dtype=torch.long, device="meta")),
+        ValueError,
+        "cu_seqlens",
+    ),
 ]
 
 
@@ -122,3 +158,40 @@ def test_uids_to_group_index_errors():
         rk.uids_to_group_index(np.zeros((2, 2)))
     with pytest.raises(TypeError, match="uids"):
         rk.uids_to_group_index(torch.zeros(3))
+
+
+@pytest.mark.parametrize(
+    "name, extra",
+    [
+        ("sample_mask", dict(sample_mask=torch.ones(6, dtype=torch.bool, device="meta"))),
+        ("lengths", dict(lengths=torch.ones(6, device="meta"))),
+        ("cu_seqlens", dict(cu_seqlens=torch.zeros(7, dtype=torch.long, device="meta"), response_mask=None)),
+    ],
+)
+def test_device_mismatch_names_the_argument_and_scores(name, extra):
+    kw = {**good(), **extra}
+    with pytest.raises(ValueError, match=rf"^{name}: expected a tensor on cpu \(where scores lives\)"):
+        rk.group_advantages(**{k: v for k, v in kw.items() if v is not None})
+
+
+def test_all_meta_inputs_give_meta_outputs_without_reading_values():
+    # Value checks are skipped for meta tensors (no .item()), shapes still follow the contract.
+    B, L = 6, 4
+    meta = dict(device="meta")
+    for kw in (
+        dict(
+            group_index=torch.zeros(B, dtype=torch.long, **meta), num_groups=3, response_mask=torch.ones(B, L, **meta)
+        ),
+        dict(
+            group_size=2, cu_seqlens=torch.zeros(B + 1, dtype=torch.long, **meta), response_mask=torch.ones(9, **meta)
+        ),
+        dict(group_size=3, sample_mask=torch.ones(B, dtype=torch.bool, **meta), lengths=torch.ones(B, **meta)),
+    ):
+        for est in ("grpo", "gdpo", "opo", "reinforce_pp_baseline"):
+            if est == "opo" and "lengths" not in kw and "response_mask" not in kw:
+                continue
+            out = rk.group_advantages(torch.zeros(B, **meta), estimator=est, **kw)
+            assert out.advantages.device.type == "meta" and out.advantages.shape == (B,)
+            assert out.group_count.shape == (kw.get("num_groups", B // kw.get("group_size", 1)),)
+            if "response_mask" in kw:
+                assert out.token_advantages.shape == kw["response_mask"].shape
