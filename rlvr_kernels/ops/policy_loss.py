@@ -46,6 +46,7 @@ Kernel contract (C++ ``csrc/policy_loss.cpp``, Triton ``triton/policy_loss.py``;
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -192,7 +193,9 @@ def _setup_context(ctx, inputs, output):
     ctx.entropy_dtype = args.entropy.dtype if has_entropy_grad else None
 
 
-_NO_GRADS = _FwdArgs(*([None] * len(_FwdArgs._fields)))
+_NO_GRADS = (None,) * len(_FwdArgs._fields)
+# The positions of the inputs that get a gradient, looked up by name once.
+_LOGPROBS, _ENTROPY = _FwdArgs._fields.index("logprobs"), _FwdArgs._fields.index("entropy")
 
 
 def _backward(ctx, g_sums, g_logp, g_ent, g_tok):
@@ -202,11 +205,11 @@ def _backward(ctx, g_sums, g_logp, g_ent, g_tok):
     up = g_sums[S.TOTAL]
     if g_tok is not None and g_tok.numel():
         up = up + g_tok
-    grad_logprobs = _policy_loss_grad(coef_logp, up, ctx.logprobs_dtype, ctx.backend)
-    grad_entropy = None
+    grads = list(_NO_GRADS)
+    grads[_LOGPROBS] = _policy_loss_grad(coef_logp, up, ctx.logprobs_dtype, ctx.backend)
     if ctx.entropy_dtype is not None:
-        grad_entropy = _policy_loss_grad(coef_ent, up, ctx.entropy_dtype, ctx.backend)
-    return tuple(_NO_GRADS._replace(logprobs=grad_logprobs, entropy=grad_entropy))
+        grads[_ENTROPY] = _policy_loss_grad(coef_ent, up, ctx.entropy_dtype, ctx.backend)
+    return tuple(grads)
 
 
 _policy_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -581,8 +584,6 @@ _ROLLOUT_CORRECTIONS = {
     "decoupled": RolloutCorrection.DECOUPLED,
 }
 _A3PO_METRICS = {"prob": A3poMetric.PROB, "entropy": A3poMetric.ENTROPY}
-_FLOAT_FIELDS = PolicyLossParams.float_fields()
-_INT_FIELDS = PolicyLossParams.int_fields()
 
 
 def _kernel_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> PolicyLossParams:
@@ -624,14 +625,30 @@ def _kernel_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> 
     )
 
 
-def _pack(params: PolicyLossParams) -> Tuple[List[float], List[int]]:
-    """``params.pack()`` in a form torch.compile traces (``KernelParams.pack`` looks its field
-    lists up through ``functools.cache``, which dynamo cannot trace)."""
-    return [float(getattr(params, n)) for n in _FLOAT_FIELDS], [int(getattr(params, n)) for n in _INT_FIELDS]
+_FLOAT_FIELDS = PolicyLossParams.float_fields()
+_INT_FIELDS = PolicyLossParams.int_fields()
+
+
+def _packed_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> Tuple[List[float], List[int]]:
+    """``_kernel_params(o, seq_adv, token_out).pack()``: the custom op's ``(fparams, iparams)``.
+    Eager calls reuse them per options (building and packing the 32-field dataclass costs
+    ~10 µs, a few percent of a small call). Under torch.compile the lists are built by code
+    dynamo traces: ``KernelParams.pack`` looks its field lists up through ``functools.cache``,
+    which dynamo cannot trace, and the options are not a constant it can key a cache on."""
+    if torch.compiler.is_compiling():
+        params = _kernel_params(o, seq_adv, token_out)
+        return [float(getattr(params, n)) for n in _FLOAT_FIELDS], [int(getattr(params, n)) for n in _INT_FIELDS]
+    return _packed_params_cached(o, seq_adv, token_out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _packed_params_cached(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut):
+    # (shared lists: the kernels only read them)
+    return _kernel_params(o, seq_adv, token_out).pack()
 
 
 def _run_fwd(x: _Inputs, opts: PolicyLossOptions, token_out: TokenOut, need_entropy_grad: bool, backend: str) -> _Out:
-    fparams, iparams = _pack(_kernel_params(opts, x.seq_adv, token_out))
+    fparams, iparams = _packed_params(opts, x.seq_adv, token_out)
     return _policy_loss_fwd(
         x.logprobs,
         x.old_logprobs,
