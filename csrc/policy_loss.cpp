@@ -1,6 +1,7 @@
 // The GRPO-family policy loss on the CPU (SPEC §2, §4): one forward pass that writes the loss
-// sums, the metrics and the per-token derivative grad_logprobs = a_t · ∂ℓ_t/∂logp_t, so the
-// backward is a scalar multiply (rlvr_kernels/ops/policy_loss.py holds the contract).
+// sums, the metrics and the per-token derivative grad_logprobs = agg_w · ∂ℓ/∂logp, so the
+// backward is a scalar multiply (rlvr_kernels/ops/policy_loss.py holds the contract, the
+// parameters are PolicyLossParams of policy_loss.h).
 //
 // Layout of the work:
 //   * an optional pre-pass per sequence (parallel over sequences), only when an option needs
@@ -12,19 +13,29 @@
 //     on the thread count. Every output slot is written exactly once (0 on padding, masked
 //     tokens and tokens outside every packed span); runs of masked slots are skipped 8 at a time.
 //
-// Vectorisation: the token math is written once on GCC vector types, branch-free with selects.
-// The build is portable (no -march), so the block loop is compiled twice, with 16-byte vectors
-// for the baseline ISA and 32-byte ones for AVX2+FMA, and picked at run time. A block is walked
-// in tiles of kTileGroups vectors; each stage (inputs, policy-gradient term, shaping, IS weight,
-// KL, combination) is a short loop over the tile with its intermediates in L1 arrays, which
-// keeps every loop within the register file and tests the options once per tile. Float exp is
-// a Cephes-style polynomial (< 1 ulp; torch uses SLEEF's 1-ulp exp); double exp is libm.
+// The stages of a tile read, function by function, like rlvr_kernels/reference/policy_loss.py:
+//   log_ratio → pg term (ppo_term, gspo_term, cispo_term, sapo_term, reinforce_term) →
+//   shaping_weight → is_weight → kl_term → token loss and partial sums;
+// each helper's comment names the reference function it mirrors. Names: `adv` is the
+// advantage A, `agg_w` the aggregation weight a_t (m_t / n_i for seq-mean-token-mean, else m_t).
 //
-// Numerics follow the fp32/fp64 reference (rlvr_kernels/reference/policy_loss.py) op for op:
-// hyper-parameters enter the token math in the compute dtype (as a Python scalar does in a
-// torch op), the shaping weight is computed in double and rounded once, derivatives follow
-// torch's autograd conventions (clamp passes the gradient on the closed interval, maximum /
-// minimum split a tie in halves). Sums are double, fed per tile (see Acc).
+// Vectorisation: the token math is written once on GCC vector types, branch-free with selects.
+// The build is portable (no -march), so the block loop is compiled twice by run_isa (simd.h),
+// with 16-byte vectors for the baseline ISA and 32-byte ones for AVX2+FMA, and picked at run
+// time. A block is walked in tiles of kTileGroups vectors; each stage is a short loop over the
+// tile with its intermediates in L1 arrays (Tile), which keeps every loop within the register
+// file and tests the options once per tile. Float exp is a Cephes-style polynomial (< 1 ulp;
+// torch uses SLEEF's 1-ulp exp); double exp is libm.
+//
+// Numerics follow the fp32/fp64 reference op for op: hyper-parameters enter the token math in
+// the compute dtype (as a Python scalar does in a torch op), the shaping weight is computed in
+// double and rounded once, derivatives follow torch's autograd conventions (clamp passes the
+// gradient on the closed interval, maximum / minimum split a tie in halves). Sums are double,
+// fed per tile (see Acc).
+//
+// Memory safety: the registered op is reachable directly (and by compiled graphs), so the entry
+// point checks every shape relation the kernel relies on, and cu_seqlens goes through
+// sanitized_offsets (spans.h): whatever the inputs hold, every access stays in bounds.
 #include "policy_loss.h"
 
 #include <ATen/Dispatch.h>
@@ -43,15 +54,14 @@
 
 #include "alloc.h"
 #include "simd.h"
+#include "spans.h"
 
 namespace rlvr {
 namespace {
 
-using namespace policy_loss_index;
-
-enum LossType : int64_t { kPpo = 0, kGspo = 1, kCispo = 2, kSapo = 3, kReinforce = 4 };
-enum KlType : int64_t { kKlNone = 0, kK1 = 1, kK2 = 2, kK3 = 3, kK3Plus = 4 };
-enum RcType : int64_t { kRcNone = 0, kTokenTis = 1, kSeqTis = 2, kTokenMis = 3, kSeqMis = 4, kDecoupled = 5 };
+using Sum = PolicyLossSum;
+constexpr int NUM_SUMS = kNumPolicyLossSums;
+constexpr int idx(Sum s) { return int(s); }
 
 // Token slots per work item: small enough to balance ragged rows over threads, large enough
 // that the per-block partial sums cost nothing.
@@ -80,6 +90,7 @@ RLVR_LANES(double, 32, int64_t, uint64_t, 32, 4, uint32_t)
 RLVR_LANES(double, 16, int64_t, uint64_t, 16, 2, uint16_t)
 #undef RLVR_LANES
 
+// m ? a : b, for vector lanes and for scalars alike.
 template <typename M, typename V>
 RLVR_INLINE V sel(M m, V a, V b) {
   return m ? a : b;
@@ -157,11 +168,16 @@ RLVR_INLINE typename Lanes<T, VB>::M lanes_below(int n) {
 }
 
 // ------------------------------------------------------------------ options and context
+// PolicyLossParams decoded once, plus the switches the stages test once per tile.
 struct Options {
-  int64_t loss, kl, rc, token_out;
+  LossType loss;
+  KlEstimator kl;
+  RolloutCorrection rc;
+  TokenOut token_out;
   bool kl_clamp, seq_mean, seq_adv, a3po, a3po_entropy, ent_quantile, need_entropy_grad;
-  bool lrc_on, dual_clip, has_entropy, ent_term, shaping, prepass;
-  double w_pos, w_neg, lambda, a3po_knobs[8];
+  bool lrc_on, dual_clip, has_entropy, ent_term, shaping, seq_rc, prepass;
+  double w_pos, w_neg, lambda;
+  double a3po_knobs[8];  // (ratio, scale) of pos-high, pos-low, neg-high, neg-low
 };
 
 // Per-sequence results of the pre-pass.
@@ -176,26 +192,27 @@ struct SeqInfo {
 
 template <typename in_t, typename T>
 struct Ctx {
-  const in_t *lp, *old, *ref, *roll, *ent;
+  const in_t *lp, *old, *ref, *roll, *ent;  // ref / roll / ent: nullptr when the call does not read them
   const T* adv;
   const bool* mask;
   int64_t B, L, slots;         // L = 0 for the packed layout; slots = B·L or T
-  const int64_t *begin, *end;  // packed spans: disjoint, in order, inside [0, T]
+  const int64_t* offsets;      // packed: the B + 1 sanitised offsets (disjoint, in order, inside [0, T])
   T *grad, *grad_ent, *tok;
   Options o;
   // Hyper-parameters in the compute dtype, as the reference's torch ops see them.
-  T lo, hi, clip_c, lrc, gspo_clamp, beta, rc_low, rc_high, ent_coef, tau_pos, tau_neg, four_tau_pos, four_tau_neg;
+  T ratio_low, ratio_high, clip_c, lrc, gspo_clamp, beta, rc_low, rc_high, ent_coef, tau_pos, tau_neg, four_tau_pos,
+      four_tau_neg;
   float threshold;
   const SeqInfo<T>* seq;  // nullptr without pre-pass
   uint8_t* has_valid;     // without pre-pass: sequences with a valid token
 
   void span(int64_t i, int64_t& b, int64_t& e) const {
-    if (L > 0 || begin == nullptr) {
+    if (L > 0 || offsets == nullptr) {
       b = i * L;
       e = b + L;
     } else {
-      b = begin[i];
-      e = end[i];
+      b = offsets[i];
+      e = offsets[i + 1];
     }
   }
 };
@@ -203,10 +220,26 @@ struct Ctx {
 // What a segment of one sequence needs from the sequence.
 template <typename T>
 struct SeqConst {
-  T adv, a, neg_ce_a, gspo_s, seq_w;
+  T adv, agg_w, grad_ent, gspo_s, seq_w;  // grad_ent = −c_H·agg_w
   bool gspo_pass, seq_rej;
   double a3po_high, a3po_low;
 };
+
+template <typename in_t, typename T>
+RLVR_INLINE SeqConst<T> seq_const(const Ctx<in_t, T>& c, int64_t i) {
+  const Options& o = c.o;
+  SeqConst<T> s{};
+  s.adv = o.seq_adv ? c.adv[i] : T(0);
+  s.agg_w = o.seq_mean ? c.seq->inv_n[i] : T(1);
+  s.grad_ent = -c.ent_coef * s.agg_w;
+  s.gspo_s = o.loss == LossType::GSPO ? c.seq->gspo_s[i] : T(0);
+  s.gspo_pass = o.loss == LossType::GSPO ? c.seq->gspo_pass[i] != 0 : false;
+  s.seq_w = o.seq_rc ? c.seq->seq_w[i] : T(1);
+  s.seq_rej = o.seq_rc ? c.seq->seq_rej[i] != 0 : false;
+  s.a3po_high = o.a3po ? c.seq->a3po_high[i] : 1.0;
+  s.a3po_low = o.a3po ? c.seq->a3po_low[i] : 1.0;
+  return s;
+}
 
 // Lane accumulators of one block: double lanes, exact integer counts. Within a tile each stage
 // sums in the compute type (at most kTileGroups values per lane: converting every group to
@@ -233,20 +266,21 @@ struct Acc {
   RLVR_INLINE void add(int k, V tile_sum) { sum[k] += __builtin_convertvector(tile_sum, D); }
 
   RLVR_INLINE void reduce(double* out) const {
-    static constexpr int slot[kNumSums] = {S_TOTAL, S_PG, S_KL, S_NEG_DELTA, S_KL_RAW, S_IS, S_ENT};
+    static constexpr int slot[kNumSums] = {idx(Sum::TOTAL),  idx(Sum::PG), idx(Sum::KL), idx(Sum::NEG_DELTA),
+                                           idx(Sum::KL_RAW), idx(Sum::IS), idx(Sum::ENT)};
     for (int k = 0; k < NUM_SUMS; ++k) out[k] = 0.0;
     double mx = 0.0;
     for (int l = 0; l < L::W; ++l) {
       for (int k = 0; k < kNumSums; ++k) out[slot[k]] += sum[k][l];
-      out[S_NTOK] += double(ntok[l]);
-      out[S_CLIP] += double(clip[l]);
-      out[S_CLIP_LOWER] += double(clip_lower[l]);
-      out[S_REJECT] += double(reject[l]);
-      out[S_SHAPED] += double(shaped[l]);
-      out[S_NONFINITE] += double(nonfinite[l]);
+      out[idx(Sum::NTOK)] += double(ntok[l]);
+      out[idx(Sum::CLIP)] += double(clip[l]);
+      out[idx(Sum::CLIP_LOWER)] += double(clip_lower[l]);
+      out[idx(Sum::REJECT)] += double(reject[l]);
+      out[idx(Sum::SHAPED)] += double(shaped[l]);
+      out[idx(Sum::NONFINITE)] += double(nonfinite[l]);
       mx = std::max(mx, double(is_max[l]));
     }
-    out[S_IS_MAX] = mx;
+    out[idx(Sum::IS_MAX)] = mx;
   }
 };
 
@@ -254,16 +288,18 @@ struct Acc {
 template <typename T, int VB>
 struct VConst {
   using V = typename Lanes<T, VB>::V;
-  V zero, one, half, lo, hi, clip_c, lrc, beta, ent_coef, rc_low, rc_high, tau_pos, tau_neg, four_tau_pos, four_tau_neg,
-      lim20, lim10;
+  using M = typename Lanes<T, VB>::M;
+  V zero, one, half, ratio_low, ratio_high, clip_c, lrc, beta, ent_coef, rc_low, rc_high, tau_pos, tau_neg,
+      four_tau_pos, four_tau_neg, lim20, lim10;
+  M none, all;
 
   template <typename in_t>
   explicit VConst(const Ctx<in_t, T>& c)
       : zero(splat<V>(T(0))),
         one(splat<V>(T(1))),
         half(splat<V>(T(0.5))),
-        lo(splat<V>(c.lo)),
-        hi(splat<V>(c.hi)),
+        ratio_low(splat<V>(c.ratio_low)),
+        ratio_high(splat<V>(c.ratio_high)),
         clip_c(splat<V>(c.clip_c)),
         lrc(splat<V>(c.lrc)),
         beta(splat<V>(c.beta)),
@@ -275,24 +311,30 @@ struct VConst {
         four_tau_pos(splat<V>(c.four_tau_pos)),
         four_tau_neg(splat<V>(c.four_tau_neg)),
         lim20(splat<V>(T(20))),
-        lim10(splat<V>(T(10))) {}
+        lim10(splat<V>(T(10))),
+        none(M{}),
+        all(M{} == M{}) {}
 };
 
-template <typename in_t, typename T>
-RLVR_INLINE SeqConst<T> seq_const(const Ctx<in_t, T>& c, int64_t i) {
-  SeqConst<T> s{};
-  s.adv = c.o.seq_adv ? c.adv[i] : T(0);
-  s.a = c.o.seq_mean ? c.seq->inv_n[i] : T(1);
-  s.neg_ce_a = -c.ent_coef * s.a;
-  s.gspo_s = c.o.loss == kGspo ? c.seq->gspo_s[i] : T(0);
-  s.gspo_pass = c.o.loss == kGspo ? c.seq->gspo_pass[i] != 0 : false;
-  const bool seq_rc = c.o.rc == kSeqTis || c.o.rc == kSeqMis;
-  s.seq_w = seq_rc ? c.seq->seq_w[i] : T(1);
-  s.seq_rej = seq_rc ? c.seq->seq_rej[i] != 0 : false;
-  s.a3po_high = c.o.a3po ? c.seq->a3po_high[i] : 1.0;
-  s.a3po_low = c.o.a3po ? c.seq->a3po_low[i] : 1.0;
-  return s;
-}
+// One tile: up to kTileGroups groups of W token slots [t0, t0 + ns) of one sequence, with each
+// stage's per-group results in small arrays (L1) between the stage loops.
+template <typename T, int VB>
+struct Tile {
+  using L = Lanes<T, VB>;
+  using V = typename L::V;
+  using M = typename L::M;
+  static constexpr int G = kTileGroups;
+  int64_t t0;
+  int ns, ng;
+  M valid[G];
+  V lp[G], old[G], adv[G], ent[G], ref[G], roll[G];  // inputs in the compute dtype
+  V pg[G], dpg[G];                                   // policy-gradient term, ∂pg/∂logp
+  V w[G], shaped_adv[G];                             // shaping weight, Ã = A·w
+  V is_w[G];                                         // rollout-correction weight
+  V kl[G], dkl[G];                                   // KL estimate, ∂kl/∂logp
+
+  RLVR_INLINE int lanes(int g) const { return std::min(L::W, ns - g * L::W); }
+};
 
 template <typename in_t, typename T>
 RLVR_INLINE void zero_slots(const Ctx<in_t, T>& c, int64_t t0, int64_t t1) {
@@ -302,385 +344,485 @@ RLVR_INLINE void zero_slots(const Ctx<in_t, T>& c, int64_t t0, int64_t t1) {
   if (c.tok != nullptr) std::fill(c.tok + t0, c.tok + t1, T(0));
 }
 
-// pg = max(l1, l2) with l1 = −A·x, l2 = −A·clamp(x, lo, hi) (PPO / GSPO), and
-// coef = ∂pg/∂x / (−A): torch.maximum sends a tie half to each side, clamp passes [lo, hi].
-template <typename V, typename M>
-RLVR_INLINE V clip_branch(V neg_adv, V x, V lo, V hi, V zero, V one, V half, V& coef, M& clipped) {
+// ------------------------------------------------------------------ stages
+// Inputs of a tile in the compute dtype (reference.policy_loss rounds them the same way), the
+// valid count and the value check (Sum::NONFINITE): x·0 is ±0 for finite x and NaN for NaN/±inf,
+// so a sum of them is NaN exactly when an input of the lane is not finite (no overflow is
+// possible), one FMA per input. Returns whether a slot of the tile is valid.
+template <int VB, typename in_t, typename T>
+RLVR_INLINE bool input_stage(const Ctx<in_t, T>& c, const VConst<T, VB>& k, const SeqConst<T>& sc, Tile<T, VB>& tl,
+                             Acc<T, VB>& acc) {
+  using V = typename Lanes<T, VB>::V;
+  using M = typename Lanes<T, VB>::M;
+  constexpr int W = Lanes<T, VB>::W;
+  const Options& o = c.o;
+  bool any = false;
+  M ntok = k.none, nonfinite = k.none;
+  const V nf0 = o.seq_adv ? splat<V>(sc.adv * T(0)) : k.zero;
+  for (int g = 0; g < tl.ng; ++g) {
+    const int64_t t = tl.t0 + g * W;
+    const int n = tl.lanes(g);
+    if (c.mask != nullptr) {
+      any |= load_mask<T, VB>(c.mask + t, n, tl.valid[g]);
+    } else {
+      tl.valid[g] = lanes_below<T, VB>(n);
+      any = true;
+    }
+    ntok -= tl.valid[g];
+    tl.lp[g] = load<T, VB>(c.lp + t, n);
+    tl.old[g] = load<T, VB>(c.old + t, n);
+    tl.adv[g] = o.seq_adv ? splat<V>(sc.adv) : load<T, VB>(c.adv + t, n);
+    V nf = nf0 + tl.lp[g] * k.zero + tl.old[g] * k.zero;
+    if (!o.seq_adv) nf = nf + tl.adv[g] * k.zero;
+    if (o.has_entropy) {
+      tl.ent[g] = load<T, VB>(c.ent + t, n);
+      nf = nf + tl.ent[g] * k.zero;
+    }
+    if (c.ref != nullptr) {
+      tl.ref[g] = load<T, VB>(c.ref + t, n);
+      nf = nf + tl.ref[g] * k.zero;
+    }
+    if (c.roll != nullptr) {
+      tl.roll[g] = load<T, VB>(c.roll + t, n);
+      nf = nf + tl.roll[g] * k.zero;
+    }
+    nonfinite -= tl.valid[g] & (nf != nf);
+  }
+  acc.ntok += ntok;
+  acc.nonfinite += nonfinite;
+  return any;
+}
+
+// Mirrors reference log_ratio: δ = logp − old, clamped to ±log_ratio_clamp when that is on;
+// `pass` is where the clamp passes the gradient (torch.clamp: the closed interval).
+template <typename V, typename M, typename K>
+RLVR_INLINE V log_ratio(bool lrc_on, const K& k, V lp, V old, M& pass) {
+  const V delta_raw = lp - old;
+  pass = k.all;
+  if (!lrc_on) return delta_raw;
+  pass = (delta_raw >= -k.lrc) & (delta_raw <= k.lrc);
+  return vclamp(delta_raw, -k.lrc, k.lrc);
+}
+
+// max(l1, l2) with l1 = −A·x, l2 = −A·clamp(x, lo, hi), the clipped objective of ppo_term and
+// gspo_term; coef = ∂/∂x divided by −A: torch.maximum sends a tie half to each side, clamp
+// passes [lo, hi].
+template <typename V, typename M, typename K>
+RLVR_INLINE V clipped_objective(const K& k, V neg_adv, V x, V& coef, M& clipped) {
   const V l1 = neg_adv * x;
-  const V l2 = neg_adv * vclamp(x, lo, hi);
+  const V l2 = neg_adv * vclamp(x, k.ratio_low, k.ratio_high);
   const M gt = l1 > l2, lt = l2 > l1;
-  const M inside = (x >= lo) & (x <= hi);
-  const V w1 = sel(gt, one, sel(lt, zero, half));
-  const V w2 = sel(lt, one, sel(gt, zero, half));
-  coef = w1 + sel(inside, w2, zero);
+  const M inside = (x >= k.ratio_low) & (x <= k.ratio_high);
+  const V w1 = sel(gt, k.one, sel(lt, k.zero, k.half));
+  const V w2 = sel(lt, k.one, sel(gt, k.zero, k.half));
+  coef = w1 + sel(inside, w2, k.zero);
   clipped = lt;
   return vmax_nan(l1, l2);
 }
 
-// One tile: up to kTileGroups groups of W token slots [t0, t0 + ns) of one sequence. Each stage
-// is its own short loop over the tile with its intermediates in small arrays (L1), so every loop
-// keeps its values in registers and tests the options once per tile. Returns whether a slot was
-// valid.
+// The per-tile partial sums of the policy-gradient stage.
+template <typename T, int VB>
+struct PgSums {
+  typename Lanes<T, VB>::V neg_delta;
+  typename Lanes<T, VB>::M clip, clip_lower;
+};
+
+// Mirrors reference ppo_term: the clipped ratio objective, and for A < 0 the dual clip
+// min(·, −A·c) (torch.minimum: a tie passes half the gradient).
+template <int VB, typename T>
+RLVR_INLINE void ppo_term(const Options& o, const VConst<T, VB>& k, Tile<T, VB>& tl, int g, PgSums<T, VB>& s) {
+  using V = typename Lanes<T, VB>::V;
+  using M = typename Lanes<T, VB>::M;
+  const V neg_adv = -tl.adv[g];
+  M pass;
+  const V delta = log_ratio(o.lrc_on, k, tl.lp[g], tl.old[g], pass);
+  const V ratio = vexp(delta);
+  V coef;
+  M clipped;
+  V p = clipped_objective(k, neg_adv, ratio, coef, clipped);
+  if (o.dual_clip) {
+    const V l3 = neg_adv * k.clip_c;
+    const M neg = tl.adv[g] < k.zero;
+    const V gm = sel(p < l3, k.one, sel(p == l3, k.half, k.zero));
+    s.clip_lower -= tl.valid[g] & neg & (p > l3);
+    coef = sel(neg, coef * gm, coef);
+    p = sel(neg, vmin_nan(p, l3), p);
+  }
+  tl.pg[g] = p;
+  tl.dpg[g] = sel(pass, neg_adv * coef * ratio, k.zero);
+  s.clip -= tl.valid[g] & clipped;
+  s.neg_delta += sel(tl.valid[g], -delta, k.zero);
+}
+
+// Mirrors reference gspo_term: log s_{i,t} = logp − sg(logp) + sg(log s_i), so the value is the
+// sequence's s (from the pre-pass) and the derivative w.r.t. its own logp is s while log s_i is
+// under the clamp.
+template <int VB, typename T>
+RLVR_INLINE void gspo_term(const VConst<T, VB>& k, const SeqConst<T>& sc, typename Lanes<T, VB>::V s_vec,
+                           Tile<T, VB>& tl, int g, PgSums<T, VB>& s) {
+  using V = typename Lanes<T, VB>::V;
+  using M = typename Lanes<T, VB>::M;
+  const V neg_adv = -tl.adv[g];
+  V coef;
+  M clipped;
+  tl.pg[g] = clipped_objective(k, neg_adv, s_vec, coef, clipped);
+  tl.dpg[g] = sc.gspo_pass ? neg_adv * coef * s_vec : k.zero;
+  s.clip -= tl.valid[g] & clipped;
+  s.neg_delta += sel(tl.valid[g], tl.old[g] - tl.lp[g], k.zero);
+}
+
+// Mirrors reference cispo_term: −sg(clamp(ratio, lo, hi))·A·logp (the clipped ratio is a constant).
+template <int VB, typename T>
+RLVR_INLINE void cispo_term(const Options& o, const VConst<T, VB>& k, Tile<T, VB>& tl, int g, PgSums<T, VB>& s) {
+  using V = typename Lanes<T, VB>::V;
+  using M = typename Lanes<T, VB>::M;
+  M pass;  // (unused: the clipped ratio carries no gradient)
+  const V delta = log_ratio(o.lrc_on, k, tl.lp[g], tl.old[g], pass);
+  const V ratio = vexp(delta);
+  const V clipped_ratio = vclamp(ratio, k.ratio_low, k.ratio_high);
+  tl.dpg[g] = -clipped_ratio * tl.adv[g];
+  tl.pg[g] = tl.dpg[g] * tl.lp[g];
+  s.clip -= tl.valid[g] & (ratio != clipped_ratio);
+  s.neg_delta += sel(tl.valid[g], -delta, k.zero);
+}
+
+// Mirrors reference sapo_term: −σ(τ·(ratio − 1))·(4/τ)·A, τ = τ_pos for A > 0, else τ_neg.
+template <int VB, typename T>
+RLVR_INLINE void sapo_term(const Options& o, const VConst<T, VB>& k, Tile<T, VB>& tl, int g, PgSums<T, VB>& s) {
+  using V = typename Lanes<T, VB>::V;
+  using M = typename Lanes<T, VB>::M;
+  M pass;
+  const V delta = log_ratio(o.lrc_on, k, tl.lp[g], tl.old[g], pass);
+  const V ratio = vexp(delta);
+  const M pos = tl.adv[g] > k.zero;
+  const V tau = sel(pos, k.tau_pos, k.tau_neg);
+  const V four_tau = sel(pos, k.four_tau_pos, k.four_tau_neg);
+  const V sig = k.one / (k.one + vexp(-(tau * (ratio - k.one))));
+  tl.pg[g] = -(sig * four_tau) * tl.adv[g];
+  tl.dpg[g] = sel(pass, -tl.adv[g] * four_tau * (sig * (k.one - sig)) * tau * ratio, k.zero);
+  s.neg_delta += sel(tl.valid[g], -delta, k.zero);
+}
+
+// Mirrors reference reinforce_term: −A·logp.
+template <int VB, typename T>
+RLVR_INLINE void reinforce_term(const VConst<T, VB>& k, Tile<T, VB>& tl, int g, PgSums<T, VB>& s) {
+  tl.pg[g] = -tl.adv[g] * tl.lp[g];
+  tl.dpg[g] = -tl.adv[g];
+  s.neg_delta += sel(tl.valid[g], tl.old[g] - tl.lp[g], k.zero);
+}
+
+// Mirrors reference pg_term: the policy-gradient term pg, dpg = ∂pg/∂logp, the clip flags and
+// −δ, one loop per loss type (the type is tested once per tile).
+template <int VB, typename T>
+RLVR_INLINE void pg_stage(const Options& o, const VConst<T, VB>& k, const SeqConst<T>& sc, Tile<T, VB>& tl,
+                          Acc<T, VB>& acc) {
+  using V = typename Lanes<T, VB>::V;
+  PgSums<T, VB> s{k.zero, k.none, k.none};
+  switch (o.loss) {
+    case LossType::PPO:
+      for (int g = 0; g < tl.ng; ++g) ppo_term(o, k, tl, g, s);
+      break;
+    case LossType::GSPO: {
+      const V s_vec = splat<V>(sc.gspo_s);
+      for (int g = 0; g < tl.ng; ++g) gspo_term(k, sc, s_vec, tl, g, s);
+      break;
+    }
+    case LossType::CISPO:
+      for (int g = 0; g < tl.ng; ++g) cispo_term(o, k, tl, g, s);
+      break;
+    case LossType::SAPO:
+      for (int g = 0; g < tl.ng; ++g) sapo_term(o, k, tl, g, s);
+      break;
+    default:  // REINFORCE
+      for (int g = 0; g < tl.ng; ++g) reinforce_term(k, tl, g, s);
+      break;
+  }
+  acc.add(Acc<T, VB>::kNegDelta, s.neg_delta);
+  acc.clip += s.clip;
+  acc.clip_lower += s.clip_lower;
+}
+
+// The factors of reference shaping_weights, per token in double.
+// Mirrors reference polarity_weights.
+RLVR_INLINE double polarity_weight(const Options& o, double adv) {
+  return adv > 0 ? o.w_pos : adv < 0 ? o.w_neg : 1.0;
+}
+
+// Mirrors reference probability_weights: (1 − λ) + λ·w, w = 1 − p for A > 0, p for A < 0.
+RLVR_INLINE double probability_weight(const Options& o, double adv, double old) {
+  const double p = std::exp(old);
+  const double wp = adv > 0 ? 1.0 - p : adv < 0 ? p : 0.0;
+  return (1.0 - o.lambda) + o.lambda * wp;
+}
+
+// Mirrors reference a3po_scales: the scales of the knobs that selected the token (pre-pass bits).
+RLVR_INLINE double a3po_scale(uint8_t selected, double scale_high, double scale_low) {
+  double s = 1.0;
+  if (selected & 1) s *= scale_high;
+  if (selected & 2) s *= scale_low;
+  return s;
+}
+
+// Mirrors reference shaping_weights: w = polarity × probability × A3PO scales × entropy keep,
+// in double and rounded once (a constant: no gradient); Ã = A·w from the double weight.
+template <int VB, typename in_t, typename T>
+RLVR_INLINE void shaping_stage(const Ctx<in_t, T>& c, const VConst<T, VB>& k, const SeqConst<T>& sc,
+                               Tile<T, VB>& tl, Acc<T, VB>& acc) {
+  using M = typename Lanes<T, VB>::M;
+  constexpr int W = Lanes<T, VB>::W;
+  const Options& o = c.o;
+  M shaped = k.none;
+  for (int g = 0; g < tl.ng; ++g) {
+    const int n = tl.lanes(g);
+    for (int l = 0; l < W; ++l) {
+      const double adv = double(tl.adv[g][l]);
+      double w = polarity_weight(o, adv);
+      if (o.lambda != 0.0) w *= probability_weight(o, adv, double(tl.old[g][l]));
+      if (o.a3po) {
+        const uint8_t selected = l < n ? c.seq->a3po_sel[tl.t0 + g * W + l] : 0;
+        w *= a3po_scale(selected, sc.a3po_high, sc.a3po_low);
+      }
+      if (o.ent_quantile) w *= static_cast<float>(tl.ent[g][l]) >= c.threshold ? 1.0 : 0.0;  // entropy_keep
+      tl.w[g][l] = static_cast<T>(w);
+      tl.shaped_adv[g][l] = static_cast<T>(adv * w);
+    }
+    shaped -= tl.valid[g] & (tl.w[g] != k.one);
+  }
+  acc.shaped += shaped;
+}
+
+// The rollout-correction weight from the raw weight rw (reference is_weights' second half), for
+// token lanes and for a sequence's scalar alike: TIS caps at C; decoupled drops tokens above C;
+// MIS keeps 1 inside [low, C] and rejects outside.
+template <typename V, typename M>
+RLVR_INLINE V corrected_weight(RolloutCorrection rc, V rw, V low, V high, V zero, V one, M& rejected) {
+  switch (rc) {
+    case RolloutCorrection::TOKEN_TIS:
+    case RolloutCorrection::SEQ_TIS:
+      rejected = M{};
+      return rw > high ? high : rw;
+    case RolloutCorrection::DECOUPLED:
+      rejected = rw > high;
+      return sel(rejected, zero, rw);
+    default:  // TOKEN_MIS, SEQ_MIS
+      rejected = (rw < low) | (rw > high);
+      return sel(rejected, zero, one);
+  }
+}
+
+// Mirrors reference is_weights: a detached weight per token (token level: exp of the clamped
+// old − rollout; sequence level: from the pre-pass).
+template <int VB, typename T>
+RLVR_INLINE void is_weight_stage(const Options& o, const VConst<T, VB>& k, const SeqConst<T>& sc, Tile<T, VB>& tl,
+                                 Acc<T, VB>& acc) {
+  using V = typename Lanes<T, VB>::V;
+  using M = typename Lanes<T, VB>::M;
+  V is_sum = k.zero, is_max = acc.is_max;
+  M reject = k.none;
+  for (int g = 0; g < tl.ng; ++g) {
+    V iw;
+    M rej = k.none;
+    if (o.seq_rc) {
+      iw = splat<V>(sc.seq_w);
+      rej = sc.seq_rej ? k.all : k.none;
+    } else {
+      const V rw = vexp(vclamp(tl.old[g] - tl.roll[g], -k.lim20, k.lim20));
+      iw = corrected_weight(o.rc, rw, k.rc_low, k.rc_high, k.zero, k.one, rej);
+    }
+    tl.is_w[g] = iw;
+    const V iv = sel(tl.valid[g], iw, k.zero);
+    is_sum += iv;
+    is_max = vmax_nan(is_max, iv);
+    reject -= tl.valid[g] & rej;
+  }
+  acc.add(Acc<T, VB>::kIs, is_sum);
+  acc.is_max = is_max;
+  acc.reject += reject;
+}
+
+// Mirrors reference kl_term: the KL estimate to the reference policy and its ∂/∂logp (k3+: the
+// value of k3 with the gradient of k2).
+template <typename V, typename M, typename K>
+RLVR_INLINE V kl_term(const Options& o, const K& k, V lp, V ref, V& d) {
+  const V x = lp - ref;
+  if (o.kl == KlEstimator::K1) {
+    d = k.one;
+    return x;
+  }
+  if (o.kl == KlEstimator::K2) {
+    d = x;
+    return k.half * (x * x);
+  }
+  V y = ref - lp;
+  M pass = k.all;
+  if (o.kl_clamp) {
+    pass = (y >= -k.lim20) & (y <= k.lim20);
+    y = vclamp(y, -k.lim20, k.lim20);
+  }
+  const V e = vexp(y);
+  V v = e - y - k.one;
+  if (o.kl_clamp) {
+    pass = pass & (v >= -k.lim10) & (v <= k.lim10);
+    v = vclamp(v, -k.lim10, k.lim10);
+  }
+  d = o.kl == KlEstimator::K3 ? sel(pass, k.one - e, k.zero) : x;
+  return v;
+}
+
+template <int VB, typename T>
+RLVR_INLINE void kl_stage(const Options& o, const VConst<T, VB>& k, const SeqConst<T>& sc, Tile<T, VB>& tl,
+                          Acc<T, VB>& acc) {
+  using V = typename Lanes<T, VB>::V;
+  using M = typename Lanes<T, VB>::M;
+  V kl_sum = k.zero;
+  for (int g = 0; g < tl.ng; ++g) {
+    tl.kl[g] = kl_term<V, M>(o, k, tl.lp[g], tl.ref[g], tl.dkl[g]);
+    kl_sum += sel(tl.valid[g], tl.kl[g], k.zero);
+  }
+  acc.add(Acc<T, VB>::kKlRaw, kl_sum);
+  acc.add(Acc<T, VB>::kKl, o.seq_mean ? kl_sum * sc.agg_w : kl_sum);
+}
+
+// Mirrors reference token_loss and aggregate: ℓ = pg·w·is_w + β·kl − c_H·H, the token outputs
+// (grad_logprobs = agg_w·∂ℓ/∂logp, grad_entropy, token_out) and the loss sums.
+template <int VB, typename in_t, typename T>
+RLVR_INLINE void output_stage(const Ctx<in_t, T>& c, const VConst<T, VB>& k, const SeqConst<T>& sc, Tile<T, VB>& tl,
+                              Acc<T, VB>& acc) {
+  using V = typename Lanes<T, VB>::V;
+  constexpr int W = Lanes<T, VB>::W;
+  const Options& o = c.o;
+  V total = k.zero, pg_sum = k.zero;
+  const V grad_ent = splat<V>(sc.grad_ent);
+  for (int g = 0; g < tl.ng; ++g) {
+    const int64_t t = tl.t0 + g * W;
+    const int n = tl.lanes(g);
+    const auto valid = tl.valid[g];
+    V p = tl.pg[g], d = tl.dpg[g];
+    if (o.shaping) {
+      p = p * tl.w[g];
+      d = d * tl.w[g];
+    }
+    if (o.rc != RolloutCorrection::NONE) {
+      p = p * tl.is_w[g];
+      d = d * tl.is_w[g];
+    }
+    V loss = p;
+    if (o.kl != KlEstimator::NONE) {
+      loss = loss + k.beta * tl.kl[g];
+      d = d + k.beta * tl.dkl[g];
+    }
+    if (o.ent_term) loss = loss - k.ent_coef * tl.ent[g];
+    if (o.seq_mean) d = d * sc.agg_w;
+    store<T>(c.grad + t, sel(valid, d, k.zero), n);
+    if (c.grad_ent != nullptr) store<T>(c.grad_ent + t, sel(valid, grad_ent, k.zero), n);
+    if (o.token_out == TokenOut::LOSS) {
+      store<T>(c.tok + t, sel(valid, loss, k.zero), n);
+    } else if (o.token_out == TokenOut::SHAPED_ADVANTAGES) {
+      store<T>(c.tok + t, sel(valid, o.shaping ? tl.shaped_adv[g] : tl.adv[g], k.zero), n);
+    }
+    total += sel(valid, loss, k.zero);
+    pg_sum += sel(valid, p, k.zero);
+  }
+  // seq-mean-token-mean: agg_w = 1/n_i is constant over the tile, so Σ agg_w·x = agg_w·Σ x.
+  acc.add(Acc<T, VB>::kTotal, o.seq_mean ? total * sc.agg_w : total);
+  acc.add(Acc<T, VB>::kPg, o.seq_mean ? pg_sum * sc.agg_w : pg_sum);
+  if (o.has_entropy) {
+    V ent_sum = k.zero;
+    for (int g = 0; g < tl.ng; ++g) ent_sum += sel(tl.valid[g], tl.ent[g], k.zero);
+    acc.add(Acc<T, VB>::kEnt, ent_sum);
+  }
+}
+
+// One tile of token slots [t0, t0 + ns) of one sequence through every stage. Returns whether a
+// slot was valid.
 template <int VB, typename in_t, typename T>
 RLVR_INLINE bool tile(const Ctx<in_t, T>& c, const VConst<T, VB>& k, const SeqConst<T>& sc, int64_t t0, int ns,
                       Acc<T, VB>& acc) {
-  using L = Lanes<T, VB>;
-  using V = typename L::V;
-  using M = typename L::M;
-  using Sums = Acc<T, VB>;
-  constexpr int W = L::W, G = kTileGroups;
   const Options& o = c.o;
-  const V zero = k.zero, one = k.one;
-  const M none = M{}, all = none == none;
-  const int ng = (ns + W - 1) / W;
-  auto lanes = [&](int g) __attribute__((always_inline)) { return std::min(W, ns - g * W); };
-  M valid[G];
-  V lp[G], old[G], adv[G], ent[G], ref[G], roll[G], pg[G], dpg[G], w[G], shaped_adv[G], is_w[G], kl[G], dkl[G];
-
-  // Inputs, and the count of valid slots where one of them is not finite (S_NONFINITE):
-  // x·0 is ±0 for finite x and NaN for NaN/±inf, so a sum of them is NaN exactly when an
-  // input of the lane is not finite (no overflow is possible), one FMA per input.
-  bool any = false;
-  {
-    M ntok = none, nonfinite = none;
-    const V nf0 = o.seq_adv ? splat<V>(sc.adv * T(0)) : zero;
-    for (int g = 0; g < ng; ++g) {
-      const int64_t t = t0 + g * W;
-      const int n = lanes(g);
-      if (c.mask != nullptr) {
-        any |= load_mask<T, VB>(c.mask + t, n, valid[g]);
-      } else {
-        valid[g] = lanes_below<T, VB>(n);
-        any = true;
-      }
-      ntok -= valid[g];
-      lp[g] = load<T, VB>(c.lp + t, n);
-      old[g] = load<T, VB>(c.old + t, n);
-      adv[g] = o.seq_adv ? splat<V>(sc.adv) : load<T, VB>(c.adv + t, n);
-      V nf = nf0 + lp[g] * zero + old[g] * zero;
-      if (!o.seq_adv) nf = nf + adv[g] * zero;
-      if (o.has_entropy) {
-        ent[g] = load<T, VB>(c.ent + t, n);
-        nf = nf + ent[g] * zero;
-      }
-      if (c.ref != nullptr) {
-        ref[g] = load<T, VB>(c.ref + t, n);
-        nf = nf + ref[g] * zero;
-      }
-      if (c.roll != nullptr) {
-        roll[g] = load<T, VB>(c.roll + t, n);
-        nf = nf + roll[g] * zero;
-      }
-      nonfinite -= valid[g] & (nf != nf);
-    }
-    acc.ntok += ntok;
-    acc.nonfinite += nonfinite;
-  }
-  if (!any) {
+  Tile<T, VB> tl;
+  tl.t0 = t0;
+  tl.ns = ns;
+  tl.ng = (ns + Lanes<T, VB>::W - 1) / Lanes<T, VB>::W;
+  if (!input_stage(c, k, sc, tl, acc)) {
     zero_slots(c, t0, t0 + ns);
     return false;
   }
-
-  // Policy-gradient term pg, its derivative dpg = ∂pg/∂logp, the clip flags and −δ.
-  {
-    V neg_delta_sum = zero;
-    M clip = none, clip_lower = none;
-    switch (o.loss) {
-      case kPpo:
-        for (int g = 0; g < ng; ++g) {
-          const V neg_adv = -adv[g], delta_raw = lp[g] - old[g];
-          V delta = delta_raw;
-          M pass = all;
-          if (o.lrc_on) {
-            delta = vclamp(delta_raw, -k.lrc, k.lrc);
-            pass = (delta_raw >= -k.lrc) & (delta_raw <= k.lrc);
-          }
-          const V ratio = vexp(delta);
-          V coef;
-          M clipped;
-          V p = clip_branch(neg_adv, ratio, k.lo, k.hi, zero, one, k.half, coef, clipped);
-          if (o.dual_clip) {
-            const V l3 = neg_adv * k.clip_c;
-            const M neg = adv[g] < zero;
-            const V gm = sel(p < l3, one, sel(p == l3, k.half, zero));
-            clip_lower -= valid[g] & neg & (p > l3);
-            coef = sel(neg, coef * gm, coef);
-            p = sel(neg, vmin_nan(p, l3), p);
-          }
-          pg[g] = p;
-          dpg[g] = sel(pass, neg_adv * coef * ratio, zero);
-          clip -= valid[g] & clipped;
-          neg_delta_sum += sel(valid[g], -delta, zero);
-        }
-        break;
-      case kGspo: {
-        // log s_{i,t} = logp − sg(logp) + sg(log s_i): the value is the sequence's, the
-        // derivative w.r.t. its own logp is s (while log s_i is under the clamp).
-        const V s = splat<V>(sc.gspo_s);
-        for (int g = 0; g < ng; ++g) {
-          const V neg_adv = -adv[g];
-          V coef;
-          M clipped;
-          pg[g] = clip_branch(neg_adv, s, k.lo, k.hi, zero, one, k.half, coef, clipped);
-          dpg[g] = sc.gspo_pass ? neg_adv * coef * s : zero;
-          clip -= valid[g] & clipped;
-          neg_delta_sum += sel(valid[g], old[g] - lp[g], zero);
-        }
-        break;
-      }
-      case kCispo:
-        for (int g = 0; g < ng; ++g) {
-          const V delta = o.lrc_on ? vclamp(lp[g] - old[g], -k.lrc, k.lrc) : lp[g] - old[g];
-          const V ratio = vexp(delta);
-          const V clipped_ratio = vclamp(ratio, k.lo, k.hi);
-          dpg[g] = -clipped_ratio * adv[g];  // the clipped ratio is a constant
-          pg[g] = dpg[g] * lp[g];
-          clip -= valid[g] & (ratio != clipped_ratio);
-          neg_delta_sum += sel(valid[g], -delta, zero);
-        }
-        break;
-      case kSapo:
-        for (int g = 0; g < ng; ++g) {
-          const V delta_raw = lp[g] - old[g];
-          V delta = delta_raw;
-          M pass = all;
-          if (o.lrc_on) {
-            delta = vclamp(delta_raw, -k.lrc, k.lrc);
-            pass = (delta_raw >= -k.lrc) & (delta_raw <= k.lrc);
-          }
-          const V ratio = vexp(delta);
-          const M pos = adv[g] > zero;
-          const V tau = sel(pos, k.tau_pos, k.tau_neg);
-          const V four_tau = sel(pos, k.four_tau_pos, k.four_tau_neg);
-          const V sig = one / (one + vexp(-(tau * (ratio - one))));
-          pg[g] = -(sig * four_tau) * adv[g];
-          dpg[g] = sel(pass, -adv[g] * four_tau * (sig * (one - sig)) * tau * ratio, zero);
-          neg_delta_sum += sel(valid[g], -delta, zero);
-        }
-        break;
-      default:  // reinforce
-        for (int g = 0; g < ng; ++g) {
-          pg[g] = -adv[g] * lp[g];
-          dpg[g] = -adv[g];
-          neg_delta_sum += sel(valid[g], old[g] - lp[g], zero);
-        }
-        break;
-    }
-    acc.add(Sums::kNegDelta, neg_delta_sum);
-    acc.clip += clip;
-    acc.clip_lower += clip_lower;
-  }
-
-  // Shaping weight w (a constant): computed in double and rounded once, as the reference.
-  if (o.shaping) {
-    M shaped = none;
-    for (int g = 0; g < ng; ++g) {
-      const int n = lanes(g);
-      for (int l = 0; l < W; ++l) {
-        const double a = double(adv[g][l]);
-        double wl = a > 0 ? o.w_pos : a < 0 ? o.w_neg : 1.0;
-        if (o.lambda != 0.0) {
-          const double p = std::exp(double(old[g][l]));
-          const double wp = a > 0 ? 1.0 - p : a < 0 ? p : 0.0;
-          wl *= (1.0 - o.lambda) + o.lambda * wp;
-        }
-        if (o.a3po) {
-          const uint8_t f = l < n ? c.seq->a3po_sel[t0 + g * W + l] : 0;
-          double s = 1.0;
-          if (f & 1) s *= sc.a3po_high;
-          if (f & 2) s *= sc.a3po_low;
-          wl *= s;
-        }
-        if (o.ent_quantile) wl *= static_cast<float>(ent[g][l]) >= c.threshold ? 1.0 : 0.0;
-        w[g][l] = static_cast<T>(wl);
-        shaped_adv[g][l] = static_cast<T>(a * wl);  // Ã for shape_token_advantages, from the double weight
-      }
-      shaped -= valid[g] & (w[g] != one);
-    }
-    acc.shaped += shaped;
-  }
-
-  // Rollout-correction weight (a constant).
-  if (o.rc != kRcNone) {
-    V is_sum = zero, is_max = acc.is_max;
-    M reject = none;
-    for (int g = 0; g < ng; ++g) {
-      V iw;
-      M rej = none;
-      if (o.rc == kSeqTis || o.rc == kSeqMis) {
-        iw = splat<V>(sc.seq_w);
-        rej = sc.seq_rej ? all : none;
-      } else {
-        const V rw = vexp(vclamp(old[g] - roll[g], -k.lim20, k.lim20));
-        if (o.rc == kTokenTis) {
-          iw = rw > k.rc_high ? k.rc_high : rw;
-        } else if (o.rc == kTokenMis) {
-          rej = (rw < k.rc_low) | (rw > k.rc_high);
-          iw = sel(rej, zero, one);
-        } else {  // decoupled
-          rej = rw > k.rc_high;
-          iw = sel(rej, zero, rw);
-        }
-      }
-      is_w[g] = iw;
-      const V iv = sel(valid[g], iw, zero);
-      is_sum += iv;
-      is_max = vmax_nan(is_max, iv);
-      reject -= valid[g] & rej;
-    }
-    acc.add(Sums::kIs, is_sum);
-    acc.is_max = is_max;
-    acc.reject += reject;
-  }
-
-  // KL to the reference.
-  if (o.kl != kKlNone) {
-    V kl_sum = zero;
-    for (int g = 0; g < ng; ++g) {
-      const V x = lp[g] - ref[g];
-      V v, d;
-      if (o.kl == kK1) {
-        v = x;
-        d = one;
-      } else if (o.kl == kK2) {
-        v = k.half * (x * x);
-        d = x;
-      } else {
-        V y = ref[g] - lp[g];
-        M pass = all;
-        if (o.kl_clamp) {
-          pass = (y >= -k.lim20) & (y <= k.lim20);
-          y = vclamp(y, -k.lim20, k.lim20);
-        }
-        const V e = vexp(y);
-        v = e - y - one;
-        if (o.kl_clamp) {
-          pass = pass & (v >= -k.lim10) & (v <= k.lim10);
-          v = vclamp(v, -k.lim10, k.lim10);
-        }
-        d = o.kl == kK3 ? sel(pass, one - e, zero) : x;  // k3+: the value of k3, the gradient of k2
-      }
-      kl[g] = v;
-      dkl[g] = d;
-      kl_sum += sel(valid[g], v, zero);
-    }
-    acc.add(Sums::kKlRaw, kl_sum);
-    acc.add(Sums::kKl, o.seq_mean ? kl_sum * sc.a : kl_sum);
-  }
-
-  // ℓ = pg·w·is_w + β·kl − c_H·H, the outputs and the loss sums.
-  {
-    V total = zero, pg_sum = zero;
-    const V neg_ce_a = splat<V>(sc.neg_ce_a);
-    for (int g = 0; g < ng; ++g) {
-      const int64_t t = t0 + g * W;
-      const int n = lanes(g);
-      V p = pg[g], d = dpg[g];
-      if (o.shaping) {
-        p = p * w[g];
-        d = d * w[g];
-      }
-      if (o.rc != kRcNone) {
-        p = p * is_w[g];
-        d = d * is_w[g];
-      }
-      V loss = p;
-      if (o.kl != kKlNone) {
-        loss = loss + k.beta * kl[g];
-        d = d + k.beta * dkl[g];
-      }
-      if (o.ent_term) loss = loss - k.ent_coef * ent[g];
-      if (o.seq_mean) d = d * sc.a;
-      store<T>(c.grad + t, sel(valid[g], d, zero), n);
-      if (c.grad_ent != nullptr) store<T>(c.grad_ent + t, sel(valid[g], neg_ce_a, zero), n);
-      if (o.token_out == 1) {
-        store<T>(c.tok + t, sel(valid[g], loss, zero), n);
-      } else if (o.token_out == 2) {
-        store<T>(c.tok + t, sel(valid[g], o.shaping ? shaped_adv[g] : adv[g], zero), n);
-      }
-      total += sel(valid[g], loss, zero);
-      pg_sum += sel(valid[g], p, zero);
-    }
-    // seq-mean-token-mean: a = 1/n_i is constant over the tile, so Σ a·x = a·Σ x.
-    acc.add(Sums::kTotal, o.seq_mean ? total * sc.a : total);
-    acc.add(Sums::kPg, o.seq_mean ? pg_sum * sc.a : pg_sum);
-  }
-  if (o.has_entropy) {
-    V ent_sum = zero;
-    for (int g = 0; g < ng; ++g) ent_sum += sel(valid[g], ent[g], zero);
-    acc.add(Sums::kEnt, ent_sum);
-  }
+  pg_stage(o, k, sc, tl, acc);
+  if (o.shaping) shaping_stage(c, k, sc, tl, acc);
+  if (o.rc != RolloutCorrection::NONE) is_weight_stage(o, k, sc, tl, acc);
+  if (o.kl != KlEstimator::NONE) kl_stage(o, k, sc, tl, acc);
+  output_stage(c, k, sc, tl, acc);
   return true;
 }
 
-template <int VB, typename in_t, typename T>
-RLVR_INLINE void block_body(const Ctx<in_t, T>& shared, int64_t blk, double* out) {
-  constexpr int kTileSlots = kTileGroups * Lanes<T, VB>::W;
-  // A private copy: the float stores to the outputs could otherwise alias the float fields of
-  // the shared context, and the compiler would reload them for every group.
-  const Ctx<in_t, T> c = shared;
-  const VConst<T, VB> k(c);
-  Acc<T, VB> acc;
-  acc.zero();
-  const int64_t t0 = blk * kBlock, t1 = std::min(t0 + kBlock, c.slots);
-  auto segment = [&](int64_t i, int64_t s0, int64_t s1) __attribute__((always_inline)) {
-    const SeqConst<T> sc = seq_const(c, i);
-    bool any = false;
-    for (int64_t t = s0; t < s1;) {
-      if (c.mask != nullptr) {  // a run of masked slots (padding) in 8-byte steps
-        int64_t r = t;
-        for (uint64_t bits; r + 8 <= s1; r += 8) {
-          std::memcpy(&bits, c.mask + r, 8);
-          if (bits != 0) break;
-        }
-        if (r > t) {
-          zero_slots(c, t, r);
-          t = r;
-          if (t >= s1) break;
-        }
-      }
-      const int ns = int(std::min<int64_t>(kTileSlots, s1 - t));
-      any |= tile<VB>(c, k, sc, t, ns, acc);
-      t += ns;
-    }
-    if (any && c.has_valid != nullptr) __atomic_store_n(c.has_valid + i, uint8_t(1), __ATOMIC_RELAXED);
+// One block of kBlock token slots (the work item of the main pass): its sequences' segments
+// tile by tile, the slots outside every sequence zeroed, the block's sums into `out`.
+template <typename in_t, typename T>
+struct BlockBody {
+  struct Arg {
+    const Ctx<in_t, T>* c;
+    int64_t blk;
+    double* out;  // NUM_SUMS
   };
-  int64_t t = t0;
-  if (c.L > 0) {
-    for (int64_t i = t0 / c.L; t < t1; ++i) {
-      const int64_t e = std::min((i + 1) * c.L, t1);
-      segment(i, t, e);
-      t = e;
-    }
-  } else {
-    // The first sequence ending after t0 (spans are disjoint and in order).
-    int64_t i = std::upper_bound(c.end, c.end + c.B, t0) - c.end;
-    for (; t < t1 && i < c.B; ++i) {
-      const int64_t b = std::min(std::max(c.begin[i], t), t1);
-      zero_slots(c, t, b);
-      t = b;
-      const int64_t e = std::min(c.end[i], t1);
-      if (e > t) {
+
+  template <int VB>
+  RLVR_INLINE static void run(const Arg& a) {
+    constexpr int kTileSlots = kTileGroups * Lanes<T, VB>::W;
+    // A private copy: the float stores to the outputs could otherwise alias the float fields of
+    // the shared context, and the compiler would reload them for every group.
+    const Ctx<in_t, T> c = *a.c;
+    const VConst<T, VB> k(c);
+    Acc<T, VB> acc;
+    acc.zero();
+    const int64_t t0 = a.blk * kBlock, t1 = std::min(t0 + kBlock, c.slots);
+    auto segment = [&](int64_t i, int64_t s0, int64_t s1) __attribute__((always_inline)) {
+      const SeqConst<T> sc = seq_const(c, i);
+      bool any = false;
+      for (int64_t t = s0; t < s1;) {
+        if (c.mask != nullptr) {  // a run of masked slots (padding) in 8-byte steps
+          int64_t r = t;
+          for (uint64_t bits; r + 8 <= s1; r += 8) {
+            std::memcpy(&bits, c.mask + r, 8);
+            if (bits != 0) break;
+          }
+          if (r > t) {
+            zero_slots(c, t, r);
+            t = r;
+            if (t >= s1) break;
+          }
+        }
+        const int ns = int(std::min<int64_t>(kTileSlots, s1 - t));
+        any |= tile<VB>(c, k, sc, t, ns, acc);
+        t += ns;
+      }
+      if (any && c.has_valid != nullptr) __atomic_store_n(c.has_valid + i, uint8_t(1), __ATOMIC_RELAXED);
+    };
+    int64_t t = t0;
+    if (c.L > 0) {
+      for (int64_t i = t0 / c.L; t < t1; ++i) {
+        const int64_t e = std::min((i + 1) * c.L, t1);
         segment(i, t, e);
         t = e;
       }
+    } else {
+      // The first sequence ending after t0 (spans are disjoint and in order).
+      const int64_t* ends = c.offsets + 1;
+      int64_t i = std::upper_bound(ends, ends + c.B, t0) - ends;
+      for (; t < t1 && i < c.B; ++i) {
+        const int64_t b = std::min(std::max(c.offsets[i], t), t1);
+        zero_slots(c, t, b);
+        t = b;
+        const int64_t e = std::min(ends[i], t1);
+        if (e > t) {
+          segment(i, t, e);
+          t = e;
+        }
+      }
+      zero_slots(c, t, t1);
     }
-    zero_slots(c, t, t1);
+    acc.reduce(a.out);
   }
-  acc.reduce(out);
-}
-
-template <typename in_t, typename T>
-__attribute__((noinline)) void block_baseline(const Ctx<in_t, T>& c, int64_t blk, double* out) {
-  block_body<16>(c, blk, out);
-}
-
-#if RLVR_AVX2_CLONE
-template <typename in_t, typename T>
-__attribute__((noinline, target("avx2,fma"))) void block_avx2(const Ctx<in_t, T>& c, int64_t blk, double* out) {
-  block_body<32>(c, blk, out);
-}
-#endif
+};
 
 // ------------------------------------------------------------------ pre-pass
 // Strict total order for the A3PO ranking: by metric (descending for "high", ascending for
@@ -695,10 +837,43 @@ struct RankOrder {
   }
 };
 
+// Mirrors reference a3po_scales for sequence i: the candidates are its valid tokens with a
+// metric ≠ 0; each knob of the sequence's polarity (ratio > 0, scale ≠ 1) marks its
+// k = max(1, ⌊n·ratio⌋) highest / lowest ones (bit 0 / bit 1 of a3po_sel).
+template <typename in_t, typename T>
+void a3po_select(const Ctx<in_t, T>& c, int64_t i, int64_t b, int64_t e, double polarity, SeqInfo<T>& s,
+                 std::vector<std::pair<double, int64_t>>& cand) {
+  const Options& o = c.o;
+  s.a3po_high[i] = s.a3po_low[i] = 1.0;
+  if (polarity == 0.0) return;
+  cand.clear();
+  for (int64_t t = b; t < e; ++t) {
+    if (c.mask != nullptr && !c.mask[t]) continue;
+    const double m = o.a3po_entropy ? double(static_cast<T>(c.ent[t])) : std::exp(double(static_cast<T>(c.old[t])));
+    if (m != 0.0) cand.emplace_back(m, t);
+  }
+  const int64_t nc = int64_t(cand.size());
+  if (nc == 0) return;
+  const int base = polarity > 0 ? 0 : 2;  // knobs: pos-high, pos-low, neg-high, neg-low
+  for (int k = 0; k < 2; ++k) {
+    // (the ratio is in [0, 1] for any options object; clamped so that no parameter list can
+    // make the count overflow)
+    const double ratio = std::min(o.a3po_knobs[2 * (base + k)], 1.0), scale = o.a3po_knobs[2 * (base + k) + 1];
+    if (!(ratio > 0 && scale != 1)) continue;
+    const int64_t top = std::min(nc, std::max<int64_t>(1, int64_t(double(nc) * ratio)));
+    std::nth_element(cand.begin(), cand.begin() + (top - 1), cand.end(), RankOrder{k == 0});
+    for (int64_t j = 0; j < top; ++j) s.a3po_sel[cand[j].second] |= uint8_t(1 << k);
+    (k == 0 ? s.a3po_high[i] : s.a3po_low[i]) = scale;
+  }
+}
+
+// The sequence statistics: n_i; GSPO's log s_i = Σ δ·m / max(n, 1), clamped above (the clamp
+// stops the gradient; reference gspo_term); the sequence IS weight from the clamped Σ log w·m
+// (reference is_weights); the A3PO selection.
 template <typename in_t, typename T>
 void prepass(const Ctx<in_t, T>& c, SeqInfo<T>& s) {
   const Options& o = c.o;
-  const bool gspo = o.loss == kGspo, seq_rc = o.rc == kSeqTis || o.rc == kSeqMis;
+  const bool gspo = o.loss == LossType::GSPO;
 #pragma omp parallel if (c.B > 1)
   {
     std::vector<std::pair<double, int64_t>> cand;
@@ -712,70 +887,42 @@ void prepass(const Ctx<in_t, T>& c, SeqInfo<T>& s) {
         if (c.mask != nullptr && !c.mask[t]) continue;
         ++n;
         if (gspo) sum_delta += double(static_cast<T>(c.lp[t]) - static_cast<T>(c.old[t]));
-        if (seq_rc) sum_logw += double(static_cast<T>(c.old[t]) - static_cast<T>(c.roll[t]));
+        if (o.seq_rc) sum_logw += double(static_cast<T>(c.old[t]) - static_cast<T>(c.roll[t]));
         if (o.a3po) polarity += double(o.seq_adv ? c.adv[i] : c.adv[t]);
       }
       s.n[i] = n;
       s.inv_n[i] = n > 0 ? T(1) / static_cast<T>(n) : T(0);
       if (gspo) {
-        // log s_i = Σ δ·m / max(n, 1), clamped above; the clamp stops the gradient.
         const T log_s = static_cast<T>(sum_delta / double(std::max<int64_t>(n, 1)));
         s.gspo_pass[i] = log_s <= c.gspo_clamp;
         s.gspo_s[i] = std::exp(log_s > c.gspo_clamp ? c.gspo_clamp : log_s);
       }
-      if (seq_rc) {
+      if (o.seq_rc) {
         T lw = static_cast<T>(sum_logw);
         lw = lw < T(-20) ? T(-20) : lw > T(20) ? T(20) : lw;
-        const T w = std::exp(lw);
-        if (o.rc == kSeqTis) {
-          s.seq_w[i] = w > c.rc_high ? c.rc_high : w;
-          s.seq_rej[i] = 0;
-        } else {
-          const bool rej = w < c.rc_low || w > c.rc_high;
-          s.seq_w[i] = rej ? T(0) : T(1);
-          s.seq_rej[i] = rej;
-        }
+        bool rej;
+        s.seq_w[i] = corrected_weight(o.rc, T(std::exp(lw)), c.rc_low, c.rc_high, T(0), T(1), rej);
+        s.seq_rej[i] = rej;
       }
-      if (o.a3po) {
-        s.a3po_high[i] = s.a3po_low[i] = 1.0;
-        if (polarity == 0.0) continue;
-        cand.clear();
-        for (int64_t t = b; t < e; ++t) {
-          if (c.mask != nullptr && !c.mask[t]) continue;
-          const double m =
-              o.a3po_entropy ? double(static_cast<T>(c.ent[t])) : std::exp(double(static_cast<T>(c.old[t])));
-          if (m != 0.0) cand.emplace_back(m, t);
-        }
-        const int64_t nc = int64_t(cand.size());
-        if (nc == 0) continue;
-        const int base = polarity > 0 ? 0 : 2;  // knobs: pos-high, pos-low, neg-high, neg-low
-        for (int k = 0; k < 2; ++k) {
-          const double ratio = o.a3po_knobs[2 * (base + k)], scale = o.a3po_knobs[2 * (base + k) + 1];
-          if (!(ratio > 0 && scale != 1)) continue;
-          const int64_t top = std::min(nc, std::max<int64_t>(1, int64_t(double(nc) * ratio)));
-          std::nth_element(cand.begin(), cand.begin() + (top - 1), cand.end(), RankOrder{k == 0});
-          for (int64_t j = 0; j < top; ++j) s.a3po_sel[cand[j].second] |= uint8_t(1 << k);
-          (k == 0 ? s.a3po_high[i] : s.a3po_low[i]) = scale;
-        }
-      }
+      if (o.a3po) a3po_select(c, i, b, e, polarity, s, cand);
     }
   }
 }
 
 // ------------------------------------------------------------------ driver
 template <typename in_t, typename T>
-void run(Ctx<in_t, T>& c, double* sums) {
+void forward(Ctx<in_t, T>& c, double* sums) {
   const Options& o = c.o;
   SeqInfo<T> seq;
   std::vector<uint8_t> has_valid;
   if (o.prepass) {
     seq.n.assign(c.B, 0);
     seq.inv_n.assign(c.B, T(0));
-    if (o.loss == kGspo) {
+    if (o.loss == LossType::GSPO) {
       seq.gspo_s.assign(c.B, T(0));
       seq.gspo_pass.assign(c.B, 0);
     }
-    if (o.rc == kSeqTis || o.rc == kSeqMis) {
+    if (o.seq_rc) {
       seq.seq_w.assign(c.B, T(1));
       seq.seq_rej.assign(c.B, 0);
     }
@@ -793,206 +940,234 @@ void run(Ctx<in_t, T>& c, double* sums) {
 
   const int64_t nblocks = (c.slots + kBlock - 1) / kBlock;
   std::vector<double> partial(nblocks * NUM_SUMS);
-  void (*fn)(const Ctx<in_t, T>&, int64_t, double*) = &block_baseline<in_t, T>;
-#if RLVR_AVX2_CLONE
-  if (use_avx2()) fn = &block_avx2<in_t, T>;
-#endif
-  const Ctx<in_t, T>& cc = c;
+  const Ctx<in_t, T>* cc = &c;
 #pragma omp parallel for schedule(dynamic, 1) if (nblocks > 1)
-  for (int64_t b = 0; b < nblocks; ++b) fn(cc, b, partial.data() + b * NUM_SUMS);
+  for (int64_t b = 0; b < nblocks; ++b) run_isa<BlockBody<in_t, T>>({cc, b, partial.data() + b * NUM_SUMS});
 
   for (int k = 0; k < NUM_SUMS; ++k) sums[k] = 0.0;
   for (int64_t b = 0; b < nblocks; ++b) {
     const double* p = partial.data() + b * NUM_SUMS;
-    for (int k = 0; k < NUM_SUMS; ++k) sums[k] = k == S_IS_MAX ? std::max(sums[k], p[k]) : sums[k] + p[k];
+    for (int k = 0; k < NUM_SUMS; ++k) sums[k] = k == idx(Sum::IS_MAX) ? std::max(sums[k], p[k]) : sums[k] + p[k];
   }
   int64_t nseq = 0;
   for (int64_t i = 0; i < c.B; ++i) nseq += o.prepass ? seq.n[i] > 0 : has_valid[i] != 0;
-  sums[S_NSEQ] = double(nseq);
-  if (o.rc == kRcNone) {  // is_w = 1
-    sums[S_IS] = sums[S_NTOK];
-    sums[S_IS_MAX] = sums[S_NTOK] > 0 ? 1.0 : 0.0;
+  sums[idx(Sum::NSEQ)] = double(nseq);
+  if (o.rc == RolloutCorrection::NONE) {  // is_w = 1
+    sums[idx(Sum::IS)] = sums[idx(Sum::NTOK)];
+    sums[idx(Sum::IS_MAX)] = sums[idx(Sum::NTOK)] > 0 ? 1.0 : 0.0;
   }
 }
 
-void check_token_tensor(const char* name, const torch::Tensor& t, const torch::Tensor& like) {
-  TORCH_CHECK(t.device().is_cpu(), "policy_loss_fwd: ", name, " must be a CPU tensor");
+// ------------------------------------------------------------------ entry point: checks
+// The parameters decoded and checked (unknown branch codes are errors), and the switches
+// derived from them.
+Options decode_options(const PolicyLossParams& p, bool need_entropy_grad, bool has_entropy) {
+  TORCH_CHECK(valid_LossType(p.loss_type), "policy_loss_fwd: unknown loss_type ", p.loss_type);
+  TORCH_CHECK(valid_KlEstimator(p.kl), "policy_loss_fwd: unknown kl ", p.kl);
+  TORCH_CHECK(valid_RolloutCorrection(p.rollout_correction), "policy_loss_fwd: unknown rollout_correction ",
+              p.rollout_correction);
+  TORCH_CHECK(valid_TokenOut(p.token_out), "policy_loss_fwd: unknown token_out ", p.token_out);
+  TORCH_CHECK(valid_A3poMetric(p.a3po_metric), "policy_loss_fwd: unknown a3po_metric ", p.a3po_metric);
+  Options o{};
+  o.loss = LossType(p.loss_type);
+  o.kl = KlEstimator(p.kl);
+  o.rc = RolloutCorrection(p.rollout_correction);
+  o.token_out = TokenOut(p.token_out);
+  o.kl_clamp = p.kl_clamp != 0;
+  o.seq_mean = p.seq_mean != 0;
+  o.seq_adv = p.seq_adv != 0;
+  o.a3po = p.a3po != 0;
+  o.a3po_entropy = A3poMetric(p.a3po_metric) == A3poMetric::ENTROPY;
+  o.ent_quantile = p.entropy_quantile != 0;
+  o.need_entropy_grad = need_entropy_grad;
+  o.lrc_on = p.log_ratio_clamp > 0;
+  o.dual_clip = o.loss == LossType::PPO && p.clip_ratio_c > 0;
+  o.has_entropy = has_entropy;
+  o.ent_term = has_entropy && p.entropy_coef != 0;
+  // The polarity weights enter the double shaping weight exactly (as the reference's).
+  o.w_pos = p.w_pos;
+  o.w_neg = p.w_neg;
+  o.lambda = p.probability;
+  const double knobs[8] = {p.a3po_pos_high_ratio, p.a3po_pos_high_scale, p.a3po_pos_low_ratio, p.a3po_pos_low_scale,
+                           p.a3po_neg_high_ratio, p.a3po_neg_high_scale, p.a3po_neg_low_ratio, p.a3po_neg_low_scale};
+  std::copy(knobs, knobs + 8, o.a3po_knobs);
+  o.shaping = o.w_pos != 1.0 || o.w_neg != 1.0 || o.lambda != 0.0 || o.a3po || o.ent_quantile;
+  o.seq_rc = o.rc == RolloutCorrection::SEQ_TIS || o.rc == RolloutCorrection::SEQ_MIS;
+  o.prepass = o.seq_mean || o.loss == LossType::GSPO || o.seq_rc || o.a3po;
+  return o;
+}
+
+void check_cpu(const char* name, const torch::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu(), "policy_loss_fwd: ", name, " must be a CPU tensor, got ", t.device());
+}
+
+// A token-shaped input: CPU, the shape of logprobs, and (when `dtype` is given) its dtype.
+torch::Tensor token_input(const char* name, const torch::Tensor& t, const torch::Tensor& like,
+                          c10::optional<at::ScalarType> dtype) {
+  check_cpu(name, t);
   TORCH_CHECK(t.sizes() == like.sizes(), "policy_loss_fwd: ", name, " must have shape ", like.sizes(), ", got ",
               t.sizes());
+  TORCH_CHECK(!dtype.has_value() || t.scalar_type() == *dtype, "policy_loss_fwd: ", name, " must have dtype ",
+              *dtype, ", got ", t.scalar_type());
+  return t.contiguous();
+}
+
+// An optional token-shaped input of the logprobs dtype: required when `needed`, and returned
+// only when the kernel reads it (`used`), so that an unused input is neither read nor counted
+// by the value check.
+torch::Tensor optional_input(const char* name, const c10::optional<torch::Tensor>& t, const torch::Tensor& like,
+                             bool needed, bool used) {
+  TORCH_CHECK(t.has_value() || !needed, "policy_loss_fwd: these options need ", name);
+  if (!t.has_value()) return torch::Tensor();
+  torch::Tensor out = token_input(name, *t, like, like.scalar_type());
+  return used ? out : torch::Tensor();
+}
+
+// The inputs of a call, checked against each other and made contiguous: every shape relation
+// the kernel relies on holds when this returns.
+struct Inputs {
+  torch::Tensor lp, old, ref, roll, ent, mask, adv;  // ref / roll / ent undefined when not read
+  std::vector<int64_t> offsets;                      // packed: the B + 1 sanitised offsets
+  bool packed;
+  int64_t B, L, slots;
+  float threshold;
+};
+
+Inputs check_inputs(const Options& o, const torch::Tensor& logprobs, const torch::Tensor& old_logprobs,
+                    const torch::Tensor& advantages, const c10::optional<torch::Tensor>& mask,
+                    const c10::optional<torch::Tensor>& ref_logprobs,
+                    const c10::optional<torch::Tensor>& rollout_logprobs, const c10::optional<torch::Tensor>& entropy,
+                    const c10::optional<torch::Tensor>& cu_seqlens,
+                    const c10::optional<torch::Tensor>& entropy_threshold) {
+  const auto dtype = logprobs.scalar_type();
+  TORCH_CHECK(
+      dtype == torch::kFloat32 || dtype == torch::kFloat64 || dtype == torch::kFloat16 || dtype == torch::kBFloat16,
+      "policy_loss_fwd: logprobs must be float16, bfloat16, float32 or float64, got ", dtype);
+  check_cpu("logprobs", logprobs);
+  Inputs in{};
+  in.packed = cu_seqlens.has_value();
+  TORCH_CHECK(logprobs.dim() == (in.packed ? 1 : 2), "policy_loss_fwd: logprobs must be ",
+              in.packed ? "[T] with cu_seqlens" : "[B, L] without cu_seqlens", ", got shape ", logprobs.sizes());
+  TORCH_CHECK(in.packed || mask.has_value(), "policy_loss_fwd: the padded layout needs a mask");
+  in.lp = logprobs.contiguous();
+  in.old = token_input("old_logprobs", old_logprobs, in.lp, dtype);
+  const bool kl_on = o.kl != KlEstimator::NONE, rc_on = o.rc != RolloutCorrection::NONE;
+  in.ref = optional_input("ref_logprobs", ref_logprobs, in.lp, kl_on, kl_on);
+  in.roll = optional_input("rollout_logprobs", rollout_logprobs, in.lp, rc_on, rc_on);
+  const bool needs_entropy = o.ent_term || o.ent_quantile || (o.a3po && o.a3po_entropy) || o.need_entropy_grad;
+  in.ent = optional_input("entropy", entropy, in.lp, needs_entropy, true);
+  if (mask.has_value()) {
+    in.mask = token_input("mask", *mask, in.lp, c10::nullopt);
+    if (in.mask.scalar_type() != torch::kBool) in.mask = (in.mask != 0).contiguous();
+  }
+  in.slots = in.lp.numel();
+  if (in.packed) in.offsets = sanitized_offsets(*cu_seqlens, in.slots, "policy_loss_fwd");
+  in.B = in.packed ? int64_t(in.offsets.size()) - 1 : in.lp.size(0);
+  in.L = in.packed ? 0 : in.lp.size(1);
+  check_cpu("advantages", advantages);
+  in.adv = advantages.to(dtype == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32).contiguous();
+  if (o.seq_adv) {
+    TORCH_CHECK(in.adv.dim() == 1 && in.adv.numel() == in.B, "policy_loss_fwd: advantages must be [B = ", in.B,
+                "], got ", in.adv.sizes());
+  } else {
+    token_input("advantages", in.adv, in.lp, c10::nullopt);
+  }
+  in.threshold = 0.0f;
+  if (o.ent_quantile) {
+    TORCH_CHECK(entropy_threshold.has_value() && entropy_threshold->numel() == 1,
+                "policy_loss_fwd: the entropy quantile needs a 1-element entropy_threshold");
+    in.threshold = entropy_threshold->to(torch::kCPU, torch::kFloat32).item<float>();
+  }
+  return in;
+}
+
+// The kernel's context: pointers into the inputs and outputs, the hyper-parameters in the compute
+// dtype T.
+template <typename in_t, typename T>
+Ctx<in_t, T> make_ctx(const Options& o, const PolicyLossParams& p, const Inputs& in, const torch::Tensor& grad,
+                      const torch::Tensor& grad_ent, const torch::Tensor& tok) {
+  auto ptr = [](const torch::Tensor& t) { return t.defined() ? t.data_ptr<in_t>() : nullptr; };
+  Ctx<in_t, T> c{};
+  c.lp = in.lp.data_ptr<in_t>();
+  c.old = in.old.data_ptr<in_t>();
+  c.ref = ptr(in.ref);
+  c.roll = ptr(in.roll);
+  c.ent = ptr(in.ent);
+  c.adv = in.adv.data_ptr<T>();
+  c.mask = in.mask.defined() ? in.mask.data_ptr<bool>() : nullptr;
+  c.B = in.B;
+  c.L = in.L;
+  c.slots = in.slots;
+  c.offsets = in.packed ? in.offsets.data() : nullptr;
+  c.grad = grad.data_ptr<T>();
+  c.grad_ent = o.need_entropy_grad ? grad_ent.data_ptr<T>() : nullptr;
+  c.tok = o.token_out != TokenOut::NONE ? tok.data_ptr<T>() : nullptr;
+  c.o = o;
+  c.ratio_low = static_cast<T>(p.ratio_low);
+  c.ratio_high = static_cast<T>(p.ratio_high);
+  c.clip_c = static_cast<T>(p.clip_ratio_c);
+  c.lrc = static_cast<T>(p.log_ratio_clamp);
+  c.gspo_clamp = static_cast<T>(p.gspo_log_clamp);
+  c.beta = static_cast<T>(p.kl_coef);
+  c.rc_low = static_cast<T>(p.rc_low);
+  c.rc_high = static_cast<T>(p.rc_high);
+  c.ent_coef = o.ent_term ? static_cast<T>(p.entropy_coef) : T(0);
+  c.tau_pos = static_cast<T>(p.tau_pos);
+  c.tau_neg = static_cast<T>(p.tau_neg);
+  c.four_tau_pos = T(4) / c.tau_pos;
+  c.four_tau_neg = T(4) / c.tau_neg;
+  c.threshold = in.threshold;
+  return c;
 }
 
 }  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> policy_loss_fwd_cpu(
     const torch::Tensor& logprobs, const torch::Tensor& old_logprobs, const torch::Tensor& advantages,
-    const c10::optional<torch::Tensor>& mask_opt, const c10::optional<torch::Tensor>& ref_opt,
-    const c10::optional<torch::Tensor>& rollout_opt, const c10::optional<torch::Tensor>& entropy_opt,
-    const c10::optional<torch::Tensor>& cu_seqlens_opt, const c10::optional<torch::Tensor>& threshold_opt,
+    const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& ref_logprobs,
+    const c10::optional<torch::Tensor>& rollout_logprobs, const c10::optional<torch::Tensor>& entropy,
+    const c10::optional<torch::Tensor>& cu_seqlens, const c10::optional<torch::Tensor>& entropy_threshold,
     c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams, bool need_entropy_grad) {
-  TORCH_CHECK(fparams.size() == NUM_FPARAMS, "policy_loss_fwd: expected ", NUM_FPARAMS, " fparams, got ",
-              fparams.size());
-  TORCH_CHECK(iparams.size() == NUM_IPARAMS, "policy_loss_fwd: expected ", NUM_IPARAMS, " iparams, got ",
-              iparams.size());
-  const auto dtype = logprobs.scalar_type();
-  TORCH_CHECK(
-      dtype == torch::kFloat32 || dtype == torch::kFloat64 || dtype == torch::kFloat16 || dtype == torch::kBFloat16,
-      "policy_loss_fwd: logprobs must be float16, bfloat16, float32 or float64, got ", dtype);
-  TORCH_CHECK(logprobs.device().is_cpu(), "policy_loss_fwd: logprobs must be a CPU tensor");
+  const PolicyLossParams p = PolicyLossParams::unpack(fparams, iparams);
+  const Options o = decode_options(p, need_entropy_grad, entropy.has_value());
+  const Inputs in = check_inputs(o, logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_logprobs, entropy,
+                                 cu_seqlens, entropy_threshold);
+  const auto dtype = in.lp.scalar_type();
   const auto cdt = dtype == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
 
-  Options o{};
-  o.loss = iparams[I_LOSS_TYPE];
-  o.kl = iparams[I_KL];
-  o.rc = iparams[I_RC];
-  o.token_out = iparams[I_TOKEN_OUT];
-  TORCH_CHECK(o.loss >= kPpo && o.loss <= kReinforce, "policy_loss_fwd: unknown loss type ", o.loss);
-  TORCH_CHECK(o.kl >= kKlNone && o.kl <= kK3Plus, "policy_loss_fwd: unknown kl ", o.kl);
-  TORCH_CHECK(o.rc >= kRcNone && o.rc <= kDecoupled, "policy_loss_fwd: unknown rollout correction ", o.rc);
-  TORCH_CHECK(o.token_out >= 0 && o.token_out <= 2, "policy_loss_fwd: unknown token_out ", o.token_out);
-  o.kl_clamp = iparams[I_KL_CLAMP] != 0;
-  o.seq_mean = iparams[I_SEQ_MEAN] != 0;
-  o.seq_adv = iparams[I_SEQ_ADV] != 0;
-  o.a3po = iparams[I_A3PO_ON] != 0;
-  o.a3po_entropy = iparams[I_A3PO_METRIC] != 0;
-  o.ent_quantile = iparams[I_ENT_QUANTILE] != 0;
-  o.need_entropy_grad = need_entropy_grad;
-  o.lrc_on = fparams[F_LOG_RATIO_CLAMP] > 0;
-  o.dual_clip = o.loss == kPpo && fparams[F_CLIP_C] > 0;
-  o.has_entropy = entropy_opt.has_value();
-  o.ent_term = o.has_entropy && fparams[F_ENT_COEF] != 0;
-  // The polarity weights enter the double shaping weight exactly (as the reference's).
-  o.w_pos = fparams[F_W_POS];
-  o.w_neg = fparams[F_W_NEG];
-  o.lambda = fparams[F_PROB_LAMBDA];
-  for (int k = 0; k < 8; ++k) o.a3po_knobs[k] = fparams[F_A3PO + k];
-  o.shaping = o.w_pos != 1.0 || o.w_neg != 1.0 || o.lambda != 0.0 || o.a3po || o.ent_quantile;
-  o.prepass = o.seq_mean || o.loss == kGspo || o.rc == kSeqTis || o.rc == kSeqMis || o.a3po;
-
-  // Layout.
-  const bool packed = cu_seqlens_opt.has_value();
-  TORCH_CHECK(logprobs.dim() == (packed ? 1 : 2), "policy_loss_fwd: logprobs must be ",
-              packed ? "[T] with cu_seqlens" : "[B, L] without cu_seqlens", ", got shape ", logprobs.sizes());
-  TORCH_CHECK(packed || mask_opt.has_value(), "policy_loss_fwd: the padded layout needs a mask");
-  const torch::Tensor lp = logprobs.contiguous();
-  auto same = [&](const char* name, const c10::optional<torch::Tensor>& t, bool needed) -> torch::Tensor {
-    TORCH_CHECK(t.has_value() || !needed, "policy_loss_fwd: these options need ", name);
-    if (!t.has_value()) return torch::Tensor();
-    check_token_tensor(name, *t, lp);
-    TORCH_CHECK(t->scalar_type() == dtype, "policy_loss_fwd: ", name, " must have dtype ", dtype, ", got ",
-                t->scalar_type());
-    return t->contiguous();
-  };
-  const torch::Tensor old = same("old_logprobs", old_logprobs, true);
-  const torch::Tensor ref = same("ref_logprobs", ref_opt, o.kl != kKlNone);
-  const torch::Tensor roll = same("rollout_logprobs", rollout_opt, o.rc != kRcNone);
-  const bool needs_entropy = o.ent_term || o.ent_quantile || (o.a3po && o.a3po_entropy) || need_entropy_grad;
-  const torch::Tensor ent = same("entropy", entropy_opt, needs_entropy);
-  torch::Tensor mask;
-  if (mask_opt.has_value()) {
-    check_token_tensor("mask", *mask_opt, lp);
-    mask = mask_opt->scalar_type() == torch::kBool ? mask_opt->contiguous() : (*mask_opt != 0).contiguous();
-  }
-  const int64_t B = packed ? cu_seqlens_opt->numel() - 1 : lp.size(0);
-  const int64_t L = packed ? 0 : lp.size(1);
-  const int64_t slots = lp.numel();
-  std::vector<int64_t> begin, end;
-  if (packed) {
-    TORCH_CHECK(cu_seqlens_opt->dim() == 1 && B >= 0, "policy_loss_fwd: cu_seqlens must be [B + 1]");
-    const torch::Tensor cu = cu_seqlens_opt->to(torch::kCPU, torch::kInt64).contiguous();
-    const int64_t* cp = cu.data_ptr<int64_t>();
-    begin.resize(B);
-    end.resize(B);
-    // Clamped to [0, T]; a span never starts before the previous one ends, so a decreasing
-    // pair (or any disorder, possible with validate=False) gives empty sequences, never an
-    // out-of-bounds or doubly written slot.
-    int64_t prev = 0;
-    for (int64_t i = 0; i < B; ++i) {
-      const int64_t b = std::max(std::min(std::max(cp[i], int64_t(0)), slots), prev);
-      const int64_t e = std::max(std::min(std::max(cp[i + 1], int64_t(0)), slots), b);
-      begin[i] = b;
-      end[i] = e;
-      prev = e;
-    }
-  }
-  const torch::Tensor adv = advantages.to(cdt).contiguous();
-  TORCH_CHECK(adv.device().is_cpu(), "policy_loss_fwd: advantages must be a CPU tensor");
-  if (o.seq_adv) {
-    TORCH_CHECK(adv.dim() == 1 && adv.numel() == B, "policy_loss_fwd: advantages must be [B = ", B, "], got ",
-                adv.sizes());
-  } else {
-    check_token_tensor("advantages", adv, lp);
-  }
-  float threshold = 0.0f;
-  if (o.ent_quantile) {
-    TORCH_CHECK(threshold_opt.has_value() && threshold_opt->numel() == 1,
-                "policy_loss_fwd: the entropy quantile needs a 1-element entropy_threshold");
-    threshold = threshold_opt->to(torch::kCPU, torch::kFloat32).item<float>();
-  }
-
   // Outputs (token-shaped ones from the huge-page cache).
-  const auto shape = lp.sizes();
-  torch::Tensor grad = empty_output(shape, cdt);
-  torch::Tensor grad_ent = need_entropy_grad ? empty_output(shape, cdt) : torch::empty({0}, torch::dtype(cdt));
-  torch::Tensor tok = o.token_out != 0 ? empty_output(shape, cdt) : torch::empty({0}, torch::dtype(cdt));
+  const auto shape = in.lp.sizes();
+  const torch::Tensor grad = empty_output(shape, cdt);
+  const torch::Tensor grad_ent =
+      need_entropy_grad ? empty_output(shape, cdt) : torch::empty({0}, torch::dtype(cdt));
+  const torch::Tensor tok =
+      o.token_out != TokenOut::NONE ? empty_output(shape, cdt) : torch::empty({0}, torch::dtype(cdt));
   double sums[NUM_SUMS];
-
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "rlvr_policy_loss_fwd", [&] {
-    using in_t = scalar_t;
-    using T = std::conditional_t<std::is_same<in_t, double>::value, double, float>;
-    auto ptr = [](const torch::Tensor& t) { return t.defined() ? t.data_ptr<in_t>() : nullptr; };
-    Ctx<in_t, T> c{};
-    c.lp = lp.data_ptr<in_t>();
-    c.old = old.data_ptr<in_t>();
-    c.ref = ptr(ref);
-    c.roll = ptr(roll);
-    c.ent = ptr(ent);
-    c.adv = adv.data_ptr<T>();
-    c.mask = mask.defined() ? mask.data_ptr<bool>() : nullptr;
-    c.B = B;
-    c.L = L;
-    c.slots = slots;
-    c.begin = packed ? begin.data() : nullptr;
-    c.end = packed ? end.data() : nullptr;
-    c.grad = grad.data_ptr<T>();
-    c.grad_ent = need_entropy_grad ? grad_ent.data_ptr<T>() : nullptr;
-    c.tok = o.token_out != 0 ? tok.data_ptr<T>() : nullptr;
-    c.o = o;
-    c.lo = static_cast<T>(fparams[F_CLIP_LO]);
-    c.hi = static_cast<T>(fparams[F_CLIP_HI]);
-    c.clip_c = static_cast<T>(fparams[F_CLIP_C]);
-    c.lrc = static_cast<T>(fparams[F_LOG_RATIO_CLAMP]);
-    c.gspo_clamp = static_cast<T>(fparams[F_GSPO_CLAMP]);
-    c.beta = static_cast<T>(fparams[F_KL_COEF]);
-    c.rc_low = static_cast<T>(fparams[F_RC_LOW]);
-    c.rc_high = static_cast<T>(fparams[F_RC_HIGH]);
-    c.ent_coef = o.ent_term ? static_cast<T>(fparams[F_ENT_COEF]) : T(0);
-    c.tau_pos = static_cast<T>(fparams[F_TAU_POS]);
-    c.tau_neg = static_cast<T>(fparams[F_TAU_NEG]);
-    c.four_tau_pos = T(4) / c.tau_pos;
-    c.four_tau_neg = T(4) / c.tau_neg;
-    c.threshold = threshold;
-    run(c, sums);
+    using T = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
+    Ctx<scalar_t, T> c = make_ctx<scalar_t, T>(o, p, in, grad, grad_ent, tok);
+    forward(c, sums);
   });
 
   torch::Tensor sums_t = torch::empty({NUM_SUMS}, torch::dtype(cdt));
   AT_DISPATCH_FLOATING_TYPES(cdt, "rlvr_policy_loss_sums", [&] {
-    scalar_t* p = sums_t.data_ptr<scalar_t>();
-    for (int k = 0; k < NUM_SUMS; ++k) p[k] = static_cast<scalar_t>(sums[k]);
+    scalar_t* out = sums_t.data_ptr<scalar_t>();
+    for (int k = 0; k < NUM_SUMS; ++k) out[k] = static_cast<scalar_t>(sums[k]);
   });
   return {sums_t, grad, grad_ent, tok};
 }
 
 // ------------------------------------------------------------------ backward
 // out = (coef · up).to(dtype), with torch's type promotion (at::result_type: a 0-d up does
-// not promote coef). Fixed chunks over the threads; the chunk loop is compiled twice (baseline
-// and AVX2, picked at run time) and left to the auto-vectoriser, conversions included.
+// not promote coef). Fixed chunks over the threads; the chunk loop is compiled twice by run_isa
+// (baseline and AVX2) and left to the auto-vectoriser, conversions included.
 namespace {
 
 constexpr int64_t kGradChunk = 1 << 15;
 
 template <typename T, typename c_t, typename u_t, typename out_t, bool kScalar>
-RLVR_INLINE void grad_chunk_body(const c_t* __restrict coef, const u_t* __restrict up, T u0, out_t* __restrict out,
-                                 int64_t n) {
+RLVR_INLINE void grad_chunk(const c_t* __restrict coef, const u_t* __restrict up, T u0, out_t* __restrict out,
+                            int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const T u = kScalar ? u0 : static_cast<T>(up[i]);
     out[i] = static_cast<out_t>(static_cast<T>(coef[i]) * u);
@@ -1000,30 +1175,33 @@ RLVR_INLINE void grad_chunk_body(const c_t* __restrict coef, const u_t* __restri
 }
 
 template <typename T, typename c_t, typename u_t, typename out_t, bool kScalar>
-__attribute__((noinline)) void grad_chunk_baseline(const c_t* coef, const u_t* up, T u0, out_t* out, int64_t n) {
-  grad_chunk_body<T, c_t, u_t, out_t, kScalar>(coef, up, u0, out, n);
-}
+struct GradBody {
+  struct Arg {
+    const c_t* coef;
+    const u_t* up;  // nullptr when kScalar
+    T u0;
+    out_t* out;
+    int64_t n;
+  };
 
-#if RLVR_AVX2_CLONE
-template <typename T, typename c_t, typename u_t, typename out_t, bool kScalar>
-__attribute__((noinline, target("avx2,fma"))) void grad_chunk_avx2(const c_t* coef, const u_t* up, T u0, out_t* out,
-                                                                    int64_t n) {
-  grad_chunk_body<T, c_t, u_t, out_t, kScalar>(coef, up, u0, out, n);
-}
-#endif
+  template <int VB>
+  RLVR_INLINE static void run(const Arg& a) {
+    grad_chunk<T, c_t, u_t, out_t, kScalar>(a.coef, a.up, a.u0, a.out, a.n);
+  }
+};
 
 template <typename T, typename c_t, typename u_t, typename out_t, bool kScalar>
 void grad_run(const c_t* coef, const u_t* up, T u0, out_t* out, int64_t numel) {
-  void (*fn)(const c_t*, const u_t*, T, out_t*, int64_t) = &grad_chunk_baseline<T, c_t, u_t, out_t, kScalar>;
-#if RLVR_AVX2_CLONE
-  if (use_avx2()) fn = &grad_chunk_avx2<T, c_t, u_t, out_t, kScalar>;
-#endif
   const int64_t nchunks = (numel + kGradChunk - 1) / kGradChunk;
 #pragma omp parallel for schedule(static) if (nchunks > 1)
   for (int64_t b = 0; b < nchunks; ++b) {
     const int64_t i0 = b * kGradChunk, n = std::min(kGradChunk, numel - i0);
-    fn(coef + i0, kScalar ? up : up + i0, u0, out + i0, n);
+    run_isa<GradBody<T, c_t, u_t, out_t, kScalar>>({coef + i0, kScalar ? up : up + i0, u0, out + i0, n});
   }
+}
+
+bool is_float_dtype(at::ScalarType t) {
+  return t == torch::kFloat32 || t == torch::kFloat64 || t == torch::kBFloat16 || t == torch::kFloat16;
 }
 
 }  // namespace
@@ -1032,13 +1210,10 @@ torch::Tensor policy_loss_grad_cpu(const torch::Tensor& coef, const torch::Tenso
   TORCH_CHECK(coef.device().is_cpu() && up.device().is_cpu(), "policy_loss_grad: coef and up must be CPU tensors");
   TORCH_CHECK(coef.scalar_type() == torch::kFloat32 || coef.scalar_type() == torch::kFloat64,
               "policy_loss_grad: coef must be float32 or float64, got ", coef.scalar_type());
-  TORCH_CHECK(at::isFloatingType(up.scalar_type()) &&
-                  (up.scalar_type() == torch::kFloat32 || up.scalar_type() == torch::kFloat64 ||
-                   up.scalar_type() == torch::kBFloat16 || up.scalar_type() == torch::kFloat16),
+  TORCH_CHECK(is_float_dtype(up.scalar_type()),
               "policy_loss_grad: up must be float16, bfloat16, float32 or float64, got ", up.scalar_type());
-  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kFloat64 || dtype == torch::kBFloat16 ||
-                  dtype == torch::kFloat16,
-              "policy_loss_grad: dtype must be float16, bfloat16, float32 or float64, got ", dtype);
+  TORCH_CHECK(is_float_dtype(dtype), "policy_loss_grad: dtype must be float16, bfloat16, float32 or float64, got ",
+              dtype);
   TORCH_CHECK(coef.is_contiguous(), "policy_loss_grad: coef must be contiguous");
   const bool scalar = up.numel() == 1;
   TORCH_CHECK(scalar || up.sizes() == coef.sizes(), "policy_loss_grad: up must have 1 element or shape ",

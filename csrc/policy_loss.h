@@ -1,63 +1,50 @@
+// Kernel contract of policy_loss_fwd: the mirror of rlvr_kernels/contracts/policy_loss.py (what
+// each parameter means is written there; tests/common/test_contracts.py compares the two).
 #pragma once
 
 #include <torch/types.h>
 
 #include <tuple>
 
+#include "params.h"
+
+// fparams, in order.
+#define RLVR_POLICY_LOSS_FPARAMS(X)                                                                       \
+  X(ratio_low) X(ratio_high) X(clip_ratio_c) X(log_ratio_clamp) X(gspo_log_clamp) X(tau_pos) X(tau_neg) \
+  X(kl_coef) X(rc_low) X(rc_high) X(entropy_coef) X(w_pos) X(w_neg) X(probability)                      \
+  X(a3po_pos_high_ratio) X(a3po_pos_high_scale) X(a3po_pos_low_ratio) X(a3po_pos_low_scale)             \
+  X(a3po_neg_high_ratio) X(a3po_neg_high_scale) X(a3po_neg_low_ratio) X(a3po_neg_low_scale)
+// iparams, in order.
+#define RLVR_POLICY_LOSS_IPARAMS(X)                                                                \
+  X(loss_type) X(kl) X(kl_clamp) X(rollout_correction) X(seq_mean) X(token_out) X(a3po_metric) X(a3po) \
+  X(entropy_quantile) X(seq_adv)
+
+#define RLVR_LOSS_TYPE_CODES(X) X(PPO, 0) X(GSPO, 1) X(CISPO, 2) X(SAPO, 3) X(REINFORCE, 4)
+#define RLVR_KL_ESTIMATOR_CODES(X) X(NONE, 0) X(K1, 1) X(K2, 2) X(K3, 3) X(K3_PLUS, 4)
+#define RLVR_ROLLOUT_CORRECTION_CODES(X) \
+  X(NONE, 0) X(TOKEN_TIS, 1) X(SEQ_TIS, 2) X(TOKEN_MIS, 3) X(SEQ_MIS, 4) X(DECOUPLED, 5)
+#define RLVR_TOKEN_OUT_CODES(X) X(NONE, 0) X(LOSS, 1) X(SHAPED_ADVANTAGES, 2)
+#define RLVR_A3PO_METRIC_CODES(X) X(PROB, 0) X(ENTROPY, 1)
+// Entries of the `sums` output.
+#define RLVR_POLICY_LOSS_SUM_CODES(X)                                                                           \
+  X(TOTAL, 0) X(PG, 1) X(KL, 2) X(NTOK, 3) X(NSEQ, 4) X(CLIP, 5) X(CLIP_LOWER, 6) X(NEG_DELTA, 7) X(KL_RAW, 8) \
+  X(IS, 9) X(IS_MAX, 10) X(REJECT, 11) X(SHAPED, 12) X(ENT, 13) X(NONFINITE, 14)
+
 namespace rlvr {
 
-// Indices of the kernel contract, shared with rlvr_kernels/ops/policy_loss.py (its module
-// docstring is the contract: what each entry means).
-namespace policy_loss_index {
-// fparams
-constexpr int F_CLIP_LO = 0;
-constexpr int F_CLIP_HI = 1;
-constexpr int F_CLIP_C = 2;
-constexpr int F_LOG_RATIO_CLAMP = 3;
-constexpr int F_GSPO_CLAMP = 4;
-constexpr int F_TAU_POS = 5;
-constexpr int F_TAU_NEG = 6;
-constexpr int F_KL_COEF = 7;
-constexpr int F_RC_LOW = 8;
-constexpr int F_RC_HIGH = 9;
-constexpr int F_ENT_COEF = 10;
-constexpr int F_W_POS = 11;
-constexpr int F_W_NEG = 12;
-constexpr int F_PROB_LAMBDA = 13;
-constexpr int F_A3PO = 14;  // 8 values: (ratio, scale) for pos-high, pos-low, neg-high, neg-low
-constexpr int NUM_FPARAMS = 22;
-// iparams
-constexpr int I_LOSS_TYPE = 0;
-constexpr int I_KL = 1;
-constexpr int I_KL_CLAMP = 2;
-constexpr int I_RC = 3;
-constexpr int I_SEQ_MEAN = 4;
-constexpr int I_TOKEN_OUT = 5;
-constexpr int I_A3PO_METRIC = 6;
-constexpr int I_A3PO_ON = 7;
-constexpr int I_ENT_QUANTILE = 8;
-constexpr int I_SEQ_ADV = 9;
-constexpr int NUM_IPARAMS = 10;
-// sums
-constexpr int S_TOTAL = 0;
-constexpr int S_PG = 1;
-constexpr int S_KL = 2;
-constexpr int S_NTOK = 3;
-constexpr int S_NSEQ = 4;
-constexpr int S_CLIP = 5;
-constexpr int S_CLIP_LOWER = 6;
-constexpr int S_NEG_DELTA = 7;
-constexpr int S_KL_RAW = 8;
-constexpr int S_IS = 9;
-constexpr int S_IS_MAX = 10;
-constexpr int S_REJECT = 11;
-constexpr int S_SHAPED = 12;
-constexpr int S_ENT = 13;
-constexpr int S_NONFINITE = 14;  // valid tokens where an input the call reads is NaN or ±inf
-constexpr int NUM_SUMS = 15;
-}  // namespace policy_loss_index
+RLVR_DEFINE_PARAMS(PolicyLossParams, RLVR_POLICY_LOSS_FPARAMS, RLVR_POLICY_LOSS_IPARAMS)
+RLVR_DEFINE_ENUM(LossType, RLVR_LOSS_TYPE_CODES)
+RLVR_DEFINE_ENUM(KlEstimator, RLVR_KL_ESTIMATOR_CODES)
+RLVR_DEFINE_ENUM(RolloutCorrection, RLVR_ROLLOUT_CORRECTION_CODES)
+RLVR_DEFINE_ENUM(TokenOut, RLVR_TOKEN_OUT_CODES)
+RLVR_DEFINE_ENUM(A3poMetric, RLVR_A3PO_METRIC_CODES)
+RLVR_DEFINE_ENUM(PolicyLossSum, RLVR_POLICY_LOSS_SUM_CODES)
 
-// (sums, grad_logprobs, grad_entropy, token_out); see policy_loss.cpp and the contract.
+#define RLVR_COUNT_CODE(name, value) +1
+constexpr int kNumPolicyLossSums = 0 RLVR_POLICY_LOSS_SUM_CODES(RLVR_COUNT_CODE);
+#undef RLVR_COUNT_CODE
+
+// (sums, grad_logprobs, grad_entropy, token_out); see rlvr_kernels/ops/policy_loss.py.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> policy_loss_fwd_cpu(
     const torch::Tensor& logprobs, const torch::Tensor& old_logprobs, const torch::Tensor& advantages,
     const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& ref_logprobs,

@@ -258,7 +258,8 @@ class TokenShaping:
 class PolicyLossOptions:
     """Everything that decides the numbers ``policy_loss`` returns (SPEC §4).
 
-    loss_type         ppo | gspo | cispo | sapo | reinforce | gpg (gpg = reinforce)
+    loss_type         ppo | gspo | cispo | sapo | reinforce | gpg (gpg is reinforce: the
+                      field reads "reinforce" after construction)
     clip_low/high     ε_low, ε_high of the ratio clip (ppo, gspo, cispo)
     clip_ratio_c      dual-clip bound c > 1 for A < 0 (ppo); None = off
     log_ratio_clamp   δ clamped to ±this before exp (ppo, cispo, sapo); None = off. The
@@ -296,6 +297,8 @@ class PolicyLossOptions:
 
     def __post_init__(self):
         _check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        if self.loss_type == "gpg":  # one name per loss: the kernels and the reference know "reinforce"
+            object.__setattr__(self, "loss_type", "reinforce")
         _check_float("clip_low", self.clip_low, 0.0, 1.0)
         _check_float("clip_high", self.clip_high, 0.0)
         if self.clip_ratio_c is not None:
@@ -349,8 +352,6 @@ def resolve_policy_loss_options(preset: Optional[str] = None, **overrides) -> Po
         raise ValueError(f"preset: expected one of {LOSS_PRESETS} or None, got {preset!r}")
     fields = dict(_LOSS_PRESET_FIELDS[preset])
     fields.update({k: v for k, v in overrides.items() if v is not None})
-    if fields.get("loss_type") == "gpg":
-        fields["loss_type"] = "reinforce"
     return PolicyLossOptions(**fields)
 
 

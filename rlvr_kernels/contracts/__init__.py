@@ -5,6 +5,7 @@ See :mod:`rlvr_kernels.contracts._base` for how the lists are packed."""
 from ._base import KernelParams, sanitized_offsets
 from .advantages import CPP_CODES as _ADVANTAGES_CODES
 from .advantages import Baseline, GroupAdvantagesParams, Scale, Whiten
+from .policy_loss import CPP_CODES as _POLICY_LOSS_CODES
 
 __all__ = ["KernelParams", "sanitized_offsets", "Baseline", "GroupAdvantagesParams", "Scale", "Whiten"]
 
@@ -12,3 +13,4 @@ __all__ = ["KernelParams", "sanitized_offsets", "Baseline", "GroupAdvantagesPara
 # contract test compares names and values. Each op's contract module adds its own.
 CPP_CODES: dict = {}
 CPP_CODES.update(_ADVANTAGES_CODES)
+CPP_CODES.update(_POLICY_LOSS_CODES)

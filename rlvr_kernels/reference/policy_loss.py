@@ -6,6 +6,13 @@ into it and the results gathered back, so both layouts share one definition.
 
 Gradients flow to ``logprobs`` and ``entropy`` only: old, reference and rollout log-probs
 and the advantages are constants of the loss (every trainer detaches them).
+
+The stages, in order: ``pg_term`` (``log_ratio`` and one ``*_term`` per loss type) →
+``shaping_weights`` → ``is_weights`` → ``kl_term`` → ``token_loss`` → ``aggregate``. The C++
+(``csrc/policy_loss.cpp``) and Triton (``triton/policy_loss.py``) kernels have one helper per
+stage, named after these, so each can be read against this file function by function. The
+entropy-quantile threshold and the packed layout's validity are the kernel contract's own
+definitions (:mod:`rlvr_kernels.contracts.policy_loss`), shared with the op layer.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..contracts.policy_loss import entropy_quantile_threshold, packed_mask
 from ..options import PolicyLossMetrics, PolicyLossOptions, TokenShaping
 
 
@@ -43,39 +51,27 @@ def from_padded(y: torch.Tensor, cu_seqlens: Optional[torch.Tensor], num_tokens:
     return torch.cat(parts + [tail])
 
 
-def packed_mask(mask: Optional[torch.Tensor], cu_seqlens: torch.Tensor, num_tokens: int, device) -> torch.Tensor:
-    """The ``[T]`` validity of the packed layout: tokens inside a sequence (before
-    ``cu_seqlens[-1]``), and where the mask, if given, is set."""
-    inside = torch.arange(num_tokens, device=device) < cu_seqlens[-1]
-    return inside if mask is None else inside & (mask != 0)
+# ------------------------------------------------------------------ shaping (SPEC §2)
+# The shaping weight w multiplies the policy-gradient term; it is a constant (no gradient),
+# formed in fp64: polarity_weights × probability_weights × a3po_scales × entropy_keep.
+def polarity_weights(adv: torch.Tensor, shaping: TokenShaping) -> torch.Tensor:
+    """w_pos for A > 0, w_neg for A < 0, 1 for A = 0 (``adv`` in fp64)."""
+    one = adv.new_ones(())
+    return torch.where(adv > 0, one * shaping.w_pos, torch.where(adv < 0, one * shaping.w_neg, one))
 
 
-# ------------------------------------------------------------------ shaping
-def entropy_quantile_threshold(entropy: torch.Tensor, valid: torch.Tensor, rho: float) -> torch.Tensor:
-    """The (1 − ρ) quantile of ``entropy`` over ``valid`` tokens, linear interpolation
-    (``torch.quantile``'s rule), as a 0-d fp32 tensor; +inf when no token is valid.
-
-    Sort-based with invalid tokens pushed to +inf, so the shapes stay static (no
-    ``masked_select``): works under torch.compile and for more than 2^24 tokens, where
-    ``torch.quantile`` refuses.
-    """
-    x = torch.where(valid, entropy.detach().float(), torch.full((), float("inf"), device=entropy.device))
-    x = x.reshape(-1).sort().values
-    n = valid.sum()
-    pos = (1.0 - rho) * (n - 1).clamp(min=0).to(torch.float64)
-    lo = pos.floor()
-    w = (pos - lo).float()
-    lo_i = lo.long().clamp(max=max(x.numel() - 1, 0))
-    hi_i = (lo_i + 1).clamp(max=(n - 1).clamp(min=0))
-    if x.numel() == 0:
-        return torch.full((), float("inf"), device=entropy.device)
-    a, b = x[lo_i], x[hi_i]
-    t = torch.lerp(a, b, w)
-    return torch.where(n > 0, t, torch.full((), float("inf"), device=entropy.device))
+def probability_weights(adv: torch.Tensor, old_logprobs: torch.Tensor, shaping: TokenShaping) -> torch.Tensor:
+    """(1 − λ) + λ·w with w = 1 − p for A > 0, p for A < 0 (0 for A = 0), p = exp(old)."""
+    p = old_logprobs.detach().double().exp()
+    wp = torch.where(adv > 0, 1 - p, torch.where(adv < 0, p, torch.zeros_like(p)))
+    lam = shaping.probability
+    return (1 - lam) + lam * wp
 
 
-def _a3po_scales(adv: torch.Tensor, metric: torch.Tensor, valid: torch.Tensor, shaping: TokenShaping) -> torch.Tensor:
-    """Per-token product of the A3PO knob scales (padded layout), a Python loop per sequence."""
+def a3po_scales(adv: torch.Tensor, metric: torch.Tensor, valid: torch.Tensor, shaping: TokenShaping) -> torch.Tensor:
+    """Per-token product of the A3PO knob scales (padded layout), a Python loop per sequence:
+    the sequence's polarity is the sign of Σ_t A·m; each knob (ratio, scale) of that polarity
+    scales the k = max(1, ⌊n·ratio⌋) highest / lowest-metric candidates (valid, metric ≠ 0)."""
     scales = torch.ones_like(adv, dtype=torch.float64)
     B = adv.shape[0]
     for i in range(B):
@@ -99,22 +95,23 @@ def _a3po_scales(adv: torch.Tensor, metric: torch.Tensor, valid: torch.Tensor, s
     return scales
 
 
+def entropy_keep(entropy: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """1 where the (fp32) entropy is ≥ the quantile threshold, else 0."""
+    return (entropy.detach().float() >= threshold).double()
+
+
 def shaping_weights(adv, old_logprobs, valid, shaping: TokenShaping, entropy=None, threshold=None) -> torch.Tensor:
-    """Per-token constant weight (padded layout) multiplying the policy-gradient term:
+    """Per-token constant weight (padded layout, fp64) multiplying the policy-gradient term:
     polarity × probability × A3PO scales × entropy-quantile keep."""
     a = adv.double()
-    one = a.new_ones(())
-    w = torch.where(a > 0, one * shaping.w_pos, torch.where(a < 0, one * shaping.w_neg, one))
+    w = polarity_weights(a, shaping)
     if shaping.probability != 0:
-        p = old_logprobs.detach().double().exp()
-        wp = torch.where(a > 0, 1 - p, torch.where(a < 0, p, torch.zeros_like(p)))
-        lam = shaping.probability
-        w = w * ((1 - lam) + lam * wp)
+        w = w * probability_weights(a, old_logprobs, shaping)
     if shaping.a3po_active:
         metric = old_logprobs.detach().double().exp() if shaping.a3po_metric == "prob" else entropy.detach().double()
-        w = w * _a3po_scales(a, metric, valid, shaping)
+        w = w * a3po_scales(a, metric, valid, shaping)
     if shaping.entropy_quantile is not None:
-        w = w * (entropy.detach().float() >= threshold).double()
+        w = w * entropy_keep(entropy, threshold)
     return w
 
 
@@ -162,73 +159,95 @@ def _adv_padded(advantages, logprobs, cu_seqlens):
     return advantages[:, None].expand(advantages.shape[0], Lmax)
 
 
-# ------------------------------------------------------------------ the loss
-def _pg_term(opts: PolicyLossOptions, logp, old, adv, valid):
-    """Per-token policy-gradient loss (before shaping and IS weights), the clip flags and δ
-    for the ppo_kl metric."""
-    zero = torch.zeros_like(logp)
+# ------------------------------------------------------------------ the policy-gradient term (SPEC §4)
+# Each loss type returns (pg, clipped, clip_lower, δ): the per-token policy-gradient loss
+# (before shaping and IS weights), the clip flags and δ for the ppo_kl metric.
+def log_ratio(opts: PolicyLossOptions, logp, old):
+    """δ = logp − old, clamped to ±log_ratio_clamp when that is set."""
     delta_raw = logp - old
     if opts.log_ratio_clamp is not None:
         c = opts.log_ratio_clamp
-        delta = torch.clamp(delta_raw, -c, c)
-    else:
-        delta = delta_raw
-    lo, hi = 1 - opts.clip_low, 1 + opts.clip_high
-    clip_lower = torch.zeros_like(valid)
+        return torch.clamp(delta_raw, -c, c)
+    return delta_raw
+
+
+def _clip_range(opts: PolicyLossOptions):
+    return 1 - opts.clip_low, 1 + opts.clip_high
+
+
+def ppo_term(opts: PolicyLossOptions, logp, old, adv):
+    """max(−A·ρ, −A·clip(ρ)), and for A < 0 with dual clip c: min(·, −A·c)."""
+    delta = log_ratio(opts, logp, old)
+    lo, hi = _clip_range(opts)
+    ratio = torch.exp(delta)
+    l1 = -adv * ratio
+    l2 = -adv * torch.clamp(ratio, lo, hi)
+    pg1 = torch.maximum(l1, l2)
+    clipped = l2 > l1
+    if opts.clip_ratio_c is None:
+        return pg1, clipped, torch.zeros_like(clipped), delta
+    l3 = -adv * opts.clip_ratio_c
+    pg = torch.where(adv < 0, torch.minimum(pg1, l3), pg1)
+    return pg, clipped, (pg1 > l3) & (adv < 0), delta
+
+
+def gspo_term(opts: PolicyLossOptions, logp, old, adv, valid):
+    """The clipped objective of the sequence ratio s_i = exp(mean δ) with the token's own
+    gradient: log s_{i,t} = logp − sg(logp) + sg(log s_i), log s_i clamped above."""
+    delta_raw = logp - old
+    lo, hi = _clip_range(opts)
+    n = valid.sum(-1).clamp(min=1)
+    log_s = (delta_raw * valid).sum(-1) / n  # verl: the sequence mean of the unclamped δ
+    log_st = logp - logp.detach() + log_s.detach()[:, None]
+    s = torch.exp(torch.clamp(log_st, max=opts.gspo_log_clamp) if opts.gspo_log_clamp is not None else log_st)
+    l1 = -adv * s
+    l2 = -adv * torch.clamp(s, lo, hi)
+    clipped = l2 > l1
+    return torch.maximum(l1, l2), clipped, torch.zeros_like(clipped), delta_raw
+
+
+def cispo_term(opts: PolicyLossOptions, logp, old, adv):
+    """−sg(clip(ρ))·A·logp: the clipped ratio is a constant."""
+    delta = log_ratio(opts, logp, old)
+    lo, hi = _clip_range(opts)
+    ratio = torch.exp(delta)
+    clipped_ratio = torch.clamp(ratio, lo, hi)
+    clipped = ratio != clipped_ratio
+    return -clipped_ratio.detach() * adv * logp, clipped, torch.zeros_like(clipped), delta
+
+
+def sapo_term(opts: PolicyLossOptions, logp, old, adv):
+    """−σ(τ·(ρ − 1))·(4/τ)·A, τ = τ_pos for A > 0, else τ_neg."""
+    delta = log_ratio(opts, logp, old)
+    ratio = torch.exp(delta)
+    one = logp.new_ones(())
+    tau = torch.where(adv > 0, one * opts.tau_pos, one * opts.tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1)) * (4.0 / tau)
+    no = torch.zeros_like(logp).bool()
+    return -gate * adv, no, no, delta
+
+
+def reinforce_term(opts: PolicyLossOptions, logp, old, adv):
+    """−A·logp (reinforce, gpg)."""
+    no = torch.zeros_like(logp).bool()
+    return -adv * logp, no, no, logp - old
+
+
+def pg_term(opts: PolicyLossOptions, logp, old, adv, valid):
+    """The policy-gradient term of ``opts.loss_type``: (pg, clipped, clip_lower, δ)."""
     if opts.loss_type == "ppo":
-        ratio = torch.exp(delta)
-        l1 = -adv * ratio
-        l2 = -adv * torch.clamp(ratio, lo, hi)
-        pg1 = torch.maximum(l1, l2)
-        clipped = l2 > l1
-        if opts.clip_ratio_c is not None:
-            l3 = -adv * opts.clip_ratio_c
-            pg = torch.where(adv < 0, torch.minimum(pg1, l3), pg1)
-            clip_lower = (pg1 > l3) & (adv < 0)
-        else:
-            pg = pg1
-        return pg, clipped, clip_lower, delta
+        return ppo_term(opts, logp, old, adv)
     if opts.loss_type == "gspo":
-        n = valid.sum(-1).clamp(min=1)
-        log_s = (delta_raw * valid).sum(-1) / n  # verl: the sequence mean of the unclamped δ
-        log_st = logp - logp.detach() + log_s.detach()[:, None]
-        s = torch.exp(torch.clamp(log_st, max=opts.gspo_log_clamp) if opts.gspo_log_clamp is not None else log_st)
-        l1 = -adv * s
-        l2 = -adv * torch.clamp(s, lo, hi)
-        return torch.maximum(l1, l2), l2 > l1, clip_lower, delta_raw
+        return gspo_term(opts, logp, old, adv, valid)
     if opts.loss_type == "cispo":
-        ratio = torch.exp(delta)
-        clipped_ratio = torch.clamp(ratio, lo, hi)
-        return -clipped_ratio.detach() * adv * logp, ratio != clipped_ratio, clip_lower, delta
+        return cispo_term(opts, logp, old, adv)
     if opts.loss_type == "sapo":
-        ratio = torch.exp(delta)
-        one = logp.new_ones(())
-        tau = torch.where(adv > 0, one * opts.tau_pos, one * opts.tau_neg)
-        gate = torch.sigmoid(tau * (ratio - 1)) * (4.0 / tau)
-        return -gate * adv, zero.bool(), clip_lower, delta
-    # reinforce / gpg
-    return -adv * logp, zero.bool(), clip_lower, delta_raw
+        return sapo_term(opts, logp, old, adv)
+    return reinforce_term(opts, logp, old, adv)
 
 
-def _kl_term(opts: PolicyLossOptions, logp, ref):
-    x = logp - ref
-    if opts.kl == "k1":
-        return x
-    if opts.kl == "k2":
-        return 0.5 * x.square()
-    y = ref - logp
-    if opts.kl_clamp:
-        y = torch.clamp(y, -20, 20)
-    k3 = torch.exp(y) - y - 1
-    if opts.kl_clamp:
-        k3 = torch.clamp(k3, -10, 10)
-    if opts.kl == "k3":
-        return k3
-    k2 = 0.5 * x.square()  # k3+: the value of k3 with the gradient of k2
-    return k2 - k2.detach() + k3.detach()
-
-
-def _is_weights(opts: PolicyLossOptions, old, rollout, valid):
+# ------------------------------------------------------------------ IS weight, KL, token loss
+def is_weights(opts: PolicyLossOptions, old, rollout, valid):
     """Detached rollout-correction weights and the "rejected" flags (padded layout)."""
     C = opts.rollout_threshold
     kind = opts.rollout_correction
@@ -247,6 +266,73 @@ def _is_weights(opts: PolicyLossOptions, old, rollout, valid):
     return torch.where(rejected, 0.0, 1.0).to(w.dtype), rejected
 
 
+def kl_term(opts: PolicyLossOptions, logp, ref):
+    """The per-token KL estimate to the reference policy (k3+: the value of k3 with the
+    gradient of k2)."""
+    x = logp - ref
+    if opts.kl == "k1":
+        return x
+    if opts.kl == "k2":
+        return 0.5 * x.square()
+    y = ref - logp
+    if opts.kl_clamp:
+        y = torch.clamp(y, -20, 20)
+    k3 = torch.exp(y) - y - 1
+    if opts.kl_clamp:
+        k3 = torch.clamp(k3, -10, 10)
+    if opts.kl == "k3":
+        return k3
+    k2 = 0.5 * x.square()
+    return k2 - k2.detach() + k3.detach()
+
+
+def token_loss(opts: PolicyLossOptions, pg, shape_w, is_w, kl, entropy):
+    """ℓ = pg·w·is_w + β·kl − c_H·H per token; returns (ℓ, pg·w·is_w)."""
+    pg_w = pg * shape_w
+    if is_w is not None:
+        pg_w = pg_w * is_w
+    loss = pg_w
+    if kl is not None:
+        loss = loss + opts.kl_coef * kl
+    if entropy is not None and opts.entropy_coef != 0:
+        loss = loss - opts.entropy_coef * entropy
+    return loss, pg_w
+
+
+# ------------------------------------------------------------------ aggregation
+def aggregate(
+    opts: PolicyLossOptions,
+    x: torch.Tensor,
+    m: torch.Tensor,
+    *,
+    global_num_tokens=None,
+    global_num_seqs=None,
+    dp_size: int = 1,
+    loss_scale_factor: Optional[float] = None,
+) -> torch.Tensor:
+    """``agg`` of the per-token ``x`` over the valid tokens ``m`` (padded layout, compute dtype);
+    a count of 0 gives 0. ``seq-mean-token-sum-norm`` divides by ``loss_scale_factor``,
+    default L (1 when L = 0: no token, a loss of 0)."""
+    dtype = m.dtype
+    n_i = m.sum(-1)
+    if opts.agg == "none":
+        return x * m
+    if opts.agg == "token-sum":
+        return (x * m).sum() * dp_size
+    if opts.agg == "token-mean":
+        den = m.sum() if global_num_tokens is None else torch.as_tensor(global_num_tokens, dtype=dtype)
+        return _safe_div((x * m).sum(), den) * dp_size
+    if opts.agg == "seq-mean-token-mean":
+        per_seq = torch.where(n_i > 0, (x * m).sum(-1) / n_i.clamp(min=1), 0.0)
+    else:
+        per_seq = (x * m).sum(-1)
+    den = (n_i > 0).to(dtype).sum() if global_num_seqs is None else torch.as_tensor(global_num_seqs, dtype=dtype)
+    out = _safe_div(per_seq.sum(), den) * dp_size
+    if opts.agg == "seq-mean-token-sum-norm":
+        out = out / (loss_scale_factor if loss_scale_factor is not None else max(m.shape[-1], 1))
+    return out
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -263,7 +349,8 @@ def policy_loss(
     dp_size: int = 1,
     loss_scale_factor: Optional[float] = None,
 ) -> Tuple[torch.Tensor, PolicyLossMetrics]:
-    """The GRPO-family policy loss, per SPEC §4, and its metrics.
+    """The GRPO-family policy loss, per SPEC §4, and its metrics: pg_term → shaping_weights →
+    is_weights → kl_term → token_loss → aggregate.
 
     Computes in the dtype of ``logprobs`` promoted to at least fp32 (fp64 stays fp64).
     Returns the aggregated loss (0-d; ``[B, L]``/``[T]`` for ``agg="none"``) and metrics.
@@ -286,63 +373,42 @@ def policy_loss(
     ent = ent.to(dtype) if ent is not None else None
     m = valid.to(dtype)
 
-    pg, clipped, clip_lower, delta = _pg_term(opts, lp, old, adv, valid)
+    pg, clipped, clip_lower, delta = pg_term(opts, lp, old, adv, valid)
     thr = None
     if opts.shaping.entropy_quantile is not None:
         thr = entropy_quantile_threshold(ent, valid, opts.shaping.entropy_quantile)
     shape_w = shaping_weights(adv, old, valid, opts.shaping, ent, thr).to(dtype)
-    loss_tok = pg * shape_w
-    is_w = torch.ones_like(lp)
-    rejected = torch.zeros_like(valid)
+    is_w, rejected = torch.ones_like(lp), torch.zeros_like(valid)
     if opts.rollout_correction is not None:
-        is_w, rejected = _is_weights(opts, old, roll.to(dtype), m)
-        loss_tok = loss_tok * is_w
-    pg_tok = loss_tok
-    kl_tok = torch.zeros_like(lp)
-    if opts.kl is not None:
-        kl_tok = _kl_term(opts, lp, ref.to(dtype))
-        loss_tok = loss_tok + opts.kl_coef * kl_tok
-    if ent is not None and opts.entropy_coef != 0:
-        loss_tok = loss_tok - opts.entropy_coef * ent
+        is_w, rejected = is_weights(opts, old, roll.to(dtype), m)
+    kl_tok = kl_term(opts, lp, ref.to(dtype)) if opts.kl is not None else None
+    loss_tok, pg_tok = token_loss(opts, pg, shape_w, is_w if opts.rollout_correction is not None else None, kl_tok, ent)
+    kl_tok = torch.zeros_like(lp) if kl_tok is None else kl_tok
 
-    n_i = m.sum(-1)
-    N_tok = m.sum()
-    N_seq = (n_i > 0).to(dtype).sum()
-
-    def aggregate(x):
-        if opts.agg == "none":
-            return x * m
-        if opts.agg == "token-sum":
-            return (x * m).sum() * dp_size
-        if opts.agg == "token-mean":
-            den = N_tok if global_num_tokens is None else torch.as_tensor(global_num_tokens, dtype=dtype)
-            return _safe_div((x * m).sum(), den) * dp_size
-        if opts.agg == "seq-mean-token-mean":
-            per_seq = torch.where(n_i > 0, (x * m).sum(-1) / n_i.clamp(min=1), 0.0)
-        else:
-            per_seq = (x * m).sum(-1)
-        den = N_seq if global_num_seqs is None else torch.as_tensor(global_num_seqs, dtype=dtype)
-        out = _safe_div(per_seq.sum(), den) * dp_size
-        if opts.agg == "seq-mean-token-sum-norm":
-            out = out / (loss_scale_factor if loss_scale_factor is not None else lp.shape[-1])
-        return out
-
-    loss = aggregate(loss_tok)
+    agg_kw = dict(
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+        dp_size=dp_size,
+        loss_scale_factor=loss_scale_factor,
+    )
+    loss = aggregate(opts, loss_tok, m, **agg_kw)
     if opts.agg == "none":
         loss = from_padded(loss, cu_seqlens, T)
+
+    N_tok = m.sum()
 
     def mean(x):
         return _safe_div((x.to(dtype) * m).sum(), N_tok).float()
 
+    def aggregate_metric(x):
+        out = aggregate(opts, x.detach(), m, **agg_kw)
+        return (out.sum() if opts.agg == "none" else out).float()
+
     with torch.no_grad():
         is_max = torch.where(valid, is_w, torch.zeros_like(is_w)).max() if valid.numel() else lp.new_zeros(())
         metrics = PolicyLossMetrics(
-            pg_loss=aggregate(pg_tok.detach()).sum().float()
-            if opts.agg == "none"
-            else aggregate(pg_tok.detach()).float(),
-            kl_loss=aggregate(kl_tok.detach()).sum().float()
-            if opts.agg == "none"
-            else aggregate(kl_tok.detach()).float(),
+            pg_loss=aggregate_metric(pg_tok),
+            kl_loss=aggregate_metric(kl_tok),
             pg_clipfrac=mean(clipped),
             pg_clipfrac_lower=mean(clip_lower),
             ppo_kl=mean(-delta.detach()),
@@ -353,7 +419,7 @@ def policy_loss(
             shaped_frac=mean(shape_w != 1),
             entropy_mean=mean(ent.detach()) if ent is not None else lp.new_zeros((), dtype=torch.float32),
             num_tokens=N_tok.float(),
-            num_seqs=N_seq.float(),
+            num_seqs=(m.sum(-1) > 0).to(dtype).sum().float(),
         )
     return loss.to(dtype), metrics
 

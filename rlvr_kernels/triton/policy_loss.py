@@ -1,37 +1,42 @@
 """Fused GRPO-family policy loss in Triton (SPEC §2, §4): the CUDA backend of
-``rlvr_kernels.ops.policy_loss`` (the kernel contract is that module's docstring; the
-exact math is ``rlvr_kernels.reference.policy_loss``).
+``rlvr_kernels.ops.policy_loss`` (the kernel contract is that module's docstring and
+:mod:`rlvr_kernels.contracts.policy_loss`; the exact math is
+``rlvr_kernels.reference.policy_loss``).
 
 Design:
 - Work unit = one block of ``_TOKEN_BLOCK`` tokens of ONE sequence, so every
   per-sequence value (a [B] advantage, GSPO's log s_i, the sequence IS weight, A3PO
   thresholds, n_i) is a scalar load per program, and B = 64 × L = 8192 gives 512
   programs. Padded [B, L]: program p is block p % NBL of row p // NBL. Packed [T]: the
-  B sequences plus a head [0, cu[0]) and a tail [cu[B], T) segment (written as zeros) are
-  cut into blocks by ``_block_offsets_kernel`` (a device-side cumsum of per-segment block
-  counts, no host sync); the launch is the upper bound cdiv(T, BLOCK) + B + 2 and a
-  program finds its segment by binary search (surplus programs are idle). Valid
-  ``cu_seqlens`` cover each token exactly once.
+  launcher sanitises ``cu_seqlens`` (``contracts.sanitized_offsets``: in bounds, in order,
+  disjoint whatever the input); the B sequences plus a head [0, cu[0]) and a tail [cu[B], T)
+  segment (written as zeros) are cut into blocks by ``_block_offsets_kernel`` (a
+  device-side cumsum of per-segment block counts, no host sync); the launch is the bound
+  cdiv(T, BLOCK) + B + 2, which disjoint spans never exceed, and a program finds its
+  segment by binary search (surplus programs are idle).
 - ``_token_kernel``: the single pass of the common case (ppo + k3 + token_tis + token
   mean, [B] advantages): every input read once, the gradient written once, and one row
   of per-program partial sums. Options are constexpr, so unused features compile away.
+  Its stages are inlined helpers that mirror the functions of the reference, one by one:
+  ``_log_ratio`` → ``_pg_term`` (``_ppo_term``, ``_gspo_term``, ``_cispo_term``,
+  ``_sapo_term``, ``_reinforce_term``) → ``_shaping_weight`` → ``_is_weight`` →
+  ``_kl_term`` → ``_token_loss`` → ``_partial_sums``. Names: ``adv`` is the advantage A,
+  ``agg_w`` the aggregation weight (1/n_i for seq-mean-token-mean).
 - ``_seq_stats_kernel`` (one program per sequence), only when needed: n_i
   (seq-mean-token-mean), Σ δ·m (GSPO), Σ log w·m (seq_tis / seq_mis) and the A3PO
-  selection: the k-th highest / lowest metric by bisection on an order-preserving int64
-  image of the fp64 metric (≤ 64 passes, both knobs in lockstep), then one running-cumsum
-  pass over the candidates equal to the threshold for the tie cut (lower index first).
-  The token kernel recomputes the metric bitwise identically and selects
-  ``key > K or (key == K and t < cut)``.
+  selection (``_a3po_select``): the k-th highest / lowest metric by bisection on an
+  order-preserving int64 image of the fp64 metric (≤ 64 passes, both knobs in lockstep),
+  then one running-cumsum pass over the candidates equal to the threshold for the tie cut
+  (lower index first). The token kernel recomputes the metric bitwise identically
+  (``_a3po_candidates``) and selects ``key > K or (key == K and t < cut)``.
 - ``_finalize_kernel``: one program sums the partial rows in a fixed order in fp64
   (no atomics: bitwise reproducible) and counts the sequences with n_i > 0.
 Numerics follow the reference: compute in fp64 for fp64 inputs, else fp32; shaping
 weights in fp64, rounded once; torch's derivative conventions (clamp passes the gradient
 on the closed interval; maximum / minimum split it in half on ties). Hyper-parameters are
 fp64 kernel arguments rounded in-kernel to the compute dtype, as torch rounds a Python
-scalar to the tensor's dtype. Every load and store is masked and cu_seqlens offsets are
-clamped to [0, T], so no input makes a kernel leave its buffers. (Overlapping sequences —
-an invalid cu_seqlens that validation rejects — may hold more blocks than the launch
-bound; those tokens' outputs are then left unwritten.)
+scalar to the tensor's dtype. Every load and store is masked, so no input makes a kernel
+leave its buffers; the launcher checks the shapes the kernels rely on.
 Cost outside the common case: the per-sequence pass is one program per sequence, and an
 A3PO sequence takes up to ~67 passes over its tokens (the bisection); a3po is a rarely
 used option, so this favours exactness and simplicity over speed.
@@ -41,84 +46,71 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ..ops.policy_loss import (
-    F_A3PO,
-    F_CLIP_C,
-    F_CLIP_HI,
-    F_CLIP_LO,
-    F_ENT_COEF,
-    F_GSPO_CLAMP,
-    F_KL_COEF,
-    F_LOG_RATIO_CLAMP,
-    F_PROB_LAMBDA,
-    F_RC_HIGH,
-    F_RC_LOW,
-    F_TAU_NEG,
-    F_TAU_POS,
-    F_W_NEG,
-    F_W_POS,
-    I_A3PO_METRIC,
-    I_A3PO_ON,
-    I_ENT_QUANTILE,
-    I_KL,
-    I_KL_CLAMP,
-    I_LOSS_TYPE,
-    I_RC,
-    I_SEQ_ADV,
-    I_SEQ_MEAN,
-    I_TOKEN_OUT,
+from ..contracts import sanitized_offsets
+from ..contracts.policy_loss import (
     NUM_SUMS,
-    S_CLIP,
-    S_CLIP_LOWER,
-    S_ENT,
-    S_IS,
-    S_IS_MAX,
-    S_KL,
-    S_KL_RAW,
-    S_NEG_DELTA,
-    S_NONFINITE,
-    S_NSEQ,
-    S_NTOK,
-    S_PG,
-    S_REJECT,
-    S_SHAPED,
-    S_TOTAL,
+    A3poMetric,
+    KlEstimator,
+    LossType,
+    PolicyLossParams,
+    PolicyLossSum,
+    RolloutCorrection,
+    TokenOut,
 )
 
-# Loss / KL / rollout-correction codes (rlvr_kernels/ops/policy_loss.py LOSS_CODES, ...).
-PPO, GSPO, CISPO, SAPO, REINFORCE = 0, 1, 2, 3, 4
-K1, K2, K3, K3PLUS = 1, 2, 3, 4
-TOKEN_TIS, SEQ_TIS, TOKEN_MIS, SEQ_MIS, DECOUPLED = 1, 2, 3, 4, 5
-
+# The branch codes as constexprs the kernels compare against (contracts.policy_loss);
 # Triton kernels may only read module globals that are constexpr.
-_NP = tl.constexpr(16)  # columns of a partial-sums row (NUM_SUMS = 15, padded)
-_C_TOTAL = tl.constexpr(S_TOTAL)
-_C_PG = tl.constexpr(S_PG)
-_C_KL = tl.constexpr(S_KL)
-_C_NTOK = tl.constexpr(S_NTOK)
-_C_NSEQ = tl.constexpr(S_NSEQ)
-_C_CLIP = tl.constexpr(S_CLIP)
-_C_CLIP_LOWER = tl.constexpr(S_CLIP_LOWER)
-_C_NEG_DELTA = tl.constexpr(S_NEG_DELTA)
-_C_KL_RAW = tl.constexpr(S_KL_RAW)
-_C_IS = tl.constexpr(S_IS)
-_C_IS_MAX = tl.constexpr(S_IS_MAX)
-_C_REJECT = tl.constexpr(S_REJECT)
-_C_SHAPED = tl.constexpr(S_SHAPED)
-_C_ENT = tl.constexpr(S_ENT)
-_C_NONFINITE = tl.constexpr(S_NONFINITE)
+PPO = tl.constexpr(int(LossType.PPO))
+GSPO = tl.constexpr(int(LossType.GSPO))
+CISPO = tl.constexpr(int(LossType.CISPO))
+SAPO = tl.constexpr(int(LossType.SAPO))
+REINFORCE = tl.constexpr(int(LossType.REINFORCE))
+KL_NONE = tl.constexpr(int(KlEstimator.NONE))
+K1 = tl.constexpr(int(KlEstimator.K1))
+K2 = tl.constexpr(int(KlEstimator.K2))
+K3 = tl.constexpr(int(KlEstimator.K3))
+K3_PLUS = tl.constexpr(int(KlEstimator.K3_PLUS))
+RC_NONE = tl.constexpr(int(RolloutCorrection.NONE))
+TOKEN_TIS = tl.constexpr(int(RolloutCorrection.TOKEN_TIS))
+SEQ_TIS = tl.constexpr(int(RolloutCorrection.SEQ_TIS))
+TOKEN_MIS = tl.constexpr(int(RolloutCorrection.TOKEN_MIS))
+SEQ_MIS = tl.constexpr(int(RolloutCorrection.SEQ_MIS))
+DECOUPLED = tl.constexpr(int(RolloutCorrection.DECOUPLED))
+TOKEN_OUT_NONE = tl.constexpr(int(TokenOut.NONE))
+TOKEN_OUT_LOSS = tl.constexpr(int(TokenOut.LOSS))
+TOKEN_OUT_SHAPED = tl.constexpr(int(TokenOut.SHAPED_ADVANTAGES))
+# Columns of a partial-sums row (PolicyLossSum), padded to a power of two.
+_NP = tl.constexpr(16)
+_C_TOTAL = tl.constexpr(int(PolicyLossSum.TOTAL))
+_C_PG = tl.constexpr(int(PolicyLossSum.PG))
+_C_KL = tl.constexpr(int(PolicyLossSum.KL))
+_C_NTOK = tl.constexpr(int(PolicyLossSum.NTOK))
+_C_NSEQ = tl.constexpr(int(PolicyLossSum.NSEQ))
+_C_CLIP = tl.constexpr(int(PolicyLossSum.CLIP))
+_C_CLIP_LOWER = tl.constexpr(int(PolicyLossSum.CLIP_LOWER))
+_C_NEG_DELTA = tl.constexpr(int(PolicyLossSum.NEG_DELTA))
+_C_KL_RAW = tl.constexpr(int(PolicyLossSum.KL_RAW))
+_C_IS = tl.constexpr(int(PolicyLossSum.IS))
+_C_IS_MAX = tl.constexpr(int(PolicyLossSum.IS_MAX))
+_C_REJECT = tl.constexpr(int(PolicyLossSum.REJECT))
+_C_SHAPED = tl.constexpr(int(PolicyLossSum.SHAPED))
+_C_ENT = tl.constexpr(int(PolicyLossSum.ENT))
+_C_NONFINITE = tl.constexpr(int(PolicyLossSum.NONFINITE))
 _C_NUM_SUMS = tl.constexpr(NUM_SUMS)
+assert NUM_SUMS <= 16
 _NSTAT = tl.constexpr(4)  # per-sequence stats row: n_i, log s_i (gspo), Σ log w·m (seq IS), unused
 _NA3 = tl.constexpr(5)  # per-sequence A3PO row: polarity, K_high, cut_high, K_low, cut_low
 _I64_MAX = tl.constexpr(0x7FFFFFFFFFFFFFFF)
 _I64_MIN = tl.constexpr(-0x7FFFFFFFFFFFFFFF - 1)
 
 
+# ------------------------------------------------------------------ small helpers
 @triton.jit
 def _param(x, DT: tl.constexpr):
     # x is an fp64 kernel argument (a Python float under the interpreter); one rounding
@@ -128,23 +120,23 @@ def _param(x, DT: tl.constexpr):
 
 @triton.jit
 def _segment(cu_ptr, seg, B, T, ok):
-    """[begin, end) of packed segment ``seg``: 0 = head [0, cu[0]), 1..B = sequence seg − 1,
-    B + 1 = tail [cu[B], T); offsets clamped to [0, T], a decreasing pair is empty."""
-    lo_raw = tl.load(cu_ptr + tl.minimum(tl.maximum(seg - 1, 0), B), mask=ok, other=0)
-    hi_raw = tl.load(cu_ptr + tl.minimum(tl.maximum(seg, 0), B), mask=ok, other=0)
-    begin = tl.where(seg == 0, 0, tl.minimum(tl.maximum(lo_raw, 0), T))
-    end = tl.where(seg == B + 1, T, tl.minimum(tl.maximum(hi_raw, begin), T))
+    """[begin, end) of packed segment ``seg`` over the sanitised offsets: 0 = head [0, cu[0]),
+    1..B = sequence seg − 1, B + 1 = tail [cu[B], T). The clamps are a no-op on sanitised
+    offsets; they keep the helper in bounds on its own (and without them the A3PO stats
+    kernel spills a register on sm_80)."""
+    lo = tl.load(cu_ptr + tl.minimum(tl.maximum(seg - 1, 0), B), mask=ok, other=0)
+    hi = tl.load(cu_ptr + tl.minimum(tl.maximum(seg, 0), B), mask=ok, other=0)
+    begin = tl.where(seg == 0, 0, tl.minimum(tl.maximum(lo, 0), T))
+    end = tl.where(seg == B + 1, T, tl.minimum(tl.maximum(hi, begin), T))
     return begin, end
 
 
 @triton.jit
-def _a3po_metric(old, ent, METRIC_ENT: tl.constexpr):
-    # The reference ranks exp(old) (or the entropy) in fp64: same rounding, same ties.
-    if METRIC_ENT:
-        m = ent.to(tl.float64)
-    else:
-        m = tl.exp(old.to(tl.float64))
-    return m
+def _token_valid(mask_ptr, t, inside, HAS_MASK: tl.constexpr):
+    valid = inside
+    if HAS_MASK:
+        valid = valid & tl.load(mask_ptr + t, mask=inside, other=0).to(tl.int1)
+    return valid
 
 
 @triton.jit
@@ -155,8 +147,35 @@ def _order_key(x):
 
 
 @triton.jit
+def _a3po_candidates(old, ent, valid, A3PO_ENT: tl.constexpr):
+    """Mirrors the candidates of reference a3po_scales: valid tokens whose metric is ≠ 0, and
+    the order key of the metric. The reference ranks exp(old) (or the entropy) in fp64: same
+    rounding, same ties."""
+    if A3PO_ENT:
+        metric = ent.to(tl.float64)
+    else:
+        metric = tl.exp(old.to(tl.float64))
+    return valid & (metric != 0.0), _order_key(metric)
+
+
+@triton.jit
+def _load_a3po_candidates(
+    mask_ptr, old_ptr, ent_ptr, t, end, CDT: tl.constexpr, HAS_MASK: tl.constexpr, A3PO_ENT: tl.constexpr
+):
+    """The A3PO candidates and keys of token slots t (< end) of one sequence, from memory."""
+    inside = t < end
+    valid = _token_valid(mask_ptr, t, inside, HAS_MASK)
+    old = tl.load(old_ptr + t, mask=inside, other=0.0).to(CDT)
+    ent = old
+    if A3PO_ENT:
+        ent = tl.load(ent_ptr + t, mask=inside, other=0.0).to(CDT)
+    return _a3po_candidates(old, ent, valid, A3PO_ENT)
+
+
+# ------------------------------------------------------------------ packed layout: program offsets
+@triton.jit
 def _block_offsets_kernel(
-    cu_ptr,  # [B + 1] int64
+    cu_ptr,  # [B + 1] int64, sanitised
     boff_ptr,  # [B + 3] int64 output: segment s owns programs [boff[s], boff[s + 1])
     B,
     T,
@@ -176,6 +195,102 @@ def _block_offsets_kernel(
         carry += tl.sum(nb, 0)
 
 
+# ------------------------------------------------------------------ per-sequence statistics
+@triton.jit
+def _a3po_select(
+    mask_ptr,
+    old_ptr,
+    ent_ptr,
+    begin,
+    end,
+    pol,  # Σ_t A·m of the sequence, fp64
+    ncand,  # candidates (valid, metric ≠ 0)
+    key_lo,  # smallest / largest candidate key
+    key_hi,
+    r_pos_high,
+    s_pos_high,
+    r_pos_low,
+    s_pos_low,
+    r_neg_high,
+    s_neg_high,
+    r_neg_low,
+    s_neg_low,
+    CDT: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    A3PO_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Mirrors reference a3po_scales for one sequence: the threshold key K and the tie cut of
+    the high and the low knob of its polarity (a knob that is off never selects). Returns the
+    sequence's A3PO row (polarity, K_high, cut_high, K_low, cut_low) in the first _NA3 lanes."""
+    lanes = tl.arange(0, BLOCK)
+    pos = pol > 0.0
+    neg = pol < 0.0
+    r_h = tl.where(pos, _param(r_pos_high, tl.float64), _param(r_neg_high, tl.float64))
+    s_h = tl.where(pos, _param(s_pos_high, tl.float64), _param(s_neg_high, tl.float64))
+    r_l = tl.where(pos, _param(r_pos_low, tl.float64), _param(r_neg_low, tl.float64))
+    s_l = tl.where(pos, _param(s_pos_low, tl.float64), _param(s_neg_low, tl.float64))
+    has = (pos | neg) & (ncand > 0)
+    on_h = has & (r_h > 0.0) & (s_h != 1.0)
+    on_l = has & (r_l > 0.0) & (s_l != 1.0)
+    nc64 = ncand.to(tl.float64)
+    k_h = tl.maximum((nc64 * r_h).to(tl.int64), 1)  # max(1, ⌊n·ratio⌋), Python's int()
+    k_l = tl.maximum((nc64 * r_l).to(tl.int64), 1)
+    # high: K_h = max{K : #(key ≥ K) ≥ k_h}; low: K_l = min{K : #(key ≤ K) ≥ k_l}.
+    lo_h = key_lo
+    hi_h = tl.where(on_h, key_hi, key_lo)
+    lo_l = tl.where(on_l, key_lo, key_hi)
+    hi_l = key_hi
+    while (lo_h < hi_h) | (lo_l < hi_l):
+        mid_h = (lo_h | hi_h) - ((lo_h ^ hi_h) >> 1)  # ⌈(lo + hi)/2⌉ without overflow
+        mid_l = (lo_l & hi_l) + ((lo_l ^ hi_l) >> 1)  # ⌊(lo + hi)/2⌋
+        c_h = tl.zeros([BLOCK], tl.int32)
+        c_l = tl.zeros([BLOCK], tl.int32)
+        for start in range(begin, end, BLOCK):
+            cand, key = _load_a3po_candidates(mask_ptr, old_ptr, ent_ptr, start + lanes, end, CDT, HAS_MASK, A3PO_ENT)
+            c_h += (cand & (key >= mid_h)).to(tl.int32)
+            c_l += (cand & (key <= mid_l)).to(tl.int32)
+        ok_h = tl.sum(c_h, 0) >= k_h
+        ok_l = tl.sum(c_l, 0) >= k_l
+        run_h = lo_h < hi_h
+        run_l = lo_l < hi_l
+        lo_h = tl.where(run_h & ok_h, mid_h, lo_h)
+        hi_h = tl.where(run_h & ~ok_h, mid_h - 1, hi_h)
+        hi_l = tl.where(run_l & ok_l, mid_l, hi_l)
+        lo_l = tl.where(run_l & ~ok_l, mid_l + 1, lo_l)
+    # Ties at the threshold: the r = k − #(strictly beyond) lowest-index ones.
+    g_h = tl.zeros([BLOCK], tl.int32)
+    g_l = tl.zeros([BLOCK], tl.int32)
+    for start in range(begin, end, BLOCK):
+        cand, key = _load_a3po_candidates(mask_ptr, old_ptr, ent_ptr, start + lanes, end, CDT, HAS_MASK, A3PO_ENT)
+        g_h += (cand & (key > lo_h)).to(tl.int32)
+        g_l += (cand & (key < lo_l)).to(tl.int32)
+    need_h = k_h - tl.sum(g_h, 0)
+    need_l = k_l - tl.sum(g_l, 0)
+    seen_h = tl.zeros([], tl.int64)
+    seen_l = tl.zeros([], tl.int64)
+    cut_h = tl.full([], -1, tl.int64)
+    cut_l = tl.full([], -1, tl.int64)
+    for start in range(begin, end, BLOCK):
+        t = start + lanes
+        cand, key = _load_a3po_candidates(mask_ptr, old_ptr, ent_ptr, t, end, CDT, HAS_MASK, A3PO_ENT)
+        eq_h = (cand & (key == lo_h)).to(tl.int32)
+        eq_l = (cand & (key == lo_l)).to(tl.int32)
+        hit_h = (eq_h != 0) & ((seen_h + tl.cumsum(eq_h, 0)) == need_h)
+        hit_l = (eq_l != 0) & ((seen_l + tl.cumsum(eq_l, 0)) == need_l)
+        cut_h = tl.maximum(cut_h, tl.max(tl.where(hit_h, t + 1, -1), 0))
+        cut_l = tl.maximum(cut_l, tl.max(tl.where(hit_l, t + 1, -1), 0))
+        seen_h += tl.sum(eq_h, 0)
+        seen_l += tl.sum(eq_l, 0)
+    cols = tl.arange(0, 8)
+    row = tl.where(cols == 0, tl.where(pos, 1, tl.where(neg, -1, 0)).to(tl.int64), 0)
+    row = tl.where(cols == 1, tl.where(on_h, lo_h, _I64_MAX), row)  # off: never selected
+    row = tl.where(cols == 2, tl.where(on_h, cut_h, -1), row)
+    row = tl.where(cols == 3, tl.where(on_l, lo_l, _I64_MIN), row)
+    row = tl.where(cols == 4, tl.where(on_l, cut_l, -1), row)
+    return row
+
+
 @triton.jit
 def _seq_stats_kernel(
     logp_ptr,
@@ -184,7 +299,7 @@ def _seq_stats_kernel(
     mask_ptr,  # token-shaped bool (HAS_MASK)
     roll_ptr,
     ent_ptr,  # token-shaped, input dtype (NEED_LOGW / A3PO entropy metric)
-    cu_ptr,  # [B + 1] int64 (PACKED)
+    cu_ptr,  # [B + 1] int64, sanitised (PACKED)
     seqf_ptr,  # [B, 4] compute dtype output: n_i, log s_i, Σ log w·m
     a3po_ptr,  # [B, 5] int64 output (A3PO): polarity, K_high, cut_high, K_low, cut_low
     B,
@@ -208,6 +323,9 @@ def _seq_stats_kernel(
     A3PO_ENT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """One program per sequence: n_i, GSPO's log s_i = Σ δ·m / max(n, 1) (reference
+    gspo_term), the sequence IS log-weight Σ log w·m (reference is_weights) and the A3PO row
+    (_a3po_select). (Long for its signature and the argument list of _a3po_select.)"""
     i = tl.program_id(0).to(tl.int64)
     if PACKED:
         begin, end = _segment(cu_ptr, i + 1, B, T, True)
@@ -226,9 +344,7 @@ def _seq_stats_kernel(
     for start in range(begin, end, BLOCK):
         t = start + lanes
         inside = t < end
-        valid = inside
-        if HAS_MASK:
-            valid = valid & tl.load(mask_ptr + t, mask=inside, other=0).to(tl.int1)
+        valid = _token_valid(mask_ptr, t, inside, HAS_MASK)
         acc_n += valid.to(tl.int32)
         old = tl.load(old_ptr + t, mask=inside, other=0.0).to(CDT)
         if NEED_DELTA:  # GSPO: the sequence mean of the unclamped δ
@@ -244,9 +360,7 @@ def _seq_stats_kernel(
             ent = old
             if A3PO_ENT:
                 ent = tl.load(ent_ptr + t, mask=inside, other=0.0).to(CDT)
-            metric = _a3po_metric(old, ent, A3PO_ENT)
-            cand = valid & (metric != 0.0)
-            key = _order_key(metric)
+            cand, key = _a3po_candidates(old, ent, valid, A3PO_ENT)
             acc_c += cand.to(tl.int32)
             kmin = tl.minimum(kmin, tl.where(cand, key, _I64_MAX))
             kmax = tl.maximum(kmax, tl.where(cand, key, _I64_MIN))
@@ -264,108 +378,407 @@ def _seq_stats_kernel(
             pol = tl.load(adv_ptr + i).to(tl.float64) * n.to(tl.float64)
         else:
             pol = tl.sum(acc_a, 0)
-        pos = pol > 0.0
-        neg = pol < 0.0
-        r_h = tl.where(pos, _param(r_pos_high, tl.float64), _param(r_neg_high, tl.float64))
-        s_h = tl.where(pos, _param(s_pos_high, tl.float64), _param(s_neg_high, tl.float64))
-        r_l = tl.where(pos, _param(r_pos_low, tl.float64), _param(r_neg_low, tl.float64))
-        s_l = tl.where(pos, _param(s_pos_low, tl.float64), _param(s_neg_low, tl.float64))
-        ncand = tl.sum(acc_c, 0)
-        has = (pos | neg) & (ncand > 0)
-        on_h = has & (r_h > 0.0) & (s_h != 1.0)
-        on_l = has & (r_l > 0.0) & (s_l != 1.0)
-        nc64 = ncand.to(tl.float64)
-        k_h = tl.maximum((nc64 * r_h).to(tl.int64), 1)  # max(1, ⌊n·ratio⌋), Python's int()
-        k_l = tl.maximum((nc64 * r_l).to(tl.int64), 1)
-        key_lo = tl.min(kmin, 0)
-        key_hi = tl.max(kmax, 0)
-        # high: K_h = max{K : #(key ≥ K) ≥ k_h}; low: K_l = min{K : #(key ≤ K) ≥ k_l}.
-        lo_h = key_lo
-        hi_h = tl.where(on_h, key_hi, key_lo)
-        lo_l = tl.where(on_l, key_lo, key_hi)
-        hi_l = key_hi
-        while (lo_h < hi_h) | (lo_l < hi_l):
-            mid_h = (lo_h | hi_h) - ((lo_h ^ hi_h) >> 1)  # ⌈(lo + hi)/2⌉ without overflow
-            mid_l = (lo_l & hi_l) + ((lo_l ^ hi_l) >> 1)  # ⌊(lo + hi)/2⌋
-            c_h = tl.zeros([BLOCK], tl.int32)
-            c_l = tl.zeros([BLOCK], tl.int32)
-            for start in range(begin, end, BLOCK):
-                t = start + lanes
-                inside = t < end
-                valid = inside
-                if HAS_MASK:
-                    valid = valid & tl.load(mask_ptr + t, mask=inside, other=0).to(tl.int1)
-                old = tl.load(old_ptr + t, mask=inside, other=0.0).to(CDT)
-                ent = old
-                if A3PO_ENT:
-                    ent = tl.load(ent_ptr + t, mask=inside, other=0.0).to(CDT)
-                metric = _a3po_metric(old, ent, A3PO_ENT)
-                cand = valid & (metric != 0.0)
-                key = _order_key(metric)
-                c_h += (cand & (key >= mid_h)).to(tl.int32)
-                c_l += (cand & (key <= mid_l)).to(tl.int32)
-            ok_h = tl.sum(c_h, 0) >= k_h
-            ok_l = tl.sum(c_l, 0) >= k_l
-            run_h = lo_h < hi_h
-            run_l = lo_l < hi_l
-            lo_h = tl.where(run_h & ok_h, mid_h, lo_h)
-            hi_h = tl.where(run_h & ~ok_h, mid_h - 1, hi_h)
-            hi_l = tl.where(run_l & ok_l, mid_l, hi_l)
-            lo_l = tl.where(run_l & ~ok_l, mid_l + 1, lo_l)
-        # Ties at the threshold: the r = k − #(strictly beyond) lowest-index ones.
-        g_h = tl.zeros([BLOCK], tl.int32)
-        g_l = tl.zeros([BLOCK], tl.int32)
-        for start in range(begin, end, BLOCK):
-            t = start + lanes
-            inside = t < end
-            valid = inside
-            if HAS_MASK:
-                valid = valid & tl.load(mask_ptr + t, mask=inside, other=0).to(tl.int1)
-            old = tl.load(old_ptr + t, mask=inside, other=0.0).to(CDT)
-            ent = old
-            if A3PO_ENT:
-                ent = tl.load(ent_ptr + t, mask=inside, other=0.0).to(CDT)
-            metric = _a3po_metric(old, ent, A3PO_ENT)
-            cand = valid & (metric != 0.0)
-            key = _order_key(metric)
-            g_h += (cand & (key > lo_h)).to(tl.int32)
-            g_l += (cand & (key < lo_l)).to(tl.int32)
-        need_h = k_h - tl.sum(g_h, 0)
-        need_l = k_l - tl.sum(g_l, 0)
-        seen_h = tl.zeros([], tl.int64)
-        seen_l = tl.zeros([], tl.int64)
-        cut_h = tl.full([], -1, tl.int64)
-        cut_l = tl.full([], -1, tl.int64)
-        for start in range(begin, end, BLOCK):
-            t = start + lanes
-            inside = t < end
-            valid = inside
-            if HAS_MASK:
-                valid = valid & tl.load(mask_ptr + t, mask=inside, other=0).to(tl.int1)
-            old = tl.load(old_ptr + t, mask=inside, other=0.0).to(CDT)
-            ent = old
-            if A3PO_ENT:
-                ent = tl.load(ent_ptr + t, mask=inside, other=0.0).to(CDT)
-            metric = _a3po_metric(old, ent, A3PO_ENT)
-            cand = valid & (metric != 0.0)
-            key = _order_key(metric)
-            eq_h = (cand & (key == lo_h)).to(tl.int32)
-            eq_l = (cand & (key == lo_l)).to(tl.int32)
-            hit_h = (eq_h != 0) & ((seen_h + tl.cumsum(eq_h, 0)) == need_h)
-            hit_l = (eq_l != 0) & ((seen_l + tl.cumsum(eq_l, 0)) == need_l)
-            cut_h = tl.maximum(cut_h, tl.max(tl.where(hit_h, t + 1, -1), 0))
-            cut_l = tl.maximum(cut_l, tl.max(tl.where(hit_l, t + 1, -1), 0))
-            seen_h += tl.sum(eq_h, 0)
-            seen_l += tl.sum(eq_l, 0)
+        row = _a3po_select(
+            mask_ptr,
+            old_ptr,
+            ent_ptr,
+            begin,
+            end,
+            pol,
+            tl.sum(acc_c, 0),
+            tl.min(kmin, 0),
+            tl.max(kmax, 0),
+            r_pos_high,
+            s_pos_high,
+            r_pos_low,
+            s_pos_low,
+            r_neg_high,
+            s_neg_high,
+            r_neg_low,
+            s_neg_low,
+            CDT,
+            HAS_MASK,
+            A3PO_ENT,
+            BLOCK,
+        )
         cols = tl.arange(0, 8)
-        row = tl.where(cols == 0, tl.where(pos, 1, tl.where(neg, -1, 0)).to(tl.int64), 0)
-        row = tl.where(cols == 1, tl.where(on_h, lo_h, _I64_MAX), row)  # off: never selected
-        row = tl.where(cols == 2, tl.where(on_h, cut_h, -1), row)
-        row = tl.where(cols == 3, tl.where(on_l, lo_l, _I64_MIN), row)
-        row = tl.where(cols == 4, tl.where(on_l, cut_l, -1), row)
         tl.store(a3po_ptr + i * _NA3 + cols, row, mask=cols < _NA3)
 
 
+# ------------------------------------------------------------------ token stages
+@triton.jit
+def _program_span(
+    p, cu_ptr, boff_ptr, B, L, T, NBL, PACKED: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """The token slots [begin, end) of program p, the row of its sequence, whether it is a
+    sequence (not a packed head / tail or an idle program) and the sequence length."""
+    if PACKED:
+        # Largest segment s with boff[s] <= p (empty segments share their offset).
+        nseg = B + 2
+        s_lo = tl.zeros([], tl.int64)
+        s_hi = s_lo + nseg - 1
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (s_lo + s_hi + 1) // 2
+            go = tl.load(boff_ptr + mid) <= p
+            s_lo = tl.where(go, mid, s_lo)
+            s_hi = tl.where(go, s_hi, mid - 1)
+        seg = s_lo
+        busy = p < tl.load(boff_ptr + nseg)
+        seg_begin, seg_end = _segment(cu_ptr, seg, B, T, True)
+        begin = seg_begin + (p - tl.load(boff_ptr + seg)) * BLOCK
+        end = tl.where(busy, tl.minimum(begin + BLOCK, seg_end), begin)
+        is_seq = busy & (seg >= 1) & (seg <= B)
+        row = tl.minimum(tl.maximum(seg - 1, 0), tl.maximum(B - 1, 0))
+        seq_len = seg_end - seg_begin
+    else:
+        row = p // NBL
+        begin = row * L + (p - row * NBL) * BLOCK
+        end = tl.minimum(begin + BLOCK, row * L + L)
+        is_seq = row < B
+        seq_len = L
+    return row, begin, end, is_seq, seq_len
+
+
+@triton.jit
+def _log_ratio(lp, old, lr_clamp, CDT: tl.constexpr, LR_CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+    """Mirrors reference log_ratio: δ = logp − old, clamped to ±lr_clamp (LR_CLAMP), and
+    ∂δ/∂logp (torch.clamp passes the gradient on the closed interval)."""
+    delta_raw = lp - old
+    if LR_CLAMP:
+        c = _param(lr_clamp, CDT)
+        delta = tl.minimum(tl.maximum(delta_raw, -c), c)
+        d_delta = tl.where((delta_raw >= -c) & (delta_raw <= c), 1.0, 0.0).to(CDT)
+    else:
+        delta = delta_raw
+        d_delta = tl.full([BLOCK], 1.0, CDT)
+    return delta, d_delta
+
+
+@triton.jit
+def _clipped_objective(adv, x, dl1, lo, hi):
+    """max(l1, l2) with l1 = −A·x, l2 = −A·clamp(x, lo, hi) (ppo_term, gspo_term), its
+    derivative from dl1 = ∂l1/∂logp (torch.maximum: the larger branch's gradient, half to each
+    on a tie; clamp passes [lo, hi]), and the clip flag."""
+    l1 = -adv * x
+    l2 = -adv * tl.minimum(tl.maximum(x, lo), hi)
+    pg = tl.maximum(l1, l2)
+    dl2 = tl.where((x >= lo) & (x <= hi), dl1, 0.0)
+    dpg = tl.where(l1 > l2, dl1, tl.where(l2 > l1, dl2, 0.5 * (dl1 + dl2)))
+    return pg, dpg, l2 > l1
+
+
+@triton.jit
+def _ppo_term(
+    lp,
+    old,
+    adv,
+    valid,
+    lo,
+    hi,
+    clip_c,
+    lr_clamp,
+    CDT: tl.constexpr,
+    LR_CLAMP: tl.constexpr,
+    DUAL_CLIP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Mirrors reference ppo_term: (pg, ∂pg/∂logp, clipped, clip_lower, δ)."""
+    delta, d_delta = _log_ratio(lp, old, lr_clamp, CDT, LR_CLAMP, BLOCK)
+    ratio = tl.exp(delta)
+    pg, dpg, clipped = _clipped_objective(adv, ratio, -adv * ratio * d_delta, lo, hi)
+    clip_lower = valid & False
+    if DUAL_CLIP:  # A < 0: min(pg, −A·c); torch.minimum passes half the gradient on a tie
+        l3 = -adv * _param(clip_c, CDT)
+        neg = adv < 0.0
+        clip_lower = neg & (pg > l3)
+        dpg = tl.where(neg, tl.where(pg < l3, dpg, tl.where(pg == l3, 0.5 * dpg, 0.0)), dpg)
+        pg = tl.where(neg, tl.minimum(pg, l3), pg)
+    return pg, dpg, clipped, clip_lower, delta
+
+
+@triton.jit
+def _gspo_term(lp, old, adv, valid, log_s, lo, hi, gspo_clamp, CDT: tl.constexpr):
+    """Mirrors reference gspo_term: s = exp(min(log s_i, clamp)) from the stats pass, and
+    ∂ log s_{i,t} / ∂logp_t = 1 while log s_i is under the clamp."""
+    g = _param(gspo_clamp, CDT)
+    s = tl.exp(tl.minimum(log_s, g))
+    ds = tl.where(log_s <= g, s, 0.0)
+    pg, dpg, clipped = _clipped_objective(adv, s, -adv * ds, lo, hi)
+    return pg, dpg, clipped, valid & False, lp - old
+
+
+@triton.jit
+def _cispo_term(lp, old, adv, valid, lo, hi, lr_clamp, CDT: tl.constexpr, LR_CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+    """Mirrors reference cispo_term: −sg(clamp(ratio))·A·logp (the clipped ratio is a constant)."""
+    delta, _ = _log_ratio(lp, old, lr_clamp, CDT, LR_CLAMP, BLOCK)
+    ratio = tl.exp(delta)
+    cr = tl.minimum(tl.maximum(ratio, lo), hi)
+    dpg = -cr * adv
+    return dpg * lp, dpg, ratio != cr, valid & False, delta
+
+
+@triton.jit
+def _sapo_term(
+    lp, old, adv, valid, tau_pos, tau_neg, lr_clamp, CDT: tl.constexpr, LR_CLAMP: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Mirrors reference sapo_term: −σ(τ·(ratio − 1))·(4/τ)·A."""
+    delta, d_delta = _log_ratio(lp, old, lr_clamp, CDT, LR_CLAMP, BLOCK)
+    ratio = tl.exp(delta)
+    tau = tl.where(adv > 0.0, _param(tau_pos, CDT), _param(tau_neg, CDT))
+    sig = tl.sigmoid(tau * (ratio - 1.0))
+    k = 4.0 / tau
+    pg = -(sig * k) * adv
+    dpg = (-adv * k) * ((1.0 - sig) * sig) * tau * ratio * d_delta
+    return pg, dpg, valid & False, valid & False, delta
+
+
+@triton.jit
+def _reinforce_term(lp, old, adv, valid):
+    """Mirrors reference reinforce_term: −A·logp."""
+    return -adv * lp, -adv, valid & False, valid & False, lp - old
+
+
+@triton.jit
+def _pg_term(
+    lp,
+    old,
+    adv,
+    valid,
+    log_s,  # GSPO: log s_i of the program's sequence
+    clip_lo,
+    clip_hi,
+    clip_c,
+    lr_clamp,
+    gspo_clamp,
+    tau_pos,
+    tau_neg,
+    CDT: tl.constexpr,
+    LOSS: tl.constexpr,
+    DUAL_CLIP: tl.constexpr,
+    LR_CLAMP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Mirrors reference pg_term: (pg, ∂pg/∂logp, clipped, clip_lower, δ for ppo_kl)."""
+    lo = _param(clip_lo, CDT)
+    hi = _param(clip_hi, CDT)
+    if LOSS == PPO:
+        return _ppo_term(lp, old, adv, valid, lo, hi, clip_c, lr_clamp, CDT, LR_CLAMP, DUAL_CLIP, BLOCK)
+    elif LOSS == GSPO:
+        return _gspo_term(lp, old, adv, valid, log_s, lo, hi, gspo_clamp, CDT)
+    elif LOSS == CISPO:
+        return _cispo_term(lp, old, adv, valid, lo, hi, lr_clamp, CDT, LR_CLAMP, BLOCK)
+    elif LOSS == SAPO:
+        return _sapo_term(lp, old, adv, valid, tau_pos, tau_neg, lr_clamp, CDT, LR_CLAMP, BLOCK)
+    else:  # REINFORCE
+        return _reinforce_term(lp, old, adv, valid)
+
+
+@triton.jit
+def _a3po_scale(cand, key, t, pol, k_h, cut_h, k_l, cut_l, s_pos_high, s_pos_low, s_neg_high, s_neg_low):
+    """Mirrors reference a3po_scales (token side): the scales of the knobs whose threshold
+    (from the stats pass) selects the token."""
+    sel_h = cand & ((key > k_h) | ((key == k_h) & (t < cut_h)))
+    sel_l = cand & ((key < k_l) | ((key == k_l) & (t < cut_l)))
+    sc_h = tl.where(pol > 0, _param(s_pos_high, tl.float64), _param(s_neg_high, tl.float64))
+    sc_l = tl.where(pol > 0, _param(s_pos_low, tl.float64), _param(s_neg_low, tl.float64))
+    return tl.where(sel_h, sc_h, 1.0) * tl.where(sel_l, sc_l, 1.0)
+
+
+@triton.jit
+def _shaping_weight(
+    adv,
+    old,
+    ent,
+    valid,
+    t,
+    row,
+    is_seq,
+    a3po_ptr,
+    thr_ptr,
+    w_pos,
+    w_neg,
+    prob_lambda,
+    s_pos_high,
+    s_pos_low,
+    s_neg_high,
+    s_neg_low,
+    SHAPE_POL: tl.constexpr,
+    SHAPE_PROB: tl.constexpr,
+    A3PO: tl.constexpr,
+    A3PO_ENT: tl.constexpr,
+    ENT_Q: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Mirrors reference shaping_weights: w = polarity × probability × A3PO scales × entropy
+    keep, in fp64 like the reference (a constant). Returns (A in fp64, w in fp64)."""
+    adv64 = adv.to(tl.float64)
+    w64 = tl.full([BLOCK], 1.0, tl.float64)
+    if SHAPE_POL:  # polarity_weights
+        w64 = tl.where(adv64 > 0.0, _param(w_pos, tl.float64), tl.where(adv64 < 0.0, _param(w_neg, tl.float64), 1.0))
+    if SHAPE_PROB:  # probability_weights
+        pr = tl.exp(old.to(tl.float64))
+        wp = tl.where(adv64 > 0.0, 1.0 - pr, tl.where(adv64 < 0.0, pr, 0.0))
+        lam = _param(prob_lambda, tl.float64)
+        w64 = w64 * ((1.0 - lam) + lam * wp)
+    if A3PO:
+        cand, key = _a3po_candidates(old, ent, valid, A3PO_ENT)
+        a3 = a3po_ptr + row * _NA3
+        pol = tl.load(a3 + 0, mask=is_seq, other=0)
+        k_h = tl.load(a3 + 1, mask=is_seq, other=_I64_MAX)
+        cut_h = tl.load(a3 + 2, mask=is_seq, other=-1)
+        k_l = tl.load(a3 + 3, mask=is_seq, other=_I64_MIN)
+        cut_l = tl.load(a3 + 4, mask=is_seq, other=-1)
+        w64 = w64 * _a3po_scale(cand, key, t, pol, k_h, cut_h, k_l, cut_l, s_pos_high, s_pos_low, s_neg_high, s_neg_low)
+    if ENT_Q:  # entropy_keep
+        keep = ent.to(tl.float32) >= tl.load(thr_ptr)
+        w64 = w64 * tl.where(keep, 1.0, 0.0)
+    return adv64, w64
+
+
+@triton.jit
+def _is_weight(old, roll, seq_logw, rc_low, rc_high, valid, CDT: tl.constexpr, RC: tl.constexpr, BLOCK: tl.constexpr):
+    """Mirrors reference is_weights: the detached rollout-correction weight and the rejected
+    flag. Token level from old − rollout; sequence level from Σ log w·m (stats pass); both
+    clamped to ±20 before exp."""
+    cap = _param(rc_high, CDT)
+    if (RC == SEQ_TIS) or (RC == SEQ_MIS):
+        raw = tl.exp(tl.minimum(tl.maximum(seq_logw, -20.0), 20.0)) + tl.zeros([BLOCK], CDT)
+    else:
+        raw = tl.exp(tl.minimum(tl.maximum(old - roll, -20.0), 20.0))
+    rejected = valid & False
+    if (RC == TOKEN_TIS) or (RC == SEQ_TIS):
+        is_w = tl.minimum(raw, cap)
+    elif RC == DECOUPLED:  # drop tokens whose behaviour weight exceeds the cap
+        rejected = raw > cap
+        is_w = tl.where(rejected, 0.0, raw)
+    else:  # MIS: 1 inside [low, C], rejected outside
+        rejected = (raw < _param(rc_low, CDT)) | (raw > cap)
+        is_w = tl.where(rejected, 0.0, 1.0).to(CDT)
+    return is_w, rejected
+
+
+@triton.jit
+def _kl_term(lp, ref, KL: tl.constexpr, KL_CLAMP: tl.constexpr, CDT: tl.constexpr, BLOCK: tl.constexpr):
+    """Mirrors reference kl_term: the KL estimate and its ∂/∂logp (k3+: the value of k3, the
+    gradient of k2)."""
+    x = lp - ref
+    if KL == K1:
+        kl = x
+        dkl = tl.full([BLOCK], 1.0, CDT)
+    elif KL == K2:
+        kl = 0.5 * (x * x)
+        dkl = x
+    else:
+        y = ref - lp
+        d3 = tl.full([BLOCK], 1.0, CDT)
+        if KL_CLAMP:
+            d3 = tl.where((y >= -20.0) & (y <= 20.0), d3, 0.0)
+            y = tl.minimum(tl.maximum(y, -20.0), 20.0)
+        ey = tl.exp(y)
+        kl = ey - y - 1.0
+        if KL_CLAMP:
+            d3 = tl.where((kl >= -10.0) & (kl <= 10.0), d3, 0.0)
+            kl = tl.minimum(tl.maximum(kl, -10.0), 10.0)
+        if KL == K3:
+            dkl = (1.0 - ey) * d3
+        else:  # K3_PLUS
+            dkl = x
+    return kl, dkl
+
+
+@triton.jit
+def _token_loss(
+    pg,
+    dpg,
+    w,
+    is_w,
+    kl,
+    dkl,
+    ent,
+    beta,
+    ec,
+    SHAPING: tl.constexpr,
+    RC: tl.constexpr,
+    KL: tl.constexpr,
+    ENT_TERM: tl.constexpr,
+):
+    """Mirrors reference token_loss: ℓ = pg·w·is_w + β·kl − c_H·H, pg·w·is_w, and ∂ℓ/∂logp."""
+    pgw = pg
+    dlp = dpg
+    if SHAPING:
+        pgw = pgw * w
+        dlp = dlp * w
+    if RC != RC_NONE:
+        pgw = pgw * is_w
+        dlp = dlp * is_w
+    ell = pgw
+    if KL != KL_NONE:
+        ell = ell + beta * kl
+        dlp = dlp + beta * dkl
+    if ENT_TERM:
+        ell = ell - ec * ent
+    return ell, pgw, dlp
+
+
+@triton.jit
+def _partial_sums(
+    valid,
+    ell_a,  # agg_w·ℓ
+    pgw_a,  # agg_w·pg·w·is_w
+    kl,
+    kl_a,  # agg_w·kl
+    clipped,
+    clip_lower,
+    delta,
+    is_w,
+    rejected,
+    w,
+    ent,
+    nonfinite,  # a token with a non-finite input (NaN lanes)
+    CDT: tl.constexpr,
+    LOSS: tl.constexpr,
+    DUAL_CLIP: tl.constexpr,
+    KL: tl.constexpr,
+    RC: tl.constexpr,
+    SHAPING: tl.constexpr,
+    HAS_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Mirrors reference aggregate and the metrics: one row of the program's partial sums
+    (PolicyLossSum columns; fixed-order tree sums inside the block)."""
+    zero = tl.zeros([BLOCK], CDT)
+    one = tl.full([BLOCK], 1.0, CDT)
+    cols = tl.arange(0, _NP)
+    part = tl.zeros([_NP], CDT)
+    part = tl.where(cols == _C_TOTAL, tl.sum(tl.where(valid, ell_a, zero), 0), part)
+    part = tl.where(cols == _C_PG, tl.sum(tl.where(valid, pgw_a, zero), 0), part)
+    ntok = tl.sum(tl.where(valid, one, zero), 0)
+    part = tl.where(cols == _C_NTOK, ntok, part)
+    if (LOSS == PPO) or (LOSS == GSPO) or (LOSS == CISPO):  # only these clip
+        part = tl.where(cols == _C_CLIP, tl.sum(tl.where(valid & clipped, one, zero), 0), part)
+    if DUAL_CLIP:
+        part = tl.where(cols == _C_CLIP_LOWER, tl.sum(tl.where(valid & clip_lower, one, zero), 0), part)
+    part = tl.where(cols == _C_NEG_DELTA, tl.sum(tl.where(valid, -delta, zero), 0), part)
+    if RC != RC_NONE:
+        part = tl.where(cols == _C_IS, tl.sum(tl.where(valid, is_w, zero), 0), part)
+        part = tl.where(cols == _C_IS_MAX, tl.max(tl.where(valid, is_w, zero), 0), part)
+    else:  # is_w = 1
+        part = tl.where(cols == _C_IS, ntok, part)
+        part = tl.where(cols == _C_IS_MAX, tl.minimum(ntok, 1.0), part)
+    if KL != KL_NONE:
+        part = tl.where(cols == _C_KL, tl.sum(tl.where(valid, kl_a, zero), 0), part)
+        part = tl.where(cols == _C_KL_RAW, tl.sum(tl.where(valid, kl, zero), 0), part)
+    if (RC == TOKEN_MIS) or (RC == SEQ_MIS) or (RC == DECOUPLED):  # these reject
+        part = tl.where(cols == _C_REJECT, tl.sum(tl.where(valid & rejected, one, zero), 0), part)
+    if SHAPING:
+        part = tl.where(cols == _C_SHAPED, tl.sum(tl.where(valid & (w != 1.0), one, zero), 0), part)
+    if HAS_ENT:
+        part = tl.where(cols == _C_ENT, tl.sum(tl.where(valid, ent, zero), 0), part)
+    part = tl.where(cols == _C_NONFINITE, tl.sum(tl.where(valid & nonfinite, one, zero), 0), part)
+    return part
+
+
+# ------------------------------------------------------------------ the token kernel
 @triton.jit
 def _token_kernel(
     logp_ptr,
@@ -376,14 +789,14 @@ def _token_kernel(
     roll_ptr,
     ent_ptr,  # token-shaped, input dtype (KL / RC / HAS_ENT)
     thr_ptr,  # 0-d fp32 entropy threshold (ENT_Q)
-    cu_ptr,  # [B + 1] int64 (PACKED)
+    cu_ptr,  # [B + 1] int64, sanitised (PACKED)
     boff_ptr,  # [B + 3] int64 program offsets of the packed segments (PACKED)
     seqf_ptr,  # [B, 4] compute dtype, from _seq_stats_kernel
     a3po_ptr,  # [B, 5] int64, from _seq_stats_kernel (A3PO)
-    grad_ptr,  # token-shaped compute dtype: a_t · ∂ℓ_t/∂logp_t
-    gent_ptr,  # token-shaped compute dtype: a_t · ∂ℓ_t/∂entropy_t (ENT_GRAD)
-    tok_ptr,  # token-shaped compute dtype: ℓ·m (TOKEN_OUT = 1) or A·w·m (TOKEN_OUT = 2)
-    part_ptr,  # [programs, 16] compute dtype: per-program partial sums (S_* columns)
+    grad_ptr,  # token-shaped compute dtype: agg_w · ∂ℓ/∂logp
+    gent_ptr,  # token-shaped compute dtype: agg_w · ∂ℓ/∂entropy (ENT_GRAD)
+    tok_ptr,  # token-shaped compute dtype: ℓ·m (TOKEN_OUT_LOSS) or A·w·m (TOKEN_OUT_SHAPED)
+    part_ptr,  # [programs, 16] compute dtype: per-program partial sums (PolicyLossSum columns)
     B,
     L,
     T,
@@ -430,278 +843,155 @@ def _token_kernel(
     SEARCH_STEPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """One block of one sequence through every stage: inputs → _pg_term → _shaping_weight →
+    _is_weight → _kl_term → _token_loss → the token outputs and _partial_sums. (Long for its
+    signature — every pointer, hyper-parameter and constexpr of the fused pass — and the
+    argument lists of the stage calls; the body is the stage sequence.)"""
     p = tl.program_id(0).to(tl.int64)
-    lanes = tl.arange(0, BLOCK)
-    if PACKED:
-        # Largest segment s with boff[s] <= p (empty segments share their offset).
-        nseg = B + 2
-        s_lo = tl.zeros([], tl.int64)
-        s_hi = s_lo + nseg - 1
-        for _ in tl.static_range(SEARCH_STEPS):
-            mid = (s_lo + s_hi + 1) // 2
-            go = tl.load(boff_ptr + mid) <= p
-            s_lo = tl.where(go, mid, s_lo)
-            s_hi = tl.where(go, s_hi, mid - 1)
-        seg = s_lo
-        busy = p < tl.load(boff_ptr + nseg)
-        seg_begin, seg_end = _segment(cu_ptr, seg, B, T, True)
-        begin = seg_begin + (p - tl.load(boff_ptr + seg)) * BLOCK
-        end = tl.where(busy, tl.minimum(begin + BLOCK, seg_end), begin)
-        is_seq = busy & (seg >= 1) & (seg <= B)
-        row = tl.minimum(tl.maximum(seg - 1, 0), tl.maximum(B - 1, 0))
-        seq_len = seg_end - seg_begin
-    else:
-        row = p // NBL
-        begin = row * L + (p - row * NBL) * BLOCK
-        end = tl.minimum(begin + BLOCK, row * L + L)
-        is_seq = row < B
-        seq_len = L
-    t = begin + lanes
+    row, begin, end, is_seq, seq_len = _program_span(p, cu_ptr, boff_ptr, B, L, T, NBL, PACKED, SEARCH_STEPS, BLOCK)
+    t = begin + tl.arange(0, BLOCK)
     inside = t < end
-    valid = inside & is_seq
-    if HAS_MASK:
-        valid = valid & tl.load(mask_ptr + t, mask=inside, other=0).to(tl.int1)
+    valid = _token_valid(mask_ptr, t, inside, HAS_MASK) & is_seq
 
+    # ---- inputs in the compute dtype
     lp = tl.load(logp_ptr + t, mask=inside, other=0.0).to(CDT)
     old = tl.load(old_ptr + t, mask=inside, other=0.0).to(CDT)
     if SEQ_ADV:  # one load per program, splat (the interpreter mishandles scalar & vector bools)
-        a = tl.load(adv_ptr + row, mask=is_seq, other=0.0).to(CDT) + tl.zeros([BLOCK], CDT)
+        adv = tl.load(adv_ptr + row, mask=is_seq, other=0.0).to(CDT) + tl.zeros([BLOCK], CDT)
     else:
-        a = tl.load(adv_ptr + t, mask=inside, other=0.0).to(CDT)
+        adv = tl.load(adv_ptr + t, mask=inside, other=0.0).to(CDT)
     ent = tl.zeros([BLOCK], CDT)
     if HAS_ENT:
         ent = tl.load(ent_ptr + t, mask=inside, other=0.0).to(CDT)
+    ref = tl.zeros([BLOCK], CDT)
+    if KL != KL_NONE:
+        ref = tl.load(ref_ptr + t, mask=inside, other=0.0).to(CDT)
+    roll = tl.zeros([BLOCK], CDT)
+    if RC != RC_NONE:  # (the sequence-level weights use it in the stats pass; read here for the value check)
+        roll = tl.load(roll_ptr + t, mask=inside, other=0.0).to(CDT)
+
+    # ---- the stages
+    log_s = tl.zeros([BLOCK], CDT)
+    if LOSS == GSPO:
+        log_s = tl.load(seqf_ptr + row * _NSTAT + 1, mask=is_seq, other=0.0) + log_s
+    pg, dpg, clipped, clip_lower, delta = _pg_term(
+        lp,
+        old,
+        adv,
+        valid,
+        log_s,
+        clip_lo,
+        clip_hi,
+        clip_c,
+        lr_clamp,
+        gspo_clamp,
+        tau_pos,
+        tau_neg,
+        CDT,
+        LOSS,
+        DUAL_CLIP,
+        LR_CLAMP,
+        BLOCK,
+    )
+    SHAPING: tl.constexpr = SHAPE_POL or SHAPE_PROB or A3PO or ENT_Q
+    adv64, w64 = _shaping_weight(
+        adv,
+        old,
+        ent,
+        valid,
+        t,
+        row,
+        is_seq,
+        a3po_ptr,
+        thr_ptr,
+        w_pos,
+        w_neg,
+        prob_lambda,
+        s_pos_high,
+        s_pos_low,
+        s_neg_high,
+        s_neg_low,
+        SHAPE_POL,
+        SHAPE_PROB,
+        A3PO,
+        A3PO_ENT,
+        ENT_Q,
+        BLOCK,
+    )
+    w = w64.to(CDT)
+    is_w = tl.full([BLOCK], 1.0, CDT)
+    rejected = valid & False
+    if RC != RC_NONE:
+        seq_logw = 0.0
+        if (RC == SEQ_TIS) or (RC == SEQ_MIS):
+            seq_logw = tl.load(seqf_ptr + row * _NSTAT + 2, mask=is_seq, other=0.0)
+        is_w, rejected = _is_weight(old, roll, seq_logw, rc_low, rc_high, valid, CDT, RC, BLOCK)
+    kl = tl.zeros([BLOCK], CDT)
+    dkl = tl.zeros([BLOCK], CDT)
+    if KL != KL_NONE:
+        kl, dkl = _kl_term(lp, ref, KL, KL_CLAMP, CDT, BLOCK)
+    ec = _param(ent_coef, CDT)
+    ell, pgw, dlp = _token_loss(pg, dpg, w, is_w, kl, dkl, ent, _param(kl_coef, CDT), ec, SHAPING, RC, KL, ENT_TERM)
+
+    # ---- the aggregation weight agg_w (1/n_i for seq-mean-token-mean, else 1) and the outputs
     if SEQ_MEAN:
         if N_FROM_STATS:
             n_i = tl.load(seqf_ptr + row * _NSTAT, mask=is_seq, other=0.0)
         else:  # packed without a mask: every token of the sequence is valid
             n_i = seq_len.to(CDT)
-        inv_n = 1.0 / tl.maximum(n_i, 1.0)
-
-    lo = _param(clip_lo, CDT)
-    hi = _param(clip_hi, CDT)
-    delta_raw = lp - old
-    if LR_CLAMP:
-        c = _param(lr_clamp, CDT)
-        delta = tl.minimum(tl.maximum(delta_raw, -c), c)
-        d_delta = tl.where((delta_raw >= -c) & (delta_raw <= c), 1.0, 0.0).to(CDT)
-    else:
-        delta = delta_raw
-        d_delta = tl.full([BLOCK], 1.0, CDT)
-
-    # ---- policy-gradient term pg, its derivative dpg, the clip flags, δ for ppo_kl
-    clipped = valid & False
-    clip_lower = valid & False
-    if LOSS == 0:  # ppo
-        ratio = tl.exp(delta)
-        l1 = -a * ratio
-        l2 = -a * tl.minimum(tl.maximum(ratio, lo), hi)
-        pg = tl.maximum(l1, l2)
-        clipped = l2 > l1
-        dl1 = -a * ratio * d_delta
-        dl2 = tl.where((ratio >= lo) & (ratio <= hi), dl1, 0.0)
-        # torch.maximum: the larger branch's gradient, half to each on a tie.
-        dpg = tl.where(l1 > l2, dl1, tl.where(l2 > l1, dl2, 0.5 * (dl1 + dl2)))
-        if DUAL_CLIP:
-            l3 = -a * _param(clip_c, CDT)
-            neg = a < 0.0
-            clip_lower = neg & (pg > l3)
-            dpg = tl.where(neg, tl.where(pg < l3, dpg, tl.where(pg == l3, 0.5 * dpg, 0.0)), dpg)
-            pg = tl.where(neg, tl.minimum(pg, l3), pg)
-        delta_m = delta
-    elif LOSS == 1:  # gspo: s = exp(min(log s_i, clamp)), ∂ log s_i,t / ∂logp_t = 1
-        log_s = tl.load(seqf_ptr + row * _NSTAT + 1, mask=is_seq, other=0.0) + tl.zeros([BLOCK], CDT)
-        g = _param(gspo_clamp, CDT)
-        s = tl.exp(tl.minimum(log_s, g))
-        ds = tl.where(log_s <= g, s, 0.0)
-        l1 = -a * s
-        l2 = -a * tl.minimum(tl.maximum(s, lo), hi)
-        pg = tl.maximum(l1, l2)
-        clipped = l2 > l1
-        dl1 = -a * ds
-        dl2 = tl.where((s >= lo) & (s <= hi), dl1, 0.0)
-        dpg = tl.where(l1 > l2, dl1, tl.where(l2 > l1, dl2, 0.5 * (dl1 + dl2)))
-        delta_m = delta_raw
-    elif LOSS == 2:  # cispo: the clipped ratio is a constant
-        ratio = tl.exp(delta)
-        cr = tl.minimum(tl.maximum(ratio, lo), hi)
-        dpg = -cr * a
-        pg = dpg * lp
-        clipped = ratio != cr
-        delta_m = delta
-    elif LOSS == 3:  # sapo
-        ratio = tl.exp(delta)
-        tau = tl.where(a > 0.0, _param(tau_pos, CDT), _param(tau_neg, CDT))
-        sig = tl.sigmoid(tau * (ratio - 1.0))
-        k = 4.0 / tau
-        pg = -(sig * k) * a
-        dpg = (-a * k) * ((1.0 - sig) * sig) * tau * ratio * d_delta
-        delta_m = delta
-    else:  # reinforce / gpg
-        pg = -a * lp
-        dpg = -a
-        delta_m = delta_raw
-
-    # ---- shaping weight w (constant), in fp64 like the reference, rounded once
-    SHAPING: tl.constexpr = SHAPE_POL or SHAPE_PROB or A3PO or ENT_Q
-    a64 = a.to(tl.float64)
-    w64 = tl.full([BLOCK], 1.0, tl.float64)
-    if SHAPE_POL:
-        w64 = tl.where(a64 > 0.0, _param(w_pos, tl.float64), tl.where(a64 < 0.0, _param(w_neg, tl.float64), 1.0))
-    if SHAPE_PROB:
-        pr = tl.exp(old.to(tl.float64))
-        wp = tl.where(a64 > 0.0, 1.0 - pr, tl.where(a64 < 0.0, pr, 0.0))
-        lam = _param(prob_lambda, tl.float64)
-        w64 = w64 * ((1.0 - lam) + lam * wp)
-    if A3PO:
-        metric = _a3po_metric(old, ent, A3PO_ENT)
-        cand = valid & (metric != 0.0)
-        key = _order_key(metric)
-        a3 = a3po_ptr + row * _NA3
-        pol = tl.load(a3 + 0, mask=is_seq, other=0)
-        k_h = tl.load(a3 + 1, mask=is_seq, other=_I64_MAX)
-        cut_h = tl.load(a3 + 2, mask=is_seq, other=-1)
-        k_l = tl.load(a3 + 3, mask=is_seq, other=_I64_MIN)
-        cut_l = tl.load(a3 + 4, mask=is_seq, other=-1)
-        sel_h = cand & ((key > k_h) | ((key == k_h) & (t < cut_h)))
-        sel_l = cand & ((key < k_l) | ((key == k_l) & (t < cut_l)))
-        sc_h = tl.where(pol > 0, _param(s_pos_high, tl.float64), _param(s_neg_high, tl.float64))
-        sc_l = tl.where(pol > 0, _param(s_pos_low, tl.float64), _param(s_neg_low, tl.float64))
-        w64 = w64 * (tl.where(sel_h, sc_h, 1.0) * tl.where(sel_l, sc_l, 1.0))
-    if ENT_Q:
-        keep = ent.to(tl.float32) >= tl.load(thr_ptr)
-        w64 = w64 * tl.where(keep, 1.0, 0.0)
-    w = w64.to(CDT)
-
-    # ---- rollout-correction weight (constant) and rejections
-    is_w = tl.full([BLOCK], 1.0, CDT)
-    rejected = valid & False
-    if RC != 0:
-        cap = _param(rc_high, CDT)
-        if (RC == 2) or (RC == 4):  # sequence level: the masked sum of log w, clamped
-            slw = tl.load(seqf_ptr + row * _NSTAT + 2, mask=is_seq, other=0.0)
-            raw = tl.exp(tl.minimum(tl.maximum(slw, -20.0), 20.0)) + tl.zeros([BLOCK], CDT)
-        else:
-            roll = tl.load(roll_ptr + t, mask=inside, other=0.0).to(CDT)
-            raw = tl.exp(tl.minimum(tl.maximum(old - roll, -20.0), 20.0))
-        if (RC == 1) or (RC == 2):  # TIS
-            is_w = tl.minimum(raw, cap)
-        elif RC == 5:  # decoupled: drop tokens whose behaviour weight exceeds the cap
-            rejected = raw > cap
-            is_w = tl.where(rejected, 0.0, raw)
-        else:  # MIS: 1 inside [low, C], rejected outside
-            rejected = (raw < _param(rc_low, CDT)) | (raw > cap)
-            is_w = tl.where(rejected, 0.0, 1.0).to(CDT)
-
-    # ---- KL to the reference
-    kl = tl.zeros([BLOCK], CDT)
-    dkl = tl.zeros([BLOCK], CDT)
-    if KL != 0:
-        ref = tl.load(ref_ptr + t, mask=inside, other=0.0).to(CDT)
-        x = lp - ref
-        if KL == 1:
-            kl = x
-            dkl = tl.full([BLOCK], 1.0, CDT)
-        elif KL == 2:
-            kl = 0.5 * (x * x)
-            dkl = x
-        else:
-            y = ref - lp
-            d3 = tl.full([BLOCK], 1.0, CDT)
-            if KL_CLAMP:
-                d3 = tl.where((y >= -20.0) & (y <= 20.0), d3, 0.0)
-                y = tl.minimum(tl.maximum(y, -20.0), 20.0)
-            ey = tl.exp(y)
-            kl = ey - y - 1.0
-            if KL_CLAMP:
-                d3 = tl.where((kl >= -10.0) & (kl <= 10.0), d3, 0.0)
-                kl = tl.minimum(tl.maximum(kl, -10.0), 10.0)
-            if KL == 3:
-                dkl = (1.0 - ey) * d3
-            else:  # k3+: the value of k3, the gradient of k2
-                dkl = x
-        beta = _param(kl_coef, CDT)
-
-    # ---- per-token loss ℓ and its derivative
-    pgw = pg
-    dlp = dpg
-    if SHAPING:
-        pgw = pgw * w
-        dlp = dlp * w
-    if RC != 0:
-        pgw = pgw * is_w
-        dlp = dlp * is_w
-    ell = pgw
-    if KL != 0:
-        ell = ell + beta * kl
-        dlp = dlp + beta * dkl
-    ec = _param(ent_coef, CDT)
-    if ENT_TERM:
-        ell = ell - ec * ent
-    if SEQ_MEAN:  # a_t = m_t / n_i
-        ell_a = ell * inv_n
-        pgw_a = pgw * inv_n
-        kl_a = kl * inv_n
-        dlp = dlp * inv_n
+        agg_w = 1.0 / tl.maximum(n_i, 1.0)
+        ell_a = ell * agg_w
+        pgw_a = pgw * agg_w
+        kl_a = kl * agg_w
+        dlp = dlp * agg_w
+        grad_ent = -ec * agg_w
     else:
         ell_a = ell
         pgw_a = pgw
         kl_a = kl
-
+        grad_ent = -ec
     zero = tl.zeros([BLOCK], CDT)
     tl.store(grad_ptr + t, tl.where(valid, dlp, zero), mask=inside)
     if ENT_GRAD:
-        if SEQ_MEAN:
-            ge = -ec * inv_n + zero
-        else:
-            ge = -ec + zero
-        tl.store(gent_ptr + t, tl.where(valid, ge, zero), mask=inside)
-    if TOKEN_OUT == 1:
+        tl.store(gent_ptr + t, tl.where(valid, grad_ent + zero, zero), mask=inside)
+    if TOKEN_OUT == TOKEN_OUT_LOSS:
         tl.store(tok_ptr + t, tl.where(valid, ell, zero), mask=inside)
-    elif TOKEN_OUT == 2:  # the shaped advantage A·w, formed in fp64 as the reference
-        tl.store(tok_ptr + t, tl.where(valid, (a64 * w64).to(CDT), zero), mask=inside)
+    elif TOKEN_OUT == TOKEN_OUT_SHAPED:  # the shaped advantage A·w, formed in fp64 as the reference
+        tl.store(tok_ptr + t, tl.where(valid, (adv64 * w64).to(CDT), zero), mask=inside)
 
-    # ---- one row of partial sums (fixed-order tree sums inside the block)
-    one = tl.full([BLOCK], 1.0, CDT)
-    cols = tl.arange(0, _NP)
-    part = tl.zeros([_NP], CDT)
-    part = tl.where(cols == _C_TOTAL, tl.sum(tl.where(valid, ell_a, zero), 0), part)
-    part = tl.where(cols == _C_PG, tl.sum(tl.where(valid, pgw_a, zero), 0), part)
-    ntok = tl.sum(tl.where(valid, one, zero), 0)
-    part = tl.where(cols == _C_NTOK, ntok, part)
-    if LOSS <= 2:  # only ppo, gspo and cispo clip
-        part = tl.where(cols == _C_CLIP, tl.sum(tl.where(valid & clipped, one, zero), 0), part)
-    if DUAL_CLIP:
-        part = tl.where(cols == _C_CLIP_LOWER, tl.sum(tl.where(valid & clip_lower, one, zero), 0), part)
-    part = tl.where(cols == _C_NEG_DELTA, tl.sum(tl.where(valid, -delta_m, zero), 0), part)
-    if RC != 0:
-        part = tl.where(cols == _C_IS, tl.sum(tl.where(valid, is_w, zero), 0), part)
-        part = tl.where(cols == _C_IS_MAX, tl.max(tl.where(valid, is_w, zero), 0), part)
-    else:  # is_w = 1
-        part = tl.where(cols == _C_IS, ntok, part)
-        part = tl.where(cols == _C_IS_MAX, tl.minimum(ntok, 1.0), part)
-    if KL != 0:
-        part = tl.where(cols == _C_KL, tl.sum(tl.where(valid, kl_a, zero), 0), part)
-        part = tl.where(cols == _C_KL_RAW, tl.sum(tl.where(valid, kl, zero), 0), part)
-    if RC >= 3:  # MIS and decoupled reject
-        part = tl.where(cols == _C_REJECT, tl.sum(tl.where(valid & rejected, one, zero), 0), part)
-    if SHAPING:
-        part = tl.where(cols == _C_SHAPED, tl.sum(tl.where(valid & (w != 1.0), one, zero), 0), part)
-    if HAS_ENT:
-        part = tl.where(cols == _C_ENT, tl.sum(tl.where(valid, ent, zero), 0), part)
-    # The value check: x − x is NaN iff x is NaN or ±inf, so one sum over the inputs
-    # flags a valid token with any non-finite input (the wrapper raises on a count > 0).
-    chk = (lp - lp) + (old - old) + (a - a)
+    # The value check: x − x is NaN iff x is NaN or ±inf, so one sum over the inputs flags a
+    # valid token with any non-finite input (the op layer raises on a count > 0).
+    chk = (lp - lp) + (old - old) + (adv - adv)
     if HAS_ENT:
         chk += ent - ent
-    if KL != 0:
+    if KL != KL_NONE:
         chk += ref - ref
-    if (RC == 2) or (RC == 4):  # (the sequence-level weights read it in the stats pass only)
-        roll = tl.load(roll_ptr + t, mask=inside, other=0.0).to(CDT)
-    if RC != 0:
+    if RC != RC_NONE:
         chk += roll - roll
-    part = tl.where(cols == _C_NONFINITE, tl.sum(tl.where(valid & (chk != chk), one, zero), 0), part)
-    tl.store(part_ptr + p * _NP + cols, part)
+    part = _partial_sums(
+        valid,
+        ell_a,
+        pgw_a,
+        kl,
+        kl_a,
+        clipped,
+        clip_lower,
+        delta,
+        is_w,
+        rejected,
+        w,
+        ent,
+        chk != chk,
+        CDT,
+        LOSS,
+        DUAL_CLIP,
+        KL,
+        RC,
+        SHAPING,
+        HAS_ENT,
+        BLOCK,
+    )
+    tl.store(part_ptr + p * _NP + tl.arange(0, _NP), part)
 
 
 @triton.jit
@@ -747,13 +1037,14 @@ def _finalize_kernel(
                 nb = tl.where(ok, NBL, 0).to(tl.int64)
             n = tl.zeros([SEQS], CDT)
             for j in range(0, tl.max(nb, 0)):
-                # (b0 + j < P: overlapping, i.e. invalid, cu_seqlens may count more blocks than ran)
+                # (b0 + j < P always holds for sanitised spans; the mask keeps every read in bounds)
                 n += tl.load(part_ptr + (b0 + j) * _NP + _C_NTOK, mask=(j < nb) & (b0 + j < P), other=0.0)
         nseq += (ok & (n > 0.0)).to(tl.int32)
     out = tl.where(cols == _C_NSEQ, tl.sum(nseq, 0).to(tl.float64), out)
     tl.store(sums_ptr + cols, out.to(CDT), mask=cols < _C_NUM_SUMS)
 
 
+# ------------------------------------------------------------------ launchers
 # Tokens per program of the token kernel / lanes of the per-sequence kernel (tests shrink
 # them to exercise multi-block sequences under the interpreter). fp64 and the fp64
 # shaping math (probability, A3PO) hold twice the registers per token: half the block
@@ -771,7 +1062,75 @@ def seq_block(fp64: bool, a3po: bool) -> int:
     return max(16, _SEQ_BLOCK // 2) if (fp64 or a3po) else _SEQ_BLOCK
 
 
-def policy_loss_triton(
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check(ok: bool, *message) -> None:
+    # The C++ kernel's TORCH_CHECK, for the same contract: a RuntimeError naming the argument.
+    if not ok:
+        raise RuntimeError("policy_loss_fwd: " + "".join(str(m) for m in message))
+
+
+class _Inputs(NamedTuple):
+    """The tensor arguments of ``policy_loss_fwd``, contiguous, advantages in the compute dtype."""
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: Optional[torch.Tensor]
+    ref_logprobs: Optional[torch.Tensor]
+    rollout_logprobs: Optional[torch.Tensor]
+    entropy: Optional[torch.Tensor]
+    cu_seqlens: Optional[torch.Tensor]
+    entropy_threshold: Optional[torch.Tensor]
+
+
+def _check_inputs(x: _Inputs, p: PolicyLossParams, need_entropy_grad: bool) -> int:
+    """Every shape relation the kernels rely on (no host sync), as the C++ entry point checks
+    them; returns B."""
+    lp, packed = x.logprobs, x.cu_seqlens is not None
+    shape = tuple(lp.shape)
+    _check(lp.dtype in _FLOAT_DTYPES, "logprobs must be float16, bfloat16, float32 or float64, got ", lp.dtype)
+    layout = "[T] with cu_seqlens" if packed else "[B, L] without cu_seqlens"
+    _check(lp.dim() == (1 if packed else 2), "logprobs must be ", layout, ", got shape ", shape)
+    _check(packed or x.mask is not None, "the padded layout needs a mask")
+    needs_entropy = p.entropy_quantile or (p.a3po and p.a3po_metric == A3poMetric.ENTROPY) or need_entropy_grad
+    for name, t, needed, dtype in (
+        ("old_logprobs", x.old_logprobs, True, lp.dtype),
+        ("ref_logprobs", x.ref_logprobs, p.kl != KlEstimator.NONE, lp.dtype),
+        ("rollout_logprobs", x.rollout_logprobs, p.rollout_correction != RolloutCorrection.NONE, lp.dtype),
+        ("entropy", x.entropy, needs_entropy, lp.dtype),
+        ("mask", x.mask, False, torch.bool),
+        ("advantages", x.advantages if not p.seq_adv else None, False, None),
+    ):
+        _check(t is not None or not needed, "these options need ", name)
+        if t is not None:
+            _check(t.device == lp.device, name, " must be on ", lp.device, ", got ", t.device)
+            _check(tuple(t.shape) == shape, name, " must have shape ", shape, ", got ", tuple(t.shape))
+            _check(dtype is None or t.dtype == dtype, name, " must have dtype ", dtype, ", got ", t.dtype)
+    if packed:
+        cu = x.cu_seqlens
+        _check(
+            cu.dim() == 1 and cu.numel() >= 1 and not cu.is_floating_point() and cu.device == lp.device,
+            "cu_seqlens must be a 1-D integer tensor of B + 1 >= 1 offsets on ",
+            lp.device,
+            ", got shape ",
+            tuple(cu.shape),
+        )
+    B = x.cu_seqlens.shape[0] - 1 if packed else shape[0]
+    if p.seq_adv:
+        _check(x.advantages.device == lp.device, "advantages must be on ", lp.device)
+        _check(tuple(x.advantages.shape) == (B,), "advantages must be [B = ", B, "], got ", tuple(x.advantages.shape))
+    if p.entropy_quantile:
+        thr = x.entropy_threshold
+        _check(
+            thr is not None and thr.numel() == 1 and thr.dtype == torch.float32 and thr.device == lp.device,
+            "the entropy quantile needs a 1-element fp32 entropy_threshold",
+        )
+    return B
+
+
+def policy_loss_fwd(
     logprobs,
     old_logprobs,
     advantages,
@@ -785,170 +1144,221 @@ def policy_loss_triton(
     iparams,
     need_entropy_grad,
 ):
-    """Same contract as the C++ kernel ``rlvr_kernels_C::policy_loss_fwd``: returns
+    """The Triton kernels under the contract of ``rlvr_kernels_C::policy_loss_fwd``: returns
     ``(sums, grad_logprobs, grad_entropy, token_out)``."""
-    dev = logprobs.device
-    fp64 = logprobs.dtype == torch.float64
+    p = PolicyLossParams.unpack(fparams, iparams)
+    # The kernels index flat, contiguous buffers (a no-op for what the op layer passes).
+    x = _Inputs(
+        *(
+            None if t is None else t.contiguous()
+            for t in (logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_logprobs, entropy)
+        ),
+        cu_seqlens,
+        entropy_threshold,
+    )
+    fp64 = x.logprobs.dtype == torch.float64
     cdt = torch.float64 if fp64 else torch.float32
-    CDT = tl.float64 if fp64 else tl.float32
-    shape = tuple(logprobs.shape)
-    packed = cu_seqlens is not None
-    f = [float(v) for v in fparams]
-    loss, kl, rc = int(iparams[I_LOSS_TYPE]), int(iparams[I_KL]), int(iparams[I_RC])
-    seq_mean, token_out = bool(iparams[I_SEQ_MEAN]), int(iparams[I_TOKEN_OUT])
-    a3po, a3po_ent = bool(iparams[I_A3PO_ON]), bool(iparams[I_A3PO_METRIC])
-    ent_q, seq_adv = bool(iparams[I_ENT_QUANTILE]), bool(iparams[I_SEQ_ADV])
-    has_mask, has_ent = mask is not None, entropy is not None
-    w_pos, w_neg, tau_pos, tau_neg = f[F_W_POS], f[F_W_NEG], f[F_TAU_POS], f[F_TAU_NEG]
-    a3 = f[F_A3PO : F_A3PO + 8]
-
+    x = x._replace(advantages=x.advantages.to(cdt))
+    B = _check_inputs(x, p, need_entropy_grad)
+    dev, shape = x.logprobs.device, tuple(x.logprobs.shape)
+    k = dict(
+        CDT=tl.float64 if fp64 else tl.float32,
+        PACKED=x.cu_seqlens is not None,
+        HAS_MASK=x.mask is not None,
+        SEQ_ADV=bool(p.seq_adv),
+        A3PO=bool(p.a3po),
+        A3PO_ENT=p.a3po_metric == A3poMetric.ENTROPY,
+    )
     grad = torch.empty(shape, dtype=cdt, device=dev)
     gent = torch.empty(shape if need_entropy_grad else (0,), dtype=cdt, device=dev)
-    tok = torch.empty(shape if token_out else (0,), dtype=cdt, device=dev)
+    tok = torch.empty(shape if p.token_out != TokenOut.NONE else (0,), dtype=cdt, device=dev)
     sums = torch.empty(NUM_SUMS, dtype=cdt, device=dev)
 
-    shape_prob = f[F_PROB_LAMBDA] != 0
-    tb = token_block(fp64, a3po or shape_prob)
-    if packed:
-        T = shape[0]
-        B = cu_seqlens.shape[0] - 1
-        L, NBL = 0, 0
-        cu = cu_seqlens.contiguous()
+    tb = token_block(fp64, p.a3po or p.probability != 0)
+    if k["PACKED"]:
+        T, L, NBL = shape[0], 0, 0
+        cu = sanitized_offsets(x.cu_seqlens, T).contiguous()  # in bounds and disjoint, whatever the input
         P = triton.cdiv(T, tb) + B + 2
         boff = torch.empty(B + 3, dtype=torch.int64, device=dev)
         _block_offsets_kernel[(1,)](cu, boff, B, T, TOKEN_BLOCK=tb, BLOCK=1024)
     else:
-        B, L = shape
-        T = B * L
-        NBL = triton.cdiv(L, tb)
+        L = shape[1]
+        T, NBL = B * L, triton.cdiv(L, tb)
         P = B * NBL
         cu = boff = grad  # unused
-
-    dummy = grad
-    n_from_stats = seq_mean and (has_mask or not packed)
-    need_delta = loss == GSPO
-    need_logw = rc in (SEQ_TIS, SEQ_MIS)
-    stats = n_from_stats or need_delta or need_logw or a3po
-    seqf = dummy
-    a3po_rows = torch.empty(0, dtype=torch.int64, device=dev)
-    if stats and B > 0:
+    n_from_stats = bool(p.seq_mean) and (k["HAS_MASK"] or not k["PACKED"])
+    stats = (n_from_stats or p.loss_type == LossType.GSPO or _seq_rc(p) or k["A3PO"]) and B > 0
+    seqf, a3po_rows = grad, grad
+    if stats:
         seqf = torch.empty(B * 4, dtype=cdt, device=dev)
-        if a3po:
+        if k["A3PO"]:
             a3po_rows = torch.empty(B * 5, dtype=torch.int64, device=dev)
-        _seq_stats_kernel[(B,)](
-            logprobs,
-            old_logprobs,
-            advantages,
-            mask if has_mask else dummy,
-            rollout_logprobs if need_logw else dummy,
-            entropy if has_ent else dummy,
-            cu,
-            seqf,
-            a3po_rows if a3po else dummy,
-            B,
-            L,
-            T,
-            *a3,
-            CDT=CDT,
-            PACKED=packed,
-            HAS_MASK=has_mask,
-            SEQ_ADV=seq_adv,
-            NEED_DELTA=need_delta,
-            NEED_LOGW=need_logw,
-            A3PO=a3po,
-            A3PO_ENT=a3po_ent,
-            BLOCK=seq_block(fp64, a3po),
-            num_warps=_WARPS,
-        )
-
+        _launch_seq_stats(p, k, x, cu, seqf, a3po_rows, B, L, T)
     part = torch.empty(max(P, 1) * 16, dtype=cdt, device=dev)
     if P > 0:
         _token_kernel[(P,)](
-            logprobs,
-            old_logprobs,
-            advantages,
-            mask if has_mask else dummy,
-            ref_logprobs if kl else dummy,
-            rollout_logprobs if rc else dummy,
-            entropy if has_ent else dummy,
-            entropy_threshold if ent_q else dummy,
+            *_token_pointers(p, x, grad),
             cu,
             boff,
             seqf,
-            a3po_rows if a3po else dummy,
+            a3po_rows,
             grad,
-            gent if need_entropy_grad else dummy,
-            tok if token_out else dummy,
+            gent if need_entropy_grad else grad,
+            tok if p.token_out != TokenOut.NONE else grad,
             part,
             B,
             L,
             T,
             NBL,
-            f[F_CLIP_LO],
-            f[F_CLIP_HI],
-            f[F_CLIP_C],
-            f[F_LOG_RATIO_CLAMP],
-            f[F_GSPO_CLAMP],
-            tau_pos,
-            tau_neg,
-            f[F_KL_COEF],
-            f[F_RC_LOW],
-            f[F_RC_HIGH],
-            f[F_ENT_COEF],
-            w_pos,
-            w_neg,
-            f[F_PROB_LAMBDA],
-            a3[1],
-            a3[3],
-            a3[5],
-            a3[7],
-            CDT=CDT,
-            PACKED=packed,
-            HAS_MASK=has_mask,
-            SEQ_ADV=seq_adv,
-            LOSS=loss,
-            DUAL_CLIP=loss == PPO and f[F_CLIP_C] > 0,
-            LR_CLAMP=f[F_LOG_RATIO_CLAMP] > 0,
-            KL=kl,
-            KL_CLAMP=bool(iparams[I_KL_CLAMP]),
-            RC=rc,
-            SEQ_MEAN=seq_mean,
-            N_FROM_STATS=n_from_stats,
-            TOKEN_OUT=token_out,
-            HAS_ENT=has_ent,
-            ENT_TERM=has_ent and f[F_ENT_COEF] != 0,
-            ENT_GRAD=bool(need_entropy_grad),
-            SHAPE_POL=w_pos != 1.0 or w_neg != 1.0,
-            SHAPE_PROB=shape_prob,
-            A3PO=a3po,
-            A3PO_ENT=a3po_ent,
-            ENT_Q=ent_q,
-            SEARCH_STEPS=max(1, math.ceil(math.log2(B + 2)) + 1) if packed else 1,
+            *_token_floats(p),
+            **_token_constexprs(p, k, x.entropy is not None, need_entropy_grad, n_from_stats, B),
             BLOCK=tb,
             num_warps=_WARPS,
         )
-    _finalize_kernel[(1,)](
-        part, seqf, boff, sums, P, B, NBL, CDT=CDT, PACKED=packed, HAS_STATS=bool(stats and B > 0), ROWS=64, SEQS=256
-    )
+    c = dict(CDT=k["CDT"], PACKED=k["PACKED"], HAS_STATS=stats, ROWS=64, SEQS=256)
+    _finalize_kernel[(1,)](part, seqf, boff, sums, P, B, NBL, **c)
     return sums, grad, gent, tok
 
 
+def _seq_rc(p: PolicyLossParams) -> bool:
+    return p.rollout_correction in (RolloutCorrection.SEQ_TIS, RolloutCorrection.SEQ_MIS)
+
+
+def _a3po_knobs(p: PolicyLossParams):
+    return (
+        p.a3po_pos_high_ratio,
+        p.a3po_pos_high_scale,
+        p.a3po_pos_low_ratio,
+        p.a3po_pos_low_scale,
+        p.a3po_neg_high_ratio,
+        p.a3po_neg_high_scale,
+        p.a3po_neg_low_ratio,
+        p.a3po_neg_low_scale,
+    )
+
+
+def _launch_seq_stats(p: PolicyLossParams, k, x: _Inputs, cu, seqf, a3po_rows, B, L, T):
+    dummy = seqf  # (pointers the options do not read)
+    _seq_stats_kernel[(B,)](
+        x.logprobs,
+        x.old_logprobs,
+        x.advantages,
+        dummy if x.mask is None else x.mask,
+        x.rollout_logprobs if _seq_rc(p) else dummy,
+        dummy if x.entropy is None else x.entropy,
+        cu,
+        seqf,
+        a3po_rows if k["A3PO"] else dummy,
+        B,
+        L,
+        T,
+        *_a3po_knobs(p),
+        NEED_DELTA=p.loss_type == LossType.GSPO,
+        NEED_LOGW=_seq_rc(p),
+        BLOCK=seq_block(k["CDT"] is tl.float64, k["A3PO"]),
+        num_warps=_WARPS,
+        **k,
+    )
+
+
+def _token_pointers(p: PolicyLossParams, x: _Inputs, dummy):
+    """The token kernel's input pointers, ``dummy`` where the options do not read one."""
+    return (
+        x.logprobs,
+        x.old_logprobs,
+        x.advantages,
+        dummy if x.mask is None else x.mask,
+        x.ref_logprobs if p.kl != KlEstimator.NONE else dummy,
+        x.rollout_logprobs if p.rollout_correction != RolloutCorrection.NONE else dummy,
+        dummy if x.entropy is None else x.entropy,
+        x.entropy_threshold if p.entropy_quantile else dummy,
+    )
+
+
+def _token_floats(p: PolicyLossParams):
+    """The token kernel's fp64 arguments, in its order."""
+    return (
+        p.ratio_low,
+        p.ratio_high,
+        p.clip_ratio_c,
+        p.log_ratio_clamp,
+        p.gspo_log_clamp,
+        p.tau_pos,
+        p.tau_neg,
+        p.kl_coef,
+        p.rc_low,
+        p.rc_high,
+        p.entropy_coef,
+        p.w_pos,
+        p.w_neg,
+        p.probability,
+        p.a3po_pos_high_scale,
+        p.a3po_pos_low_scale,
+        p.a3po_neg_high_scale,
+        p.a3po_neg_low_scale,
+    )
+
+
+def _token_constexprs(p: PolicyLossParams, k, has_entropy: bool, need_entropy_grad: bool, n_from_stats: bool, B: int):
+    return dict(
+        k,
+        LOSS=int(p.loss_type),
+        DUAL_CLIP=p.loss_type == LossType.PPO and p.clip_ratio_c > 0,
+        LR_CLAMP=p.log_ratio_clamp > 0,
+        KL=int(p.kl),
+        KL_CLAMP=bool(p.kl_clamp),
+        RC=int(p.rollout_correction),
+        SEQ_MEAN=bool(p.seq_mean),
+        N_FROM_STATS=n_from_stats,
+        TOKEN_OUT=int(p.token_out),
+        HAS_ENT=has_entropy,
+        ENT_TERM=has_entropy and p.entropy_coef != 0,
+        ENT_GRAD=bool(need_entropy_grad),
+        SHAPE_POL=p.w_pos != 1.0 or p.w_neg != 1.0,
+        SHAPE_PROB=p.probability != 0,
+        ENT_Q=bool(p.entropy_quantile),
+        SEARCH_STEPS=max(1, math.ceil(math.log2(B + 2)) + 1) if k["PACKED"] else 1,
+    )
+
+
+def policy_loss_grad(coef, up, dtype):
+    """The backward of ``policy_loss_fwd`` on CUDA: ``(coef · up).to(dtype)``. torch's own
+    elementwise kernels are bandwidth-bound already (one read of coef, one write), so a
+    Triton kernel would add nothing."""
+    return (coef * up).to(dtype)
+
+
+# ------------------------------------------------------------------ ahead-of-time compile specs
 def aot_specs():
-    """The policy_loss kernels: the common single pass, each loss type and feature family,
-    the fp64 variants, and the per-sequence (GSPO / seq IS / A3PO) pre-pass."""
-    import triton.language as tl
-
+    """The policy_loss kernels for ``python -m rlvr_kernels.triton.aot``: the common single
+    pass, each loss type and feature family, the fp64 variants, and the per-sequence (GSPO /
+    seq IS / A3PO) pre-pass."""
     k = sys.modules[__name__]
-
-    pi64 = "*i64"
     yield (
         "_block_offsets_kernel",
         k._block_offsets_kernel,
-        dict(cu_ptr=pi64, boff_ptr=pi64, B="i32", T="i32"),
+        dict(cu_ptr="*i64", boff_ptr="*i64", B="i32", T="i32"),
         dict(TOKEN_BLOCK=k._TOKEN_BLOCK, BLOCK=1024),
     )
+    yield from _aot_seq_stats_specs()
+    yield from _aot_token_specs()
+    for name, cdt, packed, stats in (
+        ("padded", tl.float32, False, False),
+        ("packed", tl.float32, True, False),
+        ("stats,fp64", tl.float64, False, True),
+    ):
+        c = "*fp64" if cdt is tl.float64 else "*fp32"
+        sig = dict(part_ptr=c, seqf_ptr=c, boff_ptr="*i64", sums_ptr=c, P="i32", B="i32", NBL="i32")
+        yield (
+            f"_finalize_kernel[{name}]",
+            k._finalize_kernel,
+            sig,
+            dict(CDT=cdt, PACKED=packed, HAS_STATS=stats, ROWS=64, SEQS=256),
+        )
 
-    def seq_stats(name, inp, cdt, **const):
+
+def _aot_seq_stats_specs():
+    def spec(name, inp, cdt, **const):
         c = "*fp64" if cdt is tl.float64 else "*fp32"
         sig = dict(
             logp_ptr=inp,
@@ -957,28 +1367,15 @@ def aot_specs():
             mask_ptr="*i1",
             roll_ptr=inp,
             ent_ptr=inp,
-            cu_ptr=pi64,
+            cu_ptr="*i64",
             seqf_ptr=c,
-            a3po_ptr=pi64,
+            a3po_ptr="*i64",
             B="i32",
             L="i32",
             T="i32",
         )
-        sig.update(
-            {
-                n: "fp64"
-                for n in (
-                    "r_pos_high",
-                    "s_pos_high",
-                    "r_pos_low",
-                    "s_pos_low",
-                    "r_neg_high",
-                    "s_neg_high",
-                    "r_neg_low",
-                    "s_neg_low",
-                )
-            }
-        )
+        for knob in ("pos_high", "pos_low", "neg_high", "neg_low"):
+            sig.update({f"r_{knob}": "fp64", f"s_{knob}": "fp64"})
         full = dict(
             CDT=cdt,
             PACKED=False,
@@ -990,127 +1387,145 @@ def aot_specs():
             A3PO_ENT=False,
         )
         full.update(const)
-        full["BLOCK"] = k.seq_block(cdt is tl.float64, full["A3PO"])
-        return f"_seq_stats_kernel[{name}]", k._seq_stats_kernel, sig, full
+        full["BLOCK"] = seq_block(cdt is tl.float64, full["A3PO"])
+        return f"_seq_stats_kernel[{name}]", _seq_stats_kernel, sig, full
 
-    yield seq_stats("seq_mean,packed", "*bf16", tl.float32, PACKED=True)
-    yield seq_stats("gspo,seq_tis", "*bf16", tl.float32, NEED_DELTA=True, NEED_LOGW=True)
-    yield seq_stats("a3po_prob,token_adv", "*bf16", tl.float32, A3PO=True, SEQ_ADV=False)
-    yield seq_stats("a3po_entropy,packed", "*fp32", tl.float32, A3PO=True, A3PO_ENT=True, PACKED=True)
-    yield seq_stats("fp64,all", "*fp64", tl.float64, NEED_DELTA=True, NEED_LOGW=True, A3PO=True)
+    yield spec("seq_mean,packed", "*bf16", tl.float32, PACKED=True)
+    yield spec("gspo,seq_tis", "*bf16", tl.float32, NEED_DELTA=True, NEED_LOGW=True)
+    yield spec("a3po_prob,token_adv", "*bf16", tl.float32, A3PO=True, SEQ_ADV=False)
+    yield spec("a3po_entropy,packed", "*fp32", tl.float32, A3PO=True, A3PO_ENT=True, PACKED=True)
+    yield spec("fp64,all", "*fp64", tl.float64, NEED_DELTA=True, NEED_LOGW=True, A3PO=True)
 
-    floats = (
-        "clip_lo",
-        "clip_hi",
-        "clip_c",
-        "lr_clamp",
-        "gspo_clamp",
-        "tau_pos",
-        "tau_neg",
-        "kl_coef",
-        "rc_low",
-        "rc_high",
-        "ent_coef",
-        "w_pos",
-        "w_neg",
-        "prob_lambda",
-        "s_pos_high",
-        "s_pos_low",
-        "s_neg_high",
-        "s_neg_low",
+
+_AOT_TOKEN_FLOATS = (
+    "clip_lo",
+    "clip_hi",
+    "clip_c",
+    "lr_clamp",
+    "gspo_clamp",
+    "tau_pos",
+    "tau_neg",
+    "kl_coef",
+    "rc_low",
+    "rc_high",
+    "ent_coef",
+    "w_pos",
+    "w_neg",
+    "prob_lambda",
+    "s_pos_high",
+    "s_pos_low",
+    "s_neg_high",
+    "s_neg_low",
+)
+
+
+def _aot_token_spec(name, inp, cdt, **const):
+    c = "*fp64" if cdt is tl.float64 else "*fp32"
+    sig = dict(
+        logp_ptr=inp,
+        old_ptr=inp,
+        adv_ptr=c,
+        mask_ptr="*i1",
+        ref_ptr=inp,
+        roll_ptr=inp,
+        ent_ptr=inp,
+        thr_ptr="*fp32",
+        cu_ptr="*i64",
+        boff_ptr="*i64",
+        seqf_ptr=c,
+        a3po_ptr="*i64",
+        grad_ptr=c,
+        gent_ptr=c,
+        tok_ptr=c,
+        part_ptr=c,
+        B="i32",
+        L="i32",
+        T="i32",
+        NBL="i32",
     )
-
-    def token(name, inp, cdt, **const):
-        c = "*fp64" if cdt is tl.float64 else "*fp32"
-        sig = dict(
-            logp_ptr=inp,
-            old_ptr=inp,
-            adv_ptr=c,
-            mask_ptr="*i1",
-            ref_ptr=inp,
-            roll_ptr=inp,
-            ent_ptr=inp,
-            thr_ptr="*fp32",
-            cu_ptr=pi64,
-            boff_ptr=pi64,
-            seqf_ptr=c,
-            a3po_ptr=pi64,
-            grad_ptr=c,
-            gent_ptr=c,
-            tok_ptr=c,
-            part_ptr=c,
-            B="i32",
-            L="i32",
-            T="i32",
-            NBL="i32",
-        )
-        sig.update({n: "fp64" for n in floats})
-        full = dict(
-            CDT=cdt,
-            PACKED=False,
-            HAS_MASK=True,
-            SEQ_ADV=True,
-            LOSS=k.PPO,
-            DUAL_CLIP=False,
-            LR_CLAMP=True,
-            KL=0,
-            KL_CLAMP=True,
-            RC=0,
-            SEQ_MEAN=False,
-            N_FROM_STATS=False,
-            TOKEN_OUT=0,
-            HAS_ENT=False,
-            ENT_TERM=False,
-            ENT_GRAD=False,
-            SHAPE_POL=False,
-            SHAPE_PROB=False,
-            A3PO=False,
-            A3PO_ENT=False,
-            ENT_Q=False,
-            SEARCH_STEPS=1,
-        )
-        full.update(const)
-        full["BLOCK"] = k.token_block(cdt is tl.float64, full["A3PO"] or full["SHAPE_PROB"])
-        return f"_token_kernel[{name}]", k._token_kernel, sig, full
-
-    common = dict(KL=k.K3, RC=k.TOKEN_TIS)
-    yield token("ppo,k3,token_tis", "*bf16", tl.float32, **common)
-    yield token("ppo,k3,token_tis,packed", "*bf16", tl.float32, PACKED=True, HAS_MASK=False, SEARCH_STEPS=8, **common)
-    yield token("ppo,fp32,dual_clip,k1", "*fp32", tl.float32, DUAL_CLIP=True, KL=k.K1, SEQ_ADV=False)
-    yield token(
-        "gspo,seq_tis,seq_mean", "*bf16", tl.float32, LOSS=k.GSPO, RC=k.SEQ_TIS, SEQ_MEAN=True, N_FROM_STATS=True
+    sig.update({n: "fp64" for n in _AOT_TOKEN_FLOATS})
+    full = dict(
+        CDT=cdt,
+        PACKED=False,
+        HAS_MASK=True,
+        SEQ_ADV=True,
+        LOSS=int(LossType.PPO),
+        DUAL_CLIP=False,
+        LR_CLAMP=True,
+        KL=int(KlEstimator.NONE),
+        KL_CLAMP=True,
+        RC=int(RolloutCorrection.NONE),
+        SEQ_MEAN=False,
+        N_FROM_STATS=False,
+        TOKEN_OUT=int(TokenOut.NONE),
+        HAS_ENT=False,
+        ENT_TERM=False,
+        ENT_GRAD=False,
+        SHAPE_POL=False,
+        SHAPE_PROB=False,
+        A3PO=False,
+        A3PO_ENT=False,
+        ENT_Q=False,
+        SEARCH_STEPS=1,
     )
-    yield token("cispo,k2,token_mis", "*fp16", tl.float32, LOSS=k.CISPO, KL=k.K2, RC=k.TOKEN_MIS)
-    yield token(
+    full.update(const)
+    full["BLOCK"] = token_block(cdt is tl.float64, full["A3PO"] or full["SHAPE_PROB"])
+    return f"_token_kernel[{name}]", _token_kernel, sig, full
+
+
+def _aot_token_specs():
+    spec = _aot_token_spec
+    common = dict(KL=int(KlEstimator.K3), RC=int(RolloutCorrection.TOKEN_TIS))
+    yield spec("ppo,k3,token_tis", "*bf16", tl.float32, **common)
+    yield spec("ppo,k3,token_tis,packed", "*bf16", tl.float32, PACKED=True, HAS_MASK=False, SEARCH_STEPS=8, **common)
+    yield spec("ppo,fp32,dual_clip,k1", "*fp32", tl.float32, DUAL_CLIP=True, KL=int(KlEstimator.K1), SEQ_ADV=False)
+    yield spec(
+        "gspo,seq_tis,seq_mean",
+        "*bf16",
+        tl.float32,
+        LOSS=int(LossType.GSPO),
+        RC=int(RolloutCorrection.SEQ_TIS),
+        SEQ_MEAN=True,
+        N_FROM_STATS=True,
+    )
+    yield spec(
+        "cispo,k2,token_mis",
+        "*fp16",
+        tl.float32,
+        LOSS=int(LossType.CISPO),
+        KL=int(KlEstimator.K2),
+        RC=int(RolloutCorrection.TOKEN_MIS),
+    )
+    yield spec(
         "sapo,seq_mis,entropy",
         "*bf16",
         tl.float32,
-        LOSS=k.SAPO,
-        RC=k.SEQ_MIS,
+        LOSS=int(LossType.SAPO),
+        RC=int(RolloutCorrection.SEQ_MIS),
         HAS_ENT=True,
         ENT_TERM=True,
         ENT_GRAD=True,
     )
-    yield token(
+    yield spec(
         "reinforce,shaping,token_out=2",
         "*fp32",
         tl.float32,
-        LOSS=k.REINFORCE,
+        LOSS=int(LossType.REINFORCE),
         SHAPE_POL=True,
         SHAPE_PROB=True,
         A3PO=True,
         HAS_ENT=True,
         ENT_Q=True,
-        TOKEN_OUT=2,
+        TOKEN_OUT=int(TokenOut.SHAPED_ADVANTAGES),
         SEQ_ADV=False,
     )
     everything = dict(
         DUAL_CLIP=True,
-        KL=k.K3PLUS,
-        RC=k.DECOUPLED,
+        KL=int(KlEstimator.K3_PLUS),
+        RC=int(RolloutCorrection.DECOUPLED),
         SEQ_MEAN=True,
         N_FROM_STATS=True,
-        TOKEN_OUT=1,
+        TOKEN_OUT=int(TokenOut.LOSS),
         HAS_ENT=True,
         ENT_TERM=True,
         ENT_GRAD=True,
@@ -1120,20 +1535,6 @@ def aot_specs():
         A3PO_ENT=True,
         ENT_Q=True,
     )
-    yield token("everything,packed", "*bf16", tl.float32, PACKED=True, SEARCH_STEPS=8, **everything)
-    yield token("fp64,everything", "*fp64", tl.float64, **everything)
-    yield token("fp64,gspo", "*fp64", tl.float64, LOSS=k.GSPO, KL=k.K3)
-
-    for name, cdt, packed, stats in (
-        ("padded", tl.float32, False, False),
-        ("packed", tl.float32, True, False),
-        ("stats,fp64", tl.float64, False, True),
-    ):
-        c = "*fp64" if cdt is tl.float64 else "*fp32"
-        sig = dict(part_ptr=c, seqf_ptr=c, boff_ptr=pi64, sums_ptr=c, P="i32", B="i32", NBL="i32")
-        yield (
-            f"_finalize_kernel[{name}]",
-            k._finalize_kernel,
-            sig,
-            dict(CDT=cdt, PACKED=packed, HAS_STATS=stats, ROWS=64, SEQS=256),
-        )
+    yield spec("everything,packed", "*bf16", tl.float32, PACKED=True, SEARCH_STEPS=8, **everything)
+    yield spec("fp64,everything", "*fp64", tl.float64, **everything)
+    yield spec("fp64,gspo", "*fp64", tl.float64, LOSS=int(LossType.GSPO), KL=int(KlEstimator.K3))

@@ -30,7 +30,7 @@ def _headers() -> str:
 def _macro_list(text: str, macro: str):
     """The entries of ``#define MACRO(X) X(a) X(b, 1) ...`` (continuation lines joined)."""
     flat = text.replace("\\\n", " ")
-    m = re.search(rf"#define\s+{macro}\(X\)(.*)", flat)
+    m = re.search(rf"^[ \t]*#define\s+{macro}\(X\)(.*)", flat, re.M)  # (not the examples in comments)
     assert m, f"csrc/*.h defines no {macro}(X) list"
     return [tuple(a.strip() for a in args.split(",")) for args in re.findall(r"X\(([^()]*)\)", m.group(1))]
 

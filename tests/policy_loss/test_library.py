@@ -9,12 +9,13 @@ from _backends import FAST, HEAVY
 
 import rlvr_kernels as rk
 from rlvr_kernels import TokenShaping
+from rlvr_kernels.contracts.policy_loss import TokenOut
 from rlvr_kernels.testing import random_policy_case
 
 ops = importlib.import_module("rlvr_kernels.ops.policy_loss")
 
 
-def op_args(device, backend, layout, agg="token-mean", token_out=0, need_entropy_grad=True):
+def op_args(device, backend, layout, agg="token-mean", token_out=TokenOut.NONE, need_entropy_grad=True):
     gen = torch.Generator().manual_seed(0)
     inputs = random_policy_case(gen, B=7, L=13, layout=layout, device=device)
     opts = rk.PolicyLossOptions(
@@ -37,30 +38,34 @@ def op_args(device, backend, layout, agg="token-mean", token_out=0, need_entropy
         opts,
         True,
     )
-    lp = x["logprobs"].detach().requires_grad_(True)
-    ent = x["entropy"].detach().requires_grad_(need_entropy_grad)
-    return (
-        lp,
-        x["old_logprobs"],
-        x["advantages"],
-        x["mask"],
-        x["ref_logprobs"],
-        x["rollout_logprobs"],
-        ent,
-        x["cu_seqlens"],
-        x["threshold"],
-        ops._fparams(opts),
-        ops._iparams(opts, x, token_out),
-        need_entropy_grad,
-        backend,
+    fparams, iparams = ops._kernel_params(opts, x.seq_adv, token_out).pack()
+    return ops._FwdArgs(
+        logprobs=x.logprobs.detach().requires_grad_(True),
+        old_logprobs=x.old_logprobs,
+        advantages=x.advantages,
+        mask=x.mask,
+        ref_logprobs=x.ref_logprobs,
+        rollout_logprobs=x.rollout_logprobs,
+        entropy=x.entropy.detach().requires_grad_(need_entropy_grad),
+        cu_seqlens=x.cu_seqlens,
+        entropy_threshold=x.entropy_threshold,
+        fparams=fparams,
+        iparams=iparams,
+        need_entropy_grad=need_entropy_grad,
+        backend=backend,
     )
+
+
+def test_autograd_binds_the_op_arguments_by_name():
+    schema = torch.ops.rlvr_kernels.policy_loss_fwd.default._schema
+    assert tuple(a.name for a in schema.arguments) == ops._FwdArgs._fields
 
 
 @pytest.mark.parametrize("backend,device", FAST)
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-@pytest.mark.parametrize("token_out", [0, 1])
+@pytest.mark.parametrize("token_out", [TokenOut.NONE, TokenOut.LOSS])
 def test_opcheck(backend, device, layout, token_out):
-    torch.library.opcheck(ops._policy_loss_fwd, op_args(device, backend, layout, token_out=token_out))
+    torch.library.opcheck(ops._policy_loss_fwd, tuple(op_args(device, backend, layout, token_out=token_out)))
 
 
 @pytest.mark.cpu_kernel
@@ -68,7 +73,7 @@ def test_fake_kernel_shapes_match_real_outputs():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     for need in (True, False):
-        args = op_args("cpu", "cpu", "padded", token_out=1, need_entropy_grad=need)
+        args = tuple(op_args("cpu", "cpu", "padded", token_out=TokenOut.LOSS, need_entropy_grad=need))
         real = ops._policy_loss_fwd(*args)
         with FakeTensorMode() as mode:
             fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
@@ -158,3 +163,41 @@ def test_gradcheck_fp64(backend, device, loss_type):
         lp = inputs["logprobs"].detach().clone().requires_grad_(True)
         ent = inputs["entropy"].detach().clone().double().requires_grad_(True)
         assert torch.autograd.gradcheck(f, (lp, ent), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm", "none"])
+def test_meta_inputs_give_meta_outputs(layout, agg):
+    """All-meta inputs run the fake kernels (no value check reads them): meta outputs of the
+    right shapes and dtypes, forward and backward."""
+    gen = torch.Generator().manual_seed(3)
+    inputs = random_policy_case(gen, B=5, L=11, layout=layout, dtype=torch.bfloat16)
+    meta = {k: v.to("meta") for k, v in inputs.items()}
+    lp = meta["logprobs"].detach().requires_grad_(True)
+    ent = meta["entropy"].detach().requires_grad_(True)
+    extra = dict(loss_scale_factor=8.0) if layout == "packed" else {}
+    loss, met = rk.policy_loss(
+        **dict(meta, logprobs=lp, entropy=ent),
+        kl="k3",
+        kl_coef=0.1,
+        rollout_correction="seq_tis",
+        entropy_coef=0.01,
+        agg=agg,
+        shaping=TokenShaping(probability=0.5, entropy_quantile=0.5),
+        **extra,
+    )
+    assert loss.device.type == "meta" and loss.dtype == torch.float32
+    assert loss.shape == (lp.shape if agg == "none" else ())
+    assert all(v.device.type == "meta" and v.shape == () for v in met)
+    loss.sum().backward()
+    assert lp.grad.shape == lp.shape and lp.grad.dtype == torch.bfloat16 and lp.grad.device.type == "meta"
+    assert ent.grad.shape == ent.shape
+    shaped = rk.shape_token_advantages(
+        meta["advantages"],
+        meta["old_logprobs"],
+        meta["mask"],
+        TokenShaping(a3po_pos_high=(0.2, 2.0), entropy_quantile=0.5),
+        entropy=meta["entropy"],
+        cu_seqlens=meta.get("cu_seqlens"),
+    )
+    assert shaped.device.type == "meta" and shaped.shape == lp.shape and shaped.dtype == torch.float32

@@ -148,3 +148,25 @@ def test_devices_must_match():
     kw["advantages"] = torch.randn(3, device="meta")
     with pytest.raises(ValueError, match="advantages: expected a tensor on cpu"):
         rk.policy_loss(**kw)
+
+
+def test_messages_name_the_callers_arguments():
+    kw = base()
+    with pytest.raises(TypeError, match="old_logprobs: expected dtype"):
+        rk.shape_token_advantages(kw["advantages"], kw["old_logprobs"].long(), kw["mask"])
+    with pytest.raises(ValueError, match=r"mask: expected shape \(3, 5\) \(like old_logprobs\)"):
+        rk.shape_token_advantages(kw["advantages"], kw["old_logprobs"], kw["mask"][:, :4])
+    with pytest.raises(ValueError, match=r"entropy: expected shape \(3, 5\) \(like logprobs\)"):
+        call(entropy=torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="cu_seqlens: expected a tensor on cpu"):
+        rk.policy_loss(torch.randn(4), torch.randn(4), torch.randn(1), cu_seqlens=torch.tensor([0, 4], device="meta"))
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_an_input_the_options_do_not_read_is_not_value_checked(backend, device):
+    """A NaN in ref_logprobs without a KL estimator (or in rollout_logprobs without a rollout
+    correction) is not read, so it is not an error, on every backend."""
+    kw = {k: v.to(device) for k, v in base().items()}
+    nan = torch.full_like(kw["logprobs"], float("nan"))
+    loss, _ = rk.policy_loss(**kw, ref_logprobs=nan, rollout_logprobs=nan, backend=backend)
+    assert torch.isfinite(loss)

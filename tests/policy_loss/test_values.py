@@ -268,7 +268,9 @@ def test_entropy_bonus_gradient(backend, device):
 
 @pytest.mark.parametrize("backend,device", ALL)
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "none"])
+@pytest.mark.parametrize(
+    "agg", ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "none"]
+)
 def test_all_masked_and_empty_give_zeros(backend, device, layout, agg):
     for B, L in ((3, 5), (0, 5), (2, 0)):
         if layout == "padded":
@@ -301,6 +303,38 @@ def test_all_masked_and_empty_give_zeros(backend, device, layout, agg):
         assert float(lp.grad.abs().sum()) == 0.0 and float(ent.grad.abs().sum()) == 0.0
         for name, v in met._asdict().items():
             assert torch.isfinite(v).all() and float(v) == 0.0, name
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_zero_tokens_give_zero_not_nan(backend, device):
+    """seq-mean-token-sum-norm divides by L by default; with L = 0 there is no token, and the
+    loss is 0 with a zero gradient (it was 0/0 = NaN)."""
+    lp = torch.zeros(2, 0, device=device, requires_grad=True)
+    loss, met = rk.policy_loss(
+        lp,
+        torch.zeros(2, 0, device=device),
+        torch.ones(2, device=device),
+        torch.zeros(2, 0, dtype=torch.bool, device=device),
+        agg="seq-mean-token-sum-norm",
+        backend=backend,
+    )
+    loss.backward()
+    assert float(loss) == 0.0 and float(met.pg_loss) == 0.0
+    assert lp.grad is not None and lp.grad.shape == (2, 0)
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_gpg_is_reinforce(backend, device):
+    """loss_type="gpg" is reinforce, as a keyword and inside a PolicyLossOptions."""
+    assert rk.PolicyLossOptions(loss_type="gpg") == rk.PolicyLossOptions(loss_type="reinforce")
+    assert rk.PolicyLossOptions(loss_type="gpg").loss_type == "reinforce"
+    gen = torch.Generator().manual_seed(0)
+    lp = (torch.randn(3, 6, generator=gen) - 1).to(device)
+    args = (lp, lp + 0.1, torch.randn(3, generator=gen).to(device), torch.ones(3, 6, dtype=torch.bool, device=device))
+    want, _ = rk.policy_loss(*args, loss_type="reinforce", backend=backend)
+    for kw in (dict(loss_type="gpg"), dict(options=rk.PolicyLossOptions(loss_type="gpg"))):
+        got, _ = rk.policy_loss(*args, **kw, backend=backend)
+        assert torch.equal(got, want), kw
 
 
 @pytest.mark.parametrize("backend,device", ALL)

@@ -1,0 +1,178 @@
+"""Kernel contract of ``policy_loss_fwd`` (``policy_loss`` and ``shape_token_advantages``).
+
+Mirrored in ``csrc/policy_loss.h`` (``RLVR_POLICY_LOSS_FPARAMS`` / ``_IPARAMS`` and the
+``RLVR_<ENUM>_CODES`` lists); ``tests/common/test_contracts.py`` compares the two. The
+tensors and what the kernels compute from them are described in
+:mod:`rlvr_kernels.ops.policy_loss`.
+
+Two inputs of the kernels are computed outside them, by torch ops every layer shares (the
+op layer, the reference and the drop-ins): the validity of the packed layout
+(:func:`packed_mask`) and the entropy-quantile threshold (:func:`entropy_quantile_threshold`).
+They live here, beside the parameters, so that the fast path never imports the reference
+and the reference never imports a backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import ClassVar, Optional
+
+import torch
+
+from ._base import KernelParams
+
+
+class LossType(enum.IntEnum):
+    """The policy-gradient term (SPEC §4); ``gpg`` is ``REINFORCE``."""
+
+    PPO = 0
+    GSPO = 1
+    CISPO = 2
+    SAPO = 3
+    REINFORCE = 4
+
+
+class KlEstimator(enum.IntEnum):
+    """The per-token KL estimate to the reference policy."""
+
+    NONE = 0
+    K1 = 1
+    K2 = 2
+    K3 = 3
+    K3_PLUS = 4  # the value of k3 with the gradient of k2
+
+
+class RolloutCorrection(enum.IntEnum):
+    """The rollout-correction (importance-sampling) weight."""
+
+    NONE = 0
+    TOKEN_TIS = 1
+    SEQ_TIS = 2
+    TOKEN_MIS = 3
+    SEQ_MIS = 4
+    DECOUPLED = 5
+
+
+class TokenOut(enum.IntEnum):
+    """What the token-shaped ``token_out`` output holds."""
+
+    NONE = 0  # not written (a [0] tensor)
+    LOSS = 1  # ℓ·m, the per-token loss of agg="none"
+    SHAPED_ADVANTAGES = 2  # Ã = A·w·m (shape_token_advantages)
+
+
+class A3poMetric(enum.IntEnum):
+    """What A3PO ranks the tokens of a sequence by."""
+
+    PROB = 0  # exp(old_logprobs)
+    ENTROPY = 1  # the given entropy
+
+
+class PolicyLossSum(enum.IntEnum):
+    """The entries of the ``sums`` output (compute dtype). a_t is the aggregation weight
+    (``agg_w``: m_t / n_i for seq-mean-token-mean, else m_t), m_t the valid flag."""
+
+    TOTAL = 0  # Σ a·ℓ (the only differentiable entry)
+    PG = 1  # Σ a·pg·shaping·is_w
+    KL = 2  # Σ a·kl
+    NTOK = 3  # Σ m
+    NSEQ = 4  # sequences with n_i > 0
+    CLIP = 5  # Σ m·clipped
+    CLIP_LOWER = 6  # Σ m·dual-clip active
+    NEG_DELTA = 7  # Σ m·(−δ)
+    KL_RAW = 8  # Σ m·kl
+    IS = 9  # Σ m·is_w
+    IS_MAX = 10  # max over valid tokens of is_w (0 without valid tokens)
+    REJECT = 11  # Σ m·rejected by a MIS/decoupled bound
+    SHAPED = 12  # Σ m·[shaping weight ≠ 1]
+    ENT = 13  # Σ m·entropy
+    NONFINITE = 14  # valid tokens where an input the call reads is NaN/±inf (the value check)
+
+
+NUM_SUMS = len(PolicyLossSum)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossParams(KernelParams):
+    """Scalar parameters of ``policy_loss_fwd`` (both kernels read them by name). Options
+    that are off still carry a value (the kernels do not read it)."""
+
+    CPP_NAME: ClassVar[str] = "POLICY_LOSS"
+
+    ratio_low: float  # 1 − ε_low: the clip range in ratio space
+    ratio_high: float  # 1 + ε_high
+    clip_ratio_c: float  # dual-clip bound c (> 1), or 0 = off
+    log_ratio_clamp: float  # δ clamped to ±this before exp (> 0), or 0 = off
+    gspo_log_clamp: float  # upper clamp of log s_i (+inf = off)
+    tau_pos: float  # SAPO temperatures
+    tau_neg: float
+    kl_coef: float  # β (0 without KL)
+    rc_low: float  # the MIS lower bound
+    rc_high: float  # C: the TIS cap, the MIS upper bound, the decoupled cap
+    entropy_coef: float  # c_H of the entropy bonus
+    w_pos: float  # polarity weights of the shaping
+    w_neg: float
+    probability: float  # λ of the probability shaping
+    a3po_pos_high_ratio: float  # A3PO knobs (ratio, scale), applied in this order
+    a3po_pos_high_scale: float
+    a3po_pos_low_ratio: float
+    a3po_pos_low_scale: float
+    a3po_neg_high_ratio: float
+    a3po_neg_high_scale: float
+    a3po_neg_low_ratio: float
+    a3po_neg_low_scale: float
+    loss_type: LossType
+    kl: KlEstimator
+    kl_clamp: bool  # k3 clamps (x to ±20, value to ±10), as verl
+    rollout_correction: RolloutCorrection
+    seq_mean: bool  # agg_w = m_t / n_i (seq-mean-token-mean), else m_t
+    token_out: TokenOut
+    a3po_metric: A3poMetric
+    a3po: bool  # a knob of the A3PO selection is on
+    entropy_quantile: bool  # keep the pg term only where entropy >= entropy_threshold
+    seq_adv: bool  # advantages are [B] (else token-shaped)
+
+
+# The C++ X-macro list each branch-code enum mirrors.
+CPP_CODES = {
+    "RLVR_LOSS_TYPE_CODES": LossType,
+    "RLVR_KL_ESTIMATOR_CODES": KlEstimator,
+    "RLVR_ROLLOUT_CORRECTION_CODES": RolloutCorrection,
+    "RLVR_TOKEN_OUT_CODES": TokenOut,
+    "RLVR_A3PO_METRIC_CODES": A3poMetric,
+    "RLVR_POLICY_LOSS_SUM_CODES": PolicyLossSum,
+}
+
+
+# ------------------------------------------------------------------ inputs computed outside the kernels
+def packed_mask(mask: Optional[torch.Tensor], cu_seqlens: torch.Tensor, num_tokens: int, device) -> torch.Tensor:
+    """The ``[T]`` validity of the packed layout: tokens inside a sequence (before
+    ``cu_seqlens[-1]``), and where the mask, if given, is set."""
+    inside = torch.arange(num_tokens, device=device) < cu_seqlens[-1]
+    return inside if mask is None else inside & (mask != 0)
+
+
+def entropy_quantile_threshold(entropy: torch.Tensor, valid: torch.Tensor, rho: float) -> torch.Tensor:
+    """The (1 − ρ) quantile of ``entropy`` over ``valid`` tokens, linear interpolation
+    (``torch.quantile``'s rule), as a 0-d fp32 tensor; +inf when no token is valid. The
+    kernels' ``entropy_threshold``.
+
+    Sort-based with invalid tokens pushed to +inf, so the shapes stay static (no
+    ``masked_select``): works under torch.compile, on meta tensors and for more than 2^24
+    tokens, where ``torch.quantile`` refuses.
+    """
+    x = torch.where(valid, entropy.detach().float(), torch.full((), float("inf"), device=entropy.device))
+    x = x.reshape(-1).sort().values
+    n = valid.sum()
+    pos = (1.0 - rho) * (n - 1).clamp(min=0).to(torch.float64)
+    lo = pos.floor()
+    w = (pos - lo).float()
+    lo_i = lo.long().clamp(max=max(x.numel() - 1, 0))
+    hi_i = (lo_i + 1).clamp(max=(n - 1).clamp(min=0))
+    if x.numel() == 0:
+        return torch.full((), float("inf"), device=entropy.device)
+    # (index_select, not x[lo_i]: indexing by a 0-d tensor reads it on the host)
+    a, b = x.index_select(0, lo_i.reshape(1)).squeeze(0), x.index_select(0, hi_i.reshape(1)).squeeze(0)
+    t = torch.lerp(a, b, w)
+    return torch.where(n > 0, t, torch.full((), float("inf"), device=entropy.device))
