@@ -17,7 +17,7 @@
 // MKL runs on the calling thread, so a row's result does not depend on the thread count, on the
 // item that carried it, on its position in the block or on the other rows. MKL does not promise
 // this for a fixed shape and alignment (its CNR mode is about other things); the tests in
-// tests/test_logprobs_cpu_kernel.py check it: 1 vs 2 threads, every block position, batch sizes.
+// tests/logprobs/test_kernel_cpu.py check it: 1 vs 2 threads, every block position, batch sizes.
 //
 // Linear head, backward: 3 GEMMs. Token blocks of kBwdRows rows run in order. For each, the threads
 // (1) recompute z tile by tile with the forward's very GEMMs and epilogue arithmetic (so z is the
@@ -30,7 +30,12 @@
 // results are the fp32 computation on the rounded inputs); fp64 runs the same code in double.
 //
 // Logits: one pass over each row in kTile segments (parallel over rows), with the same segment
-// code as the linear head; the backward writes grad_logits and nothing else of size [N, V].
+// code as the linear head; the backward writes grad_logits and nothing else of size [N, V]. Rows are
+// read through the logits' row stride, which may be 0 (an expanded view: every row is the same
+// memory, only read); grad_logits is always a fresh contiguous [N, V].
+//
+// Hot loops are `Body` structs run through run_isa (csrc/simd.h); a loop that also takes a run-time
+// flag as a template parameter (need_entropy, grad_entropy given) goes through run_isa_flagged.
 #include "logprobs.h"
 
 #include <ATen/ATen.h>
@@ -280,6 +285,27 @@ RLVR_INLINE V rounded(V v) {
   return v;
 }
 
+// run_isa for a Body whose hot loop takes a run-time flag as a template parameter: Body has
+// `using Arg`, `static bool flag(const Arg&)` and `template <int VB, bool kFlag> static void
+// body(const Arg&)`. Both instantiations are inlined into each ISA's entry point.
+template <typename Body>
+struct WithFlag {
+  using Arg = typename Body::Arg;
+  template <int VB>
+  RLVR_INLINE static void run(const Arg& a) {
+    if (Body::flag(a)) {
+      Body::template body<VB, true>(a);
+    } else {
+      Body::template body<VB, false>(a);
+    }
+  }
+};
+
+template <typename Body>
+void run_isa_flagged(const typename Body::Arg& a) {
+  run_isa<WithFlag<Body>>(a);
+}
+
 // ------------------------------------------------------------------ row statistics
 // (max, Σ exp(z − max), Σ exp(z − max)·(z − max)) of a part of a row; max = −inf: empty.
 template <typename T>
@@ -298,6 +324,15 @@ struct Stats {
     e = a1 * (e + s * d1) + a2 * (o.e + o.s * d2);
     s = a1 * s + a2 * o.s;
     m = mx;
+  }
+
+  // Row n of the stats output [N, kNumStats] (columns: LogprobsStat); the entropy column is 0
+  // unless it was computed.
+  RLVR_INLINE void store(T* stats, int64_t n, bool entropy) const {
+    T* row = stats + n * kNumStats;
+    row[int64_t(LogprobsStat::MAX)] = m;
+    row[int64_t(LogprobsStat::SUM_EXP)] = s;
+    row[int64_t(LogprobsStat::SUM_EXP_SHIFT)] = entropy ? e : T(0);
   }
 };
 
@@ -459,14 +494,7 @@ struct LinearFwdTile {
     Stats<T>* run;  // per row of the block
   };
 
-  template <int VB>
-  RLVR_INLINE static void run(const Arg& a) {
-    if (a.c->need_entropy) {
-      body<VB, true>(a);
-    } else {
-      body<VB, false>(a);
-    }
-  }
+  static bool flag(const Arg& a) { return a.c->need_entropy; }
 
   template <int VB, bool kEntropy>
   RLVR_INLINE static void body(const Arg& a) {
@@ -495,14 +523,7 @@ struct LinearBwdTile {
     int64_t block_rows;
   };
 
-  template <int VB>
-  RLVR_INLINE static void run(const Arg& a) {
-    if (a.c->h != nullptr) {
-      body<VB, true>(a);
-    } else {
-      body<VB, false>(a);
-    }
-  }
+  static bool flag(const Arg& a) { return a.c->h != nullptr; }
 
   template <int VB, bool kEntGrad>
   RLVR_INLINE static void body(const Arg& a) {
@@ -554,7 +575,7 @@ void linear_fwd(const Linear<T, in_t>& c, T* stats) {
           int64_t ldw;
           const T* wt = as_compute(c.weight + c0 * H, w, H, H, wbuf, ldw);
           tile_gemm(hbuf, wt, ldw, w, H, tile);
-          run_isa<LinearFwdTile<T, in_t>>({&c, tile, row0, rows, c0, w, run});
+          run_isa_flagged<LinearFwdTile<T, in_t>>({&c, tile, row0, rows, c0, w, run});
         }
         for (int64_t r = 0; r < rows; ++r) partial[(row0 + r) * nchunks + ch] = run[r];
       });
@@ -566,11 +587,29 @@ void linear_fwd(const Linear<T, in_t>& c, T* stats) {
     for (int64_t n = n0; n < n1; ++n) {
       Stats<T> st;
       for (int64_t ch = 0; ch < nchunks; ++ch) st.merge(partial[n * nchunks + ch]);
-      stats[n * 3] = st.m;
-      stats[n * 3 + 1] = st.s;
-      stats[n * 3 + 2] = c.need_entropy ? st.e : T(0);
+      st.store(stats, n, c.need_entropy);
     }
   });
+}
+
+// Columns [h0, h0 + kHidCols) of grad_hidden[row0, row0 + rows) = dz·W, dz the block's [rows, V]
+// workspace. For narrower inputs the weight columns are converted one vocabulary tile at a time
+// (into pbuf) and the product accumulated in dh (the compute dtype, [rows, H]), rounded once.
+template <typename T, typename in_t>
+void grad_hidden_cols(const Linear<T, in_t>& c, const T* dz, int64_t row0, int64_t rows, int64_t h0, T* pbuf, T* dh,
+                      in_t* grad_hidden) {
+  const int64_t H = c.H, V = c.V, hw = std::min(kHidCols, H - h0);
+  if constexpr (std::is_same<in_t, T>::value) {
+    gemm<T>(rows, hw, V, dz, V, false, c.weight + h0, H, false, grad_hidden + row0 * H + h0, H, false);
+  } else {
+    for (int64_t c0 = 0; c0 < V; c0 += kTile) {
+      const int64_t w = std::min(kTile, V - c0);
+      int64_t ldp;
+      const T* wp = as_compute(c.weight + c0 * H + h0, w, hw, H, pbuf, ldp);
+      gemm<T>(rows, hw, w, dz + c0, V, false, wp, ldp, false, dh + h0, H, c0 > 0);
+    }
+    for (int64_t r = 0; r < rows; ++r) convert(grad_hidden + (row0 + r) * H + h0, dh + r * H + h0, hw);
+  }
 }
 
 // Outputs: grad_hidden [N, H], grad_weight [V, H], grad_bias [V] (each nullptr when not needed).
@@ -631,8 +670,9 @@ void linear_bwd(const Linear<T, in_t>& c, in_t* grad_hidden, in_t* grad_weight, 
           for (int64_t s = 0; s < nsub; ++s) {
             tile_gemm(hb + s * kFwdRows * H, wt, ldw, w, H, tile);
             T* db_now = s == nsub - 1 && !db.empty() ? db.data() : nullptr;
-            run_isa<LinearBwdTile<T, in_t>>({&c, tile, dz + s * kFwdRows * V, row0 + s * kFwdRows,
-                                             std::min(kFwdRows, rows - s * kFwdRows), c0, w, db_now, dz, rows});
+            run_isa_flagged<LinearBwdTile<T, in_t>>({&c, tile, dz + s * kFwdRows * V, row0 + s * kFwdRows,
+                                                     std::min(kFwdRows, rows - s * kFwdRows), c0, w, db_now, dz,
+                                                     rows});
           }
         });
       }
@@ -642,19 +682,7 @@ void linear_bwd(const Linear<T, in_t>& c, in_t* grad_hidden, in_t* grad_weight, 
       for (int64_t item = 0; item < hid_items + wgt_items; ++item) {
         errors.run([&] {
           if (item < hid_items) {
-            const int64_t h0 = item * kHidCols, hw = std::min(kHidCols, H - h0);
-            if constexpr (kConvert) {
-              // The weight columns come converted one vocabulary tile at a time.
-              for (int64_t j = 0; j < ntiles; ++j) {
-                const int64_t c0 = j * kTile, w = std::min(kTile, V - c0);
-                int64_t ldp;
-                const T* wp = as_compute(c.weight + c0 * H + h0, w, hw, H, pbuf, ldp);
-                gemm<T>(rows, hw, w, dz + c0, V, false, wp, ldp, false, dh + h0, H, j > 0);
-              }
-              for (int64_t r = 0; r < rows; ++r) convert(grad_hidden + (row0 + r) * H + h0, dh + r * H + h0, hw);
-            } else {
-              gemm<T>(rows, hw, V, dz, V, false, c.weight + h0, H, false, grad_hidden + row0 * H + h0, H, false);
-            }
+            grad_hidden_cols(c, dz, row0, rows, item * kHidCols, pbuf, dh, grad_hidden);
           } else {
             const int64_t v0 = (item - hid_items) * kWgtRows, vw = std::min(kWgtRows, V - v0);
             gemm<T>(vw, H, rows, dz + v0, V, true, hb, H, false, dW + v0 * H, H, b > 0);
@@ -678,7 +706,7 @@ void linear_bwd(const Linear<T, in_t>& c, in_t* grad_hidden, in_t* grad_weight, 
 template <typename T, typename in_t>
 struct Logits {
   const in_t* x;
-  int64_t ld;  // row stride of the logits
+  int64_t ld;  // row stride of the logits (0: every row is the same memory)
   const T* inv_t;
   Targets tg;
   int64_t N, V;
@@ -699,14 +727,7 @@ struct LogitsFwdRows {
     int64_t n0, n1;
   };
 
-  template <int VB>
-  RLVR_INLINE static void run(const Arg& a) {
-    if (a.c->need_entropy) {
-      body<VB, true>(a);
-    } else {
-      body<VB, false>(a);
-    }
-  }
+  static bool flag(const Arg& a) { return a.c->need_entropy; }
 
   template <int VB, bool kEntropy>
   RLVR_INLINE static void body(const Arg& a) {
@@ -721,9 +742,7 @@ struct LogitsFwdRows {
         st.merge(segment_stats<T, VB, kEntropy>(z, w, LogitsZ<T, VB, in_t>{x + c0, c.inv_t[n]}));
         c.tg.each_in(n, c0, c0 + w, [&](int64_t, int64_t j) { target = z[j]; });
       }
-      c.stats[n * 3] = st.m;
-      c.stats[n * 3 + 1] = st.s;
-      c.stats[n * 3 + 2] = kEntropy ? st.e : T(0);
+      st.store(c.stats, n, kEntropy);
       c.target_logits[n] = target;
     }
   }
@@ -736,14 +755,7 @@ struct LogitsBwdRows {
     int64_t n0, n1;
   };
 
-  template <int VB>
-  RLVR_INLINE static void run(const Arg& a) {
-    if (a.c->h != nullptr) {
-      body<VB, true>(a);
-    } else {
-      body<VB, false>(a);
-    }
-  }
+  static bool flag(const Arg& a) { return a.c->h != nullptr; }
 
   template <int VB, bool kEntGrad>
   RLVR_INLINE static void body(const Arg& a) {
@@ -772,7 +784,7 @@ template <typename Body, typename Ctx>
 void logits_rows(const Ctx& c) {
   // Rows are independent: any split gives the same bits.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(c.V, 1));
-  at::parallel_for(0, c.N, grain, [&](int64_t n0, int64_t n1) { run_isa<Body>({&c, n0, n1}); });
+  at::parallel_for(0, c.N, grain, [&](int64_t n0, int64_t n1) { run_isa_flagged<Body>({&c, n0, n1}); });
 }
 
 // ------------------------------------------------------------------ argument checks
@@ -823,8 +835,9 @@ at::ScalarType check_logits(const char* op, const torch::Tensor& logits, const t
   check_float(op, "logits", logits);
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 1, op, ": logits must be [N, V] with V >= 1, got ",
               logits.sizes());
+  // Any row stride: rows are only read, so rows that overlap or coincide (stride 0: an expanded view)
+  // are fine; the backward writes a fresh gradient.
   TORCH_CHECK(logits.stride(1) == 1 || logits.size(1) == 1, op, ": logits rows must be contiguous");
-  TORCH_CHECK(logits.stride(0) >= logits.size(1) || logits.size(0) <= 1, op, ": logits rows must not overlap");
   const int64_t N = logits.size(0);
   const auto ct = compute_dtype(logits.scalar_type());
   check_vec(op, "targets", targets, N, torch::kInt64);
@@ -856,18 +869,19 @@ using compute_t = std::conditional_t<std::is_same<scalar_t, double>::value, doub
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> linear_logprobs_fwd_cpu(
+std::tuple<torch::Tensor, torch::Tensor> linear_logprobs_stats_cpu(
     const torch::Tensor& hidden, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
     const torch::Tensor& inv_temperature, const torch::Tensor& row_ptr, const torch::Tensor& sorted_targets,
-    bool need_entropy) {
-  const char* op = "linear_logprobs_fwd";
+    c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams) {
+  const char* op = "linear_logprobs_stats";
+  const auto p = LogprobsStatsParams::unpack(fparams, iparams);
   const auto ct = check_linear(op, hidden, weight, bias, inv_temperature, row_ptr, sorted_targets);
   const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0), M = sorted_targets.size(0);
-  torch::Tensor stats = torch::empty({N, 3}, torch::dtype(ct));
+  torch::Tensor stats = torch::empty({N, kNumStats}, torch::dtype(ct));
   torch::Tensor target_logits = torch::zeros({M}, torch::dtype(ct));
   if (N == 0) return {stats, target_logits};
   const std::vector<int64_t> ptr = sanitize_row_ptr(row_ptr.data_ptr<int64_t>(), N, M);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "linear_logprobs_fwd", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "linear_logprobs_stats", [&] {
     using T = compute_t<scalar_t>;
     std::vector<T> bias_store;
     Linear<T, scalar_t> c{};
@@ -879,7 +893,7 @@ std::tuple<torch::Tensor, torch::Tensor> linear_logprobs_fwd_cpu(
     c.N = N;
     c.H = H;
     c.V = V;
-    c.need_entropy = need_entropy;
+    c.need_entropy = p.need_entropy != 0;
     c.target_logits = target_logits.data_ptr<T>();
     linear_fwd(c, stats.data_ptr<T>());
   });
@@ -890,8 +904,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> linear_logprobs_bwd_cpu(
     const torch::Tensor& hidden, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
     const torch::Tensor& inv_temperature, const torch::Tensor& row_ptr, const torch::Tensor& sorted_targets,
     const torch::Tensor& sorted_grad, const torch::Tensor& lse, const torch::Tensor& entropy,
-    const c10::optional<torch::Tensor>& grad_entropy, bool need_hidden, bool need_weight, bool need_bias) {
+    const c10::optional<torch::Tensor>& grad_entropy, c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams) {
   const char* op = "linear_logprobs_bwd";
+  const auto p = LinearLogprobsBwdParams::unpack(fparams, iparams);
+  const bool need_hidden = p.need_hidden != 0, need_weight = p.need_weight != 0, need_bias = p.need_bias != 0;
   const auto ct = check_linear(op, hidden, weight, bias, inv_temperature, row_ptr, sorted_targets);
   const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0), M = sorted_targets.size(0);
   check_vec(op, "sorted_grad", sorted_grad, M, ct);
@@ -939,17 +955,19 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> linear_logprobs_bwd_cpu(
   return {gh, gw, gb};
 }
 
-std::tuple<torch::Tensor, torch::Tensor> logits_logprobs_fwd_cpu(const torch::Tensor& logits,
-                                                                 const torch::Tensor& targets,
-                                                                 const torch::Tensor& inv_temperature,
-                                                                 bool need_entropy) {
-  const char* op = "logits_logprobs_fwd";
+std::tuple<torch::Tensor, torch::Tensor> logprobs_from_logits_stats_cpu(const torch::Tensor& logits,
+                                                                        const torch::Tensor& targets,
+                                                                        const torch::Tensor& inv_temperature,
+                                                                        c10::ArrayRef<double> fparams,
+                                                                        c10::ArrayRef<int64_t> iparams) {
+  const char* op = "logprobs_from_logits_stats";
+  const auto p = LogprobsStatsParams::unpack(fparams, iparams);
   const auto ct = check_logits(op, logits, targets, inv_temperature);
   const int64_t N = logits.size(0), V = logits.size(1);
-  torch::Tensor stats = torch::empty({N, 3}, torch::dtype(ct));
+  torch::Tensor stats = torch::empty({N, kNumStats}, torch::dtype(ct));
   torch::Tensor target_logits = torch::empty({N}, torch::dtype(ct));
   if (N == 0) return {stats, target_logits};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "logits_logprobs_fwd", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "logprobs_from_logits_stats", [&] {
     using T = compute_t<scalar_t>;
     Logits<T, scalar_t> c{};
     c.x = logits.data_ptr<scalar_t>();
@@ -958,7 +976,7 @@ std::tuple<torch::Tensor, torch::Tensor> logits_logprobs_fwd_cpu(const torch::Te
     c.tg = {nullptr, targets.data_ptr<int64_t>()};
     c.N = N;
     c.V = V;
-    c.need_entropy = need_entropy;
+    c.need_entropy = p.need_entropy != 0;
     c.stats = stats.data_ptr<T>();
     c.target_logits = target_logits.data_ptr<T>();
     logits_rows<LogitsFwdRows<T, scalar_t>>(c);
@@ -966,11 +984,11 @@ std::tuple<torch::Tensor, torch::Tensor> logits_logprobs_fwd_cpu(const torch::Te
   return {stats, target_logits};
 }
 
-torch::Tensor logits_logprobs_bwd_cpu(const torch::Tensor& logits, const torch::Tensor& targets,
-                                      const torch::Tensor& inv_temperature, const torch::Tensor& grad_logp,
-                                      const torch::Tensor& lse, const torch::Tensor& entropy,
-                                      const c10::optional<torch::Tensor>& grad_entropy) {
-  const char* op = "logits_logprobs_bwd";
+torch::Tensor logprobs_from_logits_bwd_cpu(const torch::Tensor& logits, const torch::Tensor& targets,
+                                           const torch::Tensor& inv_temperature, const torch::Tensor& grad_logp,
+                                           const torch::Tensor& lse, const torch::Tensor& entropy,
+                                           const c10::optional<torch::Tensor>& grad_entropy) {
+  const char* op = "logprobs_from_logits_bwd";
   const auto ct = check_logits(op, logits, targets, inv_temperature);
   const int64_t N = logits.size(0), V = logits.size(1);
   check_vec(op, "grad_logp", grad_logp, N, ct);
@@ -979,7 +997,7 @@ torch::Tensor logits_logprobs_bwd_cpu(const torch::Tensor& logits, const torch::
   if (grad_entropy.has_value()) check_vec(op, "grad_entropy", *grad_entropy, N, ct);
   torch::Tensor grad = empty_output({N, V}, logits.scalar_type());
   if (N == 0) return grad;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "logits_logprobs_bwd", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "logprobs_from_logits_bwd", [&] {
     using T = compute_t<scalar_t>;
     Logits<T, scalar_t> c{};
     c.x = logits.data_ptr<scalar_t>();

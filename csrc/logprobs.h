@@ -1,37 +1,59 @@
+// linear_logprobs / logprobs_from_logits on the CPU: the kernel contract's C++ mirror
+// (rlvr_kernels/contracts/logprobs.py) and the entry points registered as rlvr_kernels_C::<name>
+// (csrc/ops.cpp). The contract itself (arguments, outputs, dtypes) is the module docstring of
+// rlvr_kernels/ops/logprobs.py; logprobs.cpp describes how the kernels meet it.
 #pragma once
 
 #include <torch/types.h>
 
 #include <tuple>
 
+#include "params.h"
+
+// Scalar parameters, in the order of the dataclasses' float and int fields.
+// LogprobsStatsParams: linear_logprobs_stats and logprobs_from_logits_stats.
+#define RLVR_LOGPROBS_STATS_FPARAMS(X)
+#define RLVR_LOGPROBS_STATS_IPARAMS(X) X(need_entropy)
+// LinearLogprobsBwdParams: linear_logprobs_bwd.
+#define RLVR_LINEAR_LOGPROBS_BWD_FPARAMS(X)
+#define RLVR_LINEAR_LOGPROBS_BWD_IPARAMS(X) X(need_hidden) X(need_weight) X(need_bias)
+
+// Columns of the forward kernels' stats [N, kNumStats]: contracts.logprobs.LogprobsStat.
+#define RLVR_LOGPROBS_STAT_CODES(X) X(MAX, 0) X(SUM_EXP, 1) X(SUM_EXP_SHIFT, 2)
+
 namespace rlvr {
 
-// The kernel contract (arguments, outputs, dtypes) is the module docstring of
-// rlvr_kernels/ops/logprobs.py; logprobs.cpp describes how the kernels meet it.
+RLVR_DEFINE_PARAMS(LogprobsStatsParams, RLVR_LOGPROBS_STATS_FPARAMS, RLVR_LOGPROBS_STATS_IPARAMS)
+RLVR_DEFINE_PARAMS(LinearLogprobsBwdParams, RLVR_LINEAR_LOGPROBS_BWD_FPARAMS, RLVR_LINEAR_LOGPROBS_BWD_IPARAMS)
+RLVR_DEFINE_ENUM(LogprobsStat, RLVR_LOGPROBS_STAT_CODES)
+#define RLVR_LOGPROBS_STAT_COUNT(name, value) +1
+constexpr int64_t kNumStats = 0 RLVR_LOGPROBS_STAT_CODES(RLVR_LOGPROBS_STAT_COUNT);
+#undef RLVR_LOGPROBS_STAT_COUNT
 
-// (stats [N, 3], target_logits [M]).
-std::tuple<torch::Tensor, torch::Tensor> linear_logprobs_fwd_cpu(
+// (stats [N, kNumStats], target_logits [M]).
+std::tuple<torch::Tensor, torch::Tensor> linear_logprobs_stats_cpu(
     const torch::Tensor& hidden, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
     const torch::Tensor& inv_temperature, const torch::Tensor& row_ptr, const torch::Tensor& sorted_targets,
-    bool need_entropy);
+    c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams);
 
 // (grad_hidden, grad_weight, grad_bias); an output that is not needed is an empty [0] tensor.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> linear_logprobs_bwd_cpu(
     const torch::Tensor& hidden, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
     const torch::Tensor& inv_temperature, const torch::Tensor& row_ptr, const torch::Tensor& sorted_targets,
     const torch::Tensor& sorted_grad, const torch::Tensor& lse, const torch::Tensor& entropy,
-    const c10::optional<torch::Tensor>& grad_entropy, bool need_hidden, bool need_weight, bool need_bias);
+    const c10::optional<torch::Tensor>& grad_entropy, c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams);
 
-// (stats [N, 3], target_logits [N]).
-std::tuple<torch::Tensor, torch::Tensor> logits_logprobs_fwd_cpu(const torch::Tensor& logits,
-                                                                 const torch::Tensor& targets,
-                                                                 const torch::Tensor& inv_temperature,
-                                                                 bool need_entropy);
+// (stats [N, kNumStats], target_logits [N]).
+std::tuple<torch::Tensor, torch::Tensor> logprobs_from_logits_stats_cpu(const torch::Tensor& logits,
+                                                                        const torch::Tensor& targets,
+                                                                        const torch::Tensor& inv_temperature,
+                                                                        c10::ArrayRef<double> fparams,
+                                                                        c10::ArrayRef<int64_t> iparams);
 
-// grad_logits [N, V].
-torch::Tensor logits_logprobs_bwd_cpu(const torch::Tensor& logits, const torch::Tensor& targets,
-                                      const torch::Tensor& inv_temperature, const torch::Tensor& grad_logp,
-                                      const torch::Tensor& lse, const torch::Tensor& entropy,
-                                      const c10::optional<torch::Tensor>& grad_entropy);
+// grad_logits [N, V] (contiguous, whatever the logits' row stride).
+torch::Tensor logprobs_from_logits_bwd_cpu(const torch::Tensor& logits, const torch::Tensor& targets,
+                                           const torch::Tensor& inv_temperature, const torch::Tensor& grad_logp,
+                                           const torch::Tensor& lse, const torch::Tensor& entropy,
+                                           const c10::optional<torch::Tensor>& grad_entropy);
 
 }  // namespace rlvr

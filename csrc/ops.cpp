@@ -19,17 +19,17 @@ TORCH_LIBRARY(rlvr_kernels_C, m) {
       "int[] iparams, bool need_entropy_grad) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("policy_loss_grad(Tensor coef, Tensor up, ScalarType dtype) -> Tensor");
   m.def(
-      "linear_logprobs_fwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor inv_temperature, Tensor row_ptr, "
-      "Tensor sorted_targets, bool need_entropy) -> (Tensor, Tensor)");
+      "linear_logprobs_stats(Tensor hidden, Tensor weight, Tensor? bias, Tensor inv_temperature, Tensor row_ptr, "
+      "Tensor sorted_targets, float[] fparams, int[] iparams) -> (Tensor, Tensor)");
   m.def(
       "linear_logprobs_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor inv_temperature, Tensor row_ptr, "
-      "Tensor sorted_targets, Tensor sorted_grad, Tensor lse, Tensor entropy, Tensor? grad_entropy, bool need_hidden, "
-      "bool need_weight, bool need_bias) -> (Tensor, Tensor, Tensor)");
+      "Tensor sorted_targets, Tensor sorted_grad, Tensor lse, Tensor entropy, Tensor? grad_entropy, float[] fparams, "
+      "int[] iparams) -> (Tensor, Tensor, Tensor)");
   m.def(
-      "logits_logprobs_fwd(Tensor logits, Tensor targets, Tensor inv_temperature, bool need_entropy) -> (Tensor, "
-      "Tensor)");
+      "logprobs_from_logits_stats(Tensor logits, Tensor targets, Tensor inv_temperature, float[] fparams, "
+      "int[] iparams) -> (Tensor, Tensor)");
   m.def(
-      "logits_logprobs_bwd(Tensor logits, Tensor targets, Tensor inv_temperature, Tensor grad_logp, Tensor lse, "
+      "logprobs_from_logits_bwd(Tensor logits, Tensor targets, Tensor inv_temperature, Tensor grad_logp, Tensor lse, "
       "Tensor entropy, Tensor? grad_entropy) -> Tensor");
   m.def("cpu_cache_stats() -> int[]", &rlvr::cpu_cache_stats);
   m.def("empty_cpu_cache() -> ()", &rlvr::empty_cpu_cache);
@@ -39,10 +39,10 @@ TORCH_LIBRARY_IMPL(rlvr_kernels_C, CPU, m) {
   m.impl("group_advantages", &rlvr::group_advantages_cpu);
   m.impl("policy_loss_fwd", &rlvr::policy_loss_fwd_cpu);
   m.impl("policy_loss_grad", &rlvr::policy_loss_grad_cpu);
-  m.impl("linear_logprobs_fwd", &rlvr::linear_logprobs_fwd_cpu);
+  m.impl("linear_logprobs_stats", &rlvr::linear_logprobs_stats_cpu);
   m.impl("linear_logprobs_bwd", &rlvr::linear_logprobs_bwd_cpu);
-  m.impl("logits_logprobs_fwd", &rlvr::logits_logprobs_fwd_cpu);
-  m.impl("logits_logprobs_bwd", &rlvr::logits_logprobs_bwd_cpu);
+  m.impl("logprobs_from_logits_stats", &rlvr::logprobs_from_logits_stats_cpu);
+  m.impl("logprobs_from_logits_bwd", &rlvr::logprobs_from_logits_bwd_cpu);
 }
 
 // Importable as a Python module; the ops above register when the library loads.

@@ -5,12 +5,19 @@ See :mod:`rlvr_kernels.contracts._base` for how the lists are packed."""
 from ._base import KernelParams, sanitized_offsets
 from .advantages import CPP_CODES as _ADVANTAGES_CODES
 from .advantages import Baseline, GroupAdvantagesParams, Scale, Whiten
+from .logprobs import CPP_CODES as _LOGPROBS_CODES
+from .logprobs import LinearLogprobsBwdParams, LogprobsStat, LogprobsStatsParams
 from .policy_loss import CPP_CODES as _POLICY_LOSS_CODES
+from .policy_loss import PolicyLossParams
 
-__all__ = ["KernelParams", "sanitized_offsets", "Baseline", "GroupAdvantagesParams", "Scale", "Whiten"]
+__all__ = ["KernelParams", "sanitized_offsets"]
+__all__ += ["Baseline", "GroupAdvantagesParams", "Scale", "Whiten"]
+__all__ += ["LinearLogprobsBwdParams", "LogprobsStatsParams", "LogprobsStat"]
+__all__ += ["PolicyLossParams"]
 
 # Branch-code enums and the C++ X-macro list each one mirrors ("RLVR_<NAME>_CODES"); the
 # contract test compares names and values. Each op's contract module adds its own.
 CPP_CODES: dict = {}
 CPP_CODES.update(_ADVANTAGES_CODES)
+CPP_CODES.update(_LOGPROBS_CODES)
 CPP_CODES.update(_POLICY_LOSS_CODES)

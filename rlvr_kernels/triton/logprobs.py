@@ -1,7 +1,10 @@
 """``linear_logprobs`` and ``logprobs_from_logits`` in Triton (SPEC §3): the CUDA backend of
 ``rlvr_kernels.ops.logprobs``, whose module docstring is the kernel contract (z, the
-per-row statistics, the CSR of targets, dz). The exact math is
-``rlvr_kernels.reference.logprobs``.
+per-row statistics, the CSR of targets, dz); the scalar parameters and the stats columns
+are ``rlvr_kernels.contracts.logprobs``. The exact math is ``rlvr_kernels.reference.logprobs``.
+The launchers (``linear_logprobs_stats``, ``linear_logprobs_bwd``,
+``logprobs_from_logits_stats``, ``logprobs_from_logits_bwd``) carry the names and take the
+arguments of the C++ kernels (``csrc/ops.cpp``), parameter lists included.
 
 Design:
 - Linear forward (``_linear_fwd_kernel``): one program per block of ``BLOCK_N`` rows. It
@@ -26,7 +29,8 @@ Design:
   recomputes z, forms dz, adds dzᵀ·hidden[block] into its own rows of grad_weight and
   Σ_rows dz into grad_bias, in registers). The [rows, H] / [vocab, H] accumulators do not
   fit in registers, so each program read-modify-writes its own rows of a compute-dtype
-  buffer in ``BLOCK_HG`` chunks (the first pass writes, a CTA barrier after each pass);
+  buffer in ``BLOCK_HG`` chunks (``_rmw_product``: the first pass writes, a CTA barrier
+  after each pass);
   for 16-bit inputs that buffer is an fp32 scratch cast to the input dtype at the end
   (transient memory: 4 bytes × (N + V) × H). dz is rounded to the operand dtype
   (bf16/fp16) for the tensor-core dot, as a cuBLAS backward on bf16 logits would be.
@@ -41,7 +45,7 @@ Design:
   ``BLOCK`` tiles with the online statistics (one exp per element: the tile's max is
   reduced first); the target logit is one masked load, index clamped into [0, V).
   Backward (``_logits_bwd_kernel``): a (row, tile) grid writing grad_logits once. Any row
-  stride (stride(1) == 1).
+  stride (stride(1) == 1), 0 included (an expanded view: rows are only read).
 Numerics: compute dtype fp64 for fp64 inputs, else fp32; every load and store is masked,
 offsets are int64 (column ids in the tile's layout are int32: int64 ones cost ~64
 registers there), CSR ranges are clamped into [0, M], no host syncs (the loop bounds
@@ -57,11 +61,12 @@ GPU run.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import triton
 import triton.language as tl
+
+from ..contracts.logprobs import NUM_STATS, LinearLogprobsBwdParams, LogprobsStat, LogprobsStatsParams
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -69,6 +74,13 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # reference); "tf32x3" / "bf16x6" would run on tensor cores at near-fp32 accuracy.
 _FP32_PRECISION = tl.constexpr("ieee")
 _NEG_INF = tl.constexpr(float("-inf"))
+# The stats output [N, _NUM_STATS] and its columns (contracts.logprobs.LogprobsStat).
+_NUM_STATS = tl.constexpr(NUM_STATS)
+_STAT_MAX = tl.constexpr(int(LogprobsStat.MAX))
+_STAT_SUM_EXP = tl.constexpr(int(LogprobsStat.SUM_EXP))
+_STAT_SUM_EXP_SHIFT = tl.constexpr(int(LogprobsStat.SUM_EXP_SHIFT))
+# Smallest logits tile (a power of two): tl.arange needs at least 16 lanes.
+_MIN_LOGITS_BLOCK = 16
 
 # Untuned defaults (no GPU yet), per kernel family, operand width and (for sm_90) arch.
 # The tiles depend on the dtype and the device only, never on N, so a row's result does
@@ -279,6 +291,41 @@ def _dz_tile(
     return tl.where(row_ok[:, None] & col_ok[None, :], dz, 0.0)
 
 
+@triton.jit
+def _rmw_product(
+    a,
+    b_ptr,
+    b_rows,
+    b_row_ok,
+    o_ptr,
+    o_rows,
+    o_row_ok,
+    pos,
+    H,
+    OP: tl.constexpr,
+    BLOCK_HG: tl.constexpr,
+):
+    """o[o_rows] (+)= a · b[b_rows] over the H columns of the row-major [*, H] matrices b and
+    o (compute dtype), with a [len(o_rows), len(b_rows)] in registers (operand dtype OP). The
+    [rows, H] accumulator does not fit in registers, so it is read, added to and written back
+    in BLOCK_HG-column chunks; the program's first pass (``pos`` == 0: its first vocabulary
+    tile or row block) writes without reading. A CTA barrier at the end: this pass's stores
+    are visible to the whole CTA before the next pass reads them."""
+    hl = tl.arange(0, BLOCK_HG)
+    not_first = (tl.zeros([BLOCK_HG], tl.int32) + pos) > 0
+    b_ptrs = b_ptr + b_rows[:, None] * H + hl[None, :]
+    o_ptrs = o_ptr + o_rows[:, None] * H + hl[None, :]
+    for h0 in range(0, H, BLOCK_HG):
+        h_ok = hl < H - h0
+        b = tl.load(b_ptrs, mask=b_row_ok[:, None] & h_ok[None, :], other=0.0)
+        o_mask = o_row_ok[:, None] & h_ok[None, :]
+        prev = tl.load(o_ptrs, mask=o_mask & not_first[None, :], other=0.0)
+        tl.store(o_ptrs, _mma(a, b, prev, OP), mask=o_mask)
+        b_ptrs += BLOCK_HG
+        o_ptrs += BLOCK_HG
+    tl.debug_barrier()
+
+
 # ---------------------------------------------------------------------------------------
 # linear_logprobs
 
@@ -291,7 +338,7 @@ def _linear_fwd_kernel(
     invt_ptr,  # [N] inverse temperature, compute dtype
     rowptr_ptr,  # [N + 1] int64 CSR of the targets
     tgt_ptr,  # [M] int64 local vocabulary ids (compared only)
-    stats_ptr,  # [N, 3] compute dtype output: max z, Σexp(z − max), Σexp(z − max)·(z − max)
+    stats_ptr,  # [N, _NUM_STATS] compute dtype output: max z, Σexp(z − max), Σexp(z − max)·(z − max)
     tlog_ptr,  # [M] compute dtype output, zeroed by the launcher: z of each matching target
     N,
     V,
@@ -341,9 +388,9 @@ def _linear_fwd_kernel(
             t = alpha * (t + shift * s) + tl.sum(e * d, 1)
         s = alpha * s + tl.sum(e, 1)
         m = m_new
-    tl.store(stats_ptr + rows * 3, m, mask=row_ok)
-    tl.store(stats_ptr + rows * 3 + 1, s, mask=row_ok)
-    tl.store(stats_ptr + rows * 3 + 2, t, mask=row_ok)
+    tl.store(stats_ptr + rows * _NUM_STATS + _STAT_MAX, m, mask=row_ok)
+    tl.store(stats_ptr + rows * _NUM_STATS + _STAT_SUM_EXP, s, mask=row_ok)
+    tl.store(stats_ptr + rows * _NUM_STATS + _STAT_SUM_EXP_SHIFT, t, mask=row_ok)
 
 
 @triton.jit
@@ -382,7 +429,6 @@ def _linear_bwd_hidden_kernel(
         g_ptr, lse_ptr, ent_ptr, gent_ptr, rows, row_ok, beg, cnt, kmax, HAS_GENT, CDT, BLOCK_N
     )
     vl = tl.arange(0, BLOCK_V)
-    hl = tl.arange(0, BLOCK_HG)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + vl.to(tl.int64)  # addresses only; the tile compares int32 local ids
         col_ok = vl < V - v0
@@ -393,18 +439,7 @@ def _linear_bwd_hidden_kernel(
             z, tgt_ptr, g_ptr, beg, cnt, kmax, vl, v0, V, inv_t, lse, ent, hg, G, row_ok, col_ok, HAS_GENT, CDT, BLOCK_V
         ).to(OP)
         # grad_hidden[rows] (+)= dz · W[cols]: the first tile writes, later ones add.
-        not_first = (tl.zeros([BLOCK_HG], tl.int32) + v0) > 0
-        w_ptrs = w_ptr + cols[:, None] * H + hl[None, :]  # [BLOCK_V, BLOCK_HG]
-        o_ptrs = gh_ptr + rows[:, None] * H + hl[None, :]  # [BLOCK_N, BLOCK_HG]
-        for h0 in range(0, H, BLOCK_HG):
-            h_ok = hl < H - h0
-            w = tl.load(w_ptrs, mask=col_ok[:, None] & h_ok[None, :], other=0.0)
-            o_mask = row_ok[:, None] & h_ok[None, :]
-            prev = tl.load(o_ptrs, mask=o_mask & not_first[None, :], other=0.0)
-            tl.store(o_ptrs, _mma(dz, w, prev, OP), mask=o_mask)
-            w_ptrs += BLOCK_HG
-            o_ptrs += BLOCK_HG
-        tl.debug_barrier()  # this pass's stores are visible to the whole CTA before the next reads
+        _rmw_product(dz, w_ptr, cols, col_ok, gh_ptr, rows, row_ok, v0, H, OP, BLOCK_HG)
 
 
 @triton.jit
@@ -441,7 +476,6 @@ def _linear_bwd_weight_kernel(
     cols = v0 + vl.to(tl.int64)  # addresses only; the tile compares int32 local ids
     col_ok = vl < V - v0
     nl = tl.arange(0, BLOCK_N).to(tl.int64)
-    hl = tl.arange(0, BLOCK_HG)
     gb = tl.zeros([BLOCK_V], CDT)
     for n0 in range(0, N, BLOCK_N):
         rows = n0 + nl
@@ -463,18 +497,7 @@ def _linear_bwd_weight_kernel(
         if NEED_W:
             # grad_weight[cols] (+)= dzᵀ · hidden[rows]: the first row block writes.
             dzt = tl.trans(dz.to(OP))  # [BLOCK_V, BLOCK_N]
-            not_first = (tl.zeros([BLOCK_HG], tl.int32) + n0) > 0
-            x_ptrs = x_ptr + rows[:, None] * H + hl[None, :]  # [BLOCK_N, BLOCK_HG]
-            o_ptrs = gw_ptr + cols[:, None] * H + hl[None, :]  # [BLOCK_V, BLOCK_HG]
-            for h0 in range(0, H, BLOCK_HG):
-                h_ok = hl < H - h0
-                x = tl.load(x_ptrs, mask=row_ok[:, None] & h_ok[None, :], other=0.0)
-                o_mask = col_ok[:, None] & h_ok[None, :]
-                prev = tl.load(o_ptrs, mask=o_mask & not_first[None, :], other=0.0)
-                tl.store(o_ptrs, _mma(dzt, x, prev, OP), mask=o_mask)
-                x_ptrs += BLOCK_HG
-                o_ptrs += BLOCK_HG
-            tl.debug_barrier()  # this pass's stores are visible to the whole CTA before the next reads
+            _rmw_product(dzt, x_ptr, rows, row_ok, gw_ptr, cols, col_ok, n0, H, OP, BLOCK_HG)
     if NEED_B:
         tl.store(gb_ptr + cols, gb.to(gb_ptr.dtype.element_ty), mask=col_ok)
 
@@ -485,10 +508,10 @@ def _linear_bwd_weight_kernel(
 
 @triton.jit
 def _logits_fwd_kernel(
-    l_ptr,  # [N, V] logits, any float dtype, row stride `stride`, unit column stride
+    l_ptr,  # [N, V] logits, any float dtype, row stride `stride` (may be 0), unit column stride
     tgt_ptr,  # [N] int64 local vocabulary ids (an address only when in [0, V))
     invt_ptr,  # [N] compute dtype
-    stats_ptr,  # [N, 3] compute dtype output: max z, Σexp(z − max), Σexp(z − max)·(z − max)
+    stats_ptr,  # [N, _NUM_STATS] compute dtype output: max z, Σexp(z − max), Σexp(z − max)·(z − max)
     tlog_ptr,  # [N] compute dtype output: z of the target, 0 when it is outside [0, V)
     V,
     stride,
@@ -521,14 +544,14 @@ def _logits_fwd_kernel(
     t_ok = (tg >= 0) & (tg < V)
     zt = tl.load(base + tl.where(t_ok, tg, 0), mask=t_ok, other=0.0).to(CDT) * inv_t
     tl.store(tlog_ptr + n, tl.where(t_ok, zt, 0.0))
-    tl.store(stats_ptr + n * 3, m)
-    tl.store(stats_ptr + n * 3 + 1, s)
-    tl.store(stats_ptr + n * 3 + 2, t)
+    tl.store(stats_ptr + n * _NUM_STATS + _STAT_MAX, m)
+    tl.store(stats_ptr + n * _NUM_STATS + _STAT_SUM_EXP, s)
+    tl.store(stats_ptr + n * _NUM_STATS + _STAT_SUM_EXP_SHIFT, t)
 
 
 @triton.jit
 def _logits_bwd_kernel(
-    l_ptr,  # [N, V] logits, row stride `stride`, unit column stride
+    l_ptr,  # [N, V] logits, row stride `stride` (may be 0), unit column stride
     tgt_ptr,  # [N] int64 local vocabulary ids (compared only)
     invt_ptr,
     g_ptr,
@@ -562,17 +585,18 @@ def _logits_bwd_kernel(
 
 
 # ---------------------------------------------------------------------------------------
-# launchers (contract: rlvr_kernels/ops/logprobs.py)
+# launchers (contract: rlvr_kernels/ops/logprobs.py; parameters: rlvr_kernels/contracts/logprobs.py)
 
 
-def linear_logprobs_fwd(hidden, weight, bias, inv_temperature, row_ptr, sorted_targets, need_entropy):
-    """-> (stats [N, 3], target_logits [M]), compute dtype."""
+def linear_logprobs_stats(hidden, weight, bias, inv_temperature, row_ptr, sorted_targets, fparams, iparams):
+    """-> (stats [N, NUM_STATS], target_logits [M]), compute dtype."""
+    p = LogprobsStatsParams.unpack(fparams, iparams)
     N, H = hidden.shape
     V = weight.shape[0]
     M = sorted_targets.shape[0]
     cdt, CDT = compute_dtype(hidden.dtype)
     dev = hidden.device
-    stats = torch.empty((N, 3), dtype=cdt, device=dev)
+    stats = torch.empty((N, NUM_STATS), dtype=cdt, device=dev)
     target_logits = torch.zeros(M, dtype=cdt, device=dev)
     if N == 0:
         return stats, target_logits
@@ -592,7 +616,7 @@ def linear_logprobs_fwd(hidden, weight, bias, inv_temperature, row_ptr, sorted_t
         H,
         M,
         HAS_BIAS=bias is not None,
-        NEED_ENTROPY=bool(need_entropy),
+        NEED_ENTROPY=p.need_entropy,
         CDT=CDT,
         OP=operand_dtype(hidden.dtype),
         **cfg,
@@ -611,18 +635,19 @@ def linear_logprobs_bwd(
     lse,
     entropy,
     grad_entropy,
-    need_hidden,
-    need_weight,
-    need_bias,
+    fparams,
+    iparams,
 ):
     """-> (grad_hidden [N, H], grad_weight [V, H], grad_bias [V]) in the inputs' dtypes; an
     output not needed is an empty [0] tensor."""
+    p = LinearLogprobsBwdParams.unpack(fparams, iparams)
     N, H = hidden.shape
     V = weight.shape[0]
     M = sorted_targets.shape[0]
     cdt, CDT = compute_dtype(hidden.dtype)
     dev = hidden.device
-    need_bias = bool(need_bias) and bias is not None
+    need_hidden, need_weight = p.need_hidden, p.need_weight
+    need_bias = p.need_bias and bias is not None
     empty = torch.empty(0, dtype=hidden.dtype, device=dev)
     cfg = config("linear_bwd", hidden.dtype, device_arch(dev))
     common = dict(
@@ -665,7 +690,7 @@ def linear_logprobs_bwd(
                 V,
                 H,
                 M,
-                NEED_W=bool(need_weight) and H > 0,
+                NEED_W=need_weight and H > 0,
                 NEED_B=need_bias,
                 **common,
             )
@@ -676,16 +701,22 @@ def linear_logprobs_bwd(
     return grad_hidden, grad_weight, grad_bias
 
 
-def logits_logprobs_fwd(logits, targets, inv_temperature, need_entropy):
-    """-> (stats [N, 3], target_logits [N]), compute dtype."""
+def _logits_block(kind: str, dtype: torch.dtype, device: torch.device, V: int) -> dict:
+    """The launch configuration of a logits kernel, its tile shrunk to the vocabulary."""
+    cfg = config(kind, dtype, device_arch(device))
+    cfg["BLOCK"] = min(cfg["BLOCK"], max(_MIN_LOGITS_BLOCK, triton.next_power_of_2(V)))
+    return cfg
+
+
+def logprobs_from_logits_stats(logits, targets, inv_temperature, fparams, iparams):
+    """-> (stats [N, NUM_STATS], target_logits [N]), compute dtype. Any row stride (0 too)."""
+    p = LogprobsStatsParams.unpack(fparams, iparams)
     N, V = logits.shape
     cdt, CDT = compute_dtype(logits.dtype)
-    stats = torch.empty((N, 3), dtype=cdt, device=logits.device)
+    stats = torch.empty((N, NUM_STATS), dtype=cdt, device=logits.device)
     target_logits = torch.empty(N, dtype=cdt, device=logits.device)
     if N == 0:
         return stats, target_logits
-    cfg = config("logits_fwd", logits.dtype, device_arch(logits.device))
-    cfg["BLOCK"] = min(cfg["BLOCK"], max(16, triton.next_power_of_2(V)))
     _logits_fwd_kernel[(N,)](
         logits,
         targets,
@@ -694,22 +725,21 @@ def logits_logprobs_fwd(logits, targets, inv_temperature, need_entropy):
         target_logits,
         V,
         logits.stride(0),
-        NEED_ENTROPY=bool(need_entropy),
+        NEED_ENTROPY=p.need_entropy,
         CDT=CDT,
-        **cfg,
+        **_logits_block("logits_fwd", logits.dtype, logits.device, V),
     )
     return stats, target_logits
 
 
-def logits_logprobs_bwd(logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy):
-    """-> grad_logits [N, V], logits' dtype, contiguous."""
+def logprobs_from_logits_bwd(logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy):
+    """-> grad_logits [N, V], logits' dtype, contiguous (whatever the logits' row stride)."""
     N, V = logits.shape
     _, CDT = compute_dtype(logits.dtype)
     out = torch.empty((N, V), dtype=logits.dtype, device=logits.device)
     if N == 0:
         return out
-    cfg = config("logits_bwd", logits.dtype, device_arch(logits.device))
-    cfg["BLOCK"] = min(cfg["BLOCK"], max(16, triton.next_power_of_2(V)))
+    cfg = _logits_block("logits_bwd", logits.dtype, logits.device, V)
     grid = (N, triton.cdiv(V, cfg["BLOCK"]))
     _logits_bwd_kernel[grid](
         logits,
@@ -729,109 +759,117 @@ def logits_logprobs_bwd(logits, targets, inv_temperature, grad_logp, lse, entrop
     return out
 
 
-def aot_specs():
-    """The logprobs kernels at each arch's launch configuration (triton/logprobs.py
-    ``config``: sm_90 has its own 16-bit forward tile): bf16 (tensor cores: HGMMA on sm_90,
-    HMMA on sm_80), fp32 (IEEE FMA dot) and fp64 (DMMA), with / without bias, entropy and
-    its gradient. H and the row strides carry the ``:16`` hint, as for real model sizes
-    (another H runs unvectorised tile loads: correct, slower, not checked here)."""
-    import torch
-    import triton.language as tl
+# ---------------------------------------------------------------------------------------
+# ahead-of-time compile specs (python -m rlvr_kernels.triton.aot)
 
+_AOT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+_AOT_I64 = "*i64:16"
+
+
+def _aot_setup(kind, dt, arch):
+    """(input pointer type, compute-dtype pointer type, constexprs, options) of a kernel family
+    at its launch configuration for ``arch``."""
+    cfg = config(kind, _AOT_DTYPES[dt], arch)
+    opts = {n: cfg.pop(n) for n in ("num_warps", "num_stages", "enable_fp_fusion") if n in cfg}
+    opts["archs"] = (arch,)
+    _, cdt = compute_dtype(_AOT_DTYPES[dt])
+    c = "*fp64:16" if cdt is tl.float64 else "*fp32:16"
+    const = dict(CDT=cdt, **cfg)
+    if kind.startswith("linear"):
+        const["OP"] = operand_dtype(_AOT_DTYPES[dt], interpret=False)
+    return f"*{dt}:16", c, const, opts
+
+
+def _aot_linear_fwd(dt, bias, entropy, arch):
+    inp, c, const, opts = _aot_setup("linear_fwd", dt, arch)
+    sig = dict(
+        x_ptr=inp,
+        w_ptr=inp,
+        b_ptr=inp,
+        invt_ptr=c,
+        rowptr_ptr=_AOT_I64,
+        tgt_ptr=_AOT_I64,
+        stats_ptr=c,
+        tlog_ptr=c,
+        N="i32",
+        V="i32",
+        H="i32:16",
+        M="i32",
+    )
+    const.update(HAS_BIAS=bias, NEED_ENTROPY=entropy)
+    name = f"_linear_fwd_kernel[{dt},bias={int(bias)},entropy={int(entropy)}]"
+    return name, _linear_fwd_kernel, sig, const, opts
+
+
+def _aot_linear_bwd(which, dt, bias, gent, arch, need_w=True, need_b=True):
+    inp, c, const, opts = _aot_setup("linear_bwd", dt, arch)
+    sig = dict(
+        x_ptr=inp,
+        w_ptr=inp,
+        b_ptr=inp,
+        invt_ptr=c,
+        rowptr_ptr=_AOT_I64,
+        tgt_ptr=_AOT_I64,
+        g_ptr=c,
+        lse_ptr=c,
+        ent_ptr=c,
+        gent_ptr=c,
+    )
+    const.update(HAS_BIAS=bias, HAS_GENT=gent)
+    if which == "hidden":
+        sig["gh_ptr"] = c
+        kernel, extra = _linear_bwd_hidden_kernel, ""
+    else:
+        sig.update(gw_ptr=c, gb_ptr=inp)
+        const.update(NEED_W=need_w, NEED_B=need_b and bias)
+        kernel, extra = _linear_bwd_weight_kernel, f",need_w={int(need_w)},need_b={int(need_b and bias)}"
+    sig.update(N="i32", V="i32", H="i32:16", M="i32")
+    name = f"{kernel.__name__}[{dt},bias={int(bias)},grad_entropy={int(gent)}{extra}]"
+    return name, kernel, sig, const, opts
+
+
+def _aot_logits(dt, flag, arch):
+    """The logits forward (entropy = flag) and backward (grad_entropy = flag)."""
+    inp, c, const, opts = _aot_setup("logits_fwd", dt, arch)
+    sig = dict(l_ptr=inp, tgt_ptr=_AOT_I64, invt_ptr=c, stats_ptr=c, tlog_ptr=c, V="i32", stride="i32:16")
+    const["NEED_ENTROPY"] = flag
+    yield f"_logits_fwd_kernel[{dt},entropy={int(flag)}]", _logits_fwd_kernel, sig, const, opts
+    inp, c, const, opts = _aot_setup("logits_bwd", dt, arch)
+    sig = dict(
+        l_ptr=inp,
+        tgt_ptr=_AOT_I64,
+        invt_ptr=c,
+        g_ptr=c,
+        lse_ptr=c,
+        ent_ptr=c,
+        gent_ptr=c,
+        out_ptr=inp,
+        V="i32:16",
+        stride="i32:16",
+    )
+    const["HAS_GENT"] = flag
+    yield f"_logits_bwd_kernel[{dt},grad_entropy={int(flag)}]", _logits_bwd_kernel, sig, const, opts
+
+
+def aot_specs():
+    """The logprobs kernels at each arch's launch configuration (``config``: sm_90 has its own
+    16-bit forward tile): bf16 (tensor cores: HGMMA on sm_90, HMMA on sm_80), fp32 (IEEE FMA
+    dot) and fp64 (DMMA), with / without bias, entropy and its gradient. H and the row
+    strides carry the ``:16`` hint, as for real model sizes (another H runs unvectorised tile
+    loads: correct, slower, not checked here)."""
     from .aot import ARCHS
 
-    k = sys.modules[__name__]
-
-    pi64 = "*i64:16"
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
-
-    def setup(kind, dt, arch):
-        cfg = k.config(kind, dtypes[dt], arch)
-        opts = {n: cfg.pop(n) for n in ("num_warps", "num_stages", "enable_fp_fusion") if n in cfg}
-        opts["archs"] = (arch,)
-        _, cdt = k.compute_dtype(dtypes[dt])
-        c = "*fp64:16" if cdt is tl.float64 else "*fp32:16"
-        const = dict(CDT=cdt, **cfg)
-        if kind.startswith("linear"):
-            const["OP"] = k.operand_dtype(dtypes[dt], interpret=False)
-        return f"*{dt}:16", c, const, opts
-
-    def linear_fwd(dt, bias, entropy, arch):
-        inp, c, const, opts = setup("linear_fwd", dt, arch)
-        sig = dict(
-            x_ptr=inp,
-            w_ptr=inp,
-            b_ptr=inp,
-            invt_ptr=c,
-            rowptr_ptr=pi64,
-            tgt_ptr=pi64,
-            stats_ptr=c,
-            tlog_ptr=c,
-            N="i32",
-            V="i32",
-            H="i32:16",
-            M="i32",
-        )
-        const.update(HAS_BIAS=bias, NEED_ENTROPY=entropy)
-        name = f"_linear_fwd_kernel[{dt},bias={int(bias)},entropy={int(entropy)}]"
-        return name, k._linear_fwd_kernel, sig, const, opts
-
-    def linear_bwd(which, dt, bias, gent, arch, need_w=True, need_b=True):
-        inp, c, const, opts = setup("linear_bwd", dt, arch)
-        sig = dict(
-            x_ptr=inp,
-            w_ptr=inp,
-            b_ptr=inp,
-            invt_ptr=c,
-            rowptr_ptr=pi64,
-            tgt_ptr=pi64,
-            g_ptr=c,
-            lse_ptr=c,
-            ent_ptr=c,
-            gent_ptr=c,
-        )
-        const.update(HAS_BIAS=bias, HAS_GENT=gent)
-        if which == "hidden":
-            sig["gh_ptr"] = c
-            kernel, extra = k._linear_bwd_hidden_kernel, ""
-        else:
-            sig.update(gw_ptr=c, gb_ptr=inp)
-            const.update(NEED_W=need_w, NEED_B=need_b and bias)
-            kernel, extra = k._linear_bwd_weight_kernel, f",need_w={int(need_w)},need_b={int(need_b and bias)}"
-        sig.update(N="i32", V="i32", H="i32:16", M="i32")
-        name = f"{kernel.__name__}[{dt},bias={int(bias)},grad_entropy={int(gent)}{extra}]"
-        return name, kernel, sig, const, opts
-
     for arch in ARCHS:
-        yield linear_fwd("bf16", True, True, arch)
-        yield linear_fwd("bf16", False, False, arch)
-        yield linear_fwd("fp32", True, True, arch)
-        yield linear_fwd("fp64", True, True, arch)
-        yield linear_bwd("hidden", "bf16", True, True, arch)
-        yield linear_bwd("hidden", "fp32", True, True, arch)
-        yield linear_bwd("hidden", "fp64", True, True, arch)
-        yield linear_bwd("weight", "bf16", True, True, arch)
-        yield linear_bwd("weight", "bf16", False, False, arch)
-        yield linear_bwd("weight", "fp32", True, True, arch)
-        yield linear_bwd("weight", "fp64", True, True, arch)
-
+        yield _aot_linear_fwd("bf16", True, True, arch)
+        yield _aot_linear_fwd("bf16", False, False, arch)
+        yield _aot_linear_fwd("fp32", True, True, arch)
+        yield _aot_linear_fwd("fp64", True, True, arch)
+        yield _aot_linear_bwd("hidden", "bf16", True, True, arch)
+        yield _aot_linear_bwd("hidden", "fp32", True, True, arch)
+        yield _aot_linear_bwd("hidden", "fp64", True, True, arch)
+        yield _aot_linear_bwd("weight", "bf16", True, True, arch)
+        yield _aot_linear_bwd("weight", "bf16", False, False, arch)
+        yield _aot_linear_bwd("weight", "fp32", True, True, arch)
+        yield _aot_linear_bwd("weight", "fp64", True, True, arch)
         for dt, flag in (("bf16", True), ("fp32", False), ("fp64", True)):
-            inp, c, const, opts = setup("logits_fwd", dt, arch)
-            sig = dict(l_ptr=inp, tgt_ptr=pi64, invt_ptr=c, stats_ptr=c, tlog_ptr=c, V="i32", stride="i32:16")
-            const["NEED_ENTROPY"] = flag
-            yield f"_logits_fwd_kernel[{dt},entropy={int(flag)}]", k._logits_fwd_kernel, sig, const, opts
-            inp, c, const, opts = setup("logits_bwd", dt, arch)
-            sig = dict(
-                l_ptr=inp,
-                tgt_ptr=pi64,
-                invt_ptr=c,
-                g_ptr=c,
-                lse_ptr=c,
-                ent_ptr=c,
-                gent_ptr=c,
-                out_ptr=inp,
-                V="i32:16",
-                stride="i32:16",
-            )
-            const["HAS_GENT"] = flag
-            yield f"_logits_bwd_kernel[{dt},grad_entropy={int(flag)}]", k._logits_bwd_kernel, sig, const, opts
+            yield from _aot_logits(dt, flag, arch)

@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 import torch
-from _backends import FAST, INTERPRETED
+from _backends import ALL, FAST, INTERPRETED
 
 import rlvr_kernels as rk
 from rlvr_kernels.testing import (
@@ -222,3 +222,37 @@ def test_empty_and_all_ignored(backend, device):
     assert bool((logp == 0).all())
     logp.sum().backward()
     assert bool((w.grad == 0).all())
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+@pytest.mark.parametrize("entropy", [False, True])
+def test_from_logits_expanded_logits(backend, device, entropy):
+    """Expanded (stride-0) logits are accepted and give the numbers of the same logits
+    materialised; the gradient reaches the unexpanded tensor summed over the expanded
+    dimension. [N, V] rows of stride 0 are read in place; ``x[:, None].expand(N, K, V)`` with
+    [N, K] targets (TRL's multi-index ``selective_log_softmax``) too."""
+    gen = torch.Generator().manual_seed(21)
+    N, K, V = 5, 3, 37
+    base = (3 * torch.randn(N, V, generator=gen)).to(device)
+    cases = [
+        (lambda x: x[:1].expand(N, V), torch.randint(0, V, (N,), generator=gen)),
+        (lambda x: x[:, None, :].expand(N, K, V), torch.randint(0, V, (N, K), generator=gen)),
+        (lambda x: x[None].expand(2, N, V), torch.randint(0, V, (2, N), generator=gen)),
+    ]
+    for expand, targets in cases:
+        targets = targets.to(device)
+        targets.view(-1)[1] = -100
+        up = torch.randn(targets.shape, generator=gen, dtype=torch.float64).to(device)
+
+        def run(materialise):
+            leaf = base.clone().requires_grad_(True)
+            logits = expand(leaf)
+            if materialise:
+                logits = logits.contiguous()
+            out = rk.logprobs_from_logits(logits, targets, 0.8, entropy, backend=backend)
+            logp, ent = out if entropy else (out, torch.zeros_like(out))
+            ((logp * up.to(logp)).sum() + (ent * up.flip(-1).to(ent)).sum()).backward()
+            return logp.detach(), ent.detach(), leaf.grad
+
+        for a, b in zip(run(False), run(True)):
+            assert torch.equal(a, b)

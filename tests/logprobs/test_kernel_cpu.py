@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from rlvr_kernels.contracts.logprobs import LinearLogprobsBwdParams, LogprobsStatsParams
 from rlvr_kernels.ops._dispatch import load_extension
 
 pytestmark = pytest.mark.cpu_kernel
@@ -118,7 +119,20 @@ def make_linear(N, H, V, dtype, bias, gen, shape="normal"):
 
 
 def linear_fwd(hidden, weight, bias, inv_t, row_ptr, targets, need_entropy=True):
-    return K.linear_logprobs_fwd(hidden, weight, bias, inv_t, row_ptr, targets, need_entropy)
+    params = LogprobsStatsParams(need_entropy=need_entropy)
+    return K.linear_logprobs_stats(hidden, weight, bias, inv_t, row_ptr, targets, *params.pack())
+
+
+def linear_bwd(*args, need_hidden=True, need_weight=True, need_bias=True):
+    params = LinearLogprobsBwdParams(need_hidden=need_hidden, need_weight=need_weight, need_bias=need_bias)
+    return K.linear_logprobs_bwd(*args, *params.pack())
+
+
+def logits_fwd(logits, targets, inv_t, need_entropy=True):
+    return K.logprobs_from_logits_stats(logits, targets, inv_t, *LogprobsStatsParams(need_entropy=need_entropy).pack())
+
+
+logits_bwd = K.logprobs_from_logits_bwd
 
 
 def grad_inputs(stats, M, N, ct, gen, grad_entropy=True):
@@ -189,7 +203,21 @@ def test_linear_bwd_matches_fp64(dtype, N, H, V, bias):
     for with_h in (True, False):
         g, lse, ent, h = grad_inputs(stats, targets.numel(), N, ct, gen, with_h)
         dz = ref_dz(z, rows, targets, g, lse, ent, h, inv_t)
-        gh, gw, gb = K.linear_logprobs_bwd(hidden, weight, b, inv_t, row_ptr, targets, g, lse, ent, h, True, True, bias)
+        gh, gw, gb = linear_bwd(
+            hidden,
+            weight,
+            b,
+            inv_t,
+            row_ptr,
+            targets,
+            g,
+            lse,
+            ent,
+            h,
+            need_hidden=True,
+            need_weight=True,
+            need_bias=bias,
+        )
         assert gh.dtype == gw.dtype == dtype and gh.shape == hidden.shape and gw.shape == weight.shape
         assert_close(gh, dz @ weight.double(), GRAD_TOL[dtype], "grad_hidden")
         assert_close(gw, dz.T @ hidden.double(), GRAD_TOL[dtype], "grad_weight")
@@ -212,8 +240,8 @@ def test_linear_bwd_need_flags(flags):
     stats, _ = linear_fwd(hidden, weight, b, inv_t, row_ptr, targets)
     g, lse, ent, h = grad_inputs(stats, 50, N, torch.float32, gen)
     args = (hidden, weight, b, inv_t, row_ptr, targets, g, lse, ent, h)
-    full = K.linear_logprobs_bwd(*args, True, True, True)
-    part = K.linear_logprobs_bwd(*args, *flags)
+    full = linear_bwd(*args)
+    part = linear_bwd(*args, need_hidden=flags[0], need_weight=flags[1], need_bias=flags[2])
     for need, f, p in zip(flags, full, part):
         if need:
             assert torch.equal(f, p)  # the same computation whichever other outputs are asked for
@@ -238,7 +266,7 @@ def test_logits_kernels_match_fp64(dtype, N, V):
     z = logits.double() * inv_t.double()[:, None]
     rows = torch.arange(N)
     for need_entropy in (True, False):
-        stats, tl = K.logits_logprobs_fwd(logits, targets, inv_t, need_entropy)
+        stats, tl = logits_fwd(logits, targets, inv_t, need_entropy)
         assert stats.dtype == tl.dtype == ct
         ref = ref_stats(z, need_entropy)
         torch.testing.assert_close(stats[:, 0].double(), ref[:, 0], rtol=1e-5, atol=1e-5)
@@ -246,7 +274,7 @@ def test_logits_kernels_match_fp64(dtype, N, V):
         assert_close(tl, ref_target_logits(z, rows, targets), STATS_TOL[dtype], "target logits")
     for with_h in (True, False):
         g, lse, ent, h = grad_inputs(stats, N, N, ct, gen, with_h)
-        grad = K.logits_logprobs_bwd(logits, targets, inv_t, g, lse, ent, h)
+        grad = logits_bwd(logits, targets, inv_t, g, lse, ent, h)
         assert grad.dtype == dtype and grad.shape == (N, V) and grad.is_contiguous()
         assert_close(
             grad,
@@ -271,13 +299,27 @@ def test_backward_recomputes_forward_z_exactly(dtype, N):
     assert torch.equal(lse, tl)
     g = torch.randn(N, generator=gen)
     e = torch.zeros(N)
-    _, _, gb = K.linear_logprobs_bwd(hidden, weight, b, inv_t, row_ptr, targets, g, lse, e, None, False, False, True)
+    _, _, gb = linear_bwd(
+        hidden,
+        weight,
+        b,
+        inv_t,
+        row_ptr,
+        targets,
+        g,
+        lse,
+        e,
+        None,
+        need_hidden=False,
+        need_weight=False,
+        need_bias=True,
+    )
     assert gb[t].item() == 0
     logits = (torch.randn(N, V, generator=gen) * 3).to(dtype)
     logits[:, t] = 60
-    stats, tl = K.logits_logprobs_fwd(logits, targets, inv_t, True)
+    stats, tl = logits_fwd(logits, targets, inv_t, True)
     lse = stats[:, 0] + stats[:, 1].log()
-    grad = K.logits_logprobs_bwd(logits, targets, inv_t, g, lse, e, None)
+    grad = logits_bwd(logits, targets, inv_t, g, lse, e, None)
     assert bool((grad[:, t] == 0).all())
 
 
@@ -287,9 +329,9 @@ def all_outputs(hidden, weight, b, inv_t, row_ptr, targets, logits):
     N = hidden.shape[0]
     stats, tl = linear_fwd(hidden, weight, b, inv_t, row_ptr, targets)
     g, lse, ent, h = grad_inputs(stats, targets.numel(), N, torch.float32, gen)
-    grads = K.linear_logprobs_bwd(hidden, weight, b, inv_t, row_ptr, targets, g, lse, ent, h, True, True, True)
-    lstats, ltl = K.logits_logprobs_fwd(logits, targets[:N].contiguous(), inv_t, True)
-    lgrad = K.logits_logprobs_bwd(logits, targets[:N].contiguous(), inv_t, g[:N].contiguous(), lse, ent, h)
+    grads = linear_bwd(hidden, weight, b, inv_t, row_ptr, targets, g, lse, ent, h)
+    lstats, ltl = logits_fwd(logits, targets[:N].contiguous(), inv_t, True)
+    lgrad = logits_bwd(logits, targets[:N].contiguous(), inv_t, g[:N].contiguous(), lse, ent, h)
     return (stats, tl, *grads, lstats, ltl, lgrad)
 
 
@@ -341,8 +383,8 @@ def test_batch_invariance(dtype):
     # The logits kernel, likewise.
     logits = torch.randn(300, V, generator=gen).to(dtype)
     lt = torch.randint(0, V, (300,), generator=gen)
-    ls, ltl = K.logits_logprobs_fwd(logits, lt, inv_t, True)
-    ls1, ltl1 = K.logits_logprobs_fwd(logits[123:124], lt[123:124], inv_t[123:124], True)
+    ls, ltl = logits_fwd(logits, lt, inv_t, True)
+    ls1, ltl1 = logits_fwd(logits[123:124], lt[123:124], inv_t[123:124], True)
     assert torch.equal(ls[123], ls1[0]) and torch.equal(ltl[123], ltl1[0])
 
 
@@ -357,7 +399,7 @@ def test_empty_inputs():
     )
     stats, tl = linear_fwd(hidden, weight, bias, e, row_ptr, targets)
     assert stats.shape == (0, 3) and tl.shape == (0,)
-    gh, gw, gb = K.linear_logprobs_bwd(hidden, weight, bias, e, row_ptr, targets, e, e, e, None, True, True, True)
+    gh, gw, gb = linear_bwd(hidden, weight, bias, e, row_ptr, targets, e, e, e, None)
     assert gh.shape == (0, H) and torch.equal(gw, torch.zeros(V, H)) and torch.equal(gb, torch.zeros(V))
     # M = 0: rows without targets.
     gen = torch.Generator().manual_seed(0)
@@ -367,7 +409,7 @@ def test_empty_inputs():
     assert tl.shape == (0,)
     assert_close(stats, ref_stats(ref_z(hidden, weight, b, inv_t), True), 2e-5, "stats")
     g, lse, ent, h = grad_inputs(stats, 0, 5, f, gen)
-    gh, gw, gb = K.linear_logprobs_bwd(hidden, weight, b, inv_t, row_ptr, targets, g, lse, ent, h, True, True, True)
+    gh, gw, gb = linear_bwd(hidden, weight, b, inv_t, row_ptr, targets, g, lse, ent, h)
     dz = ref_dz(
         ref_z(hidden, weight, b, inv_t),
         csr_rows(row_ptr),
@@ -380,9 +422,9 @@ def test_empty_inputs():
     )
     assert_close(gw, dz.T @ hidden.double(), 2e-5, "grad_weight")
     # Logits with N = 0.
-    stats, tl = K.logits_logprobs_fwd(torch.zeros(0, V), targets, e, True)
+    stats, tl = logits_fwd(torch.zeros(0, V), targets, e, True)
     assert stats.shape == (0, 3) and tl.shape == (0,)
-    assert K.logits_logprobs_bwd(torch.zeros(0, V), targets, e, e, e, e, None).shape == (0, V)
+    assert logits_bwd(torch.zeros(0, V), targets, e, e, e, e, None).shape == (0, V)
 
 
 def test_garbage_row_ptr_and_targets_do_not_crash():
@@ -399,27 +441,191 @@ def test_garbage_row_ptr_and_targets_do_not_crash():
         targets[0], targets[1] = 2**63 - 1, -(2**63)
         stats, tl = linear_fwd(hidden, weight, b, inv_t, row_ptr, targets)
         g, lse, ent, h = grad_inputs(stats, M, N, torch.float32, gen)
-        K.linear_logprobs_bwd(hidden, weight, b, inv_t, row_ptr, targets, g, lse, ent, h, True, True, True)
+        linear_bwd(hidden, weight, b, inv_t, row_ptr, targets, g, lse, ent, h)
     logits = torch.randn(N, V, generator=gen)
     lt = torch.tensor([2**63 - 1, -(2**63), V, -1] * (N // 4))
-    stats, tl = K.logits_logprobs_fwd(logits, lt, inv_t, True)
+    stats, tl = logits_fwd(logits, lt, inv_t, True)
     assert torch.equal(tl, torch.zeros(N))
-    K.logits_logprobs_bwd(logits, lt, inv_t, inv_t, inv_t, inv_t, inv_t)
+    logits_bwd(logits, lt, inv_t, inv_t, inv_t, inv_t, inv_t)
 
 
-def test_shape_and_dtype_checks():
-    h, w, t = torch.randn(3, 4), torch.randn(5, 4), torch.ones(3)
-    rp, tg = torch.zeros(4, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
-    with pytest.raises(RuntimeError, match="weight"):
-        linear_fwd(h, torch.randn(5, 3), None, t, rp, tg)
-    with pytest.raises(RuntimeError, match="row_ptr"):
-        linear_fwd(h, w, None, t, rp[:3], tg)
-    with pytest.raises(RuntimeError, match="inv_temperature"):
-        linear_fwd(h, w, None, t.double(), rp, tg)
-    with pytest.raises(RuntimeError, match="bias"):
-        linear_fwd(h, w, torch.randn(4), t, rp, tg)
-    with pytest.raises(RuntimeError, match="logits"):
-        K.logits_logprobs_fwd(torch.randn(3, 5).T, torch.zeros(5, dtype=torch.int64), torch.ones(5), True)
+# ------------------------------------------------------------------ argument checks
+# Each registered op is reachable directly (and from compiled graphs), so every entry point
+# checks every shape relation it relies on: each case below must raise, never read or write out
+# of bounds (the sanitizer run of this file checks the latter).
+def _good_linear(N=6, H=4, V=9, M=8):
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight, b, inv_t = make_linear(N, H, V, torch.float32, True, gen)
+    row_ptr, targets = make_csr(N, M, V, gen)
+    stats, _ = linear_fwd(hidden, weight, b, inv_t, row_ptr, targets)
+    g, lse, ent, h = grad_inputs(stats, M, N, torch.float32, gen)
+    return dict(
+        hidden=hidden,
+        weight=weight,
+        bias=b,
+        inv_temperature=inv_t,
+        row_ptr=row_ptr,
+        sorted_targets=targets,
+        sorted_grad=g,
+        lse=lse,
+        entropy=ent,
+        grad_entropy=h,
+    )
+
+
+FWD_ARGS = ("hidden", "weight", "bias", "inv_temperature", "row_ptr", "sorted_targets")
+BWD_ARGS = FWD_ARGS + ("sorted_grad", "lse", "entropy", "grad_entropy")
+
+# (argument, replacement given the good arguments, message): a shape or dtype relation broken.
+LINEAR_BAD = [
+    ("hidden", lambda a: a["hidden"][:, :-1].contiguous(), "weight"),
+    ("hidden", lambda a: a["hidden"][None], "hidden"),
+    ("hidden", lambda a: a["hidden"].T.contiguous().T, "hidden must be contiguous"),
+    ("hidden", lambda a: a["hidden"].long(), "hidden must be float"),
+    ("weight", lambda a: a["weight"][:, :-1].contiguous(), "weight"),
+    ("weight", lambda a: a["weight"][:0], "weight must have at least one row"),
+    ("weight", lambda a: a["weight"].double(), "weight must have hidden's dtype"),
+    ("bias", lambda a: a["bias"][:-1], "bias must have shape"),
+    ("bias", lambda a: torch.cat([a["bias"], a["bias"]]), "bias must have shape"),
+    ("bias", lambda a: a["bias"].double(), "bias must be"),
+    ("inv_temperature", lambda a: a["inv_temperature"][:-1], "inv_temperature must have shape"),
+    ("inv_temperature", lambda a: torch.cat([a["inv_temperature"]] * 2), "inv_temperature must have shape"),
+    ("inv_temperature", lambda a: a["inv_temperature"].double(), "inv_temperature must be"),
+    ("inv_temperature", lambda a: a["inv_temperature"][:, None], "inv_temperature must have shape"),
+    ("row_ptr", lambda a: a["row_ptr"][:-1], "row_ptr must have shape"),
+    ("row_ptr", lambda a: torch.cat([a["row_ptr"], a["row_ptr"]]), "row_ptr must have shape"),
+    ("row_ptr", lambda a: a["row_ptr"].int(), "row_ptr must be"),
+    ("sorted_targets", lambda a: a["sorted_targets"][:, None], "sorted_targets must be a 1-D int64"),
+    ("sorted_targets", lambda a: a["sorted_targets"].int(), "sorted_targets must be a 1-D int64"),
+    ("sorted_targets", lambda a: a["sorted_targets"][::2], "sorted_targets must be contiguous"),
+]
+LINEAR_BWD_BAD = [
+    ("sorted_grad", lambda a: a["sorted_grad"][:-1], "sorted_grad must have shape"),
+    ("sorted_grad", lambda a: torch.cat([a["sorted_grad"]] * 2), "sorted_grad must have shape"),
+    ("sorted_grad", lambda a: a["sorted_grad"].double(), "sorted_grad must be"),
+    ("lse", lambda a: a["lse"][:-1], "lse must have shape"),
+    ("lse", lambda a: torch.cat([a["lse"]] * 2), "lse must have shape"),
+    ("entropy", lambda a: a["entropy"][:-1], "entropy must have shape"),
+    ("entropy", lambda a: a["entropy"].double(), "entropy must be"),
+    ("grad_entropy", lambda a: a["grad_entropy"][:-1], "grad_entropy must have shape"),
+    ("grad_entropy", lambda a: torch.cat([a["grad_entropy"]] * 2), "grad_entropy must have shape"),
+]
+
+
+@pytest.mark.parametrize("arg, bad, match", LINEAR_BAD, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(LINEAR_BAD)])
+def test_linear_stats_refuses_inconsistent_shapes(arg, bad, match):
+    a = _good_linear()
+    a[arg] = bad(a)
+    with pytest.raises(RuntimeError, match=match):
+        linear_fwd(*(a[k] for k in FWD_ARGS))
+
+
+@pytest.mark.parametrize(
+    "arg, bad, match",
+    LINEAR_BAD + LINEAR_BWD_BAD,
+    ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(LINEAR_BAD + LINEAR_BWD_BAD)],
+)
+def test_linear_bwd_refuses_inconsistent_shapes(arg, bad, match):
+    a = _good_linear()
+    a[arg] = bad(a)
+    with pytest.raises(RuntimeError, match=match):
+        linear_bwd(*(a[k] for k in BWD_ARGS))
+
+
+def test_linear_kernels_check_their_parameter_lists():
+    a = _good_linear()
+    fwd, bwd = [a[k] for k in FWD_ARGS], [a[k] for k in BWD_ARGS]
+    with pytest.raises(RuntimeError, match="LogprobsStatsParams: expected 0 fparams and 1 iparams"):
+        K.linear_logprobs_stats(*fwd, [], [1, 1])
+    with pytest.raises(RuntimeError, match="LogprobsStatsParams: expected 0 fparams and 1 iparams"):
+        K.linear_logprobs_stats(*fwd, [1.0], [1])
+    with pytest.raises(RuntimeError, match="LinearLogprobsBwdParams: expected 0 fparams and 3 iparams"):
+        K.linear_logprobs_bwd(*bwd, [], [1, 1])
+    with pytest.raises(RuntimeError, match="LogprobsStatsParams"):
+        K.logprobs_from_logits_stats(torch.randn(3, 5), torch.zeros(3, dtype=torch.int64), torch.ones(3), [], [])
+    # need_bias without a bias.
+    a["bias"] = None
+    with pytest.raises(RuntimeError, match="need_bias without a bias"):
+        linear_bwd(*(a[k] for k in BWD_ARGS))
+
+
+def _good_logits(N=5, V=11):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(N, V, generator=gen)
+    targets = torch.randint(0, V, (N,), generator=gen)
+    inv_t = torch.ones(N)
+    stats, _ = logits_fwd(logits, targets, inv_t)
+    g, lse, ent, h = grad_inputs(stats, N, N, torch.float32, gen)
+    return dict(
+        logits=logits, targets=targets, inv_temperature=inv_t, grad_logp=g, lse=lse, entropy=ent, grad_entropy=h
+    )
+
+
+LOGITS_FWD_ARGS = ("logits", "targets", "inv_temperature")
+LOGITS_BWD_ARGS = LOGITS_FWD_ARGS + ("grad_logp", "lse", "entropy", "grad_entropy")
+LOGITS_BAD = [
+    ("logits", lambda a: a["logits"].T, "logits rows must be contiguous"),
+    ("logits", lambda a: a["logits"][:, :0], "logits must be \\[N, V\\] with V >= 1"),
+    ("logits", lambda a: a["logits"][None], "logits must be \\[N, V\\]"),
+    ("logits", lambda a: a["logits"][:-1], "targets must have shape"),
+    ("logits", lambda a: a["logits"].long(), "logits must be float"),
+    ("targets", lambda a: a["targets"][:-1], "targets must have shape"),
+    ("targets", lambda a: torch.cat([a["targets"]] * 2), "targets must have shape"),
+    ("targets", lambda a: a["targets"].int(), "targets must be"),
+    ("inv_temperature", lambda a: a["inv_temperature"][:-1], "inv_temperature must have shape"),
+    ("inv_temperature", lambda a: a["inv_temperature"].double(), "inv_temperature must be"),
+]
+LOGITS_BWD_BAD = [
+    ("grad_logp", lambda a: a["grad_logp"][:-1], "grad_logp must have shape"),
+    ("grad_logp", lambda a: torch.cat([a["grad_logp"]] * 2), "grad_logp must have shape"),
+    ("lse", lambda a: a["lse"][:-1], "lse must have shape"),
+    ("entropy", lambda a: torch.cat([a["entropy"]] * 2), "entropy must have shape"),
+    ("grad_entropy", lambda a: a["grad_entropy"][:-1], "grad_entropy must have shape"),
+    ("grad_entropy", lambda a: a["grad_entropy"].double(), "grad_entropy must be"),
+]
+
+
+@pytest.mark.parametrize("arg, bad, match", LOGITS_BAD, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(LOGITS_BAD)])
+def test_logits_stats_refuses_inconsistent_shapes(arg, bad, match):
+    a = _good_logits()
+    a[arg] = bad(a)
+    with pytest.raises(RuntimeError, match=match):
+        logits_fwd(*(a[k] for k in LOGITS_FWD_ARGS))
+
+
+@pytest.mark.parametrize(
+    "arg, bad, match",
+    LOGITS_BAD + LOGITS_BWD_BAD,
+    ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(LOGITS_BAD + LOGITS_BWD_BAD)],
+)
+def test_logits_bwd_refuses_inconsistent_shapes(arg, bad, match):
+    a = _good_logits()
+    a[arg] = bad(a)
+    with pytest.raises(RuntimeError, match=match):
+        logits_bwd(*(a[k] for k in LOGITS_BWD_ARGS))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_logits_rows_at_any_stride(dtype):
+    """Rows are only read: a row stride of 0 (an expanded view) or one smaller than V (rows that
+    overlap) is a legal layout, with the results of the same rows laid out contiguously and a
+    fresh contiguous gradient."""
+    gen = torch.Generator().manual_seed(9)
+    N, V = 6, 700
+    ct = compute_dtype(dtype)
+    base = torch.randn(N * V + V, generator=gen).to(dtype)
+    targets = torch.randint(0, V, (N,), generator=gen)
+    inv_t = (torch.rand(N, generator=gen, dtype=torch.float64) + 0.5).to(ct)
+    for stride in (0, 1, 37, V):
+        logits = base.as_strided((N, V), (stride, 1))
+        dense = logits.contiguous()
+        stats, tl = logits_fwd(logits, targets, inv_t)
+        want_stats, want_tl = logits_fwd(dense, targets, inv_t)
+        assert torch.equal(stats, want_stats) and torch.equal(tl, want_tl), stride
+        g, lse, ent, h = grad_inputs(stats, N, N, ct, gen)
+        grad = logits_bwd(logits, targets, inv_t, g, lse, ent, h)
+        assert grad.is_contiguous() and grad.shape == (N, V)
+        assert torch.equal(grad, logits_bwd(dense, targets, inv_t, g, lse, ent, h)), stride
 
 
 def test_baseline_isa_build():

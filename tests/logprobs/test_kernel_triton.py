@@ -13,6 +13,7 @@ import pytest
 import torch
 from _backends import DEVICE, INTERPRETED
 
+from rlvr_kernels.contracts.logprobs import LinearLogprobsBwdParams, LogprobsStatsParams
 from rlvr_kernels.testing import compare
 from rlvr_kernels.triton import logprobs as lp
 
@@ -31,6 +32,17 @@ def tiles(request, monkeypatch):
     if request.param == "small":
         monkeypatch.setattr(lp, "config", lambda kind, dtype, arch=None: dict(SMALL[kind]))
     return request.param
+
+
+def stats_params(need_entropy):
+    fparams, iparams = LogprobsStatsParams(need_entropy=need_entropy).pack()
+    return dict(fparams=fparams, iparams=iparams)
+
+
+def bwd_params(need_hidden, need_weight, need_bias):
+    params = LinearLogprobsBwdParams(need_hidden=need_hidden, need_weight=need_weight, need_bias=need_bias)
+    fparams, iparams = params.pack()
+    return dict(fparams=fparams, iparams=iparams)
 
 
 def cdt_of(dtype):
@@ -171,7 +183,7 @@ FWD_CASES = [  # dtype, N, V, H, bias, need_entropy
 @pytest.mark.parametrize("dtype,N,V,H,bias,need_entropy", FWD_CASES)
 def test_linear_fwd(dtype, N, V, H, bias, need_entropy):
     c = linear_case(N, V, H, dtype, bias)
-    stats, tlog = lp.linear_logprobs_fwd(**on_device(c), need_entropy=need_entropy)
+    stats, tlog = lp.linear_logprobs_stats(**on_device(c), **stats_params(need_entropy))
     cdt = cdt_of(dtype)
     z64 = ref_z(c, F64)
     zs = ref_z(c, cdt)
@@ -237,9 +249,7 @@ def ref_linear_bwd(c, gi, rdt):
 def test_linear_bwd(dtype, N, V, H, bias, grad_entropy, needs):
     c = linear_case(N, V, H, dtype, bias)
     gi = bwd_inputs(c, grad_entropy)
-    out = lp.linear_logprobs_bwd(
-        **on_device(c), **on_device(gi), need_hidden=needs[0], need_weight=needs[1], need_bias=needs[2]
-    )
+    out = lp.linear_logprobs_bwd(**on_device(c), **on_device(gi), **bwd_params(*needs))
     r64 = ref_linear_bwd(c, gi, F64)
     rs = ref_linear_bwd(c, gi, cdt_of(dtype))
     for name, fast, ref64, same, need in zip(
@@ -255,8 +265,8 @@ def test_linear_bwd_deterministic():
     c = linear_case(37, 131, 33, F32, True, seed=3)
     gi = on_device(bwd_inputs(c, True))
     c = on_device(c)
-    a = lp.linear_logprobs_bwd(**c, **gi, need_hidden=True, need_weight=True, need_bias=True)
-    b = lp.linear_logprobs_bwd(**c, **gi, need_hidden=True, need_weight=True, need_bias=True)
+    a = lp.linear_logprobs_bwd(**c, **gi, **bwd_params(True, True, True))
+    b = lp.linear_logprobs_bwd(**c, **gi, **bwd_params(True, True, True))
     for u, v in zip(a, b, strict=True):
         assert torch.equal(u, v)
 
@@ -280,8 +290,8 @@ def test_linear_fwd_batch_invariant(dtype, tiles):
     small["sorted_targets"] = torch.cat(
         [big["sorted_targets"][big["row_ptr"][n] : big["row_ptr"][n + 1]] for n in pick]
     )
-    s_big, t_big = lp.linear_logprobs_fwd(**on_device(big), need_entropy=True)
-    s_small, t_small = lp.linear_logprobs_fwd(**on_device(small), need_entropy=True)
+    s_big, t_big = lp.linear_logprobs_stats(**on_device(big), **stats_params(True))
+    s_small, t_small = lp.linear_logprobs_stats(**on_device(small), **stats_params(True))
     assert torch.equal(s_big[keep], s_small[: len(keep)])
     t_keep = torch.cat([t_big[big["row_ptr"][n] : big["row_ptr"][n + 1]] for n in keep])
     assert torch.equal(t_keep, t_small[: t_keep.shape[0]])
@@ -290,21 +300,19 @@ def test_linear_fwd_batch_invariant(dtype, tiles):
 def test_linear_empty():
     # N = 0 (so M = 0): empty outputs; the weight / bias gradients are sums over no rows.
     c = linear_case(0, 7, 5, F32, True)
-    stats, tlog = lp.linear_logprobs_fwd(**on_device(c), need_entropy=True)
+    stats, tlog = lp.linear_logprobs_stats(**on_device(c), **stats_params(True))
     assert stats.shape == (0, 3) and tlog.shape == (0,)
     gi = dict(sorted_grad=torch.zeros(0), lse=torch.zeros(0), entropy=torch.zeros(0), grad_entropy=torch.zeros(0))
-    gh, gw, gb = lp.linear_logprobs_bwd(
-        **on_device(c), **on_device(gi), need_hidden=True, need_weight=True, need_bias=True
-    )
+    gh, gw, gb = lp.linear_logprobs_bwd(**on_device(c), **on_device(gi), **bwd_params(True, True, True))
     assert gh.shape == (0, 5) and gh.dtype == F32
     assert gw.shape == (7, 5) and not gw.any() and gb.shape == (7,) and not gb.any()
     # M = 0, N > 0: no targets; the statistics and the entropy gradient still flow.
     c = linear_case(7, 7, 5, F32, True, row_ptr=torch.zeros(8, dtype=torch.long))
-    stats, tlog = lp.linear_logprobs_fwd(**on_device(c), need_entropy=True)
+    stats, tlog = lp.linear_logprobs_stats(**on_device(c), **stats_params(True))
     assert tlog.shape == (0,)
     check("stats", stats, ref_stats(ref_z(c, F64)), ref_stats(ref_z(c, F32)).to(F64), F32)
     gi = bwd_inputs(c, True)
-    out = lp.linear_logprobs_bwd(**on_device(c), **on_device(gi), need_hidden=True, need_weight=True, need_bias=True)
+    out = lp.linear_logprobs_bwd(**on_device(c), **on_device(gi), **bwd_params(True, True, True))
     for name, fast, ref64, same in zip(
         ("gh", "gw", "gb"), out, ref_linear_bwd(c, gi, F64), ref_linear_bwd(c, gi, F32), strict=True
     ):
@@ -324,7 +332,7 @@ def test_linear_malformed_csr_stays_in_bounds():
     c["sorted_targets"] = buf[4 : 4 + M]
     gbuf = torch.full((M + 8,), 1e30)
     gbuf[4 : 4 + M] = torch.tensor([0.5, -1.0, 2.0, 0.25])
-    _, tlog = lp.linear_logprobs_fwd(**on_device(c), need_entropy=True)
+    _, tlog = lp.linear_logprobs_stats(**on_device(c), **stats_params(True))
     z64 = ref_z(c, F64)
     check(
         "target_logits",
@@ -335,7 +343,7 @@ def test_linear_malformed_csr_stays_in_bounds():
     )
     lse, ent = global_stats(z64)
     gi = dict(sorted_grad=gbuf[4 : 4 + M], lse=lse.float(), entropy=ent.float(), grad_entropy=None)
-    out = lp.linear_logprobs_bwd(**on_device(c), **on_device(gi), need_hidden=True, need_weight=True, need_bias=True)
+    out = lp.linear_logprobs_bwd(**on_device(c), **on_device(gi), **bwd_params(True, True, True))
     for name, fast, ref64, same in zip(
         ("gh", "gw", "gb"), out, ref_linear_bwd(c, gi, F64), ref_linear_bwd(c, gi, F32), strict=True
     ):
@@ -378,7 +386,7 @@ def logits_case(N, V, dtype, seed=0):
 def test_logits_fwd_bwd(dtype, N, V, flag):
     c = logits_case(N, V, dtype)
     cdt = cdt_of(dtype)
-    stats, tlog = lp.logits_logprobs_fwd(**on_device(c), need_entropy=flag)
+    stats, tlog = lp.logprobs_from_logits_stats(**on_device(c), **stats_params(flag))
 
     def z_of(rdt):
         return c["logits"].to(rdt) * c["inv_temperature"].to(rdt)[:, None]
@@ -401,7 +409,7 @@ def test_logits_fwd_bwd(dtype, N, V, flag):
     g = torch.randn(N, generator=gen, dtype=F64).to(cdt)
     h = torch.randn(N, generator=gen, dtype=F64).to(cdt) if flag else None
     gi = on_device(dict(grad_logp=g, lse=lse.to(cdt), entropy=ent.to(cdt), grad_entropy=h))
-    grad = lp.logits_logprobs_bwd(**on_device(c), **gi)
+    grad = lp.logprobs_from_logits_bwd(**on_device(c), **gi)
     assert grad.is_contiguous() and grad.shape == (N, V)
     ref64 = ref_dz(z_of(F64), rows, tg, g, lse, ent, h, c["inv_temperature"])
     same = ref_dz(z_of(cdt), rows, tg, g, lse, ent, h, c["inv_temperature"]).to(dtype).to(F64)
@@ -410,13 +418,46 @@ def test_logits_fwd_bwd(dtype, N, V, flag):
 
 def test_logits_empty_and_batch_invariant():
     c = logits_case(0, 7, F32)
-    stats, tlog = lp.logits_logprobs_fwd(**on_device(c), need_entropy=True)
+    stats, tlog = lp.logprobs_from_logits_stats(**on_device(c), **stats_params(True))
     assert stats.shape == (0, 3) and tlog.shape == (0,)
     z = torch.zeros(0)
-    assert lp.logits_logprobs_bwd(**on_device(c), grad_logp=z, lse=z, entropy=z, grad_entropy=None).shape == (0, 7)
+    assert lp.logprobs_from_logits_bwd(**on_device(c), grad_logp=z, lse=z, entropy=z, grad_entropy=None).shape == (0, 7)
     big = logits_case(37, 131, BF16, seed=2)
     pick = [20, 3, 36, 0]
     small = dict(logits=big["logits"][pick], targets=big["targets"][pick], inv_temperature=big["inv_temperature"][pick])
-    s_big, t_big = lp.logits_logprobs_fwd(**on_device(big), need_entropy=True)
-    s_small, t_small = lp.logits_logprobs_fwd(**on_device(small), need_entropy=True)
+    s_big, t_big = lp.logprobs_from_logits_stats(**on_device(big), **stats_params(True))
+    s_small, t_small = lp.logprobs_from_logits_stats(**on_device(small), **stats_params(True))
     assert torch.equal(s_big[pick], s_small) and torch.equal(t_big[pick], t_small)
+
+
+@pytest.mark.parametrize("stride", [0, 1])
+def test_logits_rows_at_any_stride(stride):
+    """Rows are only read: an expanded view (row stride 0) and overlapping rows give the
+    results of the same rows laid out contiguously; the gradient is fresh and contiguous."""
+    gen = torch.Generator().manual_seed(4)
+    N, V = 5, 37
+    base = torch.randn(N * V + V, generator=gen, dtype=F64).float()
+    logits = base.as_strided((N, V), (stride, 1))
+    c = dict(logits=logits, targets=torch.randint(0, V, (N,), generator=gen), inv_temperature=torch.full((N,), 1.3))
+    dense = dict(c, logits=logits.contiguous())
+    stats, tlog = lp.logprobs_from_logits_stats(**on_device(c), **stats_params(True))
+    want_stats, want_tlog = lp.logprobs_from_logits_stats(**on_device(dense), **stats_params(True))
+    assert torch.equal(stats, want_stats) and torch.equal(tlog, want_tlog)
+    lse, ent = global_stats((logits.double() * 1.3))
+    gi = on_device(
+        dict(grad_logp=torch.randn(N, generator=gen), lse=lse.float(), entropy=ent.float(), grad_entropy=None)
+    )
+    grad = lp.logprobs_from_logits_bwd(**on_device(c), **gi)
+    assert grad.is_contiguous() and torch.equal(grad, lp.logprobs_from_logits_bwd(**on_device(dense), **gi))
+
+
+def test_launchers_check_their_parameter_lists():
+    c = on_device(linear_case(3, 7, 5, F32, True))
+    with pytest.raises(ValueError, match="LogprobsStatsParams: expected 0 fparams and 1 iparams"):
+        lp.linear_logprobs_stats(**c, fparams=[], iparams=[1, 1])
+    gi = on_device(bwd_inputs(linear_case(3, 7, 5, F32, True), True))
+    with pytest.raises(ValueError, match="LinearLogprobsBwdParams: expected 0 fparams and 3 iparams"):
+        lp.linear_logprobs_bwd(**c, **gi, fparams=[], iparams=[1])
+    lc = on_device(logits_case(3, 7, F32))
+    with pytest.raises(ValueError, match="LogprobsStatsParams"):
+        lp.logprobs_from_logits_stats(**lc, fparams=[1.0], iparams=[1])

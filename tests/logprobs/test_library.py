@@ -63,6 +63,27 @@ def test_opcheck_from_logits(backend, device):
     torch.library.opcheck(ops._from_logits, (logits, targets, inv_t, -100, True, backend))
 
 
+@pytest.mark.parametrize("backend,device", FAST)
+def test_opcheck_from_logits_expanded(backend, device):
+    """Rows of stride 0 (an expanded view) go to the kernels as they are."""
+    gen = torch.Generator().manual_seed(6)
+    base = torch.randn(1, 29, generator=gen).to(device).requires_grad_(True)
+    logits = base.expand(7, 29)
+    targets = torch.randint(0, 29, (7,), generator=gen).to(device)
+    inv_t = torch.full((7,), 1 / 0.7, device=device)
+    torch.library.opcheck(ops._from_logits, (logits, targets, inv_t, -100, True, backend))
+
+
+def test_autograd_reads_inputs_by_schema_name():
+    """The NamedTuples through which the autograd formulas read the ops' inputs (and return
+    their gradients) list the schema's arguments, in order."""
+    for op, args in (
+        (torch.ops.rlvr_kernels.linear_logprobs, ops._LinearArgs),
+        (torch.ops.rlvr_kernels.logprobs_from_logits, ops._LogitsArgs),
+    ):
+        assert [a.name for a in op.default._schema.arguments] == list(args._fields)
+
+
 @pytest.mark.cpu_kernel
 def test_fake_kernels_match_real_outputs():
     from torch._subclasses.fake_tensor import FakeTensorMode

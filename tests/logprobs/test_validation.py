@@ -7,6 +7,8 @@ import torch
 import rlvr_kernels as rk
 
 H, V, N = 8, 11, 5
+TEMP_RANGE = r"temperature: expected a finite number in \[1e-30, 1e\+30\]"
+TEMP_VALUES = r"temperature: expected values in \[1e-30, 1e\+30\]"
 
 
 def args(**over):
@@ -34,20 +36,41 @@ def args(**over):
         (dict(hidden=torch.randint(0, 3, (N, H))), TypeError, "hidden: expected dtype"),
         (dict(bias=torch.randn(V + 1)), ValueError, r"bias: expected shape \(11,\)"),
         (dict(bias=torch.randn(V, dtype=torch.float64)), TypeError, "bias: expected dtype"),
-        (dict(temperature=0.0), ValueError, "temperature: expected a finite value > 0"),
-        (dict(temperature=-1.0), ValueError, "temperature: expected a finite value > 0"),
-        (dict(temperature=float("nan")), ValueError, "temperature: expected a finite value > 0"),
+        (dict(temperature=0.0), ValueError, TEMP_RANGE + ", got 0.0"),
+        (dict(temperature=-1.0), ValueError, TEMP_RANGE + ", got -1.0"),
+        (dict(temperature=float("nan")), ValueError, TEMP_RANGE + ", got nan"),
+        (dict(temperature=float("inf")), ValueError, TEMP_RANGE + ", got inf"),
+        # Below 1/FLT_MAX, 1/T overflows fp32; the range keeps headroom for the logits.
+        (dict(temperature=1e-39), ValueError, TEMP_RANGE + ", got 1e-39"),
+        (dict(temperature=1e-31), ValueError, TEMP_RANGE),
+        (dict(temperature=1e31), ValueError, TEMP_RANGE),
         (dict(temperature="hot"), TypeError, "temperature: expected a float or a tensor"),
+        (dict(temperature=True), TypeError, "temperature: expected a float or a tensor"),
         (
             dict(temperature=torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0])),
             ValueError,
-            "temperature: expected finite values > 0",
+            TEMP_VALUES + r", got 0.0 at \(1,\)",
+        ),
+        (dict(temperature=torch.full((N,), 1e-40)), ValueError, TEMP_VALUES + r", got 9\.99\d*e-41 at \(0,\)"),
+        (dict(temperature=torch.tensor(float("nan"))), ValueError, TEMP_VALUES + ", got nan"),
+        (dict(temperature=torch.ones(N).long()), TypeError, "temperature: expected dtype"),
+        (
+            dict(temperature=torch.ones(N, device="meta")),
+            ValueError,
+            r"temperature: expected a tensor on cpu \(where hidden lives\), got meta",
         ),
         (dict(temperature=torch.ones(N + 1)), ValueError, "temperature: expected a float or a tensor broadcastable"),
         (dict(row_index=torch.tensor([0, 1, 5, 2, 3])), ValueError, r"row_index: expected rows in \[0, 5\)"),
         (dict(row_index=torch.tensor([0, 1, 2])), ValueError, r"row_index: expected shape \(5,\)"),
         (dict(row_index=torch.zeros(N)), TypeError, "row_index: expected dtype"),
         (dict(ignore_index=1.5), TypeError, "ignore_index: expected an int"),
+        (dict(ignore_index=2**70), ValueError, "ignore_index: expected an int <= "),
+        (dict(weight=torch.randn(V, H, device="meta")), ValueError, r"weight: expected a tensor on cpu"),
+        (
+            dict(targets=torch.zeros(N, dtype=torch.long, device="meta")),
+            ValueError,
+            "targets: expected a tensor on cpu",
+        ),
     ],
 )
 def test_linear_logprobs_errors(backend, over, exc, match):
@@ -93,7 +116,37 @@ def test_validate_false_skips_value_checks_but_stays_in_bounds():
         (
             lambda: rk.logprobs_from_logits(torch.randn(4, V), torch.zeros(4, dtype=torch.int64), 0.0),
             ValueError,
-            "temperature",
+            TEMP_RANGE,
+        ),
+        (
+            lambda: rk.logprobs_from_logits(
+                torch.randn(4, V), torch.zeros(4, dtype=torch.int64), torch.full((4,), 1e-40)
+            ),
+            ValueError,
+            TEMP_VALUES,
+        ),
+        (
+            # The logits' error names the logits (it used to say "hidden" for 2-D logits).
+            lambda: rk.logprobs_from_logits(
+                torch.randn(4, V), torch.zeros(4, dtype=torch.int64), torch.ones(4, device="meta")
+            ),
+            ValueError,
+            r"temperature: expected a tensor on cpu \(where logits lives\), got meta",
+        ),
+        (
+            lambda: rk.logprobs_from_logits(torch.randn(4, V), torch.zeros(4, dtype=torch.int64, device="meta")),
+            ValueError,
+            r"targets: expected a tensor on cpu \(where logits lives\)",
+        ),
+        (
+            lambda: rk.logprobs_from_logits(torch.randn(4, V), torch.zeros(4, dtype=torch.int64), torch.ones(3)),
+            ValueError,
+            r"temperature: expected a float or a tensor broadcastable to \(4,\)",
+        ),
+        (
+            lambda: rk.logprobs_from_logits(torch.randn(4, V), torch.zeros(4, dtype=torch.int64), ignore_index="x"),
+            TypeError,
+            "ignore_index: expected an int",
         ),
         (
             lambda: rk.logprobs_from_logits(torch.randn(4, V), torch.zeros(4, dtype=torch.int64), backend="gpu"),
@@ -110,3 +163,117 @@ def test_validate_false_skips_value_checks_but_stays_in_bounds():
 def test_other_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+# ------------------------------------------------------------------ sizes the kernels cannot index
+# Expanded and meta tensors claim any size without memory: such a size is refused up front,
+# naming the argument, not by an allocation inside a kernel.
+BIG = 2**40
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (
+            lambda: rk.logprobs_from_logits(
+                torch.randn(1, V).expand(BIG, V), torch.zeros(1, dtype=torch.long).expand(BIG)
+            ),
+            r"logits: expected at most 2147483647 rows \(the product of the leading dimensions\), got 1099511627776",
+        ),
+        (
+            lambda: rk.logprobs_from_logits(
+                torch.empty(2**20, 2**20, V, device="meta"), torch.empty(2**20, 2**20, dtype=torch.long, device="meta")
+            ),
+            "logits: expected at most 2147483647 rows",
+        ),
+        (
+            lambda: rk.logprobs_from_logits(torch.randn(1).expand(BIG), torch.zeros((), dtype=torch.long)),
+            "logits: expected at most 2147483647 vocabulary entries",
+        ),
+        (
+            lambda: rk.linear_logprobs(
+                torch.randn(1, H).expand(BIG, H), torch.randn(V, H), torch.zeros(1, dtype=torch.long).expand(BIG)
+            ),
+            "hidden: expected at most 2147483647 rows, got 1099511627776",
+        ),
+        (
+            lambda: rk.linear_logprobs(
+                torch.empty(N, H, device="meta"),
+                torch.empty(BIG, H, device="meta"),
+                torch.zeros(N, device="meta").long(),
+            ),
+            "weight: expected at most 2147483647 vocabulary rows",
+        ),
+        (
+            lambda: rk.linear_logprobs(
+                torch.randn(N, H),
+                torch.randn(V, H),
+                torch.zeros(1, dtype=torch.long).expand(BIG),
+                row_index=torch.zeros(1, dtype=torch.long).expand(BIG),
+            ),
+            "targets: expected at most 2147483647 targets",
+        ),
+    ],
+)
+def test_absurd_sizes_are_refused_naming_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# ------------------------------------------------------------------ meta tensors
+@pytest.mark.parametrize("entropy", [False, True])
+def test_meta_in_meta_out(entropy):
+    """All-meta inputs: no value check reads them (no ``.item()``), and the outputs and
+    gradients are meta tensors of the right shapes and dtypes."""
+    meta = dict(device="meta")
+    hidden = torch.empty(N, H, **meta, requires_grad=True)
+    weight = torch.empty(V, H, dtype=torch.float32, **meta, requires_grad=True)
+    bias = torch.empty(V, **meta, requires_grad=True)
+    targets = torch.empty(N + 2, dtype=torch.long, **meta)
+    row_index = torch.empty(N + 2, dtype=torch.int32, **meta)
+    temp = torch.empty(N, **meta)
+    out = rk.linear_logprobs(
+        hidden, weight, targets, row_index=row_index, bias=bias, temperature=temp, return_entropy=entropy
+    )
+    logp, ent = out if entropy else (out, None)
+    assert logp.device.type == "meta" and logp.shape == (N + 2,) and logp.dtype == torch.float32
+    loss = logp.sum() + (ent.sum() if entropy else 0)
+    if entropy:
+        assert ent.shape == (N,) and ent.device.type == "meta"
+    loss.backward()
+    for leaf in (hidden, weight, bias):
+        assert leaf.grad.device.type == "meta" and leaf.grad.shape == leaf.shape
+
+    logits = torch.empty(2, 3, V, dtype=torch.bfloat16, **meta, requires_grad=True)
+    lt = torch.empty(2, 3, dtype=torch.long, **meta)
+    out = rk.logprobs_from_logits(logits, lt, torch.empty((), **meta), entropy)
+    logp, ent = out if entropy else (out, None)
+    assert logp.device.type == "meta" and logp.shape == (2, 3) and logp.dtype == torch.float32
+    (logp.sum() + (ent.sum() if entropy else 0)).backward()
+    assert logits.grad.device.type == "meta" and logits.grad.shape == logits.shape
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_temperature_tensor_broadcasts(backend):
+    """A 0-d or [1] temperature tensor is one temperature for every row (it used to fail with
+    ``shape '[5]' is invalid``), with the numbers of the same value given per row."""
+    kw = args()
+    per_row = rk.linear_logprobs(**kw, temperature=torch.full((N,), 0.7), return_entropy=True, backend=backend)
+    for t in (torch.tensor(0.7), torch.tensor([0.7])):
+        got = rk.linear_logprobs(**kw, temperature=t, return_entropy=True, backend=backend)
+        for a, b in zip(got, per_row):
+            assert torch.equal(a, b)
+    logits, lt = torch.randn(2, 3, V), torch.randint(0, V, (2, 3))
+    want = rk.logprobs_from_logits(logits, lt, torch.full((2, 3), 0.7), backend=backend)
+    for t in (torch.tensor(0.7), torch.tensor([0.7]), torch.full((2, 1), 0.7)):
+        assert torch.equal(rk.logprobs_from_logits(logits, lt, t, backend=backend), want)
+
+
+def test_validate_false_skips_temperature_values_only():
+    """validate=False skips the checks that read tensor data (a tensor temperature), never the
+    static ones (a float temperature)."""
+    kw = args()
+    out = rk.linear_logprobs(**kw, temperature=torch.full((N,), 1e-40), validate=False, backend="cpu")
+    assert out.shape == (N,)
+    with pytest.raises(ValueError, match=TEMP_RANGE):
+        rk.linear_logprobs(**kw, temperature=1e-39, validate=False, backend="cpu")
