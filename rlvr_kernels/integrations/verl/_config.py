@@ -104,18 +104,19 @@ class ActorLossConfig:
             raise ValueError(f"config.{name}: expected a number, got {value!r}")
         return float(value)
 
-    def clip_eps(self) -> Tuple[float, float]:
-        """(ε_low, ε_high): clip_ratio_low / clip_ratio_high, each defaulting to clip_ratio."""
-        eps = self.get("clip_ratio", None)
-        low, high = self.get("clip_ratio_low", None), self.get("clip_ratio_high", None)
-        low_name = "clip_ratio" if low is None else "clip_ratio_low"
-        high_name = "clip_ratio" if high is None else "clip_ratio_high"
-        low, high = (eps if low is None else low), (eps if high is None else high)
-        if low is None or high is None:
-            raise ValueError(
-                "config.clip_ratio: expected clip_ratio (or clip_ratio_low and clip_ratio_high), as verl's ActorConfig"
-            )
-        return self.number(low_name, low), self.number(high_name, high)
+    def clip_eps(self) -> Tuple[Tuple[str, float], Tuple[str, float]]:
+        """``((field, ε_low), (field, ε_high))``: clip_ratio_low / clip_ratio_high, each
+        defaulting to clip_ratio (verl's rule), with the field each value came from."""
+        out = []
+        for side in ("clip_ratio_low", "clip_ratio_high"):
+            name = side if self.get(side, None) is not None else "clip_ratio"
+            if self.get(name, None) is None:
+                raise ValueError(
+                    "config.clip_ratio: expected clip_ratio (or clip_ratio_low and clip_ratio_high), "
+                    "as verl's ActorConfig"
+                )
+            out.append((name, self.number(name)))
+        return out[0], out[1]
 
     def options(self, loss_type: str, agg: str, **fields) -> PolicyLossOptions:
         """``resolve_policy_loss_options("verl", ...)`` (memoised); an invalid value raises
@@ -127,13 +128,8 @@ class ActorLossConfig:
         fields = dict(fields, loss_type=loss_type, agg=agg)
         sources = dict(_OPTION_SOURCES)
         if loss_type in ("ppo", "gspo", "cispo"):
-            fields["clip_low"], fields["clip_high"] = self.clip_eps()
-            sources["clip_low"] = (
-                "config.clip_ratio_low" if self.get("clip_ratio_low", None) is not None else ("config.clip_ratio")
-            )
-            sources["clip_high"] = (
-                "config.clip_ratio_high" if self.get("clip_ratio_high", None) is not None else ("config.clip_ratio")
-            )
+            (low_name, fields["clip_low"]), (high_name, fields["clip_high"]) = self.clip_eps()
+            sources.update(clip_low=f"config.{low_name}", clip_high=f"config.{high_name}")
         if loss_type == "ppo":
             fields["clip_ratio_c"] = self.number("clip_ratio_c", 3.0)  # verl: config.get("clip_ratio_c", 3.0)
         if loss_type == "sapo":
