@@ -352,18 +352,15 @@ def agg_kwargs(
     if seq and global_batch_size is None and dp > 1:
         raise ValueError("global_batch_size is required when dp_size > 1")
     norm = loss_agg_mode == "seq-mean-token-sum-norm"
-    if norm and loss_scale_factor is not None:
-        if isinstance(loss_scale_factor, bool) or not isinstance(loss_scale_factor, (int, float)):
-            raise ValueError(f"{prefix}loss_scale_factor: expected a number > 0, got {loss_scale_factor!r}")
-        if not 0 < loss_scale_factor < float("inf"):
-            raise ValueError(f"{prefix}loss_scale_factor: expected a number > 0, got {loss_scale_factor!r}")
+    lsf = loss_scale_factor if norm else None  # verl divides by it only in this mode
+    if lsf is not None and (isinstance(lsf, bool) or not isinstance(lsf, (int, float)) or not 0 < lsf < float("inf")):
+        raise ValueError(f"{prefix}loss_scale_factor: expected a finite number > 0, got {lsf!r}")
+    token_mean = loss_agg_mode == "token-mean"
     return dict(
         dp_size=dp,
-        global_num_tokens=_count(f"{prefix}batch_num_tokens", batch_num_tokens)
-        if loss_agg_mode == "token-mean"
-        else None,
+        global_num_tokens=_count(f"{prefix}batch_num_tokens", batch_num_tokens) if token_mean else None,
         global_num_seqs=_count(f"{prefix}global_batch_size", global_batch_size) if seq else None,
-        loss_scale_factor=loss_scale_factor if norm else None,
+        loss_scale_factor=lsf,
     )
 
 
@@ -636,21 +633,41 @@ def _safe_div(num: torch.Tensor, den) -> torch.Tensor:
     return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), 0.0)
 
 
+def _local_div(num: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """num / count for a count of tokens or sequences of a bool mask: when it is 0 nothing
+    was summed (num = 0), so dividing by max(count, 1) gives verl's value or 0 in two ops."""
+    return num / count.clamp(min=1)
+
+
 def aggregate(x, mask, mode, dp, batch_num_tokens, global_batch_size, loss_scale_factor):
     """verl's ``agg_loss`` arithmetic, in its order, with :func:`_masked_sum` for the
-    token-level reductions and 0 for a count of 0."""
+    token-level reductions and 0 for a count of 0. A bool mask (what verl's ppo_loss
+    passes) takes shortcuts that give the same bits with fewer small ops: a row without
+    a valid token has a per-sequence loss of exactly 0, so verl's masked sum over
+    sequences is the plain sum, and the sequence count is ``count_nonzero``."""
+    local = mask.dtype == torch.bool
     if mode == "token-mean":
-        n = mask.sum() if batch_num_tokens is None else batch_num_tokens
-        return _safe_div(_masked_sum(x, mask), n) * dp
+        total = _masked_sum(x, mask)
+        if batch_num_tokens is None:
+            n = mask.sum()
+            return (_local_div(total, n) if local else _safe_div(total, n)) * dp
+        return _safe_div(total, batch_num_tokens) * dp
     if mode == "token-sum":
         return _masked_sum(x, mask) * dp
     seq_losses = _masked_sum(x, mask, -1)
     counts = torch.sum(mask, dim=-1)
     if mode == "seq-mean-token-mean":
         seq_losses = seq_losses / (counts + 1e-8)
-    seq_mask = (counts > 0).float()
-    gbs = seq_mask.sum() if global_batch_size is None else global_batch_size
-    loss = _safe_div(torch.where(seq_mask.bool(), seq_losses, 0.0).mul(seq_mask).sum(), gbs) * dp
+    if local:
+        total = seq_losses.sum()
+        if global_batch_size is None:
+            loss = _local_div(total, torch.count_nonzero(counts)) * dp
+        else:
+            loss = _safe_div(total, global_batch_size) * dp
+    else:
+        seq_mask = (counts > 0).float()
+        gbs = seq_mask.sum() if global_batch_size is None else global_batch_size
+        loss = _safe_div(torch.where(seq_mask.bool(), seq_losses, 0.0).mul(seq_mask).sum(), gbs) * dp
     if mode == "seq-mean-token-sum-norm":
         scale = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
         if scale != 0:  # 0 only as the default L of an empty response: no tokens, loss 0
