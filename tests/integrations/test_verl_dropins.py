@@ -97,6 +97,43 @@ def test_agg_loss_float64_mask_promotes_like_verl():
         torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_agg_loss_ignores_non_finite_padding(mode):
+    """verl's masked_sum zeroes padding before summing (its token modes); the drop-in does
+    in every mode, and a non-finite value on a valid token still propagates."""
+    b = batch(6)
+    x = b["ref"].clone()
+    x[~b["mask"]] = float("nan")
+    x[0, -1] = float("inf") if not b["mask"][0, -1] else x[0, -1]
+    mine = value_and_grad(lambda t: ours.agg_loss(t, b["mask"], mode), x)
+    clean = value_and_grad(lambda t: ours.agg_loss(t, b["mask"], mode), torch.where(b["mask"], x, 0.0))
+    assert torch.equal(mine[0], clean[0]) and torch.equal(mine[1], clean[1])
+    if mode.startswith("token"):
+        assert torch.equal(mine[0], core_algos.agg_loss(x, b["mask"], mode))
+    x[0, 0] = float("nan")  # a valid token
+    assert ours.agg_loss(x, b["mask"], mode).isnan()
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_gpg_is_verls_bit_for_bit(agg):
+    """GPG runs verl's expression: the same loss bits and gradient; like verl, any weights
+    (negative ones too) multiply the per-token loss."""
+    b = batch(16, B=9, L=41)
+    w = torch.randn(b["lp"].shape, generator=torch.Generator().manual_seed(3))
+    cfg = actor_config(global_batch_info={"dp_size": 2, "batch_num_tokens": 300, "global_batch_size": 20})
+    for weights in (None, w):
+
+        def run(fn):
+            lp = b["lp"].clone().requires_grad_(True)
+            loss, metrics = fn(b["old"], lp, b["adv"], b["mask"], agg, cfg, weights)
+            loss.backward()
+            return loss.detach(), lp.grad, metrics
+
+        mine, theirs = run(ours.compute_policy_loss_gpg), run(core_algos.compute_policy_loss_gpg)
+        assert torch.equal(mine[0], theirs[0]) and mine[2] == theirs[2] == {}
+        torch.testing.assert_close(mine[1], theirs[1], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kind", ["low_var_kl", "k3", "low_var_kl+", "k3+"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_kl_penalty_k3_is_verls(kind, dtype):
@@ -231,6 +268,8 @@ def _bad_calls():
         ("log_prob", lambda: vanilla(old, lp.tolist(), adv, mask, config=cfg)),
         ("response_mask", lambda: vanilla(old, lp, adv, mask[:, :3], config=cfg)),
         ("advantages", lambda: vanilla(old, lp, adv[:, :2], mask, config=cfg)),
+        ("advantages", lambda: ours.compute_policy_loss_gpg(old, lp, adv[:, :2], mask, config=cfg)),
+        ("response_mask", lambda: ours.compute_policy_loss_gpg(old, lp, adv, mask[:2, :3], config=cfg)),
         (
             "rollout_is_weights",
             lambda: vanilla(old, lp, adv, mask, config=cfg, rollout_is_weights=-torch.ones_like(lp)),

@@ -7,12 +7,13 @@ Advantages: verl sums ``token_level_rewards`` over the response to get one score
 sample, groups samples by ``index`` (uid strings) and returns ``(advantages, returns)``,
 both ``[bs, response_length]`` and equal; here one ``group_advantages`` call.
 
-Policy losses: one ``policy_loss`` call each (see the section note below).
+Policy losses: one ``policy_loss`` call each (see the section note below), except GPG.
 
-``kl_penalty`` and ``agg_loss`` are elementwise work and one masked reduction, so they
-run as lean torch: verl's formulas in verl's order (the same values, bit for bit, on
-the fast paths), with fewer temporaries, and autograd functions whose backward is one
-pass (k3's derivative is kept from the forward; a masked sum's gradient is one ``where``).
+``kl_penalty``, ``agg_loss`` and GPG's loss (−logπ·A) are elementwise work and one
+masked reduction, so they run as lean torch, the same on every backend: verl's formulas
+in verl's order (the same values, bit for bit, on the fast paths), with fewer
+temporaries, and autograd functions whose backward is one pass (k3's derivative is kept
+from the forward; a masked sum's gradient is one multiply by the mask).
 """
 
 from __future__ import annotations
@@ -427,13 +428,13 @@ def _compute_policy_loss(
     opts = pg_options(cfg, loss_mode, agg)
     agg_kw = agg_kwargs(agg, **batch_info(config), prefix="config.global_batch_info.")
     check_pg_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    if loss_mode == "gpg":
+        return _gpg_loss(log_prob, advantages, response_mask, agg, rollout_is_weights, agg_kw), {}
     backend = current_backend()
     with caller_names(PG_NAMES):
         adv = fold_is_weights(advantages, rollout_is_weights, response_mask, log_prob.shape)
         loss, m = policy_loss(log_prob, old_log_prob, adv, response_mask, options=opts, backend=backend, **agg_kw)
         loss = loss.to(out_dtype(log_prob, old_log_prob, advantages, rollout_is_weights))
-        if loss_mode == "gpg":
-            return loss, {}
         clip = m
         if loss_mode != "sapo" and any_zero_weight(rollout_is_weights, response_mask):
             with torch.no_grad():  # verl's clip fractions count zero-weight tokens with their own A
@@ -446,6 +447,60 @@ def _compute_policy_loss(
             ("actor/ppo_kl", m.ppo_kl),
             ("actor/pg_clipfrac_lower", clip.pg_clipfrac_lower),
         ]
+    )
+
+
+class _NegLogpTimesAdv(torch.autograd.Function):
+    """verl's ``-log_prob * advantages`` (the same number: negation is exact) for constant
+    advantages, with a backward of one multiply (autograd's: a multiply and a negation)."""
+
+    @staticmethod
+    def forward(ctx, log_prob: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(advantages)
+        ctx.shape = log_prob.shape
+        return torch.mul(log_prob, advantages).neg_()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (advantages,) = ctx.saved_tensors
+        g = torch.mul(grad, advantages).neg_()
+        return (g if tuple(g.shape) == tuple(ctx.shape) else g.sum_to_size(ctx.shape)), None
+
+
+def _broadcasts_to(t: torch.Tensor, shape) -> bool:
+    try:
+        return torch.broadcast_shapes(t.shape, shape) == tuple(shape)
+    except RuntimeError:
+        return False
+
+
+def _gpg_loss(log_prob, advantages, response_mask, agg, rollout_is_weights, agg_kw) -> torch.Tensor:
+    """GPG, −logπ·A (·w), aggregated: no ratio, no clip and no metrics, so elementwise
+    work and one masked reduction, run as verl writes it (the same bits) with the lean
+    aggregation below; like verl it reads neither old_log_prob nor the sign of w."""
+    for name, t in (
+        ("advantages", advantages),
+        ("response_mask", response_mask),
+        ("rollout_is_weights", rollout_is_weights),
+    ):
+        if t is not None and not _broadcasts_to(t, log_prob.shape):
+            raise ValueError(
+                f"{name}: expected a shape broadcastable to log_prob's {tuple(log_prob.shape)}, got {tuple(t.shape)}"
+            )
+    if advantages.requires_grad:
+        pg_losses = -log_prob * advantages
+    else:
+        pg_losses = _NegLogpTimesAdv.apply(log_prob, advantages)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    return aggregate(
+        pg_losses,
+        response_mask,
+        agg,
+        agg_kw["dp_size"],
+        agg_kw["global_num_tokens"],
+        agg_kw["global_num_seqs"],
+        agg_kw["loss_scale_factor"],
     )
 
 
@@ -589,33 +644,42 @@ def kl_penalty(logprob: torch.FloatTensor, ref_logprob: torch.FloatTensor, kl_pe
 
 
 class _MaskedSum(torch.autograd.Function):
-    """verl's ``masked_sum``, Σ where(m ≠ 0, x, 0)·m over ``dim`` (None: everything), for
-    a bool mask without the ·m (x·1 = x): one ``where`` and the sum, and a backward of one
-    ``where`` (verl's: a multiply and a ``where``). Float masks weight by m, as verl."""
+    """verl's ``masked_sum``, Σ where(m ≠ 0, x, 0)·m over ``dim`` (None: everything), as
+    Σ x·w with w = m in x's dtype: where x is finite the products are the same numbers
+    (x·1 = x, x·0 = ±0), so the sum has the same bits, and a float multiply is several
+    times faster on CPU than a ``where`` on a bool condition or a bool → float cast (a
+    bool mask is read as uint8, whose cast is vectorised). Only when the sum is not finite
+    (a NaN / inf somewhere, maybe on padding, which verl's ``where`` zeroes) is it redone
+    verl's way; on CUDA, where that check would be a host sync, verl's way always. The
+    backward is one multiply, grad·w (verl's: a multiply and a ``where``)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, mask: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
-        shape = torch.broadcast_shapes(x.shape, mask.shape)
-        if mask.dtype == torch.bool:
-            valid, weighted = mask, torch.where(mask, x, 0.0)
-        else:
-            valid = mask != 0
-            weighted = torch.where(valid, x, 0.0).mul_(mask)
-        ctx.save_for_backward(valid, None if mask.dtype == torch.bool else mask)
-        ctx.dim, ctx.x_shape, ctx.shape = dim, x.shape, shape
-        return weighted.sum() if dim is None else weighted.sum(dim)
+        weight = mask.view(torch.uint8).to(x.dtype) if mask.dtype == torch.bool else mask.to(x.dtype)
+        total = None
+        if x.device.type == "cpu":
+            total = _sum(torch.mul(x, weight), dim)
+            if not bool(torch.isfinite(total).all()):
+                total = None
+        if total is None:
+            total = _sum(torch.where(weight != 0, x, 0.0).mul_(weight), dim)
+        ctx.save_for_backward(weight)
+        ctx.dim, ctx.x_shape = dim, x.shape
+        return total
 
     @staticmethod
     def backward(ctx, grad):
-        valid, weight = ctx.saved_tensors
+        (weight,) = ctx.saved_tensors
         if ctx.dim is not None:
             grad = grad.unsqueeze(ctx.dim)
-        if weight is not None:
-            grad = grad * weight
-        g = torch.where(valid, grad, 0.0).expand(ctx.shape)
-        if tuple(ctx.x_shape) != tuple(ctx.shape):
-            g = g.sum_to_size(ctx.x_shape)
+        g = grad * weight
+        if tuple(g.shape) != tuple(ctx.x_shape):
+            g = g.expand(torch.broadcast_shapes(g.shape, ctx.x_shape)).sum_to_size(ctx.x_shape)
         return g, None, None
+
+
+def _sum(t: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
+    return t.sum() if dim is None else t.sum(dim)
 
 
 def _masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
@@ -623,6 +687,13 @@ def _masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) 
     if dt != x.dtype:  # a float mask wider than x: verl's product is in the wider dtype
         x = x.to(dt)
     return _MaskedSum.apply(x, mask, dim)
+
+
+def _counts(mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """``mask.sum(dim)`` (int64 for bool masks, as verl's), reading a bool mask as uint8
+    (the bool reduction is not vectorised)."""
+    m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    return m.sum() if dim is None else m.sum(dim)
 
 
 def _safe_div(num: torch.Tensor, den) -> torch.Tensor:
@@ -649,13 +720,13 @@ def aggregate(x, mask, mode, dp, batch_num_tokens, global_batch_size, loss_scale
     if mode == "token-mean":
         total = _masked_sum(x, mask)
         if batch_num_tokens is None:
-            n = mask.sum()
+            n = _counts(mask)
             return (_local_div(total, n) if local else _safe_div(total, n)) * dp
         return _safe_div(total, batch_num_tokens) * dp
     if mode == "token-sum":
         return _masked_sum(x, mask) * dp
     seq_losses = _masked_sum(x, mask, -1)
-    counts = torch.sum(mask, dim=-1)
+    counts = _counts(mask, -1)
     if mode == "seq-mean-token-mean":
         seq_losses = seq_losses / (counts + 1e-8)
     if local:
