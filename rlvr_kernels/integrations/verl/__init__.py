@@ -9,8 +9,7 @@
 ``torch_functional``        ``verl.utils.torch_functional``: ``logprobs_from_logits``,
                             ``entropy_from_logits``
 ``kernel``                  ``verl.utils.kernel.linear_cross_entropy``
-``_config``                 reading verl's actor config (parsed once per content) and
-                            caller-named errors
+``_config``                 reading verl's actor config (parsed once per content)
 ==========================  ================================================================
 
 Each drop-in has verl's signature (names, order, defaults;

@@ -1,5 +1,4 @@
-"""What the verl drop-ins read from their callers: verl's actor config, parsed once, and
-error messages that name the caller's arguments.
+"""What the verl drop-ins read from verl's actor config, parsed once per content.
 
 The actor config (verl's ``ActorConfig`` dataclass, an OmegaConf ``DictConfig`` or a plain
 dict) is read on every call, but only as the raw values of the dozen fields the losses
@@ -18,13 +17,11 @@ step, so it is read on every call (:func:`batch_info`).
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import re
 import sys
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from ...options import PolicyLossOptions, resolve_policy_loss_options
+from .._errors import caller_names
 
 
 class _Absent:
@@ -262,28 +259,3 @@ def _raw_mapping(config: Any, name: str) -> Any:
         return OmegaConf.to_container(value, resolve=True) if _is_dictconfig(value) else value
     value = _getter(config)(config, name)
     return value if value is ABSENT or value is None else dict(value)
-
-
-# ------------------------------------------------------------------ caller-named errors
-@contextlib.contextmanager
-def caller_names(names: Mapping[str, str]) -> Iterator[None]:
-    """Re-raise a ValueError / TypeError / NotImplementedError from the block with the
-    inner op's argument names (the keys of ``names``, as whole words) replaced by the
-    caller's, so a drop-in's errors speak of the arguments its caller passed."""
-    try:
-        yield
-    except (ValueError, TypeError, NotImplementedError) as e:
-        if type(e) not in (ValueError, TypeError, NotImplementedError):
-            raise
-        message = str(e)
-        renamed = _renamer(tuple(sorted(names.items())))(message)
-        if renamed == message:
-            raise
-        raise type(e)(renamed).with_traceback(e.__traceback__) from None
-
-
-@functools.lru_cache(maxsize=None)
-def _renamer(pairs: Tuple[Tuple[str, str], ...]) -> Callable[[str], str]:
-    table = dict(pairs)
-    pattern = re.compile(r"(?<![\w.])(" + "|".join(re.escape(k) for k in sorted(table, key=len, reverse=True)) + r")\b")
-    return lambda message: pattern.sub(lambda m: table[m.group(1)], message)

@@ -28,7 +28,8 @@ from ...ops.advantages import group_advantages
 from ...ops.groups import uids_to_group_index
 from ...ops.policy_loss import policy_loss
 from .._backend import current_backend
-from ._config import AGG_MODES, ActorLossConfig, batch_info, caller_names, read_actor_config
+from .._errors import caller_names
+from ._config import AGG_MODES, ActorLossConfig, batch_info, read_actor_config
 
 __all__ = [
     "compute_grpo_outcome_advantage",

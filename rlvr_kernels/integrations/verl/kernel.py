@@ -11,7 +11,7 @@ import torch
 from ...ops._validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from ...ops.logprobs import linear_logprobs
 from .._backend import current_backend
-from ._config import caller_names
+from .._errors import caller_names
 
 __all__ = ["linear_cross_entropy"]
 

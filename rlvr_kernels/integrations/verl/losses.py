@@ -17,7 +17,8 @@ import torch
 from ...ops.policy_loss import policy_loss
 from ...options import PolicyLossOptions
 from .._backend import current_backend
-from ._config import ActorLossConfig, batch_info, caller_names, read_actor_config
+from .._errors import caller_names
+from ._config import ActorLossConfig, batch_info, read_actor_config
 from .core_algos import (
     PG_NAMES,
     agg_kwargs,

@@ -11,7 +11,7 @@ import torch
 from ...ops._validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from ...ops.logprobs import logprobs_from_logits as _logprobs_from_logits
 from .._backend import current_backend
-from ._config import caller_names
+from .._errors import caller_names
 
 __all__ = ["logprobs_from_logits", "entropy_from_logits"]
 
