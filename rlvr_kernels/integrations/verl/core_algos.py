@@ -705,6 +705,11 @@ def _safe_div(num: torch.Tensor, den) -> torch.Tensor:
     return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), 0.0)
 
 
+def _times(loss: torch.Tensor, dp: int) -> torch.Tensor:
+    """loss · dp_size, skipped for 1 (x·1 = x: one small op fewer on the common path)."""
+    return loss if dp == 1 else loss * dp
+
+
 def _local_div(num: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """num / count for a count of tokens or sequences of a bool mask: when it is 0 nothing
     was summed (num = 0), so dividing by max(count, 1) gives verl's value or 0 in two ops."""
@@ -722,10 +727,10 @@ def aggregate(x, mask, mode, dp, batch_num_tokens, global_batch_size, loss_scale
         total = _masked_sum(x, mask)
         if batch_num_tokens is None:
             n = _counts(mask)
-            return (_local_div(total, n) if local else _safe_div(total, n)) * dp
-        return _safe_div(total, batch_num_tokens) * dp
+            return _times((_local_div(total, n) if local else _safe_div(total, n)), dp)
+        return _times(_safe_div(total, batch_num_tokens), dp)
     if mode == "token-sum":
-        return _masked_sum(x, mask) * dp
+        return _times(_masked_sum(x, mask), dp)
     seq_losses = _masked_sum(x, mask, -1)
     counts = _counts(mask, -1)
     if mode == "seq-mean-token-mean":
@@ -733,13 +738,13 @@ def aggregate(x, mask, mode, dp, batch_num_tokens, global_batch_size, loss_scale
     if local:
         total = seq_losses.sum()
         if global_batch_size is None:
-            loss = _local_div(total, torch.count_nonzero(counts)) * dp
+            loss = _times(_local_div(total, torch.count_nonzero(counts)), dp)
         else:
-            loss = _safe_div(total, global_batch_size) * dp
+            loss = _times(_safe_div(total, global_batch_size), dp)
     else:
         seq_mask = (counts > 0).float()
         gbs = seq_mask.sum() if global_batch_size is None else global_batch_size
-        loss = _safe_div(torch.where(seq_mask.bool(), seq_losses, 0.0).mul(seq_mask).sum(), gbs) * dp
+        loss = _times(_safe_div(torch.where(seq_mask.bool(), seq_losses, 0.0).mul(seq_mask).sum(), gbs), dp)
     if mode == "seq-mean-token-sum-norm":
         scale = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
         if scale != 0:  # 0 only as the default L of an empty response: no tokens, loss 0
