@@ -569,18 +569,22 @@ class _K3(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logprob: torch.Tensor, ref_logprob: torch.Tensor, plus: bool) -> torch.Tensor:
+        # Three [B, L] buffers (kl, y, ratio), reused in place: on CPU each fresh buffer of
+        # this size costs page faults comparable to the arithmetic.
+        grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         kl = torch.sub(ref_logprob, logprob)
         y = kl.clamp(-20, 20)
         ratio = torch.exp(y)
-        value = torch.sub(ratio, y).sub_(1)  # verl: (ratio - kl - 1)
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            if plus:
-                derivative = kl.neg_()  # logp − ref
-            else:
-                drop = torch.ne(y, kl)  # y clamped (or NaN: no gradient, as clamp's)
+        if plus:
+            value = ratio.sub_(y).sub_(1)  # verl: (ratio - kl - 1), with kl clamped
+            if grad:
+                ctx.save_for_backward(kl.neg_())  # k2's derivative, logp − ref
+        else:
+            drop = torch.ne(y, kl) if grad else None  # y clamped (or NaN: no gradient, as clamp's)
+            value = torch.sub(ratio, y, out=kl).sub_(1)
+            if grad:
                 drop.logical_or_(value > 10)  # (the value is >= 0 up to rounding: -10 never binds)
-                derivative = ratio.sub_(1).neg_().masked_fill_(drop, 0.0)
-            ctx.save_for_backward(derivative)
+                ctx.save_for_backward(ratio.sub_(1).neg_().masked_fill_(drop, 0.0))
         return value.clamp_(-10, 10)
 
     @staticmethod
@@ -646,34 +650,35 @@ def kl_penalty(logprob: torch.FloatTensor, ref_logprob: torch.FloatTensor, kl_pe
 
 class _MaskedSum(torch.autograd.Function):
     """verl's ``masked_sum``, Σ where(m ≠ 0, x, 0)·m over ``dim`` (None: everything), as
-    Σ x·w with w = m in x's dtype: where x is finite the products are the same numbers
-    (x·1 = x, x·0 = ±0), so the sum has the same bits, and a float multiply is several
-    times faster on CPU than a ``where`` on a bool condition or a bool → float cast (a
-    bool mask is read as uint8, whose cast is vectorised). Only when the sum is not finite
-    (a NaN / inf somewhere, maybe on padding, which verl's ``where`` zeroes) is it redone
-    verl's way; on CUDA, where that check would be a host sync, verl's way always. The
-    backward is one multiply, grad·w (verl's: a multiply and a ``where``)."""
+    Σ x·m: where x is finite the products are the same numbers (x·1 = x, x·0 = ±0), so
+    the sum has the same bits. A bool mask is read as uint8 (no copy): float × uint8 is
+    vectorised on CPU, float × bool and bool → float are not, and every fresh buffer of
+    this size costs page faults, so forward and backward allocate one each (verl: a
+    ``where``, a product and a cast forward, two backward). Only when the sum is not
+    finite (a NaN / inf somewhere, maybe on padding, which verl's ``where`` zeroes) is it
+    redone verl's way; on CUDA, where that check would be a host sync, verl's way always.
+    The backward is grad·m."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, mask: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
-        weight = mask.view(torch.uint8).to(x.dtype) if mask.dtype == torch.bool else mask.to(x.dtype)
+        m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         total = None
         if x.device.type == "cpu":
-            total = _sum(torch.mul(x, weight), dim)
+            total = _sum(torch.mul(x, m), dim)
             if not bool(torch.isfinite(total).all()):
                 total = None
         if total is None:
-            total = _sum(torch.where(weight != 0, x, 0.0).mul_(weight), dim)
-        ctx.save_for_backward(weight)
+            total = _sum(torch.where(m != 0, x, 0.0).mul_(m), dim)
+        ctx.save_for_backward(m)
         ctx.dim, ctx.x_shape = dim, x.shape
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        (weight,) = ctx.saved_tensors
+        (m,) = ctx.saved_tensors
         if ctx.dim is not None:
             grad = grad.unsqueeze(ctx.dim)
-        g = grad * weight
+        g = torch.mul(grad, m)
         if tuple(g.shape) != tuple(ctx.x_shape):
             g = g.expand(torch.broadcast_shapes(g.shape, ctx.x_shape)).sum_to_size(ctx.x_shape)
         return g, None, None
