@@ -664,7 +664,7 @@ class _MaskedSum(torch.autograd.Function):
         m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         total = None
         if x.device.type == "cpu":
-            total = _sum(torch.mul(x, m), dim)
+            total = _sum(_times_mask(x, m), dim)
             if not bool(torch.isfinite(total).all()):
                 total = None
         if total is None:
@@ -678,10 +678,19 @@ class _MaskedSum(torch.autograd.Function):
         (m,) = ctx.saved_tensors
         if ctx.dim is not None:
             grad = grad.unsqueeze(ctx.dim)
-        g = torch.mul(grad, m)
+        g = _times_mask(grad, m)
         if tuple(g.shape) != tuple(ctx.x_shape):
             g = g.expand(torch.broadcast_shapes(g.shape, ctx.x_shape)).sum_to_size(ctx.x_shape)
         return g, None, None
+
+
+def _times_mask(t: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """t·m in t's dtype as one fresh buffer: the mask cast into it, then multiplied in place
+    (``torch.mul`` of mixed dtypes casts into a temporary first: two buffers)."""
+    dtype = torch.promote_types(t.dtype, m.dtype)
+    if dtype == m.dtype or torch.broadcast_shapes(t.shape, m.shape) != m.shape:
+        return torch.mul(t, m)
+    return m.to(dtype).mul_(t)
 
 
 def _sum(t: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
