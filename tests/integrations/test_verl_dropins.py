@@ -134,6 +134,16 @@ def test_gpg_is_verls_bit_for_bit(agg):
         torch.testing.assert_close(mine[1], theirs[1], rtol=0, atol=0)
 
 
+def test_gpg_ignores_non_finite_padding_like_verl():
+    b = batch(17)
+    adv = b["adv"].clone()
+    adv[~b["mask"]] = float("nan")
+    for fn in (ours.compute_policy_loss_gpg, core_algos.compute_policy_loss_gpg):
+        loss, _ = fn(b["old"], b["lp"], adv, b["mask"], "token-mean", actor_config())
+        clean, _ = fn(b["old"], b["lp"], b["adv"], b["mask"], "token-mean", actor_config())
+        assert torch.equal(loss, clean)
+
+
 @pytest.mark.parametrize("kind", ["low_var_kl", "k3", "low_var_kl+", "k3+"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_kl_penalty_k3_is_verls(kind, dtype):

@@ -488,21 +488,30 @@ def _gpg_loss(log_prob, advantages, response_mask, agg, rollout_is_weights, agg_
             raise ValueError(
                 f"{name}: expected a shape broadcastable to log_prob's {tuple(log_prob.shape)}, got {tuple(t.shape)}"
             )
+    agg_args = (agg_kw["dp_size"], agg_kw["global_num_tokens"], agg_kw["global_num_seqs"], agg_kw["loss_scale_factor"])
+    if (
+        log_prob.device.type == "cpu"
+        and response_mask.dtype == torch.bool
+        and response_mask.shape == log_prob.shape == advantages.shape
+        and rollout_is_weights is None
+        and not advantages.requires_grad
+    ):
+        # The mask folded into the advantages first, c = A·m (A or 0: the same numbers as
+        # verl's masked products), so the per-token losses −logπ·c are already masked and
+        # are summed as they are: three fresh [B, L] buffers in all, forward and backward.
+        # A non-finite result (maybe a NaN on padding, which verl's where zeroes) is redone
+        # verl's way below.
+        c = _times_mask(advantages.detach(), response_mask.view(torch.uint8))
+        loss = aggregate(_NegLogpTimesAdv.apply(log_prob, c), response_mask, agg, *agg_args, masked=True)
+        if bool(torch.isfinite(loss)):
+            return loss
     if advantages.requires_grad:
         pg_losses = -log_prob * advantages
     else:
         pg_losses = _NegLogpTimesAdv.apply(log_prob, advantages)
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
-    return aggregate(
-        pg_losses,
-        response_mask,
-        agg,
-        agg_kw["dp_size"],
-        agg_kw["global_num_tokens"],
-        agg_kw["global_num_seqs"],
-        agg_kw["loss_scale_factor"],
-    )
+    return aggregate(pg_losses, response_mask, agg, *agg_args)
 
 
 def _policy_loss_dropin(loss_mode: str, default_agg: str, doc: str):
@@ -730,22 +739,27 @@ def _local_div(num: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return num / count.clamp(min=1)
 
 
-def aggregate(x, mask, mode, dp, batch_num_tokens, global_batch_size, loss_scale_factor):
+def aggregate(x, mask, mode, dp, batch_num_tokens, global_batch_size, loss_scale_factor, masked=False):
     """verl's ``agg_loss`` arithmetic, in its order, with :func:`_masked_sum` for the
     token-level reductions and 0 for a count of 0. A bool mask (what verl's ppo_loss
     passes) takes shortcuts that give the same bits with fewer small ops: a row without
     a valid token has a per-sequence loss of exactly 0, so verl's masked sum over
-    sequences is the plain sum, and the sequence count is ``count_nonzero``."""
+    sequences is the plain sum, and the sequence count is ``count_nonzero``. ``masked``:
+    x is already x·m (the mask only counts)."""
     local = mask.dtype == torch.bool
+
+    def msum(dim=None):
+        return _sum(x, dim) if masked else _masked_sum(x, mask, dim)
+
     if mode == "token-mean":
-        total = _masked_sum(x, mask)
+        total = msum()
         if batch_num_tokens is None:
             n = _counts(mask)
             return _times((_local_div(total, n) if local else _safe_div(total, n)), dp)
         return _times(_safe_div(total, batch_num_tokens), dp)
     if mode == "token-sum":
-        return _times(_masked_sum(x, mask), dp)
-    seq_losses = _masked_sum(x, mask, -1)
+        return _times(msum(), dp)
+    seq_losses = msum(-1)
     counts = _counts(mask, -1)
     if mode == "seq-mean-token-mean":
         seq_losses = seq_losses / (counts + 1e-8)
