@@ -714,10 +714,11 @@ def _masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) 
 
 
 def _counts(mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
-    """``mask.sum(dim)`` (int64 for bool masks, as verl's), reading a bool mask as uint8
-    (the bool reduction is not vectorised)."""
-    m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    return m.sum() if dim is None else m.sum(dim)
+    """``mask.sum(dim)`` (int64 for bool masks, as verl's); for a bool mask
+    ``count_nonzero``, which does not first cast the whole mask to int64 as ``sum`` does."""
+    if mask.dtype == torch.bool:
+        return torch.count_nonzero(mask) if dim is None else torch.count_nonzero(mask, dim)
+    return mask.sum() if dim is None else mask.sum(dim)
 
 
 def _safe_div(num: torch.Tensor, den) -> torch.Tensor:
