@@ -10,6 +10,9 @@ reset to None before each call), and the metrics a trainer logs.
 
 Methods:
 - fused: ``rlvr_kernels.policy_loss`` with sequence-level advantages ``[B]``.
+- verl actor: ``integrations.verl.policy_loss_verl`` as verl's actor would call it: [B, L]
+  advantages (as verl's trainer stores them), verl's ``ActorConfig``, the TIS weights fused
+  (``rollout_log_probs``, ``rollout_is="token"``), float metrics (one host sync).
 - verl: ``compute_rollout_correction_weights`` (token, 2.0) on old − rollout log-probs,
   ``compute_policy_loss_vanilla`` with a real ``ActorConfig``, ``kl_penalty("low_var_kl")``
   and ``agg_loss`` for the KL, summed as verl's actor (``pg_loss + kl_loss · kl_loss_coef``).
@@ -22,6 +25,16 @@ Methods:
   (forward and backward graphs) is reported separately and excluded from the timing.
 - copy: ``torch.empty_like(x).copy_(x)`` of a buffer as large as the bytes the fused op
   must move (inputs read once, the gradient written once), for the bandwidth fraction.
+
+A second workload times every function-level verl drop-in of ``integrations.verl``
+against verl's own function on the same shapes ([B, L] advantages, ``ActorConfig``,
+token-mean), each forward + backward: ``compute_policy_loss_{vanilla,gspo,cispo,sapo,
+gpg}``, ``kl_penalty`` (k3), ``agg_loss`` (token-mean and seq-mean-token-mean), the KL
+term ``agg_loss(kl_penalty(...))`` and ``policy_loss_verl`` against the loss verl's
+``ppo_loss`` computes (pg + kl_penalty + agg_loss). A drop-in slower than its peer is a
+missed target.
+
+The fused op must run: a missing or broken kernel raises (no stand-in backend).
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from .. import policy_loss
+from ..integrations import verl as verl_dropins
 from .advantages import _target
 from .timing import time_fn
 
@@ -40,7 +54,7 @@ from .timing import time_fn
 CLIP_LOW, CLIP_HIGH, CLIP_C = 0.2, 0.28, 3.0
 KL_COEF = 0.1
 RC_CAP = 2.0
-# Targets of the issue, CPU (ratio = method time / fused time, all >=).
+# The CPU targets (ratio = method time / fused time, all >=).
 CPU_TARGETS = (("verl", 8.0), ("eager", 5.0), ("compiled", 1.5))
 
 
@@ -115,49 +129,55 @@ def _verl():
     """verl's functions and an ActorConfig of the workload, or the import error."""
     try:
         from verl.trainer.ppo import core_algos, rollout_corr_helper
-        from verl.workers.config.actor import ActorConfig
+        from verl.workers.config.actor import ActorConfig  # noqa: F401  (verl's config must import)
 
-        cfg = ActorConfig(
-            strategy="fsdp",
-            rollout_n=16,
-            ppo_micro_batch_size_per_gpu=1,
-            clip_ratio_low=CLIP_LOW,
-            clip_ratio_high=CLIP_HIGH,
-            clip_ratio_c=CLIP_C,
-            loss_agg_mode="token-mean",
-            use_kl_loss=True,
-            kl_loss_coef=KL_COEF,
-            kl_loss_type="low_var_kl",
-        )
+        cfg = _actor_config(ACTOR_FIELDS)
         assert cfg.global_batch_info == {}  # token-mean over this call's tokens, dp_size 1
         return core_algos, rollout_corr_helper, cfg
     except Exception as e:  # reported as a row, not hidden
         return e
 
 
-def _fused_backend(x: Dict) -> tuple:
-    """("auto", None) when the compiled kernel for this device runs, else ("reference",
-    why): the harness still runs, and the targets are then reported as not measured."""
+def _actor_config(cfg_fields: Dict):
+    """verl's ActorConfig with these fields, or (verl missing) the same fields as a dict."""
     try:
-        loss, _ = policy_loss(
-            x["logprobs"].detach()[:1, :8],
-            x["old"][:1, :8],
-            x["adv"][:1],
-            x["mask"][:1, :8],
-            preset="verl",
-            clip_low=CLIP_LOW,
-            clip_high=CLIP_HIGH,
-            kl="k3",
-            kl_coef=KL_COEF,
-            rollout_correction="token_tis",
-            rollout_threshold=RC_CAP,
-            ref_logprobs=x["ref"][:1, :8],
-            rollout_logprobs=x["rollout"][:1, :8],
-        )
-        loss.item()
-        return "auto", None
-    except Exception as e:
-        return "reference", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
+        from verl.workers.config.actor import ActorConfig
+    except Exception:
+        return dict(cfg_fields)
+    return ActorConfig(strategy="fsdp", rollout_n=16, ppo_micro_batch_size_per_gpu=1, **cfg_fields)
+
+
+ACTOR_FIELDS = dict(
+    clip_ratio_low=CLIP_LOW,
+    clip_ratio_high=CLIP_HIGH,
+    clip_ratio_c=CLIP_C,
+    loss_agg_mode="token-mean",
+    use_kl_loss=True,
+    kl_loss_coef=KL_COEF,
+    kl_loss_type="low_var_kl",
+)
+
+
+def _check_fused(x: Dict) -> None:
+    """Run the fused op once on a slice of the inputs: a missing or broken kernel raises
+    here, before anything is timed (the benchmark never times a stand-in)."""
+    loss, _ = policy_loss(
+        x["logprobs"].detach()[:1, :8],
+        x["old"][:1, :8],
+        x["adv"][:1],
+        x["mask"][:1, :8],
+        preset="verl",
+        clip_low=CLIP_LOW,
+        clip_high=CLIP_HIGH,
+        kl="k3",
+        kl_coef=KL_COEF,
+        rollout_correction="token_tis",
+        rollout_threshold=RC_CAP,
+        ref_logprobs=x["ref"][:1, :8],
+        rollout_logprobs=x["rollout"][:1, :8],
+    )
+    if not bool(torch.isfinite(loss)):
+        raise RuntimeError(f"policy_loss bench: the fused op returned {float(loss)} on finite inputs")
 
 
 def methods(device: str, quick: bool = False, x: Optional[Dict] = None, compile_info: Optional[Dict] = None):
@@ -165,8 +185,9 @@ def methods(device: str, quick: bool = False, x: Optional[Dict] = None, compile_
     forward + backward and returns (loss, grad)."""
     x = make_inputs(device, quick) if x is None else x
     lp, old, ref, roll, adv, mask = x["logprobs"], x["old"], x["ref"], x["rollout"], x["adv"], x["mask"]
-    backend, why = _fused_backend(x)
-    x["fused_backend"], x["fused_backend_why"] = backend, why
+    _check_fused(x)
+    adv_tok = adv[:, None] * mask  # as verl's trainer holds them: [B, L] fp32, 0 on padding
+    actor_cfg = _actor_config(ACTOR_FIELDS)
 
     def fused(validate=True):
         def step():
@@ -186,12 +207,27 @@ def methods(device: str, quick: bool = False, x: Optional[Dict] = None, compile_
                 ref_logprobs=ref,
                 rollout_logprobs=roll,
                 validate=validate,
-                backend=backend,
             )
             loss.backward()
             return loss, lp.grad
 
         return step
+
+    def verl_actor_step():
+        lp.grad = None
+        loss, metrics = verl_dropins.policy_loss_verl(
+            old,
+            lp,
+            adv_tok,
+            mask,
+            actor_cfg,
+            ref_log_prob=ref,
+            rollout_log_probs=roll,
+            rollout_is="token",
+            rollout_is_threshold=RC_CAP,
+        )
+        loss.backward()
+        return loss, lp.grad
 
     def eager_step(fn):
         def step():
@@ -202,17 +238,21 @@ def methods(device: str, quick: bool = False, x: Optional[Dict] = None, compile_
 
         return step
 
-    tag = "" if backend == "auto" else " [reference stand-in]"
     out: List[tuple] = [
-        (f"rlvr_kernels.policy_loss (fused op, [B] advantages){tag}", fused(), "fused"),
-        (f"rlvr_kernels.policy_loss, validate=False (no finite check){tag}", fused(False), "fused_novalidate"),
+        ("rlvr_kernels.policy_loss (fused op, [B] advantages)", fused(), "fused"),
+        ("rlvr_kernels.policy_loss, validate=False (no finite check)", fused(False), "fused_novalidate"),
+        (
+            "rlvr_kernels verl actor: integrations.verl.policy_loss_verl ([B, L] advantages, ActorConfig, "
+            "fused TIS, float metrics)",
+            verl_actor_step,
+            "verl_actor",
+        ),
     ]
     verl = _verl()
     if isinstance(verl, Exception):
         out.append((f"verl (not importable: {verl!r})"[:90], None, "verl"))
     else:
         core_algos, rc_helper, cfg = verl
-        adv_tok = adv[:, None] * mask  # as verl's trainer holds them: [B, L] fp32, 0 on padding
 
         def verl_step():
             lp.grad = None
@@ -334,20 +374,19 @@ def workload(device: str, quick: bool = False) -> Dict:
         r = rows[key]
         r["gbps"] = nbytes / (r["ms"] * 1e-3) / 1e9
         r["copy_fraction"] = r["gbps"] / copy_gbps
-    measured = x["fused_backend"] == "auto"
     targets = []
     for key, value in CPU_TARGETS:
         label = {"verl": "verl", "eager": "eager torch", "compiled": "torch.compile"}[key] + " / fused"
-        if device != "cpu":  # the issue's targets are CPU ones; elsewhere the ratio is shown
+        if device != "cpu":  # the targets are CPU ones; elsewhere the ratio is shown
             targets.append(_target(label, rows, key, "fused", "info", None))
             continue
-        t = _target(label, rows, key, "fused", ">=", value)
-        if not measured:
-            t["met"] = None  # the reference backend stood in for the kernel: not the op's time
-        targets.append(t)
+        targets.append(_target(label, rows, key, "fused", ">=", value))
     for key, _ in CPU_TARGETS:  # the same ratios against the op without its value checks
         label = {"verl": "verl", "eager": "eager torch", "compiled": "torch.compile"}[key]
         targets.append(_target(f"{label} / fused validate=False", rows, key, "fused_novalidate", "info", None))
+    # what verl's actor gets through the integration ([B, L] advantages, config, float metrics)
+    targets.append(_target("verl / verl actor (policy_loss_verl)", rows, "verl", "verl_actor", "info", None))
+    targets.append(_target("verl actor / fused", rows, "verl_actor", "fused", "info", None))
     notes = [
         f"{B} x {L} tokens, {int(x['mask'].sum())} valid ({float(x['mask'].float().mean()):.0%}); "
         f"every method: forward + loss.backward(), grad reset to None before each call; methods timed in "
@@ -362,16 +401,11 @@ def workload(device: str, quick: bool = False) -> Dict:
             f"torch.compile warm-up (first forward + backward, compile included): "
             f"{compile_info['compile_s']:.1f} s, not in its time"
         )
-    if not measured:
-        notes.append(
-            f"the compiled kernel did not run ({x['fused_backend_why']}); the fused rows use "
-            "backend='reference' and the targets are not measured"
-        )
     notes.append(
         "loss / grad agreement with the fused op (max abs diff): "
         + ", ".join(f"{k} {v['loss_abs_diff']:.1e} / {v['grad_max_abs_diff']:.1e}" for k, v in agreement.items())
     )
-    kind = "quick" if quick else "issue"
+    kind = "quick" if quick else "actor"
     return {
         "name": f"{kind} workload: B={B}, L={L}, ragged (lengths U[L/8, L]), bool mask, fp32; ppo + dual clip "
         f"(c={CLIP_C}, eps={CLIP_LOW}/{CLIP_HIGH}) + k3 KL (beta={KL_COEF}) + token TIS (C={RC_CAP}), "
@@ -379,11 +413,149 @@ def workload(device: str, quick: bool = False) -> Dict:
         "rows": list(rows.values()),
         "targets": targets,
         "copy_gbps": copy_gbps,
-        "fused_backend": x["fused_backend"],
         "compile_s": compile_info.get("compile_s"),
         "agreement": agreement,
         "notes": notes,
     }
 
 
-WORKLOADS: Dict[str, Callable] = {"ppo_dualclip_k3_tis": workload}
+# ---------------------------------------------------------------------------------------
+# Function-level verl drop-ins against verl's own functions
+# ---------------------------------------------------------------------------------------
+
+DROPIN_LOSS_MODES = ("vanilla", "gspo", "cispo", "sapo", "gpg")
+
+
+def dropin_pairs(x: Dict):
+    """(name, drop-in step, verl step) for every function-level verl drop-in of the policy
+    loss, on the workload's shapes; each step runs forward + backward and returns (loss,
+    grad). None when verl is not importable."""
+    verl = _verl()
+    if isinstance(verl, Exception):
+        return None
+    core_algos, _, cfg = verl
+    lp, old, ref, adv, mask = x["logprobs"], x["old"], x["ref"], x["adv"], x["mask"]
+    adv_tok = adv[:, None] * mask  # verl's [B, L] advantages
+    gen = torch.Generator().manual_seed(1)
+    up = torch.randn(lp.shape, generator=gen).to(lp.device)  # an upstream gradient for kl_penalty
+    mat = (x["ref"] - x["old"]).clone().requires_grad_(True)  # a loss matrix for agg_loss
+    ours = verl_dropins
+
+    def policy_step(fn):
+        def step():
+            lp.grad = None
+            loss, _ = fn(old, lp, adv_tok, mask, "token-mean", cfg)
+            loss.backward()
+            return loss, lp.grad
+
+        return step
+
+    def kl_step(mod):
+        def step():
+            lp.grad = None
+            kl = mod.kl_penalty(lp, ref, "low_var_kl")
+            kl.backward(up)
+            return kl.detach().sum(), lp.grad
+
+        return step
+
+    def agg_step(mod, mode):
+        def step():
+            mat.grad = None
+            loss = mod.agg_loss(mat, mask, mode)
+            loss.backward()
+            return loss, mat.grad
+
+        return step
+
+    def kl_term_step(mod):
+        def step():
+            lp.grad = None
+            loss = mod.agg_loss(mod.kl_penalty(lp, ref, cfg.kl_loss_type), mask, cfg.loss_agg_mode)
+            loss.backward()
+            return loss, lp.grad
+
+        return step
+
+    def actor_ours():
+        lp.grad = None
+        loss, _ = ours.policy_loss_verl(old, lp, adv_tok, mask, cfg, ref_log_prob=ref)
+        loss.backward()
+        return loss, lp.grad
+
+    def actor_verl():  # verl.workers.utils.losses.ppo_loss's arithmetic on the padded tensors
+        lp.grad = None
+        pg_loss, _ = core_algos.compute_policy_loss_vanilla(
+            old_log_prob=old,
+            log_prob=lp,
+            advantages=adv_tok,
+            response_mask=mask,
+            loss_agg_mode=cfg.loss_agg_mode,
+            config=cfg,
+        )
+        kld = core_algos.kl_penalty(logprob=lp, ref_logprob=ref, kl_penalty=cfg.kl_loss_type)
+        kl_loss = core_algos.agg_loss(kld, mask, cfg.loss_agg_mode, **cfg.global_batch_info)
+        loss = pg_loss + kl_loss * cfg.kl_loss_coef
+        loss.backward()
+        return loss, lp.grad
+
+    pairs = []
+    for mode in DROPIN_LOSS_MODES:
+        name = f"compute_policy_loss_{mode}"
+        pairs.append((name, policy_step(getattr(ours, name)), policy_step(getattr(core_algos, name))))
+    pairs += [
+        ("kl_penalty (low_var_kl)", kl_step(ours), kl_step(core_algos)),
+        ("agg_loss (token-mean)", agg_step(ours, "token-mean"), agg_step(core_algos, "token-mean")),
+        (
+            "agg_loss (seq-mean-token-mean)",
+            agg_step(ours, "seq-mean-token-mean"),
+            agg_step(core_algos, "seq-mean-token-mean"),
+        ),
+        ("agg_loss(kl_penalty(...)) (the KL term)", kl_term_step(ours), kl_term_step(core_algos)),
+        ("policy_loss_verl vs ppo_loss (pg + kl_penalty + agg_loss)", actor_ours, actor_verl),
+    ]
+    return pairs
+
+
+def dropin_workload(device: str, quick: bool = False) -> Dict:
+    """Every function-level verl drop-in against verl's function; ratio = time / the
+    drop-in's time, target: verl's time / the drop-in's >= 1."""
+    x = make_inputs(device, quick)
+    B, L = x["B"], x["L"]
+    name = (
+        f"verl drop-ins vs verl: B={B}, L={L}, ragged, bool mask, fp32, [B, L] advantages, ActorConfig "
+        "(ppo + dual clip, k3 KL), token-mean; forward + backward"
+    )
+    pairs = dropin_pairs(x)
+    if pairs is None:
+        return {"name": name, "rows": [], "targets": [], "notes": [f"verl is not importable: {_verl()!r}"]}
+    steps, agreement = [], {}
+    for i, (label, ours_step, verl_step) in enumerate(pairs):
+        pair = [(f"rlvr_kernels {label}", ours_step, f"dropin_{i}"), (f"verl {label}", verl_step, f"verl_{i}")]
+        agreement[label] = check_agreement(pair)[f"verl_{i}"]
+        steps += pair
+    repeats, warmup = (5, 1) if quick else (21, 3)
+    timed = time_interleaved(steps, device, repeats, warmup)
+    rows, targets = [], []
+    for i, (label, _, _) in enumerate(pairs):
+        mine, theirs = timed[f"dropin_{i}"], timed[f"verl_{i}"]
+        rows.append({"method": f"rlvr_kernels {label}", "key": f"dropin_{i}", **mine, "ratio": 1.0})
+        rows.append({"method": f"verl {label}", "key": f"verl_{i}", **theirs, "ratio": theirs["ms"] / mine["ms"]})
+        targets.append(
+            {
+                "target": f"verl / drop-in, {label} >= 1.0",
+                "measured": theirs["ms"] / mine["ms"],
+                "met": theirs["ms"] >= mine["ms"],
+            }
+        )
+    notes = [
+        f"{B} x {L} tokens, {int(x['mask'].sum())} valid; each pair: the same inputs, forward + backward "
+        f"(kl_penalty: backward of a fixed random upstream gradient); ratio = time / the drop-in's time; "
+        f"all methods timed in interleaved rounds ({repeats} rounds, median)",
+        "loss / grad agreement, verl vs drop-in (max abs diff): "
+        + ", ".join(f"{k} {v['loss_abs_diff']:.1e} / {v['grad_max_abs_diff']:.1e}" for k, v in agreement.items()),
+    ]
+    return {"name": name, "rows": rows, "targets": targets, "notes": notes}
+
+
+WORKLOADS: Dict[str, Callable] = {"ppo_dualclip_k3_tis": workload, "verl_dropins": dropin_workload}

@@ -157,7 +157,8 @@ def test_verl_linear_cross_entropy_semantics():
     labels = torch.randint(0, 211, (2, 9), generator=gen)
     logp, ent = ours_verl.linear_cross_entropy(hidden, weight, labels, temperature=0.8)
     logits = (hidden @ weight.T) / 0.8
-    torch.testing.assert_close(logp, verl_F.logprobs_from_logits(logits, labels), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent, verl_F.entropy_from_logits(logits), rtol=1e-5, atol=1e-5)
+    # verl's kernel views labels as [N] and returns flat [N] results (verl/utils/kernel/linear_cross_entropy.py).
+    torch.testing.assert_close(logp, verl_F.logprobs_from_logits(logits, labels).reshape(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, verl_F.entropy_from_logits(logits).reshape(-1), rtol=1e-5, atol=1e-5)
     with pytest.raises(NotImplementedError, match="reduction"):
         ours_verl.linear_cross_entropy(hidden, weight, labels, reduction="mean")

@@ -1,0 +1,71 @@
+"""Every verl drop-in has the signature of the live verl function it replaces (parameter
+names, order, kinds and defaults), and lives in the module of ours that mirrors verl's
+module (``verl.trainer.ppo.core_algos`` -> ``integrations.verl.core_algos``, ...)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import verl.utils.torch_functional as verl_F
+from verl.trainer.ppo import core_algos as verl_core_algos
+from verl.utils.kernel import linear_cross_entropy as verl_lce
+
+from rlvr_kernels.integrations import verl as ours
+
+# Our names that are not drop-ins: the actor loss (a fused ppo_loss taking padded tensors)
+# and the backend selector.
+NOT_DROPINS = {"policy_loss_verl", "use_backend"}
+
+
+def _verl_function(name):
+    """(our module, verl's function) for a drop-in name."""
+    if hasattr(verl_core_algos, name):
+        return "core_algos", getattr(verl_core_algos, name)
+    if name in ("logprobs_from_logits", "entropy_from_logits"):
+        return "torch_functional", getattr(verl_F, name)
+    if name == "linear_cross_entropy":
+        # verl's function is LinearCrossEntropy.apply, whose own signature is (*args, **kwargs):
+        # the parameters are those of its forward after ctx.
+        forward = inspect.signature(verl_lce.LinearCrossEntropy.forward)
+        params = list(forward.parameters.values())[1:]
+        return "kernel", forward.replace(parameters=params)
+    raise AssertionError(f"{name}: no verl function known to replace")
+
+
+DROPINS = [n for n in ours.__all__ if n not in NOT_DROPINS]
+
+
+def _params(sig):
+    return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+
+
+@pytest.mark.parametrize("name", DROPINS)
+def test_signature_equals_verl(name):
+    module, theirs = _verl_function(name)
+    theirs = theirs if isinstance(theirs, inspect.Signature) else inspect.signature(theirs)
+    assert _params(inspect.signature(getattr(ours, name))) == _params(theirs)
+
+
+@pytest.mark.parametrize("name", DROPINS)
+def test_dropin_lives_where_verl_defines_it(name):
+    module, _ = _verl_function(name)
+    fn = getattr(ours, name)
+    assert fn.__module__ == f"rlvr_kernels.integrations.verl.{module}", fn.__module__
+    assert getattr(importlib.import_module(fn.__module__), name) is fn
+    assert fn.__name__ == name
+
+
+def test_every_name_is_exported_and_checked():
+    """__all__ lists every public name of the package; the non-drop-ins are the two known."""
+    public = {n for n in dir(ours) if not n.startswith("_") and callable(getattr(ours, n))}
+    assert public == set(ours.__all__)
+    assert NOT_DROPINS <= set(ours.__all__)
+    assert len(DROPINS) == 18
+
+
+def test_use_backend_is_the_one_of_every_integration():
+    from rlvr_kernels.integrations import _backend
+
+    assert ours.use_backend is _backend.use_backend
