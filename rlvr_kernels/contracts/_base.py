@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import typing
 from typing import ClassVar, List, Sequence, Tuple, TypeVar
 
@@ -32,39 +31,46 @@ class KernelParams:
     # The op's name in the C++ header's X-macro lists (RLVR_<CPP_NAME>_FPARAMS / _IPARAMS).
     CPP_NAME: ClassVar[str] = ""
 
-    @classmethod
-    @functools.cache
-    def _split(cls) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    # (float fields, int fields) in declaration order, set once per subclass at class
+    # creation: pack() only reads class attributes, which torch.compile traces (a
+    # functools.cache lookup would break the graph).
+    _FIELDS: ClassVar[Tuple[Tuple[str, ...], Tuple[str, ...]]] = ((), ())
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # The dataclass decorator has not run yet, but the annotations it will read are
+        # here: the fields are the non-ClassVar annotations, base classes first.
         hints = typing.get_type_hints(cls)
         floats, ints = [], []
-        for f in dataclasses.fields(cls):
-            kind = hints[f.name]
+        for name, kind in hints.items():
+            if typing.get_origin(kind) is ClassVar or kind is ClassVar:
+                continue
             if kind is float:
-                floats.append(f.name)
+                floats.append(name)
             elif kind in (int, bool) or (isinstance(kind, type) and issubclass(kind, enum.IntEnum)):
-                ints.append(f.name)
+                ints.append(name)
             else:
-                raise TypeError(f"{cls.__name__}.{f.name}: a kernel parameter is a float, int, bool or IntEnum")
-        return tuple(floats), tuple(ints)
+                raise TypeError(f"{cls.__name__}.{name}: a kernel parameter is a float, int, bool or IntEnum")
+        cls._FIELDS = (tuple(floats), tuple(ints))
 
     @classmethod
     def float_fields(cls) -> Tuple[str, ...]:
-        return cls._split()[0]
+        return cls._FIELDS[0]
 
     @classmethod
     def int_fields(cls) -> Tuple[str, ...]:
-        return cls._split()[1]
+        return cls._FIELDS[1]
 
     def pack(self) -> Tuple[List[float], List[int]]:
         """``(fparams, iparams)`` in the order the schema and the C++ header expect."""
-        floats, ints = self._split()
+        floats, ints = self._FIELDS
         return [float(getattr(self, n)) for n in floats], [int(getattr(self, n)) for n in ints]
 
     @classmethod
     def unpack(cls: type[P], fparams: Sequence[float], iparams: Sequence[int]) -> P:
         """The dataclass back from the two lists, as a kernel launcher receives them; lists of
         the wrong length (a caller built for another version of the contract) are an error."""
-        floats, ints = cls._split()
+        floats, ints = cls._FIELDS
         if len(fparams) != len(floats) or len(iparams) != len(ints):
             raise ValueError(
                 f"{cls.__name__}: expected {len(floats)} fparams and {len(ints)} iparams, "

@@ -2,10 +2,13 @@
 
 A drop-in keeps its peer's signature exactly, so it has no ``backend`` argument. Instead,
 every drop-in reads the backend of the innermost :func:`use_backend` block around the
-call (a ``contextvars.ContextVar``: per thread and per asyncio task, restored on exit),
-``"auto"`` outside any block. Functions of our own with no peer signature to keep
-(``policy_loss_verl``, ``grpo_loss_trl``) take ``backend=None`` too, which means "the
-``use_backend`` one".
+call, ``"auto"`` outside any block. The setting is process-wide, like ``torch.backends``
+flags (a rollout thread started inside the block sees it too), and restored on exit. It is a
+plain module global so that torch.compile can read it inside a ``fullgraph`` region: Dynamo
+guards on its value, so entering another ``use_backend`` block recompiles rather than
+reusing a graph built for another backend (a ``contextvars.ContextVar`` cannot be traced).
+Functions of our own with no peer signature to keep (``policy_loss_verl``, ``grpo_loss_trl``)
+take ``backend=None`` too, which means "the ``use_backend`` one".
 
     from rlvr_kernels.integrations import verl as rk_verl
     with rk_verl.use_backend("reference"):   # the same object as trl.use_backend
@@ -15,29 +18,29 @@ call (a ``contextvars.ContextVar``: per thread and per asyncio task, restored on
 from __future__ import annotations
 
 import contextlib
-from contextvars import ContextVar
 from typing import Iterator, Optional
 
 from ..ops._dispatch import check_backend
 
-_BACKEND: ContextVar[str] = ContextVar("rlvr_kernels_integrations_backend", default="auto")
+_BACKEND: str = "auto"
 
 
 @contextlib.contextmanager
 def use_backend(backend: str) -> Iterator[None]:
     """Run the drop-ins of every integration on ``backend`` ("auto", "reference", "cpu",
     "triton") inside the ``with`` block."""
+    global _BACKEND
     check_backend(backend)
-    token = _BACKEND.set(backend)
+    previous, _BACKEND = _BACKEND, backend
     try:
         yield
     finally:
-        _BACKEND.reset(token)
+        _BACKEND = previous
 
 
 def current_backend(backend: Optional[str] = None) -> str:
     """``backend`` when given (checked), else the backend of the innermost ``use_backend``."""
     if backend is None:
-        return _BACKEND.get()
+        return _BACKEND
     check_backend(backend)
     return backend

@@ -452,20 +452,10 @@ def _call(x: _Inputs, r, valid, opts: AdvantageOptions, baseline, scale, whiten,
         whiten_eps=float(opts.whitening.eps),
         whiten_eps_in_sqrt=bool(opts.whitening.eps_in_sqrt),
     )
-    fparams, iparams = _pack(params)
+    fparams, iparams = params.pack()
     return _group_advantages_op(
         r, x.group_index, valid, x.lengths, x.response_mask, x.cu_seqlens, fparams, iparams, out_dtype, backend
     )
-
-
-_FLOAT_FIELDS = GroupAdvantagesParams.float_fields()
-_INT_FIELDS = GroupAdvantagesParams.int_fields()
-
-
-def _pack(params: GroupAdvantagesParams) -> Tuple[List[float], List[int]]:
-    """``params.pack()`` in a form torch.compile traces (``KernelParams.pack`` looks its field
-    lists up through ``functools.cache``, which dynamo cannot trace)."""
-    return [float(getattr(params, n)) for n in _FLOAT_FIELDS], [int(getattr(params, n)) for n in _INT_FIELDS]
 
 
 def _reference(x: _Inputs, opts: AdvantageOptions, out_dtype: torch.dtype) -> GroupAdvantages:

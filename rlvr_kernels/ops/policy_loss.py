@@ -625,19 +625,13 @@ def _kernel_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> 
     )
 
 
-_FLOAT_FIELDS = PolicyLossParams.float_fields()
-_INT_FIELDS = PolicyLossParams.int_fields()
-
-
 def _packed_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> Tuple[List[float], List[int]]:
     """``_kernel_params(o, seq_adv, token_out).pack()``: the custom op's ``(fparams, iparams)``.
     Eager calls reuse them per options (building and packing the 32-field dataclass costs
-    ~10 µs, a few percent of a small call). Under torch.compile the lists are built by code
-    dynamo traces: ``KernelParams.pack`` looks its field lists up through ``functools.cache``,
-    which dynamo cannot trace, and the options are not a constant it can key a cache on."""
+    ~10 µs, a few percent of a small call). Under torch.compile they are built afresh: the
+    options are not a constant dynamo can key a cache on."""
     if torch.compiler.is_compiling():
-        params = _kernel_params(o, seq_adv, token_out)
-        return [float(getattr(params, n)) for n in _FLOAT_FIELDS], [int(getattr(params, n)) for n in _INT_FIELDS]
+        return _kernel_params(o, seq_adv, token_out).pack()
     return _packed_params_cached(o, seq_adv, token_out)
 
 

@@ -50,7 +50,34 @@ def _code_enums():
 
 def test_every_op_has_a_contract():
     names = {c.CPP_NAME for c in _param_classes()}
-    assert {"POLICY_LOSS", "GROUP_ADVANTAGES"} <= names, names
+    assert {"POLICY_LOSS", "GROUP_ADVANTAGES", "LINEAR_LOGPROBS_BWD", "LOGPROBS_STATS"} <= names, names
+
+
+@pytest.mark.parametrize("cls", _param_classes(), ids=lambda c: c.__name__)
+def test_packed_fields_are_the_dataclass_fields(cls):
+    """The lists computed at class creation (before the dataclass decorator ran) are the
+    dataclass's own fields, split by kind in declaration order."""
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(cls)]
+    floats, ints = cls.float_fields(), cls.int_fields()
+    assert sorted(floats + ints) == sorted(names)
+    assert [n for n in names if n in floats] == list(floats)
+    assert [n for n in names if n in ints] == list(ints)
+
+
+def test_pack_traces_under_torch_compile():
+    """pack() is called inside compiled regions (the ops build their params there)."""
+    cls = contracts.GroupAdvantagesParams
+    params = cls.unpack([0.25] * len(cls.float_fields()), [1] * len(cls.int_fields()))
+
+    def f(x):
+        fparams, iparams = params.pack()
+        return x * fparams[0] + iparams[0]
+
+    x = torch.ones(3)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(x), f(x))
 
 
 @pytest.mark.parametrize("cls", _param_classes(), ids=lambda c: c.__name__)

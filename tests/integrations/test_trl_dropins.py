@@ -5,6 +5,7 @@ options that are not fused raising instead of being ignored, and ``use_backend``
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import re
@@ -348,6 +349,26 @@ def test_every_trl_function_runs_on_the_use_backend_one(monkeypatch):
     seen.clear()
     ours.selective_log_softmax(L, IDX)
     assert seen == ["auto"]
+
+
+def test_compiled_drop_in_follows_use_backend(monkeypatch):
+    """Under torch.compile (fullgraph) the backend is read at trace time and guarded: a graph
+    compiled in one ``use_backend`` block is never reused in another, nor after the block.
+    (The spy marks each backend's output, so a stale graph would give the wrong value.)"""
+    real = trainer_utils.logprobs_from_logits
+    mark = {"cpu": 0.0, "auto": 100.0}
+
+    def spy(*args, backend="auto", **kw):
+        return real(*args, backend=backend, **kw) + mark[backend]  # (log-probs only: no entropy asked)
+
+    monkeypatch.setattr(trainer_utils, "logprobs_from_logits", spy)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, i: ours.selective_log_softmax(x, i), fullgraph=True, backend="eager")
+    plain = ours.selective_log_softmax(L, IDX) - mark["auto"]
+    for backend in ("cpu", "auto", "cpu", None, "auto", None, "cpu"):
+        with ours.use_backend(backend) if backend else contextlib.nullcontext():
+            torch.testing.assert_close(f(L, IDX), plain + mark[backend or "auto"])
+    torch._dynamo.reset()
 
 
 def test_use_backend_refuses_unknown_backends():

@@ -208,9 +208,9 @@ def test_forward_and_backward(backend, device, dtype, logprob_weight, entropy_we
 
 @pytest.mark.parametrize("backend,device", FAST)
 def test_torch_compile(backend, device):
-    """TRL's ``test_torch_compile_fullgraph``, compiled without ``fullgraph``: the drop-ins
-    read the ``use_backend`` context variable, which Dynamo cannot trace (one graph break
-    before the op). Gradient finite and zero on masked rows, as TRL's; values as eager."""
+    """TRL's ``test_torch_compile_fullgraph``: the drop-in, with the ``use_backend`` setting it
+    reads, compiles to one graph. Gradient finite and zero on masked rows, as TRL's; values
+    as eager."""
     gen = torch.Generator().manual_seed(8)
     logits = torch.randn(2, 3, 257, generator=gen).to(torch.bfloat16).to(device).requires_grad_(True)
     index = torch.randint(257, (2, 3), generator=gen).to(device)
@@ -222,7 +222,7 @@ def test_torch_compile(backend, device):
 
     torch._dynamo.reset()
     with ours.use_backend(backend):
-        compiled = torch.compile(loss)(logits, index, row_mask)
+        compiled = torch.compile(loss, fullgraph=True)(logits, index, row_mask)
         compiled.backward()
         grad = logits.grad.clone()
         logits.grad = None

@@ -97,7 +97,7 @@ def expected(inputs, opts):
     n_seq = float(met.num_seqs) if seq_mean else 1.0
     ntok = float(met.num_tokens)
     sums = torch.zeros(NUM_SUMS, dtype=torch.float64)
-    sums[S.TOTAL] = float(loss) * n_seq
+    sums[S.TOTAL] = float(loss.detach()) * n_seq
     sums[S.PG] = float(met.pg_loss) * n_seq
     sums[S.KL] = float(met.kl_loss) * n_seq
     sums[S.NTOK] = ntok
