@@ -208,68 +208,6 @@ std::vector<int64_t> sanitize_row_ptr(const int64_t* row_ptr, int64_t N, int64_t
   return out;
 }
 
-// ------------------------------------------------------------------ vector lanes
-// Vec<T, VB>: VB-byte vectors of T and their lane masks (−1 / 0).
-template <typename T, int VB>
-struct Vec;
-
-#define RLVR_VEC(T_, VB_, I_)                       \
-  template <>                                       \
-  struct Vec<T_, VB_> {                             \
-    static constexpr int W = VB_ / int(sizeof(T_)); \
-    typedef T_ V __attribute__((vector_size(VB_))); \
-    typedef I_ M __attribute__((vector_size(VB_))); \
-  };
-RLVR_VEC(float, 32, int32_t)
-RLVR_VEC(float, 16, int32_t)
-RLVR_VEC(double, 32, int64_t)
-RLVR_VEC(double, 16, int64_t)
-#undef RLVR_VEC
-
-// Lanes [0, n) of p; the others are 0.
-template <typename T, int VB, typename in_t>
-RLVR_INLINE typename Vec<T, VB>::V loadv(const in_t* p, int n) {
-  typename Vec<T, VB>::V v;
-  if constexpr (std::is_same<in_t, T>::value) {
-    if (n == Vec<T, VB>::W) {
-      std::memcpy(&v, p, sizeof(v));
-      return v;
-    }
-  }
-  for (int l = 0; l < Vec<T, VB>::W; ++l) v[l] = l < n ? static_cast<T>(p[l]) : T(0);
-  return v;
-}
-
-template <typename T, typename V>
-RLVR_INLINE void storev(T* p, V v, int n) {
-  if (n == int(sizeof(V) / sizeof(T))) {
-    std::memcpy(p, &v, sizeof(v));
-  } else {
-    for (int l = 0; l < int(sizeof(V) / sizeof(T)); ++l) {
-      if (l < n) p[l] = v[l];
-    }
-  }
-}
-
-template <typename T, int VB>
-RLVR_INLINE typename Vec<T, VB>::M lanes_below(int n) {
-  typename Vec<T, VB>::M m;
-  for (int l = 0; l < Vec<T, VB>::W; ++l) m[l] = l < n ? -1 : 0;
-  return m;
-}
-
-// torch.max semantics: NaN wins.
-template <typename V>
-RLVR_INLINE V vmax_nan(V a, V b) {
-  const V r = a > b ? a : b;
-  return a != a ? a : (b != b ? b : r);
-}
-
-template <typename T>
-RLVR_INLINE T max_nan(T a, T b) {
-  return a != a ? a : (b != b ? b : (a > b ? a : b));
-}
-
 // v (a vector or a float) as a value in a register: the compiler cannot fuse the multiply that
 // made it into a following add (GCC contracts to FMA by default, and an FMA would use the
 // unrounded product).
@@ -342,9 +280,9 @@ struct LinearZ {
   const T* acc;
   const T* bias;  // nullptr: none
   T inv_t;
-  RLVR_INLINE typename Vec<T, VB>::V operator()(int64_t i, int n) const {
-    auto x = loadv<T, VB>(acc + i, n);
-    if (bias != nullptr) x += loadv<T, VB>(bias + i, n);
+  RLVR_INLINE typename Lanes<T, VB>::V operator()(int64_t i, int n) const {
+    auto x = load<T, VB>(acc + i, n);
+    if (bias != nullptr) x += load<T, VB>(bias + i, n);
     return x * inv_t;
   }
 };
@@ -354,7 +292,7 @@ template <typename T, int VB, typename in_t>
 struct LogitsZ {
   const in_t* x;
   T inv_t;
-  RLVR_INLINE typename Vec<T, VB>::V operator()(int64_t i, int n) const { return loadv<T, VB>(x + i, n) * inv_t; }
+  RLVR_INLINE typename Lanes<T, VB>::V operator()(int64_t i, int n) const { return load<T, VB>(x + i, n) * inv_t; }
 };
 
 // Statistics of one row segment of n columns, relative to the segment's max. z is written to
@@ -362,7 +300,7 @@ struct LogitsZ {
 // statistics saw); dst may be the memory zof reads.
 template <typename T, int VB, bool kEntropy, typename ZOf>
 RLVR_INLINE Stats<T> segment_stats(T* dst, int64_t n, const ZOf& zof) {
-  using L = Vec<T, VB>;
+  using L = Lanes<T, VB>;
   using V = typename L::V;
   constexpr int W = L::W;
   const V ninf = splat<V>(-kInf<T>);
@@ -376,7 +314,7 @@ RLVR_INLINE Stats<T> segment_stats(T* dst, int64_t n, const ZOf& zof) {
   const int tail = int(n - i);
   if (tail > 0) {
     const V z = zof(i, tail);
-    storev(dst + i, z, tail);
+    store(dst + i, z, tail);
     vm = vmax_nan(vm, lanes_below<T, VB>(tail) ? z : ninf);
   }
   Stats<T> st;
@@ -394,7 +332,7 @@ RLVR_INLINE Stats<T> segment_stats(T* dst, int64_t n, const ZOf& zof) {
     if constexpr (kEntropy) ve += ex * d;
   }
   if (tail > 0) {
-    const V d = vclamp(loadv<T, VB>(dst + i, tail) - mx, floor, splat<V>(T(0)));
+    const V d = vclamp(load<T, VB>(dst + i, tail) - mx, floor, splat<V>(T(0)));
     const V ex = lanes_below<T, VB>(tail) ? vexp(d) : V{};
     vs += ex;
     if constexpr (kEntropy) ve += ex * d;
@@ -415,7 +353,7 @@ struct RowGrad {
 // dz of one row segment (without the target terms), written to dst (may be what zof reads).
 template <typename T, int VB, bool kEntGrad, typename ZOf>
 RLVR_INLINE void segment_dz(T* dst, int64_t n, const ZOf& zof, const RowGrad<T>& r) {
-  using L = Vec<T, VB>;
+  using L = Lanes<T, VB>;
   using V = typename L::V;
   constexpr int W = L::W;
   const V lse = splat<V>(r.lse), ent = splat<V>(r.ent), G = splat<V>(r.G), h = splat<V>(r.h);
@@ -427,7 +365,7 @@ RLVR_INLINE void segment_dz(T* dst, int64_t n, const ZOf& zof, const RowGrad<T>&
     const V p = vexp(zl);
     V coef = G;
     if constexpr (kEntGrad) coef += h * (zl + ent);
-    storev(dst + i, (neg_inv_t * p) * coef, cnt);
+    store(dst + i, (neg_inv_t * p) * coef, cnt);
   }
 }
 
@@ -441,13 +379,13 @@ RLVR_INLINE void add_targets(T* dst, const Targets& tg, int64_t n, int64_t c0, i
 // acc[0, n) += Σ_r src[r·ld + (0, n)], rows in order.
 template <typename T, int VB>
 RLVR_INLINE void add_rows(T* acc, const T* src, int64_t ld, int64_t rows, int64_t n) {
-  using V = typename Vec<T, VB>::V;
-  constexpr int W = Vec<T, VB>::W;
+  using V = typename Lanes<T, VB>::V;
+  constexpr int W = Lanes<T, VB>::W;
   for (int64_t i = 0; i < n; i += W) {
     const int cnt = int(std::min<int64_t>(W, n - i));
-    V a = loadv<T, VB>(acc + i, cnt);
-    for (int64_t r = 0; r < rows; ++r) a += loadv<T, VB>(src + r * ld + i, cnt);
-    storev(acc + i, a, cnt);
+    V a = load<T, VB>(acc + i, cnt);
+    for (int64_t r = 0; r < rows; ++r) a += load<T, VB>(src + r * ld + i, cnt);
+    store(acc + i, a, cnt);
   }
 }
 

@@ -1,5 +1,6 @@
-// Vector helpers shared by the kernels: GCC vector types, a float exp on them, and the run-time
-// choice between the baseline build (16-byte vectors) and the AVX2+FMA clone (32-byte vectors).
+// The one home of the kernels' vector helpers: GCC vector types (Lanes<T, VB>), masked loads and
+// stores, NaN-propagating max/min, a float exp, and the run-time choice between the baseline
+// build (16-byte vectors) and the AVX2+FMA clone (32-byte vectors).
 //
 // The build is portable (no -march), so a kernel's hot loop is written once on these helpers,
 // always inlined into two noinline entry points (one with target("avx2,fma")) and picked at run
@@ -9,6 +10,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <type_traits>
 
 // 32-byte vector arguments of always-inlined helpers never cross a call boundary.
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -96,6 +99,112 @@ RLVR_INLINE V vexp_double(V x) {
 }
 RLVR_INLINE F64x4 vexp(F64x4 x) { return vexp_double(x); }
 RLVR_INLINE F64x2 vexp(F64x2 x) { return vexp_double(x); }
+
+// ------------------------------------------------------------------ lanes of a compute type
+// Lanes<T, VB>: VB-byte vectors of the compute type T (16 bytes for the baseline ISA, 32 for
+// AVX2), their lane masks (−1 / 0), and double accumulators with one lane per T lane.
+template <typename T, int VB>
+struct Lanes;
+
+#define RLVR_LANES(T_, VB_, I_, U_, DB_, BB_, BITS_)    \
+  template <>                                           \
+  struct Lanes<T_, VB_> {                               \
+    static constexpr int W = VB_ / int(sizeof(T_));     \
+    typedef T_ V __attribute__((vector_size(VB_)));     \
+    typedef I_ M __attribute__((vector_size(VB_)));     \
+    typedef U_ U __attribute__((vector_size(VB_)));     \
+    typedef double D __attribute__((vector_size(DB_))); \
+    typedef int8_t B __attribute__((vector_size(BB_))); \
+    typedef BITS_ Bits;                                 \
+  };
+RLVR_LANES(float, 32, int32_t, uint32_t, 64, 8, uint64_t)
+RLVR_LANES(float, 16, int32_t, uint32_t, 32, 4, uint32_t)
+RLVR_LANES(double, 32, int64_t, uint64_t, 32, 4, uint32_t)
+RLVR_LANES(double, 16, int64_t, uint64_t, 16, 2, uint16_t)
+#undef RLVR_LANES
+
+// m ? a : b, for vector lanes and for scalars alike.
+template <typename M, typename V>
+RLVR_INLINE V sel(M m, V a, V b) {
+  return m ? a : b;
+}
+
+// torch.maximum / torch.minimum: NaN in either operand gives NaN.
+template <typename V>
+RLVR_INLINE V vmax_nan(V a, V b) {
+  const V r = a > b ? a : b;
+  return a != a ? a : r;
+}
+
+template <typename V>
+RLVR_INLINE V vmin_nan(V a, V b) {
+  const V r = a < b ? a : b;
+  return a != a ? a : r;
+}
+
+template <typename T, int VB, typename in_t>
+RLVR_INLINE typename Lanes<T, VB>::V load(const in_t* p, int n) {
+  using V = typename Lanes<T, VB>::V;
+  constexpr int W = Lanes<T, VB>::W;
+  V v;
+  if (n == W) {
+    if constexpr (std::is_same<in_t, T>::value) {
+      std::memcpy(&v, p, sizeof(V));
+    } else {
+      for (int l = 0; l < W; ++l) v[l] = static_cast<T>(p[l]);
+    }
+    return v;
+  }
+  for (int l = 0; l < W; ++l) v[l] = l < n ? static_cast<T>(p[l]) : T(0);
+  return v;
+}
+
+template <typename T, typename V>
+RLVR_INLINE void store(T* p, V v, int n) {
+  if (n == int(sizeof(V) / sizeof(T))) {
+    std::memcpy(p, &v, sizeof(v));
+  } else {
+    for (int l = 0; l < n; ++l) p[l] = v[l];
+  }
+}
+
+// Lanes [0, n) of a bool mask as −1/0 lanes; false when no lane is set.
+template <typename T, int VB>
+RLVR_INLINE bool load_mask(const bool* p, int n, typename Lanes<T, VB>::M& m) {
+  using L = Lanes<T, VB>;
+  if (n == L::W) {
+    typename L::Bits bits;
+    std::memcpy(&bits, p, sizeof(bits));
+    if (bits == 0) {
+      m = typename L::M{};
+      return false;
+    }
+    typename L::B b;
+    std::memcpy(&b, p, sizeof(b));
+    m = __builtin_convertvector(b != 0, typename L::M);
+    return true;
+  }
+  bool any = false;
+  for (int l = 0; l < L::W; ++l) {
+    const bool v = l < n && p[l];
+    m[l] = v ? -1 : 0;
+    any |= v;
+  }
+  return any;
+}
+
+template <typename T, int VB>
+RLVR_INLINE typename Lanes<T, VB>::M lanes_below(int n) {
+  typename Lanes<T, VB>::M m;
+  for (int l = 0; l < Lanes<T, VB>::W; ++l) m[l] = l < n ? -1 : 0;
+  return m;
+}
+
+// The scalar max with torch.max semantics (NaN wins), for reducing the lanes of vmax_nan.
+template <typename T>
+RLVR_INLINE T max_nan(T a, T b) {
+  return a != a ? a : (b != b ? b : (a > b ? a : b));
+}
 
 #if RLVR_AVX2_CLONE
 // Whether to run the AVX2+FMA clones; RLVR_KERNELS_CPU_NO_AVX2=1 forces the baseline build

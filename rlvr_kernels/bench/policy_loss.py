@@ -182,7 +182,8 @@ def _check_fused(x: Dict) -> None:
 
 def methods(device: str, quick: bool = False, x: Optional[Dict] = None, compile_info: Optional[Dict] = None):
     """The workload's inputs and the (label, step, key) of every method; each step runs
-    forward + backward and returns (loss, grad)."""
+    forward + backward and returns (loss, grad). (Long because it is a list: one short
+    closure per compared method, side by side so their inputs are visibly the same.)"""
     x = make_inputs(device, quick) if x is None else x
     lp, old, ref, roll, adv, mask = x["logprobs"], x["old"], x["ref"], x["rollout"], x["adv"], x["mask"]
     _check_fused(x)

@@ -28,7 +28,8 @@ MASK_DTYPES = (torch.bool,) + INT_DTYPES + FLOAT_DTYPES
 MAX_COUNT = 2**31 - 1
 
 # Temperatures the kernels represent: z / T is formed in fp32, so 1 / T must be a normal
-# fp32 number with headroom for logits of magnitude up to ~1e4.
+# fp32 number; at the smallest T, z / T stays finite for logits up to ~3e8 in magnitude
+# (fp32's max 3.4e38 / 1e30), far beyond any real model's logits.
 MIN_TEMPERATURE = 1e-30
 MAX_TEMPERATURE = 1e30
 

@@ -680,7 +680,7 @@ def linear_logprobs(
     else:
         shard = _VocabShard(group=process_group, vocab_start=vocab_start, vocab_size=vocab_size)
         logp, entropy, _ = _VocabParallelLinearLogprobs.apply(*args, shard)
-    return (logp, entropy) if return_entropy else logp
+    return (logp, _unsaved(entropy)) if return_entropy else logp
 
 
 def logprobs_from_logits(
@@ -734,10 +734,19 @@ def logprobs_from_logits(
     )
     logp, entropy, _ = _from_logits(*args)
     logp = logp.reshape(x.lead)
-    return (logp, entropy.reshape(x.lead)) if return_entropy else logp
+    return (logp, _unsaved(entropy.reshape(x.lead))) if return_entropy else logp
 
 
 # ------------------------------------------------------------------ helpers
+
+
+def _unsaved(entropy: torch.Tensor) -> torch.Tensor:
+    """The entropy the caller gets: the op saves its own entropy output for the backward, so
+    when autograd recorded the call the caller gets a copy ([N], cheap next to the [N, V]
+    pass) and may modify it in place (``masked_fill_``) before calling backward."""
+    return entropy.clone() if entropy.requires_grad else entropy
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 

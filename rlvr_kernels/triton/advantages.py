@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import NamedTuple
 
 import torch
 import triton
@@ -418,23 +419,16 @@ def _check_shapes(scores, group_index, valid, lengths, response_mask, cu_seqlens
 
 
 def group_advantages(scores, group_index, valid, lengths, response_mask, cu_seqlens, fparams, iparams, out_dtype):
-    """The Triton kernels under the contract of ``rlvr_kernels_C::group_advantages``."""
+    """The Triton kernels under the contract of ``rlvr_kernels_C::group_advantages``, in the
+    reference's stages: token counts → group statistics → per-sample advantages (and
+    whitening) → broadcast to tokens."""
     p = GroupAdvantagesParams.unpack(fparams, iparams)
     T = _check_shapes(scores, group_index, valid, lengths, response_mask, cu_seqlens, p)
     dev = scores.device
     B, G = scores.shape[0], p.num_groups
-    cdt_torch, cdt = (torch.float64, tl.float64) if scores.dtype == torch.float64 else (torch.float32, tl.float32)
-    tdt = tl.float64 if out_dtype == torch.float64 else tl.float32
-    cf = dict(dtype=cdt_torch, device=dev)
-    packed = cu_seqlens is not None
-    has_layout = packed or response_mask is not None
-    if packed:
-        token_adv = torch.empty(T, dtype=out_dtype, device=dev)
-        cu = sanitized_offsets(cu_seqlens, T).contiguous()  # in bounds and disjoint, whatever the input
-    elif response_mask is not None:
-        token_adv = torch.empty(response_mask.shape, dtype=out_dtype, device=dev)
-    else:
-        token_adv = torch.empty(0, dtype=out_dtype, device=dev)
+    cdt_torch = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    # Sanitised offsets: in bounds and disjoint, whatever the input.
+    cu = sanitized_offsets(cu_seqlens, T).contiguous() if cu_seqlens is not None else None
 
     scores = scores.contiguous()
     if p.group_size > 0:  # contiguous groups: ids are cheap to make on the device
@@ -443,97 +437,146 @@ def group_advantages(scores, group_index, valid, lengths, response_mask, cu_seql
     ok = torch.isfinite(scores) & (group_index >= 0) & (group_index < G)
     if valid is not None:
         ok &= valid.bool()
-    ok8 = ok.to(torch.int8)
 
-    # Token weights w_i: needed by OPO and token whitening.
-    weights = None
+    weights = None  # token weights w_i: needed by OPO and token whitening
     if p.baseline == Baseline.OPO or p.whiten == Whiten.TOKENS:
-        if lengths is not None:
-            weights = lengths.to(cdt_torch).contiguous()
-        elif packed and response_mask is None:
-            weights = (cu[1:] - cu[:-1]).to(cdt_torch)
-        elif has_layout and B > 0:
-            weights = torch.empty(B, **cf)
-            m = response_mask.contiguous()
-            _row_sum_kernel[(B,)](
-                m, cu if packed else weights, weights, B, 1 if packed else m.shape[1], PACKED=packed, BLOCK=_BLOCK
-            )
+        weights = _token_counts(B, lengths, response_mask, cu, cdt_torch)
+    stats = _group_stats(scores, group_index, ok, weights, p, cdt_torch)
+    adv, keep8 = _sample_advantages(scores, group_index, ok, weights, stats, p, cdt_torch)
+    token_adv = _broadcast_to_tokens(adv, response_mask, cu, T, out_dtype)
+    return (
+        adv.to(out_dtype),
+        token_adv,
+        stats.mean.to(out_dtype),
+        stats.sd.to(out_dtype),
+        stats.count,
+        stats.degenerate.bool(),
+        keep8.bool(),
+    )
 
-    # Segments: a stable sort keeps each group's samples in sample order.
+
+def _token_counts(B, lengths, response_mask, cu, cdt_torch):
+    """[B] tokens per sample (reference ``token_counts``): ``lengths``, else the packed
+    spans, else the mask's row sums; None without any layout (every weight 1)."""
+    if lengths is not None:
+        return lengths.to(cdt_torch).contiguous()
+    packed = cu is not None
+    if packed and response_mask is None:
+        return (cu[1:] - cu[:-1]).to(cdt_torch)
+    if response_mask is None or B == 0:
+        return None
+    weights = torch.empty(B, dtype=cdt_torch, device=response_mask.device)
+    m = response_mask.contiguous()
+    _row_sum_kernel[(B,)](
+        m, cu if packed else weights, weights, B, 1 if packed else m.shape[1], PACKED=packed, BLOCK=_BLOCK
+    )
+    return weights
+
+
+class _GroupStats(NamedTuple):
+    mean: torch.Tensor
+    sd: torch.Tensor
+    ext_a: torch.Tensor  # the baseline's extra per-group values (pass@k, OPO, ...)
+    ext_b: torch.Tensor
+    count: torch.Tensor
+    degenerate: torch.Tensor
+
+
+def _group_stats(scores, group_index, ok, weights, p: GroupAdvantagesParams, cdt_torch) -> _GroupStats:
+    """Per-group count, mean, std and the baseline's extras, one program per group over its
+    segment of a stable sort by group id (each group's samples stay in sample order)."""
+    dev, G = scores.device, p.num_groups
+    cf = dict(dtype=cdt_torch, device=dev)
     key = torch.where(ok, group_index, torch.full_like(group_index, G))
     sorted_key, order = torch.sort(key, stable=True)
     offsets = torch.searchsorted(sorted_key, torch.arange(G + 1, device=dev, dtype=sorted_key.dtype))
-
-    mean = torch.zeros(G, **cf)
-    sd = torch.zeros(G, **cf)
-    ext_a = torch.zeros(G, **cf)
-    ext_b = torch.zeros(G, **cf)
-    count = torch.zeros(G, dtype=torch.int64, device=dev)
-    degenerate = torch.ones(G, dtype=torch.int8, device=dev)
+    st = _GroupStats(
+        mean=torch.zeros(G, **cf),
+        sd=torch.zeros(G, **cf),
+        ext_a=torch.zeros(G, **cf),
+        ext_b=torch.zeros(G, **cf),
+        count=torch.zeros(G, dtype=torch.int64, device=dev),
+        degenerate=torch.ones(G, dtype=torch.int8, device=dev),
+    )
     if G > 0:
         _group_stats_kernel[(G,)](
             scores,
             order,
             offsets,
-            weights if weights is not None else mean,
-            mean,
-            sd,
-            ext_a,
-            ext_b,
-            count,
-            degenerate,
+            weights if weights is not None else st.mean,
+            st.mean,
+            st.sd,
+            st.ext_a,
+            st.ext_b,
+            st.count,
+            st.degenerate,
             int(p.passk_k),
             float(p.eps),
             STD_UNBIASED=bool(p.std_unbiased),
             EPS_IN_SQRT=bool(p.eps_in_sqrt),
             BASELINE=int(p.baseline),
             HAS_WEIGHT=weights is not None,
-            CDT=cdt,
+            CDT=_tl_dtype(cdt_torch),
             BLOCK=64,
         )
+    return st
 
-    moments = torch.zeros(4, **cf)
+
+def _sample_advantages(scores, group_index, ok, weights, st: _GroupStats, p: GroupAdvantagesParams, cdt_torch):
+    """(advantages [B], keep flags [B] int8): each sample against its group's statistics
+    (batch moments first where the baseline or scale needs them), then whitening."""
+    dev, B, G = scores.device, scores.shape[0], p.num_groups
+    cf = dict(dtype=cdt_torch, device=dev)
     adv = torch.zeros(B, **cf)
     keep8 = torch.zeros(B, dtype=torch.int8, device=dev)
-    if B > 0:
-        ok_f = ok.to(cdt_torch)
-        if (p.baseline == Baseline.MEAN and p.scale == Scale.BATCH) or p.baseline == Baseline.GPG:
-            _moments_kernel[(1,)](scores, ok_f, moments, B, BLOCK=_BLOCK)
-        _sample_kernel[(triton.cdiv(B, _BLOCK),)](
-            scores,
-            group_index,
-            ok8,
-            mean,
-            sd,
-            ext_a,
-            ext_b,
-            count,
-            degenerate,
-            moments,
-            adv,
-            keep8,
-            B,
-            G,
-            float(p.eps),
-            BASELINE=int(p.baseline),
-            SCALE=int(p.scale),
-            STD_UNBIASED=bool(p.std_unbiased),
-            EPS_IN_SQRT=bool(p.eps_in_sqrt),
-            SINGLETON_RAW=bool(p.singleton_raw),
-            CDT=cdt,
-            BLOCK=_BLOCK,
+    if B == 0:
+        return adv, keep8
+    ok_f = ok.to(cdt_torch)
+    moments = torch.zeros(4, **cf)
+    if (p.baseline == Baseline.MEAN and p.scale == Scale.BATCH) or p.baseline == Baseline.GPG:
+        _moments_kernel[(1,)](scores, ok_f, moments, B, BLOCK=_BLOCK)
+    _sample_kernel[(triton.cdiv(B, _BLOCK),)](
+        scores,
+        group_index,
+        ok.to(torch.int8),
+        st.mean,
+        st.sd,
+        st.ext_a,
+        st.ext_b,
+        st.count,
+        st.degenerate,
+        moments,
+        adv,
+        keep8,
+        B,
+        G,
+        float(p.eps),
+        BASELINE=int(p.baseline),
+        SCALE=int(p.scale),
+        STD_UNBIASED=bool(p.std_unbiased),
+        EPS_IN_SQRT=bool(p.eps_in_sqrt),
+        SINGLETON_RAW=bool(p.singleton_raw),
+        CDT=_tl_dtype(cdt_torch),
+        BLOCK=_BLOCK,
+    )
+    if p.whiten != Whiten.OFF:
+        wts = ok_f * weights if (p.whiten == Whiten.TOKENS and weights is not None) else ok_f
+        wmom = torch.zeros(4, **cf)
+        _moments_kernel[(1,)](adv, wts, wmom, B, BLOCK=_BLOCK)
+        _whiten_kernel[(triton.cdiv(B, _BLOCK),)](
+            adv, wts, wmom, B, float(p.whiten_eps), EPS_IN_SQRT=bool(p.whiten_eps_in_sqrt), BLOCK=_BLOCK
         )
-        if p.whiten != Whiten.OFF:
-            wts = ok_f * weights if (p.whiten == Whiten.TOKENS and weights is not None) else ok_f
-            wmom = torch.zeros(4, **cf)
-            _moments_kernel[(1,)](adv, wts, wmom, B, BLOCK=_BLOCK)
-            _whiten_kernel[(triton.cdiv(B, _BLOCK),)](
-                adv, wts, wmom, B, float(p.whiten_eps), EPS_IN_SQRT=bool(p.whiten_eps_in_sqrt), BLOCK=_BLOCK
-            )
+    return adv, keep8
 
-    if has_layout and token_adv.numel() > 0:
-        if packed:
-            steps = max(1, math.ceil(math.log2(B + 1)) + 1)
+
+def _broadcast_to_tokens(adv, response_mask, cu, T, out_dtype):
+    """Token advantages (reference ``broadcast_to_tokens``): [T] packed, shaped like the
+    padded mask, or empty without a layout."""
+    dev, B = adv.device, adv.shape[0]
+    tdt = _tl_dtype(out_dtype)
+    if cu is not None:
+        token_adv = torch.empty(T, dtype=out_dtype, device=dev)
+        if T > 0:
             m = response_mask.contiguous() if response_mask is not None else token_adv
             _packed_tokens_kernel[(triton.cdiv(T, _BLOCK),)](
                 adv,
@@ -544,27 +587,27 @@ def group_advantages(scores, group_index, valid, lengths, response_mask, cu_seql
                 T,
                 HAS_MASK=response_mask is not None,
                 TDT=tdt,
-                SEARCH_STEPS=steps,
+                SEARCH_STEPS=max(1, math.ceil(math.log2(B + 1)) + 1),
                 BLOCK=_BLOCK,
             )
-        else:
-            L = response_mask.shape[1]
-            block_l = min(1024, max(16, triton.next_power_of_2(L)))
-            block_b = max(1, 2048 // block_l)
-            grid = (triton.cdiv(B, block_b), triton.cdiv(L, block_l))
-            _padded_tokens_kernel[grid](
-                adv, response_mask.contiguous(), token_adv, B, L, TDT=tdt, BLOCK_B=block_b, BLOCK_L=block_l
-            )
+        return token_adv
+    if response_mask is None:
+        return torch.empty(0, dtype=out_dtype, device=dev)
+    token_adv = torch.empty(response_mask.shape, dtype=out_dtype, device=dev)
+    if token_adv.numel() > 0:
+        L = response_mask.shape[1]
+        block_l = min(1024, max(16, triton.next_power_of_2(L)))
+        block_b = max(1, 2048 // block_l)
+        grid = (triton.cdiv(B, block_b), triton.cdiv(L, block_l))
+        _padded_tokens_kernel[grid](
+            adv, response_mask.contiguous(), token_adv, B, L, TDT=tdt, BLOCK_B=block_b, BLOCK_L=block_l
+        )
+    return token_adv
 
-    return (
-        adv.to(out_dtype),
-        token_adv,
-        mean.to(out_dtype),
-        sd.to(out_dtype),
-        count,
-        degenerate.bool(),
-        keep8.bool(),
-    )
+
+def _tl_dtype(dtype: torch.dtype):
+    """The Triton compute/output type: fp64 for fp64, else fp32."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
 
 
 def aot_specs():

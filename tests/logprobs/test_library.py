@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 import torch
-from _backends import FAST, HEAVY
+from _backends import ALL, FAST, HEAVY
 
 import rlvr_kernels as rk
 from rlvr_kernels.testing import random_logprobs_case
@@ -131,6 +131,31 @@ def test_torch_compile_fullgraph(backend, device):
         results.append([loss.detach()] + [t.grad for t in leaves])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_returned_entropy_may_be_modified_in_place(backend, device):
+    """The ops save their entropy for the backward; the caller's copy is its own, so masking
+    it in place (verl's and TRL's trainers do) leaves the gradient of what was returned."""
+    gen = torch.Generator().manual_seed(5)
+    x = random_logprobs_case(gen, N=6, H=8, V=19, bias=False, branching=False, device=device)
+    logits0 = torch.randn(6, 19, generator=gen).to(device)
+    keep = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.bool, device=device)
+    grads = {}
+    for inplace in (False, True):
+        hidden = x["hidden"].clone().requires_grad_(True)
+        logits = logits0.clone().requires_grad_(True)
+        _, ent = rk.linear_logprobs(hidden, x["weight"], x["targets"], return_entropy=True, backend=backend)
+        _, ent2 = rk.logprobs_from_logits(logits, x["targets"], return_entropy=True, backend=backend)
+        if inplace:
+            ent.masked_fill_(~keep, 0.0)
+            ent2.mul_(keep)
+        else:
+            ent, ent2 = ent.masked_fill(~keep, 0.0), ent2 * keep
+        (ent.sum() + ent2.sum()).backward()
+        grads[inplace] = (hidden.grad, logits.grad)
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("backend,device", HEAVY)

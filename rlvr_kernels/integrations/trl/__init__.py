@@ -22,8 +22,8 @@ import trl as rk_trl; rk_trl.selective_log_softmax(...)``.
 
 Backend selection (the same for every integration): a drop-in's signature has no room
 for a ``backend`` argument, so the drop-ins run on the backend of the innermost
-``with use_backend("reference" | "cpu" | "triton" | "auto"):`` block (a
-process-wide setting that torch.compile traces; "auto" outside any block). :func:`grpo_loss_trl`, our own
+``with use_backend("reference" | "cpu" | "triton" | "auto"):`` block (a process-wide
+setting that torch.compile traces; "auto" outside any block). :func:`grpo_loss_trl`, our own
 function, also takes ``backend=`` (None: the ``use_backend`` one).
 """
 

@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from ...contracts.policy_loss import entropy_quantile_threshold
 from ...ops._validation import (
     FLOAT_DTYPES,
     MASK_DTYPES,
@@ -528,10 +529,7 @@ def _entropy_bonus(entropies: torch.Tensor, mask: torch.Tensor, plan: _Plan) -> 
     completion tokens, whatever the loss type's normaliser (gradient to ``entropies``)."""
     eff = mask != 0
     if plan.shaping is not None:
-        # The op's own threshold rule (torch.quantile's), computed as the op computes it. Imported
-        # here: only this option needs it, and the drop-ins' fast path stays clear of the reference.
-        from ...reference.policy_loss import entropy_quantile_threshold
-
+        # The op's own threshold rule (torch.quantile's), computed as the op computes it.
         thr = entropy_quantile_threshold(entropies, eff, plan.shaping.entropy_quantile)
         eff = eff & (entropies.detach().float() >= thr)
     effm = eff.to(entropies.dtype)

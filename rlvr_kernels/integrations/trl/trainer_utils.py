@@ -19,8 +19,8 @@ Each has TRL's signature and TRL's semantics, read from trl/trainer/utils.py:
   are gathered from it, ``logp_k = logp_0 + (z_k − z_0) / T``: exact, with the exact
   gradient ``(e_k − p) / T``, and one pass per row whatever K (TRL's torch path builds a
   ``[.., V]`` log-softmax per batch row).
-* Outputs never alias the op's saved tensors, so a caller may modify them in place before
-  the backward (TRL's trainers mask log-probs in place).
+* Outputs never alias the op's saved tensors (the op's guarantee), so a caller may modify
+  them in place before the backward (TRL's trainers mask log-probs in place).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Te
     ignored = torch.full(logits.shape[:-1], _IGNORE, dtype=torch.int64, device=logits.device)
     with caller_names(_NAMES):
         _, entropy = logprobs_from_logits(logits, ignored, return_entropy=True, backend=current_backend())
-    return entropy.to(torch.float32 if _trl_kernel_runs(logits) else logits.dtype, copy=True)
+    return entropy.to(torch.float32 if _trl_kernel_runs(logits) else logits.dtype)
 
 
 def selective_log_softmax_and_entropy(
@@ -86,7 +86,7 @@ def selective_log_softmax_and_entropy(
         raise ValueError("temperature must be positive")
     logp, entropy = _select(logits, index, temperature, row_mask, need_entropy=True)
     logp_dtype, entropy_dtype = _and_entropy_dtypes(logits, index, temperature, row_mask)
-    entropy = entropy.to(entropy_dtype, copy=True)
+    entropy = entropy.to(entropy_dtype)
     return logp.to(logp_dtype), entropy if entropy_requires_grad else entropy.detach()
 
 

@@ -20,8 +20,8 @@ verl.compute_policy_loss_vanilla(...)``.
 
 Backend selection (the same for every integration): a drop-in's signature has no room
 for a ``backend`` argument, so the drop-ins run on the backend of the innermost
-``with use_backend("reference" | "cpu" | "triton" | "auto"):`` block (a
-process-wide setting that torch.compile traces; "auto" outside any block). :func:`policy_loss_verl`, our
+``with use_backend("reference" | "cpu" | "triton" | "auto"):`` block (a process-wide
+setting that torch.compile traces; "auto" outside any block). :func:`policy_loss_verl`, our
 own function, also takes ``backend=`` (None: the ``use_backend`` one). ``kl_penalty``,
 ``agg_loss`` and ``compute_policy_loss_gpg`` are elementwise work plus one masked sum,
 run as lean torch (no kernel), the same on every backend.
