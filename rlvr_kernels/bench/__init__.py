@@ -158,7 +158,8 @@ def plot(report: Dict, path: str) -> bool:
         ax.tick_params(axis="y", labelsize=8)
     m = report["machine"]
     fig.suptitle(f"rlvr-kernels bench {m['date']} on {m.get('gpu') or m['cpu']}", fontsize=10)
-    fig.tight_layout()
+    # Room at the top for the title: tight_layout alone lets the first panel's title run into it.
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
