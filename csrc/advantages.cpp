@@ -184,6 +184,15 @@ double chunked_sum(int64_t n, const F& term) {
   return total;
 }
 
+// t in dtype: t itself when it has it, else a converted copy in an output from the cache
+// (`Tensor::to` would allocate through ATen and pay fresh page faults on every call).
+torch::Tensor cast_output(const torch::Tensor& t, at::ScalarType dtype) {
+  if (t.scalar_type() == dtype) return t;
+  torch::Tensor out = empty_output(t.sizes(), dtype);
+  out.copy_(t);
+  return out;
+}
+
 // A float64 copy of t in a workspace from the output cache (no page faults once warm).
 torch::Tensor to_double(const torch::Tensor& t) {
   auto c = t.contiguous();
@@ -915,10 +924,10 @@ Result run(const Inputs& in, at::ScalarType out_dtype) {
       token_adv = in.packed ? empty_output({in.T}, out_dtype) : empty_output({B, in.mask.size(1)}, out_dtype);
       broadcast_to_tokens(in, a, token_adv);
     }
-    adv_t = adv_t.to(out_dtype);
+    adv_t = cast_output(adv_t, out_dtype);
   }
   if (!token_adv.defined()) token_adv = torch::empty({0}, torch::TensorOptions().dtype(out_dtype));
-  return {adv_t, token_adv, mean_t.to(out_dtype), std_t.to(out_dtype), count_t, deg_t, keep_t};
+  return {adv_t, token_adv, cast_output(mean_t, out_dtype), cast_output(std_t, out_dtype), count_t, deg_t, keep_t};
 }
 
 }  // namespace

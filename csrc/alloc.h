@@ -8,7 +8,8 @@
 // caching allocator does on the GPU) removes them for the steady state of a training loop.
 //
 // The cache holds at most RLVR_KERNELS_CPU_CACHE_MB MiB (default 1024; 0 disables it);
-// `empty_cpu_cache()` returns everything to the OS. Outputs under 1 MiB use ATen's allocator.
+// `empty_cpu_cache()` returns everything to the OS. Outputs from 64 KiB to 1 MiB are cached in
+// 64 KiB steps on ordinary pages; outputs under 64 KiB use ATen's allocator.
 #pragma once
 
 #include <torch/types.h>
