@@ -13,6 +13,7 @@ load hits every row alike; the table reports medians and the load average.
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 import uuid
@@ -245,14 +246,18 @@ def _check_agreement(methods, tol: float = 1e-4) -> Dict[str, float]:
 
 def _time_methods(methods, device, slow=frozenset(), repeats: int = 9) -> Dict[str, Dict]:
     """Median (and min) wall time of each method, timed interleaved: one call of every method per
-    round, after one warm-up call each; ``slow`` methods run in the first three rounds only."""
+    round, in a shuffled order, after one warm-up call each; ``slow`` methods run in the
+    first three rounds only."""
     rows = {key: {"method": label, "key": key} for label, _, key in methods}
     runnable = [(fn, key) for _, fn, key in methods if fn is not None]
     for fn, _ in runnable:
         fn()
     times: Dict[str, list] = {key: [] for _, key in runnable}
+    order = random.Random(0)
     for r in range(repeats):
-        for fn, key in runnable:
+        # A fresh order each round (seeded), so no method always has the same neighbour: one
+        # that follows a heavy method runs on cold caches and a trimmed heap.
+        for fn, key in order.sample(runnable, len(runnable)):
             if key in slow and r >= 3:
                 continue
             times[key].append(_time_once(fn, device))

@@ -39,9 +39,10 @@ The fused op must run: a missing or broken kernel raises (no stand-in backend).
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -341,16 +342,36 @@ def copy_step(nbytes: int, device: str) -> Callable[[], torch.Tensor]:
     return lambda: torch.empty_like(src).copy_(src)
 
 
-def time_interleaved(steps: List[tuple], device: str, repeats: int, warmup: int) -> Dict[str, Dict]:
-    """Median time of each step, measured in rounds (every method once per round), so a
-    change of load on a shared machine hits every method alike and the ratios hold."""
-    live = [(key, fn) for _, fn, key in steps if fn is not None]
+def time_interleaved(
+    steps: List[tuple], device: str, repeats: int, warmup: int, leaves: Sequence[torch.Tensor] = ()
+) -> Dict[str, Dict]:
+    """Median time of each step, measured in rounds (every method once per round, in a
+    shuffled order), so a change of load on a shared machine hits every method alike
+    and the ratios hold.
+
+    Each timed call ends by dropping the gradients of ``leaves``: every method pays for
+    freeing its own gradient, never for the previous method's (freeing a [B, L] tensor
+    ATen allocated can cost as much as a small fused call)."""
+
+    def owning(fn):
+        def run():
+            fn()
+            for t in leaves:
+                t.grad = None
+
+        return run
+
+    live = [(key, owning(fn)) for _, fn, key in steps if fn is not None]
     times: Dict[str, List[float]] = {key: [] for key, _ in live}
     for _ in range(warmup):
         for _, fn in live:
             fn()
+    order = random.Random(0)
     for _ in range(repeats):
-        for key, fn in live:
+        # A fresh order each round (seeded): a method that follows a heavy one runs on cold
+        # caches and a trimmed heap, one that follows its twin on warm ones; no method should
+        # always have the same neighbour.
+        for key, fn in order.sample(live, len(live)):
             times[key].append(time_fn(fn, device, repeats=1, warmup=0)["ms"])
     return {key: {"ms": statistics.median(t), "min_ms": min(t), "runs": len(t)} for key, t in times.items()}
 
@@ -363,7 +384,9 @@ def workload(device: str, quick: bool = False) -> Dict:
     repeats, warmup = (5, 1) if quick else (21, 3)
     nbytes = moved_bytes(x)
     copy_label = f"torch.empty_like(x).copy_(x), x = {nbytes / 1e6:.1f} MB (the fused op's bytes)"
-    timed = time_interleaved(steps + [(copy_label, copy_step(nbytes, device), "copy")], device, repeats, warmup)
+    timed = time_interleaved(
+        steps + [(copy_label, copy_step(nbytes, device), "copy")], device, repeats, warmup, leaves=[x["logprobs"]]
+    )
     rows = {}
     for label, _, key in steps + [(copy_label, None, "copy")]:
         rows[key] = {"method": label, "key": key, **timed.get(key, {})}
@@ -390,7 +413,7 @@ def workload(device: str, quick: bool = False) -> Dict:
     targets.append(_target("verl actor / fused", rows, "verl_actor", "fused", "info", None))
     notes = [
         f"{B} x {L} tokens, {int(x['mask'].sum())} valid ({float(x['mask'].float().mean()):.0%}); "
-        f"every method: forward + loss.backward(), grad reset to None before each call; methods timed in "
+        f"every method: forward + loss.backward(), then its gradient freed (in its time); methods timed in "
         f"interleaved rounds ({repeats} rounds, median)",
         "verl: token-level advantages materialised once as adv[:, None] * mask ([B, L] fp32, as verl's "
         "trainer stores them), outside the timed call; its .item() metric syncs are timed",
@@ -440,6 +463,7 @@ def dropin_pairs(x: Dict):
     gen = torch.Generator().manual_seed(1)
     up = torch.randn(lp.shape, generator=gen).to(lp.device)  # an upstream gradient for kl_penalty
     mat = (x["ref"] - x["old"]).clone().requires_grad_(True)  # a loss matrix for agg_loss
+    x["agg_matrix"] = mat  # (a leaf whose gradient the timing drops after each call)
     ours = verl_dropins
 
     def policy_step(fn):
@@ -536,7 +560,7 @@ def dropin_workload(device: str, quick: bool = False) -> Dict:
         agreement[label] = check_agreement(pair)[f"verl_{i}"]
         steps += pair
     repeats, warmup = (5, 1) if quick else (21, 3)
-    timed = time_interleaved(steps, device, repeats, warmup)
+    timed = time_interleaved(steps, device, repeats, warmup, leaves=[x["logprobs"], x["agg_matrix"]])
     rows, targets = [], []
     for i, (label, _, _) in enumerate(pairs):
         mine, theirs = timed[f"dropin_{i}"], timed[f"verl_{i}"]
