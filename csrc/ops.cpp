@@ -6,6 +6,7 @@
 #include "advantages.h"
 #include "alloc.h"
 #include "logprobs.h"
+#include "packing.h"
 #include "policy_loss.h"
 
 TORCH_LIBRARY(rlvr_kernels_C, m) {
@@ -31,6 +32,20 @@ TORCH_LIBRARY(rlvr_kernels_C, m) {
   m.def(
       "logprobs_from_logits_bwd(Tensor logits, Tensor targets, Tensor inv_temperature, Tensor grad_logp, Tensor lse, "
       "Tensor entropy, Tensor? grad_entropy) -> Tensor");
+  m.def(
+      "prefix_tree_build(Tensor tokens, Tensor cu_tokens, Tensor trained, Tensor group, Tensor row_cu, "
+      "bool next_key) -> Tensor[]");
+  // The incremental trie of the planners (TreeRowBuilder): host-side state, so a class, not an op.
+  m.class_<rlvr::PrefixTrie>("PrefixTrie")
+      .def(torch::init<bool>())
+      .def("match", &rlvr::PrefixTrie::match)
+      .def("add", &rlvr::PrefixTrie::add)
+      .def("num_nodes", &rlvr::PrefixTrie::num_nodes)
+      .def("num_samples", &rlvr::PrefixTrie::num_samples)
+      .def("load", &rlvr::PrefixTrie::load)
+      .def("trained", &rlvr::PrefixTrie::trained)
+      .def("node_tokens", &rlvr::PrefixTrie::node_tokens)
+      .def("layout", &rlvr::PrefixTrie::layout);
   m.def("cpu_cache_stats() -> int[]", &rlvr::cpu_cache_stats);
   m.def("empty_cpu_cache() -> ()", &rlvr::empty_cpu_cache);
 }
@@ -43,6 +58,7 @@ TORCH_LIBRARY_IMPL(rlvr_kernels_C, CPU, m) {
   m.impl("linear_logprobs_bwd", &rlvr::linear_logprobs_bwd_cpu);
   m.impl("logprobs_from_logits_stats", &rlvr::logprobs_from_logits_stats_cpu);
   m.impl("logprobs_from_logits_bwd", &rlvr::logprobs_from_logits_bwd_cpu);
+  m.impl("prefix_tree_build", &rlvr::prefix_tree_build_cpu);
 }
 
 // Importable as a Python module; the ops above register when the library loads.

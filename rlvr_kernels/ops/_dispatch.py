@@ -55,6 +55,9 @@ KERNELS: Dict[Tuple[str, str], str] = {
     ("logprobs_from_logits_stats", "triton"): "rlvr_kernels.triton.logprobs:logprobs_from_logits_stats",
     ("logprobs_from_logits_bwd", "cpu"): "torch.ops.rlvr_kernels_C:logprobs_from_logits_bwd",
     ("logprobs_from_logits_bwd", "triton"): "rlvr_kernels.triton.logprobs:logprobs_from_logits_bwd",
+    # prefix-tree packing (a host-side build: no Triton row)
+    ("prefix_tree_build", "reference"): "rlvr_kernels.reference.packing:prefix_tree_build",
+    ("prefix_tree_build", "cpu"): "torch.ops.rlvr_kernels_C:prefix_tree_build",
 }
 
 _C_PREFIX = "torch.ops.rlvr_kernels_C:"

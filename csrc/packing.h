@@ -1,0 +1,57 @@
+// Prefix-tree packing: the trie builder behind rlvr_kernels.packing.
+//
+// A row (one data-parallel rank's forward) folds its samples into a trie so a token shared by
+// several samples is forwarded once. Two node keys:
+//   - token+next (TRL 1.16's TreeRow): a node is keyed on (token, next token), the last token of a
+//     sample on (token, END). The trie forks one token before samples diverge, every node has one
+//     next-token label and every sample ends on a leaf.
+//   - token: a node is keyed on its token alone (maximal sharing); a branch node then predicts
+//     several targets and a sample may end on an inner node.
+// Roots may be keyed on a group too (sharing restricted to one group).
+//
+// The layout is TRL's: DFS pre-order with children in insertion order, unary chains merged into
+// segments (a segment ends at a branch, a leaf or a sample end), each segment's root-to-segment
+// path of packed positions laid end to end for the gathered-K/V attention path.
+#pragma once
+
+#include <torch/custom_class.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace rlvr {
+
+// Batch build: samples [B] given as flat `tokens` [T] (int64, >= 0) with offsets `cu_tokens`
+// [B+1], per-token `trained` [T] (bool), `group` [B] (int64 >= 0, or empty for no restriction) and
+// rows as consecutive sample ranges `row_cu` [R+1]. Rows are built in parallel; each row's output
+// is the same whatever the thread count. Returns the rows' layouts concatenated (see packing.cpp).
+std::vector<torch::Tensor> prefix_tree_build_cpu(const torch::Tensor& tokens, const torch::Tensor& cu_tokens,
+                                                 const torch::Tensor& trained, const torch::Tensor& group,
+                                                 const torch::Tensor& row_cu, bool next_key);
+
+struct Trie;
+
+// The incremental form for planners (TreeRow's fits/add/pack): one row, samples added one at a time.
+struct PrefixTrie : torch::CustomClassHolder {
+  explicit PrefixTrie(bool next_key);
+  ~PrefixTrie() override;
+  // Leading tokens of `ids` already in the trie (under root key `group`, -1 for none).
+  int64_t match(const torch::Tensor& ids, int64_t group) const;
+  void add(const torch::Tensor& ids, const torch::Tensor& trained, int64_t group);
+  int64_t num_nodes() const;
+  int64_t num_samples() const;
+  int64_t load() const;
+  int64_t trained() const;
+  torch::Tensor node_tokens() const;
+  std::vector<torch::Tensor> layout() const;
+
+ private:
+  Trie* trie_;
+  bool next_key_;
+  std::vector<int64_t> tokens_;
+  std::vector<uint8_t> trained_;
+  std::vector<int64_t> cu_{0};
+};
+
+}  // namespace rlvr

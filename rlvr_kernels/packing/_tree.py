@@ -1,0 +1,389 @@
+"""``TreePack`` and ``pack_prefix_tree``: a row of samples folded into a prefix tree.
+
+The layout is TRL 1.16's ``TreeRow.pack()`` (AsyncGRPO), built by the C++ trie in
+``csrc/packing.cpp``. Sizes: N forwarded (unique) tokens, S segments, K gathered K/V rows,
+M targets (trained tokens; a shared position serves every sample that shares it), B samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..ops import _dispatch
+from ..ops._validation import MAX_COUNT
+
+KEYS = ("token+next", "token")
+
+# The fields ``to_trl()`` returns, in TRL's order.
+TRL_FIELDS = (
+    "input_ids",
+    "position_ids",
+    "shift_labels",
+    "tree_kv_index",
+    "tree_cu_seqlens_q",
+    "tree_cu_seqlens_k",
+    "tree_max_seqlens",
+    "token_index",
+    "old_log_probs",
+    "advantages",
+    "segment_id",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreePack:
+    """One packed row. Every index is into this row.
+
+    Forwarded tokens (DFS pre-order of the trie, unary chains merged into segments):
+        input_ids [N] int64, position_ids [N] int64 (a token's position in its samples = its
+        depth), shift_labels [N] int64 (the next token a position predicts; -100 where no
+        sample trains it, and under ``key="token"`` where it predicts several different ones).
+    Visibility: ``enter [N]``, ``leave [N]`` int32; query q sees key k iff
+        enter[k] <= enter[q] < leave[k] (k is q or an ancestor of q). In DFS pre-order
+        ``enter`` is the packed position.
+    Segments: ``tree_cu_seqlens_q [S+1]`` int32 (segment boundaries), ``segment_parent [S]``
+        int32 (-1 for a root), ``tree_kv_index [K]`` int64 and ``tree_cu_seqlens_k [S+1]``
+        int32 (each segment's root-to-segment path of packed positions, laid end to end),
+        ``tree_max_seqlens [2]`` int64 (longest segment, longest path).
+    Targets, sample-major (sample b owns ``cu_seqlens[b]:cu_seqlens[b+1]``):
+        ``token_index [M]`` int64 (the position whose hidden state predicts the target),
+        ``target_ids [M]`` int64, ``token_pos [M]`` int64 (the target's position in its
+        sample), ``segment_id [M]`` int64 (its sample), ``cu_seqlens [B+1]`` int32,
+        ``old_log_probs [M]`` / ``advantages [M]`` float32 when given to the builder.
+    Samples: ``gather_index [T]`` int64 (packed position of every input token, sample-major,
+        T = ``num_tokens_unpacked``), ``cu_tokens [B+1]`` int64 (sample boundaries in it).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    shift_labels: torch.Tensor
+    enter: torch.Tensor
+    leave: torch.Tensor
+    tree_kv_index: torch.Tensor
+    tree_cu_seqlens_q: torch.Tensor
+    tree_cu_seqlens_k: torch.Tensor
+    tree_max_seqlens: torch.Tensor
+    segment_parent: torch.Tensor
+    token_index: torch.Tensor
+    target_ids: torch.Tensor
+    token_pos: torch.Tensor
+    segment_id: torch.Tensor
+    cu_seqlens: torch.Tensor
+    gather_index: torch.Tensor
+    cu_tokens: torch.Tensor
+    old_log_probs: Optional[torch.Tensor]
+    advantages: Optional[torch.Tensor]
+    key: str
+    load: int  # attention cost, sum over nodes of (depth + 1): TRL's TreeRow.load
+
+    @property
+    def num_tokens(self) -> int:
+        """N, the tokens a forward over the pack processes."""
+        return self.input_ids.shape[0]
+
+    @property
+    def num_tokens_unpacked(self) -> int:
+        """The tokens of the samples laid end to end (a padding-free unpacked batch)."""
+        return self.gather_index.shape[0]
+
+    @property
+    def num_samples(self) -> int:
+        return self.cu_seqlens.shape[0] - 1
+
+    @property
+    def num_segments(self) -> int:
+        return self.segment_parent.shape[0]
+
+    @property
+    def num_targets(self) -> int:
+        return self.token_index.shape[0]
+
+    @property
+    def sample_lengths(self) -> torch.Tensor:
+        return self.cu_tokens.diff()
+
+    @property
+    def compression(self) -> float:
+        """Unpacked tokens over forwarded tokens (1.0 when nothing is shared)."""
+        return self.num_tokens_unpacked / max(self.num_tokens, 1)
+
+    def to(self, device) -> "TreePack":
+        """The pack with every tensor on ``device``."""
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
+
+    def to_trl(self) -> Dict[str, torch.Tensor]:
+        """Exactly the dict TRL 1.16's ``TreeRow.pack()`` returns for the same samples in the
+        same order (``key="token+next"``, no ``group_index``): same keys, dtypes and values."""
+        if self.key != "token+next":
+            raise ValueError(
+                "to_trl: TRL's layout has one label per position, which only key='token+next' gives; "
+                f"this pack was built with key={self.key!r}"
+            )
+        if self.old_log_probs is None or self.advantages is None:
+            missing = [n for n in ("old_log_probs", "advantages") if getattr(self, n) is None]
+            raise ValueError(f"to_trl: TRL's layout carries {' and '.join(missing)}; pass them to pack_prefix_tree")
+        return {name: getattr(self, name) for name in TRL_FIELDS}
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _as_int_tensor(name: str, x) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        t = x
+    elif isinstance(x, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(x))
+    elif isinstance(x, (list, tuple)):
+        try:
+            t = torch.tensor(x, dtype=torch.int64) if len(x) else torch.zeros(0, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            raise TypeError(f"{name}: expected a sequence of integer token ids") from None
+    else:
+        raise TypeError(f"{name}: expected a list, 1-D tensor or numpy array of token ids, got {type(x).__name__}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name}: token ids must be integers, got dtype {str(t.dtype).replace('torch.', '')}")
+    if t.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence of token ids, got shape {tuple(t.shape)}")
+    return t.to("cpu", torch.int64)
+
+
+def _flat_samples(samples, lengths):
+    """(tokens [T] int64, cu_tokens [B+1] int64, per-sample lengths list) from either input form."""
+    if isinstance(samples, torch.Tensor) and samples.dim() == 2:
+        if lengths is None:
+            raise ValueError("lengths: a padded [B, L] samples tensor needs lengths= (the tokens of each row)")
+        if samples.dtype.is_floating_point or samples.dtype.is_complex or samples.dtype == torch.bool:
+            raise TypeError(
+                f"samples: token ids must be integers, got dtype {str(samples.dtype).replace('torch.', '')}"
+            )
+        B, L = samples.shape
+        lens = _as_int_tensor("lengths", lengths)
+        if lens.shape[0] != B:
+            raise ValueError(f"lengths: expected {B} entries (one per row of samples), got {lens.shape[0]}")
+        if B and (int(lens.min()) < 0 or int(lens.max()) > L):
+            raise ValueError(f"lengths: expected values in [0, {L}] (the padded width of samples)")
+        keep = torch.arange(L).unsqueeze(0) < lens.unsqueeze(1)
+        tokens = samples.to("cpu", torch.int64)[keep]
+        return tokens, lens.tolist()
+    if lengths is not None:
+        raise ValueError("lengths: only for a padded [B, L] samples tensor")
+    if isinstance(samples, (str, bytes)) or not isinstance(samples, Sequence) and not isinstance(samples, torch.Tensor):
+        raise TypeError(
+            f"samples: expected a list of token-id sequences or a padded [B, L] tensor, got {type(samples).__name__}"
+        )
+    if isinstance(samples, torch.Tensor):
+        raise ValueError(f"samples: a tensor must be a padded [B, L] batch, got shape {tuple(samples.shape)}")
+    parts = [_as_int_tensor(f"samples[{i}]", s) for i, s in enumerate(samples)]
+    tokens = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    return tokens, [p.shape[0] for p in parts]
+
+
+def _per_token(name: str, x, lengths: List[int], dtype=None) -> torch.Tensor:
+    """A per-token value given per sample (list of sequences) or padded [B, L], flattened to [T]."""
+    B = len(lengths)
+    if isinstance(x, torch.Tensor) and x.dim() == 2:
+        if x.shape[0] != B or (B and x.shape[1] < max(lengths)):
+            raise ValueError(
+                f"{name}: a padded tensor must be [B, L] with B = {B} and L >= the longest sample "
+                f"({max(lengths) if B else 0}), got {tuple(x.shape)}"
+            )
+        keep = torch.arange(x.shape[1]).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+        out = x.to("cpu")[keep]
+    else:
+        if isinstance(x, torch.Tensor) or not isinstance(x, Sequence):
+            raise TypeError(f"{name}: expected a padded [B, L] tensor or a list of B per-sample sequences")
+        if len(x) != B:
+            raise ValueError(f"{name}: expected {B} per-sample sequences (one per sample), got {len(x)}")
+        parts = []
+        for i, (v, n) in enumerate(zip(x, lengths)):
+            t = torch.as_tensor(np.asarray(v) if not isinstance(v, torch.Tensor) else v).to("cpu").reshape(-1)
+            if t.shape[0] != n:
+                raise ValueError(f"{name}[{i}]: expected {n} values (the sample's length), got {t.shape[0]}")
+            parts.append(t)
+        out = torch.cat(parts) if parts else torch.zeros(0)
+    return out if dtype is None else out.to(dtype)
+
+
+def _trained_mask(completion_mask, completion_start, lengths: List[int], T: int) -> torch.Tensor:
+    if completion_mask is not None and completion_start is not None:
+        raise ValueError("completion_mask, completion_start: give one of them, not both")
+    if completion_mask is not None:
+        m = _per_token("completion_mask", completion_mask, lengths)
+        if m.dtype.is_complex:
+            raise TypeError("completion_mask: expected a bool, integer or float mask")
+        if m.dtype != torch.bool and bool(((m != 0) & (m != 1)).any()):
+            raise ValueError("completion_mask: expected 0/1 values")
+        return m != 0
+    B = len(lengths)
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    if completion_start is None:
+        raise ValueError("completion_mask: give completion_mask (per token) or completion_start (per sample)")
+    if isinstance(completion_start, int) and not isinstance(completion_start, bool):
+        start = torch.full((B,), completion_start, dtype=torch.int64)
+    else:
+        start = _as_int_tensor("completion_start", completion_start)
+        if start.shape[0] != B:
+            raise ValueError(f"completion_start: expected {B} entries (one per sample), got {start.shape[0]}")
+    if B and (bool((start < 0).any()) or bool((start > lens).any())):
+        i = int(((start < 0) | (start > lens)).nonzero()[0, 0])
+        raise ValueError(
+            f"completion_start: expected 0 <= completion_start[b] <= len(samples[b]), got {int(start[i])} for "
+            f"sample {i} of length {lengths[i]}"
+        )
+    pos = torch.arange(T) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    return pos >= torch.repeat_interleave(start, lens)
+
+
+def _group_codes(group_index, B: int) -> torch.Tensor:
+    if group_index is None:
+        return torch.zeros(0, dtype=torch.int64)
+    g = _as_int_tensor("group_index", group_index)
+    if g.shape[0] != B:
+        raise ValueError(f"group_index: expected {B} entries (one per sample), got {g.shape[0]}")
+    return torch.unique(g, return_inverse=True)[1].to(torch.int64).contiguous()
+
+
+def _advantages(advantages, lengths: List[int], T: int) -> torch.Tensor:
+    """Per-token advantages [T] from one value per sample ([B]) or per token."""
+    B = len(lengths)
+    if isinstance(advantages, torch.Tensor) and advantages.dim() <= 1 or isinstance(advantages, np.ndarray):
+        a = torch.as_tensor(advantages).reshape(-1).to("cpu")
+        if a.shape[0] != B:
+            raise ValueError(f"advantages: expected {B} values (one per sample), got {a.shape[0]}")
+        if not a.dtype.is_floating_point:
+            a = a.to(torch.float64)
+        return torch.repeat_interleave(a, torch.tensor(lengths, dtype=torch.int64))
+    if isinstance(advantages, Sequence) and all(isinstance(v, (int, float)) for v in advantages):
+        if len(advantages) != B:
+            raise ValueError(f"advantages: expected {B} values (one per sample), got {len(advantages)}")
+        a = torch.tensor([float(v) for v in advantages], dtype=torch.float64)
+        return torch.repeat_interleave(a, torch.tensor(lengths, dtype=torch.int64))
+    return _per_token("advantages", advantages, lengths)
+
+
+# ----------------------------------------------------------------------------- build
+
+
+@dataclasses.dataclass(frozen=True)
+class _Flat:
+    tokens: torch.Tensor
+    cu_tokens: torch.Tensor
+    trained: torch.Tensor
+    group: torch.Tensor
+    old_log_probs: Optional[torch.Tensor]
+    advantages: Optional[torch.Tensor]
+
+
+def _flatten(samples, lengths, completion_mask, completion_start, old_log_probs, advantages, group_index) -> _Flat:
+    tokens, lens = _flat_samples(samples, lengths)
+    T = tokens.shape[0]
+    if T > MAX_COUNT:
+        raise ValueError(f"samples: {T} tokens in all exceeds {MAX_COUNT}")
+    if T and int(tokens.min()) < 0:
+        i = int((tokens < 0).nonzero()[0, 0])
+        raise ValueError(f"samples: token ids must be non-negative, got {int(tokens[i])}")
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
+    trained = _trained_mask(completion_mask, completion_start, lens, T).contiguous()
+    old = None if old_log_probs is None else _per_token("old_log_probs", old_log_probs, lens)
+    if old is not None and not old.dtype.is_floating_point:
+        raise TypeError("old_log_probs: expected floating-point values")
+    adv = None if advantages is None else _advantages(advantages, lens, T)
+    return _Flat(tokens.contiguous(), cu, trained, _group_codes(group_index, len(lens)), old, adv)
+
+
+def _key(key: str) -> bool:
+    if key not in KEYS:
+        raise ValueError(f"key: expected one of {KEYS}, got {key!r}")
+    return key == "token+next"
+
+
+def build_rows(flat: _Flat, row_cu: torch.Tensor, key: str, backend: str = "cpu") -> List[TreePack]:
+    """Packs of consecutive sample ranges ``row_cu`` [R+1] of ``flat``, built in one C++ call
+    (rows in parallel)."""
+    next_key = _key(key)
+    build = _dispatch.kernel("prefix_tree_build", backend)
+    (ids, pos, labels, leave, cu_q, parent, kv, cu_k, gather, tidx, tgt, tpos, seg, src, cu_m, sizes) = build(
+        flat.tokens, flat.cu_tokens, flat.trained, flat.group, row_cu, next_key
+    )
+    packs = []
+    n0 = s0 = k0 = m0 = 0
+    for r, (n, s, k, m, load, max_q, max_k) in enumerate(sizes.tolist()):
+        b0, b1 = int(row_cu[r]), int(row_cu[r + 1])
+        t0, t1 = int(flat.cu_tokens[b0]), int(flat.cu_tokens[b1])
+        rsrc = src[m0 : m0 + m]
+        packs.append(
+            TreePack(
+                input_ids=ids[n0 : n0 + n],
+                position_ids=pos[n0 : n0 + n],
+                shift_labels=labels[n0 : n0 + n],
+                enter=torch.arange(n, dtype=torch.int32),
+                leave=leave[n0 : n0 + n],
+                tree_kv_index=kv[k0 : k0 + k],
+                tree_cu_seqlens_q=cu_q[s0 + r : s0 + r + s + 1],
+                tree_cu_seqlens_k=cu_k[s0 + r : s0 + r + s + 1],
+                tree_max_seqlens=torch.tensor([max_q, max_k], dtype=torch.int64),
+                segment_parent=parent[s0 : s0 + s],
+                token_index=tidx[m0 : m0 + m],
+                target_ids=tgt[m0 : m0 + m],
+                token_pos=tpos[m0 : m0 + m],
+                segment_id=seg[m0 : m0 + m],
+                cu_seqlens=cu_m[b0 + r : b1 + r + 1],
+                gather_index=gather[t0:t1],
+                cu_tokens=flat.cu_tokens[b0 : b1 + 1] - t0,
+                old_log_probs=None if flat.old_log_probs is None else flat.old_log_probs[rsrc].to(torch.float32),
+                advantages=None if flat.advantages is None else flat.advantages[rsrc].to(torch.float32),
+                key=key,
+                load=load,
+            )
+        )
+        n0, s0, k0, m0 = n0 + n, s0 + s, k0 + k, m0 + m
+    return packs
+
+
+def pack_prefix_tree(
+    samples,
+    *,
+    lengths=None,
+    completion_mask=None,
+    completion_start=None,
+    old_log_probs=None,
+    advantages=None,
+    group_index=None,
+    key: str = "token+next",
+) -> TreePack:
+    """Fold ``samples`` into one prefix tree (one row: a data-parallel rank's forward).
+
+    Args:
+        samples: B token-id sequences (lists, 1-D integer tensors or numpy arrays), or a
+            padded ``[B, L]`` integer tensor with ``lengths`` [B].
+        completion_mask: which tokens are trained, per token (B sequences or ``[B, L]``, 0/1);
+            multi-turn tool and user turns are 0. A trained token at position 0 has no
+            predecessor and gives no target (as in TRL).
+        completion_start: instead of ``completion_mask``, the first trained position of each
+            sample (an int for all, or B ints).
+        old_log_probs: per-token generator log-probs aligned with the samples' tokens; the pack
+            carries the targets' values as ``old_log_probs [M]`` float32.
+        advantages: one value per sample ([B]) or per token; carried as ``advantages [M]``.
+        group_index: [B] group ids; when given, only samples of one group share tokens.
+        key: ``"token+next"`` (TRL's trie: a node is keyed on its token and the next one, so
+            every position has one label and ``to_trl()`` reproduces ``TreeRow.pack()``) or
+            ``"token"`` (maximal sharing: the branch token is shared too, and a branch position
+            predicts several targets; score them with
+            ``linear_logprobs(hidden, weight, pack.target_ids, row_index=pack.token_index)``).
+    """
+    _key(key)
+    flat = _flatten(samples, lengths, completion_mask, completion_start, old_log_probs, advantages, group_index)
+    row_cu = torch.tensor([0, flat.cu_tokens.shape[0] - 1], dtype=torch.int64)
+    return build_rows(flat, row_cu, key)[0]
