@@ -314,9 +314,13 @@ def build_rows(flat: _Flat, row_cu: torch.Tensor, key: str, backend: str = "cpu"
     (rows in parallel)."""
     next_key = _key(key)
     build = _dispatch.kernel("prefix_tree_build", backend)
-    (ids, pos, labels, leave, cu_q, parent, kv, cu_k, gather, tidx, tgt, tpos, seg, src, cu_m, sizes) = build(
-        flat.tokens, flat.cu_tokens, flat.trained, flat.group, row_cu, next_key
-    )
+    outputs = build(flat.tokens, flat.cu_tokens, flat.trained, flat.group, row_cu, next_key)
+    return packs_from_layout(outputs, flat, row_cu, key)
+
+
+def packs_from_layout(outputs, flat: _Flat, row_cu: torch.Tensor, key: str) -> List[TreePack]:
+    """Slice the builder's concatenated outputs (``csrc/packing.cpp``) into one TreePack per row."""
+    (ids, pos, labels, leave, cu_q, parent, kv, cu_k, gather, tidx, tgt, tpos, seg, src, cu_m, sizes) = outputs
     packs = []
     n0 = s0 = k0 = m0 = 0
     for r, (n, s, k, m, load, max_q, max_k) in enumerate(sizes.tolist()):
