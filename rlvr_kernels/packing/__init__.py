@@ -3,5 +3,7 @@ group's prompt, a multi-turn history) is forwarded once."""
 
 from ._builder import TreeRowBuilder
 from ._tree import TreePack, pack_prefix_tree
+from .plan import RowPlan, plan_rows
+from .values import pack_values, unpack
 
-__all__ = ["TreePack", "TreeRowBuilder", "pack_prefix_tree"]
+__all__ = ["RowPlan", "TreePack", "TreeRowBuilder", "pack_prefix_tree", "pack_values", "plan_rows", "unpack"]
