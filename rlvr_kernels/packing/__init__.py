@@ -2,6 +2,6 @@
 group's prompt, a multi-turn history) is forwarded once."""
 
 from ._builder import TreeRowBuilder
-from ._tree import TreePack, pack_prefix_tree
+from ._tree import TreePack, pack_prefix_tree, pack_rows
 
-__all__ = ["TreePack", "TreeRowBuilder", "pack_prefix_tree"]
+__all__ = ["TreePack", "TreeRowBuilder", "pack_prefix_tree", "pack_rows"]
