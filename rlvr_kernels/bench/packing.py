@@ -12,9 +12,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 import warnings
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -111,4 +115,156 @@ def build_workload(device: str, quick: bool = False) -> Dict:
     }
 
 
-WORKLOADS: Dict[str, Callable] = {"build": build_workload}
+FORWARD_SPEEDUP_TARGET = 2.0
+
+
+def forward_inputs(device: str, quick: bool = False) -> Dict:
+    """A small Llama and one GRPO group: G samples of one prompt, fixed-length completions."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    G, P, R = (4, 128, 32) if quick else (8, 512, 128)
+    H, layers, V = (128, 2, 4096) if quick else (512, 4, 32000)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=4 * H,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=P + R,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).to(device).eval()  # eval: no dropout, the same math in both layouts
+    prompt = torch.randint(0, V, (P,))
+    # Distinct first completion tokens, so the unique-token count is exactly P + G * R.
+    firsts = torch.randperm(V)[:G]
+    completions = [torch.cat([firsts[g : g + 1], torch.randint(0, V, (R - 1,))]) for g in range(G)]
+    samples = [torch.cat([prompt, c]) for c in completions]
+    return dict(G=G, P=P, R=R, H=H, layers=layers, V=V, model=model, samples=samples, device=device)
+
+
+def _forward_step(x: Dict, packed: bool) -> Callable[[], torch.Tensor]:
+    """Forward, log-probs of the completion tokens through ``linear_logprobs``, backward."""
+    from .. import linear_logprobs
+    from ..packing import pack_prefix_tree
+    from ..packing.hf import packed_logprobs
+
+    model, device, P = x["model"], x["device"], x["P"]
+    head = model.get_output_embeddings().weight
+    if packed:
+        pack = pack_prefix_tree(x["samples"], completion_start=P, key="token").to(device)
+    else:
+        batch = torch.stack(x["samples"]).to(device)
+        positions = torch.arange(batch.shape[1], device=device).expand_as(batch)
+        rows = torch.arange(batch.shape[0] * batch.shape[1], device=device).view(batch.shape)
+        index, targets = rows[:, P - 1 : -1].reshape(-1), batch[:, P:].reshape(-1)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        if packed:
+            logp, _ = packed_logprobs(model, pack, attn_implementation="rk_tree_sdpa")
+        else:
+            model.set_attn_implementation("sdpa")
+            hidden = model.base_model(input_ids=batch, position_ids=positions, use_cache=False).last_hidden_state
+            logp, _ = linear_logprobs(
+                hidden.reshape(-1, hidden.shape[-1]), head, targets, row_index=index, return_entropy=True
+            )
+        logp.sum().backward()
+        return logp.detach()
+
+    step.tokens = pack.num_tokens if packed else batch.numel()
+    return step
+
+
+def measure_forward_memory(packed: bool, device: str, quick: bool) -> Dict:
+    """Peak extra memory of one packed or unpacked step (run in a fresh process)."""
+    from .logprobs import _current_rss
+
+    x = forward_inputs(device, quick)
+    step = _forward_step(x, packed)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        return {"extra_gb": (torch.cuda.max_memory_allocated() - base) / 1e9}
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM, the peak RSS, to the current RSS
+    base, _ = _current_rss()
+    step()
+    _, peak = _current_rss()
+    return {"extra_gb": (peak - base) / 1e9}
+
+
+def _memory(packed: bool, device: str, quick: bool) -> Optional[float]:
+    code = (
+        "import json; from rlvr_kernels.bench.packing import measure_forward_memory; "
+        f"print(json.dumps(measure_forward_memory({packed!r}, {device!r}, {quick!r})))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+    try:
+        return json.loads(res.stdout.strip().splitlines()[-1])["extra_gb"]
+    except (IndexError, KeyError, json.JSONDecodeError):
+        return None
+
+
+def forward_workload(device: str, quick: bool = False) -> Dict:
+    x = forward_inputs(device, quick)
+    steps = {"packed": _forward_step(x, True), "unpacked": _forward_step(x, False)}
+    out = {k: f() for k, f in steps.items()}  # warm-up and agreement
+    agree = float((out["packed"] - out["unpacked"]).abs().max())
+    repeats = 3 if device == "cpu" else 10
+    times = {k: [] for k in steps}
+    for _ in range(repeats):
+        for k, f in steps.items():
+            times[k].append(time_fn(f, device, repeats=1, warmup=0)["ms"])
+    ms = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    G, P, R = x["G"], x["P"], x["R"]
+    theory = G * (P + R) / (P + G * R)
+    token_ratio = steps["unpacked"].tokens / steps["packed"].tokens
+    rows = [
+        {
+            "method": f"packed prefix tree, rk_tree_sdpa ({steps['packed'].tokens} tokens)",
+            "key": "fused",
+            "ms": ms["packed"],
+            "ratio": 1.0,
+            "extra_gb": _memory(True, device, quick),
+        },
+        {
+            "method": f"unpacked padded batch, SDPA ({steps['unpacked'].tokens} tokens)",
+            "key": "unpacked",
+            "ms": ms["unpacked"],
+            "ratio": ms["unpacked"] / ms["packed"],
+            "extra_gb": _memory(False, device, quick),
+        },
+    ]
+    targets = [
+        {
+            "target": f"token ratio == G(P+R)/(P+GR) = {theory:.3f}",
+            "measured": token_ratio,
+            "met": abs(token_ratio - theory) < 1e-9,
+        },
+        {
+            "target": f"unpacked / packed time >= {FORWARD_SPEEDUP_TARGET:.0f}",
+            "measured": ms["unpacked"] / ms["packed"],
+            "met": ms["unpacked"] / ms["packed"] >= FORWARD_SPEEDUP_TARGET,
+        },
+    ]
+    notes = [
+        f"Llama, hidden {x['H']}, {x['layers']} layers, 8 heads / 4 KV heads, vocab {x['V']}, fp32; one group of "
+        f"G={G} samples, prompt {P}, completion {R}; forward + linear_logprobs (log-probs and entropy of the "
+        f"{G * R} completion tokens) + backward; {repeats} interleaved rounds (median)",
+        f"max |log-prob packed - unpacked| = {agree:.1e}; extra memory: each layout once in a fresh process",
+    ]
+    kind = "quick" if quick else "standard"
+    return {
+        "name": f"{kind} forward + log-probs + backward, G={G}, prompt {P}, completion {R}: packed vs unpacked",
+        "rows": rows,
+        "targets": targets,
+        "notes": notes,
+    }
+
+
+WORKLOADS: Dict[str, Callable] = {"build": build_workload, "forward": forward_workload}
