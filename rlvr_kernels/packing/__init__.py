@@ -2,5 +2,16 @@
 group's prompt, a multi-turn history) is forwarded once."""
 
 from ._tree import TreePack, pack_prefix_tree
+from .attention import block_mask, dense_mask, mask_mod, register_tree_attention
+from .hf import forward_packed, packed_logprobs
 
-__all__ = ["TreePack", "pack_prefix_tree"]
+__all__ = [
+    "TreePack",
+    "pack_prefix_tree",
+    "dense_mask",
+    "mask_mod",
+    "block_mask",
+    "register_tree_attention",
+    "forward_packed",
+    "packed_logprobs",
+]
