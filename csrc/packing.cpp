@@ -1,8 +1,8 @@
 // Prefix-tree packing: the trie (an open-addressing hash on (parent, token, next)) and TRL's layout.
 //
 // Outputs of prefix_tree_build_cpu, each the rows' parts laid end to end (N forwarded tokens, S
-// segments, K gathered K/V rows, M targets, B samples of a row; indices are row-local except
-// target_src):
+// segments, K gathered K/V rows, M targets, B samples of a row; indices are row-local):
+// The N-sized outputs (0-3) have room for every token: row r's N nodes start at its first token.
 //   0 input_ids [N] i64       1 position_ids [N] i64      2 shift_labels [N] i64 (-100: untrained,
 //                                                           or several different targets)
 //   3 leave [N] i32 (end of the node's subtree in packed order; enter is the packed position)
@@ -10,10 +10,11 @@
 //   6 kv_index [K] i64        7 cu_seqlens_k [S+1] i32
 //   8 gather_index [T] i64 (packed position of every input token, in input order)
 //   9 token_index [M] i64    10 target_ids [M] i64      11 token_pos [M] i64 (position in its sample)
-//  12 segment_id [M] i64 (sample within the row)        13 target_src [M] i64 (index into tokens)
-//  14 cu_seqlens [B+1] i32 (targets per sample)         15 row_sizes [R, 7] i64:
+//  12 segment_id [M] i64 (sample within the row)
+//  13 cu_seqlens [B+1] i32 (targets per sample)         14 row_sizes [R, 7] i64:
 //                                                          N, S, K, M, load, longest segment, longest path
 #include "packing.h"
+
 
 #include <torch/library.h>
 
@@ -78,20 +79,28 @@ class ChildTable {
   size_t mask_ = 0, count_ = 0;
 };
 
-struct RowLayout {
-  std::vector<int64_t> input_ids, position_ids, shift_labels, kv_index, gather_index;
-  std::vector<int32_t> leave, cu_q{0}, parent, cu_k{0}, cu_seqlens{0};
-  std::vector<int64_t> token_index, target_ids, token_pos, segment_id, target_src;
-  int64_t load = 0, max_q = 0, max_k = 0;
+// Where a row's per-token and per-target outputs go: written in place (the N-sized arrays have room
+// for the row's T tokens, N <= T), so the large arrays are touched once. The segment table's size
+// is known only after the walk, so it comes back in vectors.
+struct RowOut {
+  int64_t *input_ids, *position_ids, *shift_labels, *gather_index;
+  int32_t* leave;
+  int64_t *token_index, *target_ids, *token_pos, *segment_id;
+  int32_t* cu_seqlens;
 };
 
-// A sample list as pointers into flat arrays: sample b is [cu[b], cu[b+1]) of ids/trained, and
-// `base` is added to make target_src global.
+struct RowLayout {
+  std::vector<int64_t> kv_index;
+  std::vector<int32_t> cu_q{0}, parent, cu_k{0};
+  int64_t num_nodes = 0, num_targets = 0, load = 0, max_q = 0, max_k = 0;
+};
+
+// A sample list as pointers into flat arrays: sample b is [cu[b], cu[b+1]) of ids/trained.
 struct Samples {
   const int64_t* ids;
   const uint8_t* trained;
   const int64_t* cu;
-  int64_t num, base;
+  int64_t num;
 };
 
 }  // namespace
@@ -99,8 +108,13 @@ struct Samples {
 struct Trie {
   explicit Trie(bool next_key) : next_key(next_key) {}
 
+  // Children are found by scanning a node's child list while it has at most kScan children (the
+  // common case: chains and small forks, whose nodes sit next to each other in memory), through
+  // the hash table beyond that and for roots, so a wide fork costs no more than a hash probe.
+  static constexpr int32_t kScan = 4;
+
   bool next_key;
-  std::vector<int64_t> tok;
+  std::vector<int64_t> tok, nxt;        // node -> its token, and the next-token part of its key
   std::vector<int32_t> first_child, last_child, next_sibling, num_children;
   std::vector<uint8_t> ends;            // a sample ends on this node
   int32_t first_root = -1, last_root = -1;
@@ -108,15 +122,61 @@ struct Trie {
   ChildTable table;
   int64_t load = 0, trained = 0;
 
+  void reserve(size_t n) {
+    for (auto* v : {&tok, &nxt}) v->reserve(n);
+    for (auto* v : {&first_child, &last_child, &next_sibling, &num_children}) v->reserve(n);
+    ends.reserve(n);
+    nodes.reserve(n);
+  }
+
   int64_t next_of(const int64_t* ids, int64_t n, int64_t p) const {
     return next_key ? (p + 1 < n ? ids[p + 1] : kEnd) : 0;
   }
   static int64_t root_key(int64_t group) { return group < 0 ? -1 : -2 - group; }
 
+  // The child of `parent` (-1: the roots under root key `rkey`) keyed (t, n), or -1.
+  int32_t find(int32_t parent, int64_t rkey, int64_t t, int64_t n) const {
+    if (parent >= 0 && num_children[parent] <= kScan) {
+      for (int32_t c = first_child[parent]; c >= 0; c = next_sibling[c])
+        if (tok[c] == t && nxt[c] == n) return c;
+      return -1;
+    }
+    return table.find(parent >= 0 ? parent : rkey, t, n);
+  }
+
+  int32_t make(int32_t parent, int64_t rkey, int64_t t, int64_t n) {
+    TORCH_CHECK(tok.size() < static_cast<size_t>(std::numeric_limits<int32_t>::max()),
+                "pack_prefix_tree: a row holds more than 2^31 - 1 unique tokens");
+    const int32_t child = static_cast<int32_t>(tok.size());
+    tok.push_back(t);
+    nxt.push_back(n);
+    first_child.push_back(-1);
+    last_child.push_back(-1);
+    next_sibling.push_back(-1);
+    num_children.push_back(0);
+    ends.push_back(0);
+    if (parent < 0) {
+      (last_root < 0 ? first_root : next_sibling[last_root]) = child;
+      last_root = child;
+      table.insert(rkey, t, n, child);
+      return child;
+    }
+    (last_child[parent] < 0 ? first_child[parent] : next_sibling[last_child[parent]]) = child;
+    last_child[parent] = child;
+    const int32_t count = ++num_children[parent];
+    if (count == kScan + 1) {  // outgrew the scan: index every child
+      for (int32_t c = first_child[parent]; c >= 0; c = next_sibling[c]) table.insert(parent, tok[c], nxt[c], c);
+    } else if (count > kScan + 1) {
+      table.insert(parent, t, n, child);
+    }
+    return child;
+  }
+
   int64_t match(const int64_t* ids, int64_t n, int64_t group) const {
-    int64_t parent = root_key(group);
+    const int64_t rkey = root_key(group);
+    int32_t parent = -1;
     for (int64_t p = 0; p < n; ++p) {
-      const int32_t child = table.find(parent, ids[p], next_of(ids, n, p));
+      const int32_t child = find(parent, rkey, ids[p], next_of(ids, n, p));
       if (child < 0) return p;
       parent = child;
     }
@@ -124,44 +184,25 @@ struct Trie {
   }
 
   void add(const int64_t* ids, const uint8_t* mask, int64_t n, int64_t group) {
-    int64_t key = root_key(group);
+    const int64_t rkey = root_key(group);
     int32_t parent = -1;
+    bool fresh = false;  // a node made by this sample has no children yet: no lookup needed
     for (int64_t p = 0; p < n; ++p) {
       const int64_t next = next_of(ids, n, p);
-      int32_t child = table.find(key, ids[p], next);
+      int32_t child = fresh ? -1 : find(parent, rkey, ids[p], next);
       if (child < 0) {
-        TORCH_CHECK(tok.size() < static_cast<size_t>(std::numeric_limits<int32_t>::max()),
-                    "pack_prefix_tree: a row holds more than 2^31 - 1 unique tokens");
-        child = static_cast<int32_t>(tok.size());
-        table.insert(key, ids[p], next, child);
-        tok.push_back(ids[p]);
-        first_child.push_back(-1);
-        last_child.push_back(-1);
-        next_sibling.push_back(-1);
-        num_children.push_back(0);
-        ends.push_back(0);
-        link(parent, child);
+        child = make(parent, rkey, ids[p], next);
         load += p + 1;
+        fresh = true;
       }
       nodes.push_back(child);
-      key = parent = child;
+      parent = child;
     }
     if (n > 0) ends[parent] = 1;
     for (int64_t p = 0; p < n; ++p) trained += mask[p] != 0;
   }
 
-  void link(int32_t parent, int32_t child) {
-    int32_t& first = parent < 0 ? first_root : first_child[parent];
-    int32_t& last = parent < 0 ? last_root : last_child[parent];
-    if (last < 0)
-      first = child;
-    else
-      next_sibling[last] = child;
-    last = child;
-    if (parent >= 0) ++num_children[parent];
-  }
-
-  RowLayout layout(const Samples& s) const;
+  RowLayout layout(const Samples& s, const RowOut& o) const;
 };
 
 namespace {
@@ -173,12 +214,10 @@ struct Frame {
 }  // namespace
 
 // DFS pre-order over segments (children in insertion order), then the loss terms of every sample.
-RowLayout Trie::layout(const Samples& s) const {
+RowLayout Trie::layout(const Samples& s, const RowOut& o) const {
   RowLayout out;
   const int64_t n_nodes = static_cast<int64_t>(tok.size());
   std::vector<int32_t> packed(n_nodes), segment_of(n_nodes);
-  out.input_ids.reserve(n_nodes);
-  out.position_ids.reserve(n_nodes);
   std::vector<Frame> stack;
   auto push_children = [&](int32_t first, int32_t segment, int32_t depth) {
     const size_t mark = stack.size();
@@ -186,56 +225,57 @@ RowLayout Trie::layout(const Samples& s) const {
     std::reverse(stack.begin() + mark, stack.end());  // popped in insertion order
   };
   push_children(first_root, -1, 0);
+  int64_t pos = 0;
   while (!stack.empty()) {
     Frame f = stack.back();
     stack.pop_back();
     const int32_t segment = static_cast<int32_t>(out.parent.size());
-    const int64_t start = static_cast<int64_t>(out.input_ids.size());
+    const int64_t start = pos;
     int32_t node = f.node, depth = f.depth;
     while (true) {
-      packed[node] = static_cast<int32_t>(out.input_ids.size());
+      packed[node] = static_cast<int32_t>(pos);
       segment_of[node] = segment;
-      out.input_ids.push_back(tok[node]);
-      out.position_ids.push_back(depth++);
+      o.input_ids[pos] = tok[node];
+      o.position_ids[pos++] = depth++;
       if (num_children[node] != 1 || ends[node]) break;
       node = first_child[node];
     }
-    const int64_t end = static_cast<int64_t>(out.input_ids.size());
-    out.cu_q.push_back(static_cast<int32_t>(end));
+    out.cu_q.push_back(static_cast<int32_t>(pos));
     out.parent.push_back(f.parent_segment);
     if (f.parent_segment >= 0) {  // the parent's path, then this segment
       const int64_t a = out.cu_k[f.parent_segment], b = out.cu_k[f.parent_segment + 1];
       for (int64_t i = a; i < b; ++i) out.kv_index.push_back(out.kv_index[i]);
     }
-    for (int64_t i = start; i < end; ++i) out.kv_index.push_back(i);
+    for (int64_t i = start; i < pos; ++i) out.kv_index.push_back(i);
     TORCH_CHECK(out.kv_index.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()),
                 "pack_prefix_tree: the gathered K/V index of a row exceeds 2^31 - 1 entries (TRL's int32 "
                 "tree_cu_seqlens_k); split the row");
     out.cu_k.push_back(static_cast<int32_t>(out.kv_index.size()));
-    out.max_q = std::max(out.max_q, end - start);
+    out.max_q = std::max(out.max_q, pos - start);
     out.max_k = std::max<int64_t>(out.max_k, out.cu_k[segment + 1] - out.cu_k[segment]);
     push_children(first_child[node], segment, depth);
   }
+  out.num_nodes = n_nodes;
 
   // A segment's subtree ends where its last descendant ends; children come after their parent.
   const int64_t n_seg = static_cast<int64_t>(out.parent.size());
   std::vector<int32_t> subtree_end(out.cu_q.begin() + 1, out.cu_q.end());
   for (int64_t g = n_seg - 1; g >= 0; --g)
     if (out.parent[g] >= 0) subtree_end[out.parent[g]] = std::max(subtree_end[out.parent[g]], subtree_end[g]);
-  out.leave.resize(n_nodes);
-  for (int64_t i = 0; i < n_nodes; ++i) out.leave[packed[i]] = subtree_end[segment_of[i]];
+  for (int64_t i = 0; i < n_nodes; ++i) o.leave[packed[i]] = subtree_end[segment_of[i]];
 
   // Loss terms, sample-major: a trained token p >= 1 is predicted by the node of token p - 1.
-  out.shift_labels.assign(n_nodes, kIgnore);
+  std::fill(o.shift_labels, o.shift_labels + n_nodes, kIgnore);
   std::vector<uint8_t> conflict(n_nodes, 0);
-  out.gather_index.resize(nodes.size());
-  for (size_t t = 0; t < nodes.size(); ++t) out.gather_index[t] = packed[nodes[t]];
+  for (size_t t = 0; t < nodes.size(); ++t) o.gather_index[t] = packed[nodes[t]];
+  int64_t m = 0;
+  o.cu_seqlens[0] = 0;
   for (int64_t b = 0; b < s.num; ++b) {
     const int64_t a = s.cu[b], e = s.cu[b + 1];
     for (int64_t t = a + 1; t < e; ++t) {
       if (!s.trained[t]) continue;
-      const int64_t q = out.gather_index[t - 1];
-      int64_t& label = out.shift_labels[q];
+      const int64_t q = o.gather_index[t - 1];
+      int64_t& label = o.shift_labels[q];
       if (!conflict[q]) {
         if (label == kIgnore) {
           label = s.ids[t];
@@ -244,16 +284,14 @@ RowLayout Trie::layout(const Samples& s) const {
           conflict[q] = 1;
         }
       }
-      out.token_index.push_back(q);
-      out.target_ids.push_back(s.ids[t]);
-      out.token_pos.push_back(t - a);
-      out.segment_id.push_back(b);
-      out.target_src.push_back(s.base + t);
+      o.token_index[m] = q;
+      o.target_ids[m] = s.ids[t];
+      o.token_pos[m] = t - a;
+      o.segment_id[m++] = b;
     }
-    TORCH_CHECK(out.token_index.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()),
-                "pack_prefix_tree: a row has more than 2^31 - 1 targets");
-    out.cu_seqlens.push_back(static_cast<int32_t>(out.token_index.size()));
+    o.cu_seqlens[b + 1] = static_cast<int32_t>(m);
   }
+  out.num_targets = m;
   out.load = load;
   return out;
 }
@@ -270,64 +308,63 @@ T* fill(T* dst, const std::vector<T>& src) {
   return std::copy(src.begin(), src.end(), dst);
 }
 
-std::vector<torch::Tensor> concat(const std::vector<RowLayout>& rows, int64_t total_tokens) {
-  const int64_t R = static_cast<int64_t>(rows.size());
-  int64_t N = 0, S = 0, K = 0, M = 0, B = 0;
-  for (const RowLayout& r : rows) {
-    N += r.input_ids.size();
-    S += r.parent.size();
-    K += r.kv_index.size();
-    M += r.token_index.size();
-    B += r.cu_seqlens.size() - 1;
-  }
+// Targets (trained tokens after a sample's first) of each sample range, to place the rows' outputs.
+int64_t count_targets(const Samples& s) {
+  int64_t m = 0;
+  for (int64_t b = 0; b < s.num; ++b)
+    for (int64_t t = s.cu[b] + 1; t < s.cu[b + 1]; ++t) m += s.trained[t] != 0;
+  return m;
+}
+
+// The output tensors for rows of T tokens, B samples and M targets in all (the N-sized ones with
+// room for T: a row's nodes start at its first token's offset).
+std::vector<torch::Tensor> allocate(int64_t T, int64_t B, int64_t M, int64_t R) {
   const auto i64 = torch::dtype(torch::kInt64);
   const auto i32 = torch::dtype(torch::kInt32);
-  std::vector<torch::Tensor> out = {
-      torch::empty({N}, i64),     torch::empty({N}, i64), torch::empty({N}, i64), torch::empty({N}, i32),
-      torch::empty({S + R}, i32), torch::empty({S}, i32), torch::empty({K}, i64), torch::empty({S + R}, i32),
-      torch::empty({total_tokens}, i64), torch::empty({M}, i64), torch::empty({M}, i64), torch::empty({M}, i64),
-      torch::empty({M}, i64),     torch::empty({M}, i64), torch::empty({B + R}, i32), torch::empty({R, 7}, i64)};
-  int64_t* sizes = out[15].data_ptr<int64_t>();
-  // Per-row output offsets, then parallel copies into disjoint ranges.
-  std::vector<int64_t> off_n(R + 1, 0), off_s(R + 1, 0), off_k(R + 1, 0), off_m(R + 1, 0), off_b(R + 1, 0),
-      off_t(R + 1, 0);
+  return {torch::empty({T}, i64), torch::empty({T}, i64), torch::empty({T}, i64), torch::empty({T}, i32),
+          torch::Tensor(),        torch::Tensor(),        torch::Tensor(),        torch::Tensor(),
+          torch::empty({T}, i64), torch::empty({M}, i64), torch::empty({M}, i64), torch::empty({M}, i64),
+          torch::empty({M}, i64), torch::empty({B + R}, i32), torch::empty({R, 7}, torch::kInt64)};
+}
+
+RowOut row_out(std::vector<torch::Tensor>& out, int64_t t0, int64_t m0, int64_t b0) {
+  return {out[0].data_ptr<int64_t>() + t0,  out[1].data_ptr<int64_t>() + t0,  out[2].data_ptr<int64_t>() + t0,
+          out[8].data_ptr<int64_t>() + t0,  out[3].data_ptr<int32_t>() + t0,  out[9].data_ptr<int64_t>() + m0,
+          out[10].data_ptr<int64_t>() + m0, out[11].data_ptr<int64_t>() + m0, out[12].data_ptr<int64_t>() + m0,
+          out[13].data_ptr<int32_t>() + b0};
+}
+
+// The segment tables (outputs 4-7) of the rows laid end to end, and the row sizes (output 14).
+void finish(std::vector<torch::Tensor>& out, const std::vector<RowLayout>& rows) {
+  const int64_t R = static_cast<int64_t>(rows.size());
+  std::vector<int64_t> off_s(R + 1, 0), off_k(R + 1, 0);
+  int64_t* sizes = out[14].data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) {
     const RowLayout& w = rows[r];
-    off_n[r + 1] = off_n[r] + w.input_ids.size();
     off_s[r + 1] = off_s[r] + w.parent.size();
     off_k[r + 1] = off_k[r] + w.kv_index.size();
-    off_m[r + 1] = off_m[r] + w.token_index.size();
-    off_b[r + 1] = off_b[r] + w.cu_seqlens.size();
-    off_t[r + 1] = off_t[r] + w.gather_index.size();
     int64_t* z = sizes + 7 * r;
-    z[0] = w.input_ids.size();
+    z[0] = w.num_nodes;
     z[1] = w.parent.size();
     z[2] = w.kv_index.size();
-    z[3] = w.token_index.size();
+    z[3] = w.num_targets;
     z[4] = w.load;
     z[5] = w.max_q;
     z[6] = w.max_k;
   }
+  const int64_t S = off_s[R], K = off_k[R];
+  out[4] = torch::empty({S + R}, torch::kInt32);
+  out[5] = torch::empty({S}, torch::kInt32);
+  out[6] = torch::empty({K}, torch::kInt64);
+  out[7] = torch::empty({S + R}, torch::kInt32);
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t r = 0; r < R; ++r) {
     const RowLayout& w = rows[r];
-    fill(out[0].data_ptr<int64_t>() + off_n[r], w.input_ids);
-    fill(out[1].data_ptr<int64_t>() + off_n[r], w.position_ids);
-    fill(out[2].data_ptr<int64_t>() + off_n[r], w.shift_labels);
-    fill(out[3].data_ptr<int32_t>() + off_n[r], w.leave);
     fill(out[4].data_ptr<int32_t>() + off_s[r] + r, w.cu_q);
     fill(out[5].data_ptr<int32_t>() + off_s[r], w.parent);
     fill(out[6].data_ptr<int64_t>() + off_k[r], w.kv_index);
     fill(out[7].data_ptr<int32_t>() + off_s[r] + r, w.cu_k);
-    fill(out[8].data_ptr<int64_t>() + off_t[r], w.gather_index);
-    fill(out[9].data_ptr<int64_t>() + off_m[r], w.token_index);
-    fill(out[10].data_ptr<int64_t>() + off_m[r], w.target_ids);
-    fill(out[11].data_ptr<int64_t>() + off_m[r], w.token_pos);
-    fill(out[12].data_ptr<int64_t>() + off_m[r], w.segment_id);
-    fill(out[13].data_ptr<int64_t>() + off_m[r], w.target_src);
-    fill(out[14].data_ptr<int32_t>() + off_b[r], w.cu_seqlens);
   }
-  return out;
 }
 
 // Every input is checked here too: the registered op is reachable without the Python validation.
@@ -336,9 +373,6 @@ void check_inputs(const torch::Tensor& tokens, const torch::Tensor& cu_tokens, c
   const char* op = "prefix_tree_build";
   TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == torch::kInt64 && tokens.is_contiguous(), op,
               ": tokens must be a contiguous 1-D int64 tensor");
-  TORCH_CHECK(trained.dim() == 1 && trained.scalar_type() == torch::kBool && trained.is_contiguous() &&
-                  trained.numel() == tokens.numel(),
-              op, ": trained must be a contiguous bool tensor shaped like tokens");
   TORCH_CHECK(cu_tokens.dim() == 1 && cu_tokens.numel() >= 1 && cu_tokens.scalar_type() == torch::kInt64 &&
                   cu_tokens.is_contiguous(),
               op, ": cu_tokens must be a contiguous 1-D int64 tensor of B + 1 >= 1 offsets");
@@ -346,6 +380,15 @@ void check_inputs(const torch::Tensor& tokens, const torch::Tensor& cu_tokens, c
   const int64_t* cu = cu_tokens.data_ptr<int64_t>();
   TORCH_CHECK(cu[0] == 0 && cu[B] == T, op, ": cu_tokens must start at 0 and end at the token count");
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(cu[b] <= cu[b + 1], op, ": cu_tokens must be non-decreasing");
+  const bool per_token = trained.scalar_type() == torch::kBool;
+  TORCH_CHECK(trained.dim() == 1 && trained.is_contiguous() && (per_token || trained.scalar_type() == torch::kInt64) &&
+                  trained.numel() == (per_token ? T : B),
+              op, ": trained must be a contiguous bool mask [T] or the int64 first trained position of each sample [B]");
+  if (!per_token) {
+    const int64_t* start = trained.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(start[b] >= 0 && start[b] <= cu[b + 1] - cu[b], op, ": trained start out of its sample's range");
+  }
   const int64_t* ids = tokens.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ids[t] >= 0, op, ": tokens must be non-negative");
   TORCH_CHECK(group.dim() == 1 && group.scalar_type() == torch::kInt64 && group.is_contiguous() &&
@@ -372,30 +415,59 @@ std::vector<torch::Tensor> prefix_tree_build_cpu(const torch::Tensor& tokens, co
   const int64_t* rc = row_cu.data_ptr<int64_t>();
   const int64_t* cu = cu_tokens.data_ptr<int64_t>();
   const int64_t* ids = tokens.data_ptr<int64_t>();
-  const uint8_t* mask = reinterpret_cast<const uint8_t*>(trained.data_ptr<bool>());
+  // The trained tokens come as a mask, or as each sample's first trained position (no [T] mask to
+  // build in Python for the common prompt + completion layout).
+  const bool per_token = trained.scalar_type() == torch::kBool;
+  const uint8_t* mask = per_token ? reinterpret_cast<const uint8_t*>(trained.data_ptr<bool>()) : nullptr;
+  const int64_t* start = per_token ? nullptr : trained.data_ptr<int64_t>();
   const int64_t* grp = group.numel() ? group.data_ptr<int64_t>() : nullptr;
+  const int64_t B = cu_tokens.numel() - 1;
+
+  // Where each row's targets go: count them first (the same rule as Trie::layout).
+  std::vector<int64_t> m_off(R + 1, 0);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r) {
+    int64_t m = 0;
+    for (int64_t b = rc[r]; b < rc[r + 1]; ++b) {
+      if (per_token) {
+        for (int64_t t = cu[b] + 1; t < cu[b + 1]; ++t) m += mask[t] != 0;
+      } else {
+        m += std::max<int64_t>(0, (cu[b + 1] - cu[b]) - std::max<int64_t>(start[b], 1));
+      }
+    }
+    m_off[r + 1] = m;
+  }
+  for (int64_t r = 0; r < R; ++r) m_off[r + 1] += m_off[r];
+  std::vector<torch::Tensor> out = allocate(tokens.numel(), B, m_off[R], R);
+
   std::vector<RowLayout> rows(R);
-  // Offsets relative to the row's first token so each row's layout is self-contained.
-  std::vector<std::vector<int64_t>> row_offsets(R);
   std::exception_ptr error = nullptr;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t r = 0; r < R; ++r) {
     try {
-      std::vector<int64_t>& off = row_offsets[r];
+      // Offsets relative to the row's first token: each row's layout is self-contained.
       const int64_t first = cu[rc[r]];
+      std::vector<int64_t> off;
       for (int64_t b = rc[r]; b <= rc[r + 1]; ++b) off.push_back(cu[b] - first);
-      const Samples s{ids + first, mask + first, off.data(), rc[r + 1] - rc[r], first};
+      std::vector<uint8_t> local;
+      if (!per_token) {
+        local.assign(off.back(), 0);
+        for (int64_t b = rc[r]; b < rc[r + 1]; ++b)
+          std::fill(local.begin() + (cu[b] - first) + start[b], local.begin() + (cu[b + 1] - first), 1);
+      }
+      const Samples s{ids + first, per_token ? mask + first : local.data(), off.data(), rc[r + 1] - rc[r]};
       Trie trie(next_key);
+      trie.reserve(static_cast<size_t>(off.back()));
       build_row(trie, s, grp ? grp + rc[r] : nullptr);
-      rows[r] = trie.layout(s);
-      // gather_index of the row's tokens are row-local positions already.
+      rows[r] = trie.layout(s, row_out(out, first, m_off[r], rc[r] + r));
     } catch (...) {
 #pragma omp critical
       if (!error) error = std::current_exception();
     }
   }
   if (error) std::rethrow_exception(error);
-  return concat(rows, tokens.numel());
+  finish(out, rows);
+  return out;
 }
 
 PrefixTrie::PrefixTrie(bool next_key) : trie_(new Trie(next_key)), next_key_(next_key) {}
@@ -440,10 +512,13 @@ torch::Tensor PrefixTrie::node_tokens() const {
 }
 
 std::vector<torch::Tensor> PrefixTrie::layout() const {
-  const Samples s{tokens_.data(), trained_.data(), cu_.data(), num_samples(), 0};
+  const Samples s{tokens_.data(), trained_.data(), cu_.data(), num_samples()};
+  std::vector<torch::Tensor> out =
+      allocate(static_cast<int64_t>(tokens_.size()), num_samples(), count_targets(s), /*R=*/1);
   std::vector<RowLayout> rows;
-  rows.push_back(trie_->layout(s));
-  return concat(rows, static_cast<int64_t>(tokens_.size()));
+  rows.push_back(trie_->layout(s, row_out(out, 0, 0, 0)));
+  finish(out, rows);
+  return out;
 }
 
 }  // namespace rlvr

@@ -23,7 +23,8 @@
 namespace rlvr {
 
 // Batch build: samples [B] given as flat `tokens` [T] (int64, >= 0) with offsets `cu_tokens`
-// [B+1], per-token `trained` [T] (bool), `group` [B] (int64 >= 0, or empty for no restriction) and
+// [B+1], the trained tokens as a mask `trained` [T] (bool) or as each sample's first trained
+// position (int64 [B]), `group` [B] (int64 >= 0, or empty for no restriction) and
 // rows as consecutive sample ranges `row_cu` [R+1]. Rows are built in parallel; each row's output
 // is the same whatever the thread count. Returns the rows' layouts concatenated (see packing.cpp).
 std::vector<torch::Tensor> prefix_tree_build_cpu(const torch::Tensor& tokens, const torch::Tensor& cu_tokens,

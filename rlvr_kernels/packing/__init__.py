@@ -1,12 +1,14 @@
 """Prefix-tree packing: the samples of a row folded into a trie so every shared prefix (a
 group's prompt, a multi-turn history) is forwarded once."""
 
+from ._builder import TreeRowBuilder
 from ._tree import TreePack, pack_prefix_tree
 from .attention import block_mask, dense_mask, mask_mod, register_tree_attention
 from .hf import forward_packed, packed_logprobs
 
 __all__ = [
     "TreePack",
+    "TreeRowBuilder",
     "pack_prefix_tree",
     "dense_mask",
     "mask_mod",

@@ -146,7 +146,8 @@ def _as_int_tensor(name: str, x) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(x))
     elif isinstance(x, (list, tuple)):
         try:
-            t = torch.tensor(x, dtype=torch.int64) if len(x) else torch.zeros(0, dtype=torch.int64)
+            # No dtype= here: torch would truncate 1.5 to 1 silently; the inferred dtype is checked below.
+            t = torch.tensor(x) if len(x) else torch.zeros(0, dtype=torch.int64)
         except (TypeError, ValueError, RuntimeError, OverflowError):
             raise TypeError(f"{name}: expected a sequence of integer token ids") from None
     else:
@@ -216,6 +217,7 @@ def _per_token(name: str, x, lengths: List[int], dtype=None) -> torch.Tensor:
 
 
 def _trained_mask(completion_mask, completion_start, lengths: List[int], T: int) -> torch.Tensor:
+    """The trained tokens as a bool mask [T], or as each sample's first trained position (int64 [B])."""
     if completion_mask is not None and completion_start is not None:
         raise ValueError("completion_mask, completion_start: give one of them, not both")
     if completion_mask is not None:
@@ -241,8 +243,7 @@ def _trained_mask(completion_mask, completion_start, lengths: List[int], T: int)
             f"completion_start: expected 0 <= completion_start[b] <= len(samples[b]), got {int(start[i])} for "
             f"sample {i} of length {lengths[i]}"
         )
-    pos = torch.arange(T) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-    return pos >= torch.repeat_interleave(start, lens)
+    return start.contiguous()  # the builder expands it per row: no [T] mask in Python
 
 
 def _group_codes(group_index, B: int) -> torch.Tensor:
@@ -314,22 +315,29 @@ def build_rows(flat: _Flat, row_cu: torch.Tensor, key: str, backend: str = "cpu"
     (rows in parallel)."""
     next_key = _key(key)
     build = _dispatch.kernel("prefix_tree_build", backend)
-    (ids, pos, labels, leave, cu_q, parent, kv, cu_k, gather, tidx, tgt, tpos, seg, src, cu_m, sizes) = build(
-        flat.tokens, flat.cu_tokens, flat.trained, flat.group, row_cu, next_key
-    )
+    outputs = build(flat.tokens, flat.cu_tokens, flat.trained, flat.group, row_cu, next_key)
+    return packs_from_layout(outputs, flat, row_cu, key)
+
+
+def packs_from_layout(outputs, flat: _Flat, row_cu: torch.Tensor, key: str) -> List[TreePack]:
+    """Slice the builder's concatenated outputs (``csrc/packing.cpp``) into one TreePack per row."""
+    (ids, pos, labels, leave, cu_q, parent, kv, cu_k, gather, tidx, tgt, tpos, seg, cu_m, sizes) = outputs
     packs = []
-    n0 = s0 = k0 = m0 = 0
+    s0 = k0 = m0 = 0
     for r, (n, s, k, m, load, max_q, max_k) in enumerate(sizes.tolist()):
         b0, b1 = int(row_cu[r]), int(row_cu[r + 1])
         t0, t1 = int(flat.cu_tokens[b0]), int(flat.cu_tokens[b1])
-        rsrc = src[m0 : m0 + m]
+        # Flat index of each target token, for the values given per token.
+        rsrc = None
+        if flat.old_log_probs is not None or flat.advantages is not None:
+            rsrc = flat.cu_tokens[b0:b1][seg[m0 : m0 + m]] + tpos[m0 : m0 + m]
         packs.append(
             TreePack(
-                input_ids=ids[n0 : n0 + n],
-                position_ids=pos[n0 : n0 + n],
-                shift_labels=labels[n0 : n0 + n],
+                input_ids=ids[t0 : t0 + n],
+                position_ids=pos[t0 : t0 + n],
+                shift_labels=labels[t0 : t0 + n],
                 enter=torch.arange(n, dtype=torch.int32),
-                leave=leave[n0 : n0 + n],
+                leave=leave[t0 : t0 + n],
                 tree_kv_index=kv[k0 : k0 + k],
                 tree_cu_seqlens_q=cu_q[s0 + r : s0 + r + s + 1],
                 tree_cu_seqlens_k=cu_k[s0 + r : s0 + r + s + 1],
@@ -348,7 +356,7 @@ def build_rows(flat: _Flat, row_cu: torch.Tensor, key: str, backend: str = "cpu"
                 load=load,
             )
         )
-        n0, s0, k0, m0 = n0 + n, s0 + s, k0 + k, m0 + m
+        s0, k0, m0 = s0 + s, k0 + k, m0 + m
     return packs
 
 
@@ -362,6 +370,7 @@ def pack_prefix_tree(
     advantages=None,
     group_index=None,
     key: str = "token+next",
+    backend: str = "cpu",
 ) -> TreePack:
     """Fold ``samples`` into one prefix tree (one row: a data-parallel rank's forward).
 
@@ -382,8 +391,12 @@ def pack_prefix_tree(
             ``"token"`` (maximal sharing: the branch token is shared too, and a branch position
             predicts several targets; score them with
             ``linear_logprobs(hidden, weight, pack.target_ids, row_index=pack.token_index)``).
+        backend: ``"cpu"`` (the C++ builder) or ``"reference"`` (the readable Python trie of
+            ``rlvr_kernels.reference.packing``, same output, slow).
     """
     _key(key)
+    if backend not in ("cpu", "reference"):
+        raise ValueError(f"backend: expected 'cpu' or 'reference' (the build runs on the host), got {backend!r}")
     flat = _flatten(samples, lengths, completion_mask, completion_start, old_log_probs, advantages, group_index)
     row_cu = torch.tensor([0, flat.cu_tokens.shape[0] - 1], dtype=torch.int64)
-    return build_rows(flat, row_cu, key)[0]
+    return build_rows(flat, row_cu, key, backend)[0]

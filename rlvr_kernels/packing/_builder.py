@@ -1,0 +1,97 @@
+"""``TreeRowBuilder``: the incremental C++ trie with TRL 1.16's ``TreeRow`` interface, so
+TRL's planners (``TokenBudgetBatcher``, ``FixedCountBatcher``) and collator use it unchanged."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import torch
+
+from ..ops import _dispatch
+from ._tree import TreePack, _Flat, _key, packs_from_layout
+
+
+class TreeRowBuilder:
+    """One row's trie, built a sample at a time.
+
+    A sample is TRL's rollout dict: ``input_ids`` [L] (integer tensor), ``completion_mask``
+    [L], and for :meth:`pack` ``old_log_probs`` [L] and ``advantage``; ``group_id`` is
+    recorded in :attr:`groups`. ``fits``/``add``/``pack``, ``samples``, ``groups``,
+    ``trained``, ``load`` and ``len(tokens)`` behave as TRL's ``TreeRow``; :meth:`tree_pack`
+    returns the full :class:`TreePack`.
+    """
+
+    def __init__(self, key: str = "token+next"):
+        next_key = _key(key)
+        if not _dispatch.load_extension():
+            raise RuntimeError("TreeRowBuilder needs the C++ extension rlvr_kernels._C: it is not built")
+        self.key = key
+        self._trie = torch.classes.rlvr_kernels_C.PrefixTrie(next_key)
+        self.samples: List[Dict[str, Any]] = []
+        self.groups: set = set()
+
+    @property
+    def load(self) -> int:
+        """Attention cost of the row: sum over its unique tokens of (depth + 1)."""
+        return self._trie.load()
+
+    @property
+    def trained(self) -> int:
+        """Trained tokens of the row (the sum of its samples' completion masks)."""
+        return self._trie.trained()
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The row's unique tokens in insertion order (TRL's ``TreeRow.tokens``)."""
+        return self._trie.node_tokens()
+
+    @property
+    def num_tokens(self) -> int:
+        return self._trie.num_nodes()
+
+    def fits(self, sample: Dict[str, Any], budget: int) -> bool:
+        """Whether the row stays within ``budget`` unique tokens and ``budget`` trained tokens
+        with ``sample`` added."""
+        ids = _ids(sample)
+        novel = ids.shape[0] - self._trie.match(ids, -1)
+        trained = int(sample["completion_mask"].sum())
+        return self._trie.num_nodes() + novel <= budget and self._trie.trained() + trained <= budget
+
+    def add(self, sample: Dict[str, Any]) -> None:
+        ids = _ids(sample)
+        mask = sample["completion_mask"]
+        if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
+            raise ValueError(f"sample['completion_mask']: expected a tensor of shape {tuple(ids.shape)}")
+        self._trie.add(ids, mask, -1)
+        self.samples.append(sample)
+        self.groups.add(sample.get("group_id"))
+
+    def tree_pack(self) -> TreePack:
+        """The row as a :class:`TreePack` (old log-probs and advantages when every sample has them)."""
+        lengths = [s["input_ids"].shape[0] for s in self.samples]
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+        have = all("old_log_probs" in s and "advantage" in s for s in self.samples)
+        old = adv = None
+        if have and self.samples:
+            old = torch.cat([torch.as_tensor(s["old_log_probs"]).reshape(-1) for s in self.samples])
+            adv = torch.repeat_interleave(
+                torch.tensor([float(s["advantage"]) for s in self.samples], dtype=torch.float64),
+                torch.tensor(lengths, dtype=torch.int64),
+            )
+        elif have:
+            old = adv = torch.zeros(0)
+        flat = _Flat(torch.zeros(0, dtype=torch.int64), cu, torch.zeros(0, dtype=torch.bool), None, old, adv)
+        row_cu = torch.tensor([0, len(lengths)], dtype=torch.int64)
+        return packs_from_layout(self._trie.layout(), flat, row_cu, self.key)[0]
+
+    def pack(self) -> Dict[str, torch.Tensor]:
+        """Exactly TRL's ``TreeRow.pack()`` dict."""
+        return self.tree_pack().to_trl()
+
+
+def _ids(sample: Dict[str, Any]) -> torch.Tensor:
+    ids = sample["input_ids"]
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+        raise ValueError("sample['input_ids']: expected a 1-D integer tensor")
+    return ids
