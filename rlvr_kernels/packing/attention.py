@@ -294,6 +294,10 @@ def tree_flex_attention(
         def score_mod(score, b, h, q_idx, kv_idx):
             return cap * torch.tanh(score / cap)
 
+    if not torch.is_grad_enabled():
+        # FlexAttention refuses CPU inputs that require grad even under no_grad, where no
+        # backward can follow: detaching changes nothing else.
+        query, key, value = query.detach(), key.detach(), value.detach()
     hq, hkv = query.shape[1], key.shape[1]
     # As transformers' flex integration: FlexAttention's GQA wants a power-of-two head count.
     gqa = hq != hkv and hq & (hq - 1) == 0
