@@ -352,7 +352,8 @@ def tree_varlen_attention(
         softmax_scale=scaling,
         causal=True,
         window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1),
-        softcap=float(softcap) if softcap else 0.0,
+        # flash-attn takes softcap from 2.6 on: pass it only when set, as TRL does.
+        **({"softcap": float(softcap)} if softcap else {}),
     )
     out = out[0] if isinstance(out, tuple) else out
     return out.to(query.dtype).unsqueeze(0), None
@@ -436,7 +437,8 @@ def _attend(q, k, v, mask, scaling, dropout, softcap) -> torch.Tensor:
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    # Softmax in fp32 at least (transformers' eager attention), fp64 for fp64 inputs.
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
     probs = F.dropout(probs, p=dropout, training=dropout > 0)
     return torch.matmul(probs, v)
 

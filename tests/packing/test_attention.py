@@ -203,7 +203,7 @@ def _per_sample(q, k, v, pack, scaling, window, softcap):
         s = q[:, :, idx] @ kr[:, :, idx].transpose(-1, -2) * scaling
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
-        i = torch.arange(L)
+        i = torch.arange(L, device=q.device)
         allowed = i[None, :] <= i[:, None]
         if window is not None:
             allowed &= (i[:, None] - i[None, :]) < window
@@ -398,3 +398,36 @@ def test_dropout_reaches_sdpa(path, softcap):
     torch.manual_seed(0)
     dropped = A.tree_sdpa_attention(None, q, k, v, None, dropout=0.5, **kw)[0]
     assert not torch.allclose(plain, dropped)
+
+
+def test_paths_on_the_test_device(device):
+    """On the suite's device (CUDA on a GPU machine: FlexAttention compiled, with its
+    backward; flash_attn's real varlen kernel where installed), every path equals each sample
+    alone. On CPU FlexAttention is checked forward only and rk_tree_varlen must refuse."""
+    ids = _samples(13)
+    pack = pack_prefix_tree(ids, completion_start=2).to(device)
+    g = torch.Generator().manual_seed(14)
+    n = pack.num_tokens
+    q, k, v = (torch.randn(1, h, n, 16, generator=g).to(device).requires_grad_() for h in (4, 2, 2))
+    ref = _per_sample(q, k, v, pack, 0.25, None, None).transpose(1, 2)
+    grad = torch.randn(ref.shape, generator=g).to(device)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    cuda = torch.device(device).type == "cuda"
+    runs = [(A.tree_sdpa_attention, {"tree_sdpa_path": p}) for p in ("dense", "segments")]
+    runs.append((A.tree_flex_attention, {}))
+    for fn, extra in runs:
+        with torch.set_grad_enabled(cuda or fn is not A.tree_flex_attention):
+            out = fn(None, q, k, v, None, tree_pack=pack, scaling=0.25, **extra)[0]
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+        if out.requires_grad:
+            for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), want):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    if not cuda or importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(ValueError, match="rk_tree_varlen"):
+            A.tree_varlen_attention(None, q, k, v, None, tree_pack=pack)
+        return
+    # flash-attn runs bf16: compare against the per-sample attention of the rounded inputs.
+    qb, kb, vb = (x.detach().to(torch.bfloat16) for x in (q, k, v))
+    out = A.tree_varlen_attention(None, qb, kb, vb, None, tree_pack=pack, scaling=0.25)[0]
+    ref_b = _per_sample(*(x.float() for x in (qb, kb, vb)), pack, 0.25, None, None).transpose(1, 2)
+    torch.testing.assert_close(out.float(), ref_b, atol=2e-2, rtol=0)
