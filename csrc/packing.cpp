@@ -11,8 +11,10 @@
 //   8 gather_index [T] i64 (packed position of every input token, in input order)
 //   9 token_index [M] i64    10 target_ids [M] i64      11 token_pos [M] i64 (position in its sample)
 //  12 segment_id [M] i64 (sample within the row)
-//  13 cu_seqlens [B+1] i32 (targets per sample)         14 row_sizes [R, 7] i64:
-//                                                          N, S, K, M, load, longest segment, longest path
+//  13 cu_seqlens [B+1] i32 (targets per sample)         14 row_sizes [R, 8] i64:
+//                       N, S, K, M, load, longest segment, longest path, the row's first token offset
+//  15 token values [M, C] f32 (empty without token_values)
+//  16 sample values [M, C'] f32 (empty without sample_values)
 #include "packing.h"
 
 
@@ -92,13 +94,14 @@ struct RowOut {
 struct RowLayout {
   std::vector<int64_t> kv_index;
   std::vector<int32_t> cu_q{0}, parent, cu_k{0};
-  int64_t num_nodes = 0, num_targets = 0, load = 0, max_q = 0, max_k = 0;
+  int64_t num_nodes = 0, num_targets = 0, load = 0, max_q = 0, max_k = 0, first_token = 0;
 };
 
-// A sample list as pointers into flat arrays: sample b is [cu[b], cu[b+1]) of ids/trained.
+// A row's samples: sample b's tokens and trained flags at ids[b], trained[b]; cu [num + 1] its
+// offsets in the row's token order (the order the trie added them in).
 struct Samples {
-  const int64_t* ids;
-  const uint8_t* trained;
+  const int64_t* const* ids;
+  const uint8_t* const* trained;
   const int64_t* cu;
   int64_t num;
 };
@@ -271,22 +274,24 @@ RowLayout Trie::layout(const Samples& s, const RowOut& o) const {
   int64_t m = 0;
   o.cu_seqlens[0] = 0;
   for (int64_t b = 0; b < s.num; ++b) {
-    const int64_t a = s.cu[b], e = s.cu[b + 1];
-    for (int64_t t = a + 1; t < e; ++t) {
-      if (!s.trained[t]) continue;
-      const int64_t q = o.gather_index[t - 1];
+    const int64_t a = s.cu[b], n = s.cu[b + 1] - a;
+    const int64_t* ids = s.ids[b];
+    const uint8_t* trained = s.trained[b];
+    for (int64_t p = 1; p < n; ++p) {
+      if (!trained[p]) continue;
+      const int64_t q = o.gather_index[a + p - 1];
       int64_t& label = o.shift_labels[q];
       if (!conflict[q]) {
         if (label == kIgnore) {
-          label = s.ids[t];
-        } else if (label != s.ids[t]) {
+          label = ids[p];
+        } else if (label != ids[p]) {
           label = kIgnore;
           conflict[q] = 1;
         }
       }
       o.token_index[m] = q;
-      o.target_ids[m] = s.ids[t];
-      o.token_pos[m] = t - a;
+      o.target_ids[m] = ids[p];
+      o.token_pos[m] = p;
       o.segment_id[m++] = b;
     }
     o.cu_seqlens[b + 1] = static_cast<int32_t>(m);
@@ -298,9 +303,9 @@ RowLayout Trie::layout(const Samples& s, const RowOut& o) const {
 
 namespace {
 
-void build_row(Trie& trie, const Samples& s, const int64_t* group) {
+void build_row(Trie& trie, const Samples& s, const int64_t* group, const int64_t* order) {
   for (int64_t b = 0; b < s.num; ++b)
-    trie.add(s.ids + s.cu[b], s.trained + s.cu[b], s.cu[b + 1] - s.cu[b], group ? group[b] : -1);
+    trie.add(s.ids[b], s.trained[b], s.cu[b + 1] - s.cu[b], group ? group[order[b]] : -1);
 }
 
 template <typename T>
@@ -312,7 +317,7 @@ T* fill(T* dst, const std::vector<T>& src) {
 int64_t count_targets(const Samples& s) {
   int64_t m = 0;
   for (int64_t b = 0; b < s.num; ++b)
-    for (int64_t t = s.cu[b] + 1; t < s.cu[b + 1]; ++t) m += s.trained[t] != 0;
+    for (int64_t p = 1; p < s.cu[b + 1] - s.cu[b]; ++p) m += s.trained[b][p] != 0;
   return m;
 }
 
@@ -324,7 +329,7 @@ std::vector<torch::Tensor> allocate(int64_t T, int64_t B, int64_t M, int64_t R) 
   return {torch::empty({T}, i64), torch::empty({T}, i64), torch::empty({T}, i64), torch::empty({T}, i32),
           torch::Tensor(),        torch::Tensor(),        torch::Tensor(),        torch::Tensor(),
           torch::empty({T}, i64), torch::empty({M}, i64), torch::empty({M}, i64), torch::empty({M}, i64),
-          torch::empty({M}, i64), torch::empty({B + R}, i32), torch::empty({R, 7}, torch::kInt64)};
+          torch::empty({M}, i64), torch::empty({B + R}, i32), torch::empty({R, 8}, torch::kInt64)};
 }
 
 RowOut row_out(std::vector<torch::Tensor>& out, int64_t t0, int64_t m0, int64_t b0) {
@@ -343,7 +348,7 @@ void finish(std::vector<torch::Tensor>& out, const std::vector<RowLayout>& rows)
     const RowLayout& w = rows[r];
     off_s[r + 1] = off_s[r] + w.parent.size();
     off_k[r + 1] = off_k[r] + w.kv_index.size();
-    int64_t* z = sizes + 7 * r;
+    int64_t* z = sizes + 8 * r;
     z[0] = w.num_nodes;
     z[1] = w.parent.size();
     z[2] = w.kv_index.size();
@@ -351,6 +356,7 @@ void finish(std::vector<torch::Tensor>& out, const std::vector<RowLayout>& rows)
     z[4] = w.load;
     z[5] = w.max_q;
     z[6] = w.max_k;
+    z[7] = w.first_token;
   }
   const int64_t S = off_s[R], K = off_k[R];
   out[4] = torch::empty({S + R}, torch::kInt32);
@@ -369,7 +375,7 @@ void finish(std::vector<torch::Tensor>& out, const std::vector<RowLayout>& rows)
 
 // Every input is checked here too: the registered op is reachable without the Python validation.
 void check_inputs(const torch::Tensor& tokens, const torch::Tensor& cu_tokens, const torch::Tensor& trained,
-                  const torch::Tensor& group, const torch::Tensor& row_cu) {
+                  const torch::Tensor& group, const torch::Tensor& order, const torch::Tensor& row_cu) {
   const char* op = "prefix_tree_build";
   TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == torch::kInt64 && tokens.is_contiguous(), op,
               ": tokens must be a contiguous 1-D int64 tensor");
@@ -396,12 +402,18 @@ void check_inputs(const torch::Tensor& tokens, const torch::Tensor& cu_tokens, c
               op, ": group must be a contiguous int64 tensor of B entries, or empty");
   for (int64_t b = 0; b < group.numel(); ++b)
     TORCH_CHECK(group.data_ptr<int64_t>()[b] >= 0, op, ": group must be non-negative");
+  TORCH_CHECK(order.dim() == 1 && order.scalar_type() == torch::kInt64 && order.is_contiguous(), op,
+              ": order must be a contiguous 1-D int64 tensor of sample indices");
+  for (int64_t i = 0; i < order.numel(); ++i) {
+    const int64_t b = order.data_ptr<int64_t>()[i];
+    TORCH_CHECK(b >= 0 && b < B, op, ": order holds a sample index out of range");
+  }
   TORCH_CHECK(row_cu.dim() == 1 && row_cu.numel() >= 1 && row_cu.scalar_type() == torch::kInt64 &&
                   row_cu.is_contiguous(),
               op, ": row_cu must be a contiguous 1-D int64 tensor of R + 1 >= 1 offsets");
   const int64_t R = row_cu.numel() - 1;
   const int64_t* rc = row_cu.data_ptr<int64_t>();
-  TORCH_CHECK(rc[0] == 0 && rc[R] == B, op, ": row_cu must start at 0 and end at the sample count");
+  TORCH_CHECK(rc[0] == 0 && rc[R] == order.numel(), op, ": row_cu must start at 0 and end at the length of order");
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(rc[r] <= rc[r + 1], op, ": row_cu must be non-decreasing");
 }
 
@@ -409,10 +421,20 @@ void check_inputs(const torch::Tensor& tokens, const torch::Tensor& cu_tokens, c
 
 std::vector<torch::Tensor> prefix_tree_build_cpu(const torch::Tensor& tokens, const torch::Tensor& cu_tokens,
                                                  const torch::Tensor& trained, const torch::Tensor& group,
-                                                 const torch::Tensor& row_cu, bool next_key) {
-  check_inputs(tokens, cu_tokens, trained, group, row_cu);
+                                                 const torch::Tensor& order, const torch::Tensor& row_cu,
+                                                 const std::optional<torch::Tensor>& token_values,
+                                                 const std::optional<torch::Tensor>& sample_values, bool next_key) {
+  check_inputs(tokens, cu_tokens, trained, group, order, row_cu);
+  auto check_values = [&](const std::optional<torch::Tensor>& v, int64_t rows, const char* name) {
+    TORCH_CHECK(!v || (v->dim() == 2 && v->scalar_type() == torch::kFloat32 && v->is_contiguous() &&
+                       v->size(0) == rows),
+                "prefix_tree_build: ", name, " must be a contiguous float32 [", rows, ", C] tensor");
+  };
+  check_values(token_values, tokens.numel(), "token_values");
+  check_values(sample_values, cu_tokens.numel() - 1, "sample_values");
   const int64_t R = row_cu.numel() - 1;
   const int64_t* rc = row_cu.data_ptr<int64_t>();
+  const int64_t* ord = order.data_ptr<int64_t>();
   const int64_t* cu = cu_tokens.data_ptr<int64_t>();
   const int64_t* ids = tokens.data_ptr<int64_t>();
   // The trained tokens come as a mask, or as each sample's first trained position (no [T] mask to
@@ -421,45 +443,60 @@ std::vector<torch::Tensor> prefix_tree_build_cpu(const torch::Tensor& tokens, co
   const uint8_t* mask = per_token ? reinterpret_cast<const uint8_t*>(trained.data_ptr<bool>()) : nullptr;
   const int64_t* start = per_token ? nullptr : trained.data_ptr<int64_t>();
   const int64_t* grp = group.numel() ? group.data_ptr<int64_t>() : nullptr;
-  const int64_t B = cu_tokens.numel() - 1;
+  const int64_t B = order.numel();
+  auto length = [&](int64_t i) { return cu[ord[i] + 1] - cu[ord[i]]; };
 
-  // Where each row's targets go: count them first (the same rule as Trie::layout).
-  std::vector<int64_t> m_off(R + 1, 0);
+  // Where each row's tokens and targets go: count them first (the same rule as Trie::layout).
+  std::vector<int64_t> t_off(R + 1, 0), m_off(R + 1, 0);
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < R; ++r) {
-    int64_t m = 0;
-    for (int64_t b = rc[r]; b < rc[r + 1]; ++b) {
+    int64_t t = 0, m = 0;
+    for (int64_t i = rc[r]; i < rc[r + 1]; ++i) {
+      const int64_t b = ord[i], n = length(i);
+      t += n;
       if (per_token) {
-        for (int64_t t = cu[b] + 1; t < cu[b + 1]; ++t) m += mask[t] != 0;
+        for (int64_t p = 1; p < n; ++p) m += mask[cu[b] + p] != 0;
       } else {
-        m += std::max<int64_t>(0, (cu[b + 1] - cu[b]) - std::max<int64_t>(start[b], 1));
+        m += std::max<int64_t>(0, n - std::max<int64_t>(start[b], 1));
       }
     }
+    t_off[r + 1] = t;
     m_off[r + 1] = m;
   }
-  for (int64_t r = 0; r < R; ++r) m_off[r + 1] += m_off[r];
-  std::vector<torch::Tensor> out = allocate(tokens.numel(), B, m_off[R], R);
+  for (int64_t r = 0; r < R; ++r) {
+    t_off[r + 1] += t_off[r];
+    m_off[r + 1] += m_off[r];
+  }
+  std::vector<torch::Tensor> out = allocate(t_off[R], B, m_off[R], R);
 
   std::vector<RowLayout> rows(R);
   std::exception_ptr error = nullptr;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t r = 0; r < R; ++r) {
     try {
-      // Offsets relative to the row's first token: each row's layout is self-contained.
-      const int64_t first = cu[rc[r]];
-      std::vector<int64_t> off;
-      for (int64_t b = rc[r]; b <= rc[r + 1]; ++b) off.push_back(cu[b] - first);
+      const int64_t nb = rc[r + 1] - rc[r];
+      std::vector<int64_t> off(nb + 1, 0);
+      std::vector<const int64_t*> sid(nb);
+      std::vector<const uint8_t*> str(nb);
+      for (int64_t j = 0; j < nb; ++j) off[j + 1] = off[j] + length(rc[r] + j);
       std::vector<uint8_t> local;
-      if (!per_token) {
-        local.assign(off.back(), 0);
-        for (int64_t b = rc[r]; b < rc[r + 1]; ++b)
-          std::fill(local.begin() + (cu[b] - first) + start[b], local.begin() + (cu[b + 1] - first), 1);
+      if (!per_token) local.assign(off[nb], 0);
+      for (int64_t j = 0; j < nb; ++j) {
+        const int64_t b = ord[rc[r] + j];
+        sid[j] = ids + cu[b];
+        if (per_token) {
+          str[j] = mask + cu[b];
+        } else {
+          std::fill(local.begin() + off[j] + start[b], local.begin() + off[j + 1], 1);
+          str[j] = local.data() + off[j];
+        }
       }
-      const Samples s{ids + first, per_token ? mask + first : local.data(), off.data(), rc[r + 1] - rc[r]};
+      const Samples s{sid.data(), str.data(), off.data(), nb};
       Trie trie(next_key);
-      trie.reserve(static_cast<size_t>(off.back()));
-      build_row(trie, s, grp ? grp + rc[r] : nullptr);
-      rows[r] = trie.layout(s, row_out(out, first, m_off[r], rc[r] + r));
+      trie.reserve(static_cast<size_t>(off[nb]));
+      build_row(trie, s, grp, ord + rc[r]);
+      rows[r] = trie.layout(s, row_out(out, t_off[r], m_off[r], rc[r] + r));
+      rows[r].first_token = t_off[r];
     } catch (...) {
 #pragma omp critical
       if (!error) error = std::current_exception();
@@ -467,6 +504,29 @@ std::vector<torch::Tensor> prefix_tree_build_cpu(const torch::Tensor& tokens, co
   }
   if (error) std::rethrow_exception(error);
   finish(out, rows);
+
+  // Values carried to the targets (old log-probs, advantages): [M, C] float32 each, gathered at
+  // the target's token (token_values) or its sample (sample_values).
+  const int64_t M = m_off[R];
+  const int64_t ct = token_values ? token_values->size(1) : 0, cs = sample_values ? sample_values->size(1) : 0;
+  out.push_back(torch::empty({token_values ? M : 0, ct}, torch::kFloat32));
+  out.push_back(torch::empty({sample_values ? M : 0, cs}, torch::kFloat32));
+  if (token_values || sample_values) {
+    const float* tv = token_values ? token_values->data_ptr<float>() : nullptr;
+    const float* sv = sample_values ? sample_values->data_ptr<float>() : nullptr;
+    float* to = out[15].data_ptr<float>();
+    float* so = out[16].data_ptr<float>();
+    const int64_t* seg = out[12].data_ptr<int64_t>();
+    const int64_t* tpos = out[11].data_ptr<int64_t>();
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t m = m_off[r]; m < m_off[r + 1]; ++m) {
+        const int64_t b = ord[rc[r] + seg[m]];
+        if (tv) std::copy(tv + (cu[b] + tpos[m]) * ct, tv + (cu[b] + tpos[m] + 1) * ct, to + m * ct);
+        if (sv) std::copy(sv + b * cs, sv + (b + 1) * cs, so + m * cs);
+      }
+    }
+  }
   return out;
 }
 
@@ -512,7 +572,14 @@ torch::Tensor PrefixTrie::node_tokens() const {
 }
 
 std::vector<torch::Tensor> PrefixTrie::layout() const {
-  const Samples s{tokens_.data(), trained_.data(), cu_.data(), num_samples()};
+  const int64_t nb = num_samples();
+  std::vector<const int64_t*> sid(nb);
+  std::vector<const uint8_t*> str(nb);
+  for (int64_t b = 0; b < nb; ++b) {
+    sid[b] = tokens_.data() + cu_[b];
+    str[b] = trained_.data() + cu_[b];
+  }
+  const Samples s{sid.data(), str.data(), cu_.data(), nb};
   std::vector<torch::Tensor> out =
       allocate(static_cast<int64_t>(tokens_.size()), num_samples(), count_targets(s), /*R=*/1);
   std::vector<RowLayout> rows;

@@ -7,7 +7,7 @@ compared output for output; the layout is TRL 1.16's ``TreeRow.pack()``.
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -122,13 +122,18 @@ def prefix_tree_build(
     cu_tokens: torch.Tensor,
     trained: torch.Tensor,
     group: torch.Tensor,
+    order: torch.Tensor,
     row_cu: torch.Tensor,
+    token_values: Optional[torch.Tensor],
+    sample_values: Optional[torch.Tensor],
     next_key: bool,
 ) -> List[torch.Tensor]:
     """The builder's contract: samples ``tokens[cu_tokens[b]:cu_tokens[b+1]]``; ``trained`` a
     bool mask [T] or each sample's first trained position (int64 [B]); ``group`` [B] or empty;
-    rows are the sample ranges of ``row_cu``. Returns the rows' layouts laid end to end; the
-    N-sized outputs have room for every token and row r's nodes start at its first token."""
+    row r packs samples ``order[row_cu[r]:row_cu[r+1]]`` in that order. Returns the rows'
+    layouts laid end to end; the N-sized outputs have room for every token of the rows and
+    row r's nodes start at its first token (the tokens of the rows before it). The targets
+    carry ``token_values`` [T, C] at their token and ``sample_values`` [B, C'] of their sample."""
     cu = cu_tokens.tolist()
     flat = tokens.tolist()
     B = len(cu) - 1
@@ -137,18 +142,20 @@ def prefix_tree_build(
     else:
         start = trained.tolist()
         mask = [p - cu[b] >= start[b] for b in range(B) for p in range(cu[b], cu[b + 1])]
-    T = len(flat)
+    ordered = order.tolist()
+    T = sum(cu[b + 1] - cu[b] for b in ordered)
     n_arrays = [[0] * T for _ in range(4)] + [[0] * T]
     parts = {k: [] for k in ("cu_q", "parent", "kv", "cu_k", "token_index", "target_ids", "token_pos")}
     parts.update(segment_id=[], cu_m=[], sizes=[])
     rc = row_cu.tolist()
     groups = group.tolist() if group.numel() else None
+    t0 = 0
     for r in range(len(rc) - 1):
-        b0, b1 = rc[r], rc[r + 1]
-        ids = [flat[cu[b] : cu[b + 1]] for b in range(b0, b1)]
-        masks = [mask[cu[b] : cu[b + 1]] for b in range(b0, b1)]
-        row = _row(ids, masks, groups[b0:b1] if groups is not None else None, next_key)
-        t0 = cu[b0]
+        samples = ordered[rc[r] : rc[r + 1]]
+        ids = [flat[cu[b] : cu[b + 1]] for b in samples]
+        masks = [mask[cu[b] : cu[b + 1]] for b in samples]
+        row = _row(ids, masks, [groups[b] for b in samples] if groups is not None else None, next_key)
+        row["sizes"].append(t0)
         for a, name in enumerate(("input_ids", "position_ids", "shift_labels", "leave")):
             n_arrays[a][t0 : t0 + len(row[name])] = row[name]
         n_arrays[4][t0 : t0 + len(row["gather"])] = row["gather"]
@@ -157,7 +164,23 @@ def prefix_tree_build(
                 parts[name].append(row[name])
             else:
                 parts[name].extend(row[name])
+        t0 += sum(len(s) for s in ids)
     i64, i32 = torch.int64, torch.int32
+    # the targets' samples and tokens, in the order the rows list them
+    sample_of, src = [], []
+    for r in range(len(rc) - 1):
+        samples = ordered[rc[r] : rc[r + 1]]
+        for b in samples:
+            for p in range(1, cu[b + 1] - cu[b]):
+                if mask[cu[b] + p]:
+                    sample_of.append(b)
+                    src.append(cu[b] + p)
+    carried = []
+    for values, at in ((token_values, src), (sample_values, sample_of)):
+        if values is None:
+            carried.append(torch.zeros(0, 0, dtype=torch.float32))
+        else:
+            carried.append(values[torch.tensor(at, dtype=i64)].reshape(len(at), values.shape[1]))
     return [
         torch.tensor(n_arrays[0], dtype=i64),
         torch.tensor(n_arrays[1], dtype=i64),
@@ -173,5 +196,5 @@ def prefix_tree_build(
         torch.tensor(parts["token_pos"], dtype=i64),
         torch.tensor(parts["segment_id"], dtype=i64),
         torch.tensor(parts["cu_m"], dtype=i32),
-        torch.tensor(parts["sizes"], dtype=i64).reshape(-1, 7),
-    ]
+        torch.tensor(parts["sizes"], dtype=i64).reshape(-1, 8),
+    ] + carried

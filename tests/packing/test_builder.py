@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlvr_kernels.packing import TreeRowBuilder, pack_prefix_tree
+from rlvr_kernels.packing import TreeRowBuilder, pack_prefix_tree, pack_rows
 from rlvr_kernels.packing._tree import _flatten, build_rows
 
 from .forests import ancestors, forests
@@ -180,7 +180,7 @@ def test_rows_in_one_call_equal_rows_alone():
     start = [len(p) for p in prompts for _ in range(3)]
     flat = _flatten(samples, None, None, start, None, None, None)
     row_cu = torch.tensor([0, 3, 3, 10, 27])  # an empty row too
-    rows = build_rows(flat, row_cu, "token+next")
+    rows = build_rows(flat, torch.arange(27), row_cu, "token+next")
     for r, pack in enumerate(rows):
         a, b = int(row_cu[r]), int(row_cu[r + 1])
         alone = pack_prefix_tree(samples[a:b], completion_start=start[a:b])
@@ -199,7 +199,7 @@ def test_same_pack_whatever_the_thread_count():
         outs = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            outs.append(build_rows(flat, row_cu, "token"))
+            outs.append(build_rows(flat, torch.arange(64), row_cu, "token"))
     finally:
         torch.set_num_threads(before)
     for packs in outs[1:]:
@@ -280,6 +280,32 @@ def test_kernel_rejects_inconsistent_inputs():
         args = {**ok, **change}
         row_cu = torch.tensor([0, args["cu_tokens"].numel() - 1])
         with pytest.raises(RuntimeError, match="prefix_tree_build"):
-            build(args["tokens"], args["cu_tokens"], args["trained"], args["group"], row_cu, True)
+            order = torch.arange(args["cu_tokens"].numel() - 1)
+            build(args["tokens"], args["cu_tokens"], args["trained"], args["group"], order, row_cu, True)
     with pytest.raises(RuntimeError, match="row_cu"):
-        build(tok, cu, ok["trained"], ok["group"], torch.tensor([0, 2]), True)
+        build(tok, cu, ok["trained"], ok["group"], torch.tensor([0]), torch.tensor([0, 2]), True)
+    with pytest.raises(RuntimeError, match="order"):
+        build(tok, cu, ok["trained"], ok["group"], torch.tensor([1]), torch.tensor([0, 1]), True)
+
+
+def test_pack_rows_equals_each_row_alone():
+    torch.manual_seed(2)
+    samples = [torch.randint(0, 5, (int(n),)) for n in torch.randint(0, 12, (11,))]
+    start = [min(2, len(s)) for s in samples]
+    old = [torch.randn(len(s)) for s in samples]
+    rows = [[3, 0, 7], [], [10, 1], [2, 4, 5, 6, 8, 9]]
+    packs = pack_rows(samples, rows, completion_start=start, old_log_probs=old, advantages=torch.arange(11.0))
+    for row, pack in zip(rows, packs):
+        alone = pack_prefix_tree(
+            [samples[i] for i in row],
+            completion_start=[start[i] for i in row],
+            old_log_probs=[old[i] for i in row],
+            advantages=[float(i) for i in row],
+        )
+        for name in alone.__dataclass_fields__:
+            x, y = getattr(pack, name), getattr(alone, name)
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, name
+    with pytest.raises(ValueError, match="rows: a sample index appears more than once"):
+        pack_rows(samples, [[0], [0]], completion_start=start)
+    with pytest.raises(ValueError, match="rows: sample indices must be integers in"):
+        pack_rows(samples, [[11]], completion_start=start)
