@@ -326,7 +326,11 @@ def build_rows(
         columns.append(flat.old_log_probs.to(torch.float32))
     if flat.advantages is not None and not flat.advantages_per_sample:
         columns.append(flat.advantages.to(torch.float32))
-    token_values = torch.stack(columns, 1).contiguous() if columns else None
+    token_values = None
+    if len(columns) == 1:  # a view, not a copy of a [T] column
+        token_values = columns[0].contiguous().reshape(-1, 1)
+    elif columns:
+        token_values = torch.stack(columns, 1)
     sample_values = None
     if flat.advantages is not None and flat.advantages_per_sample:
         sample_values = flat.advantages.to(torch.float32).reshape(-1, 1).contiguous()
