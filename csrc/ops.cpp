@@ -33,8 +33,8 @@ TORCH_LIBRARY(rlvr_kernels_C, m) {
       "logprobs_from_logits_bwd(Tensor logits, Tensor targets, Tensor inv_temperature, Tensor grad_logp, Tensor lse, "
       "Tensor entropy, Tensor? grad_entropy) -> Tensor");
   m.def(
-      "prefix_tree_build(Tensor tokens, Tensor cu_tokens, Tensor trained, Tensor group, Tensor row_cu, "
-      "bool next_key) -> Tensor[]");
+      "prefix_tree_build(Tensor tokens, Tensor cu_tokens, Tensor trained, Tensor group, Tensor order, Tensor row_cu, "
+      "Tensor? token_values, Tensor? sample_values, bool next_key) -> Tensor[]");
   // The incremental trie of the planners (TreeRowBuilder): host-side state, so a class, not an op.
   m.class_<rlvr::PrefixTrie>("PrefixTrie")
       .def(torch::init<bool>())

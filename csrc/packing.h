@@ -23,12 +23,17 @@
 namespace rlvr {
 
 // Batch build: samples [B] given as flat `tokens` [T] (int64, >= 0) with offsets `cu_tokens`
-// [B+1], per-token `trained` [T] (bool), `group` [B] (int64 >= 0, or empty for no restriction) and
-// rows as consecutive sample ranges `row_cu` [R+1]. Rows are built in parallel; each row's output
-// is the same whatever the thread count. Returns the rows' layouts concatenated (see packing.cpp).
+// [B+1], the trained tokens as a mask `trained` [T] (bool) or as each sample's first trained
+// position (int64 [B]), `group` [B] (int64 >= 0, or empty for no restriction) and
+// rows as consecutive ranges `row_cu` [R+1] of the sample indices `order` (row r packs samples
+// order[row_cu[r]:row_cu[r+1]], in that order). Rows are built in parallel; each row's output
+// is the same whatever the thread count. Optional float32 `token_values` [T, C] and `sample_values`
+// [B, C'] are gathered to the targets. Returns the rows' layouts concatenated (see packing.cpp).
 std::vector<torch::Tensor> prefix_tree_build_cpu(const torch::Tensor& tokens, const torch::Tensor& cu_tokens,
                                                  const torch::Tensor& trained, const torch::Tensor& group,
-                                                 const torch::Tensor& row_cu, bool next_key);
+                                                 const torch::Tensor& order, const torch::Tensor& row_cu,
+                                                 const std::optional<torch::Tensor>& token_values,
+                                                 const std::optional<torch::Tensor>& sample_values, bool next_key);
 
 struct Trie;
 

@@ -17,12 +17,13 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import advantages, logprobs, policy_loss
+from . import advantages, logprobs, packing, policy_loss
 
 SUITES = {
     "group_advantages": advantages.WORKLOADS,
     "policy_loss": policy_loss.WORKLOADS,
     "linear_logprobs": logprobs.WORKLOADS,
+    "packing": packing.WORKLOADS,
 }
 
 

@@ -8,7 +8,7 @@ from typing import Any, Dict, List
 import torch
 
 from ..ops import _dispatch
-from ._tree import TreePack, _Flat, _key, packs_from_layout
+from ._tree import TreePack, _key, packs_from_layout
 
 
 class TreeRowBuilder:
@@ -71,19 +71,17 @@ class TreeRowBuilder:
         lengths = [s["input_ids"].shape[0] for s in self.samples]
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
-        have = all("old_log_probs" in s and "advantage" in s for s in self.samples)
+        layout = self._trie.layout()
         old = adv = None
-        if have and self.samples:
-            old = torch.cat([torch.as_tensor(s["old_log_probs"]).reshape(-1) for s in self.samples])
-            adv = torch.repeat_interleave(
-                torch.tensor([float(s["advantage"]) for s in self.samples], dtype=torch.float64),
-                torch.tensor(lengths, dtype=torch.int64),
-            )
-        elif have:
-            old = adv = torch.zeros(0)
-        flat = _Flat(torch.zeros(0, dtype=torch.int64), cu, torch.zeros(0, dtype=torch.bool), None, old, adv)
-        row_cu = torch.tensor([0, len(lengths)], dtype=torch.int64)
-        return packs_from_layout(self._trie.layout(), flat, row_cu, self.key)[0]
+        if all("old_log_probs" in s and "advantage" in s for s in self.samples):
+            tpos, seg = layout[11], layout[12]
+            if self.samples:
+                flat_old = torch.cat([torch.as_tensor(s["old_log_probs"]).reshape(-1) for s in self.samples])
+                old = flat_old[cu[:-1][seg] + tpos].to(torch.float32)
+                adv = torch.tensor([float(s["advantage"]) for s in self.samples], dtype=torch.float32)[seg]
+            else:
+                old = adv = torch.zeros(0, dtype=torch.float32)
+        return packs_from_layout(layout, cu.diff(), torch.tensor([0, len(lengths)]), self.key, old, adv)[0]
 
     def pack(self) -> Dict[str, torch.Tensor]:
         """Exactly TRL's ``TreeRow.pack()`` dict."""

@@ -146,7 +146,8 @@ def _as_int_tensor(name: str, x) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(x))
     elif isinstance(x, (list, tuple)):
         try:
-            t = torch.tensor(x, dtype=torch.int64) if len(x) else torch.zeros(0, dtype=torch.int64)
+            # No dtype= here: torch would truncate 1.5 to 1 silently; the inferred dtype is checked below.
+            t = torch.tensor(x) if len(x) else torch.zeros(0, dtype=torch.int64)
         except (TypeError, ValueError, RuntimeError, OverflowError):
             raise TypeError(f"{name}: expected a sequence of integer token ids") from None
     else:
@@ -216,6 +217,7 @@ def _per_token(name: str, x, lengths: List[int], dtype=None) -> torch.Tensor:
 
 
 def _trained_mask(completion_mask, completion_start, lengths: List[int], T: int) -> torch.Tensor:
+    """The trained tokens as a bool mask [T], or as each sample's first trained position (int64 [B])."""
     if completion_mask is not None and completion_start is not None:
         raise ValueError("completion_mask, completion_start: give one of them, not both")
     if completion_mask is not None:
@@ -241,8 +243,7 @@ def _trained_mask(completion_mask, completion_start, lengths: List[int], T: int)
             f"completion_start: expected 0 <= completion_start[b] <= len(samples[b]), got {int(start[i])} for "
             f"sample {i} of length {lengths[i]}"
         )
-    pos = torch.arange(T) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-    return pos >= torch.repeat_interleave(start, lens)
+    return start.contiguous()  # the builder expands it per row: no [T] mask in Python
 
 
 def _group_codes(group_index, B: int) -> torch.Tensor:
@@ -254,22 +255,24 @@ def _group_codes(group_index, B: int) -> torch.Tensor:
     return torch.unique(g, return_inverse=True)[1].to(torch.int64).contiguous()
 
 
-def _advantages(advantages, lengths: List[int], T: int) -> torch.Tensor:
-    """Per-token advantages [T] from one value per sample ([B]) or per token."""
+def _advantages(advantages, lengths: List[int]):
+    """(values, per_sample): one value per sample ([B]) or per token ([T])."""
     B = len(lengths)
     if isinstance(advantages, torch.Tensor) and advantages.dim() <= 1 or isinstance(advantages, np.ndarray):
         a = torch.as_tensor(advantages).reshape(-1).to("cpu")
         if a.shape[0] != B:
             raise ValueError(f"advantages: expected {B} values (one per sample), got {a.shape[0]}")
         if not a.dtype.is_floating_point:
-            a = a.to(torch.float64)
-        return torch.repeat_interleave(a, torch.tensor(lengths, dtype=torch.int64))
+            raise TypeError("advantages: expected floating-point values")
+        return a, True
     if isinstance(advantages, Sequence) and all(isinstance(v, (int, float)) for v in advantages):
         if len(advantages) != B:
             raise ValueError(f"advantages: expected {B} values (one per sample), got {len(advantages)}")
-        a = torch.tensor([float(v) for v in advantages], dtype=torch.float64)
-        return torch.repeat_interleave(a, torch.tensor(lengths, dtype=torch.int64))
-    return _per_token("advantages", advantages, lengths)
+        return torch.tensor([float(v) for v in advantages], dtype=torch.float64), True
+    a = _per_token("advantages", advantages, lengths)
+    if not a.dtype.is_floating_point:
+        raise TypeError("advantages: expected floating-point values")
+    return a, False
 
 
 # ----------------------------------------------------------------------------- build
@@ -281,8 +284,9 @@ class _Flat:
     cu_tokens: torch.Tensor
     trained: torch.Tensor
     group: torch.Tensor
-    old_log_probs: Optional[torch.Tensor]
-    advantages: Optional[torch.Tensor]
+    old_log_probs: Optional[torch.Tensor]  # [T]
+    advantages: Optional[torch.Tensor]  # [B] when advantages_per_sample, else [T]
+    advantages_per_sample: bool = False
 
 
 def _flatten(samples, lengths, completion_mask, completion_start, old_log_probs, advantages, group_index) -> _Flat:
@@ -299,8 +303,8 @@ def _flatten(samples, lengths, completion_mask, completion_start, old_log_probs,
     old = None if old_log_probs is None else _per_token("old_log_probs", old_log_probs, lens)
     if old is not None and not old.dtype.is_floating_point:
         raise TypeError("old_log_probs: expected floating-point values")
-    adv = None if advantages is None else _advantages(advantages, lens, T)
-    return _Flat(tokens.contiguous(), cu, trained, _group_codes(group_index, len(lens)), old, adv)
+    adv, per_sample = (None, False) if advantages is None else _advantages(advantages, lens)
+    return _Flat(tokens.contiguous(), cu, trained, _group_codes(group_index, len(lens)), old, adv, per_sample)
 
 
 def _key(key: str) -> bool:
@@ -309,31 +313,59 @@ def _key(key: str) -> bool:
     return key == "token+next"
 
 
-def build_rows(flat: _Flat, row_cu: torch.Tensor, key: str, backend: str = "cpu") -> List[TreePack]:
-    """Packs of consecutive sample ranges ``row_cu`` [R+1] of ``flat``, built in one C++ call
-    (rows in parallel)."""
+def build_rows(
+    flat: _Flat, order: torch.Tensor, row_cu: torch.Tensor, key: str, backend: str = "cpu"
+) -> List[TreePack]:
+    """One TreePack per row: row r packs samples ``order[row_cu[r]:row_cu[r+1]]`` of ``flat``,
+    all rows built in one call (in parallel by the C++ builder, which also gathers the values
+    the targets carry)."""
     next_key = _key(key)
     build = _dispatch.kernel("prefix_tree_build", backend)
-    outputs = build(flat.tokens, flat.cu_tokens, flat.trained, flat.group, row_cu, next_key)
-    return packs_from_layout(outputs, flat, row_cu, key)
+    columns = []  # per-token values: old log-probs, then advantages given per token
+    if flat.old_log_probs is not None:
+        columns.append(flat.old_log_probs.to(torch.float32))
+    if flat.advantages is not None and not flat.advantages_per_sample:
+        columns.append(flat.advantages.to(torch.float32))
+    token_values = None
+    if len(columns) == 1:  # a view, not a copy of a [T] column
+        token_values = columns[0].contiguous().reshape(-1, 1)
+    elif columns:
+        token_values = torch.stack(columns, 1)
+    sample_values = None
+    if flat.advantages is not None and flat.advantages_per_sample:
+        sample_values = flat.advantages.to(torch.float32).reshape(-1, 1).contiguous()
+    outputs = build(
+        flat.tokens, flat.cu_tokens, flat.trained, flat.group, order, row_cu, token_values, sample_values, next_key
+    )
+    tok, smp = outputs[15], outputs[16]
+    old = tok[:, 0] if flat.old_log_probs is not None else None
+    adv = None
+    if flat.advantages is not None:
+        adv = smp[:, 0] if flat.advantages_per_sample else tok[:, -1]
+    lengths = flat.cu_tokens.diff()[order]
+    return packs_from_layout(outputs[:15], lengths, row_cu, key, old, adv)
 
 
-def packs_from_layout(outputs, flat: _Flat, row_cu: torch.Tensor, key: str) -> List[TreePack]:
-    """Slice the builder's concatenated outputs (``csrc/packing.cpp``) into one TreePack per row."""
-    (ids, pos, labels, leave, cu_q, parent, kv, cu_k, gather, tidx, tgt, tpos, seg, src, cu_m, sizes) = outputs
+def packs_from_layout(
+    outputs, lengths: torch.Tensor, row_cu: torch.Tensor, key: str, old: Optional[torch.Tensor], adv
+) -> List[TreePack]:
+    """Slice the builder's concatenated outputs (``csrc/packing.cpp``) into one TreePack per row;
+    ``lengths`` are the samples' lengths in row order, ``old``/``adv`` the targets' values [M]."""
+    (ids, pos, labels, leave, cu_q, parent, kv, cu_k, gather, tidx, tgt, tpos, seg, cu_m, sizes) = outputs
+    enter = torch.arange(int(sizes[:, 0].max()) if sizes.shape[0] else 0, dtype=torch.int32)
     packs = []
-    n0 = s0 = k0 = m0 = 0
-    for r, (n, s, k, m, load, max_q, max_k) in enumerate(sizes.tolist()):
+    s0 = k0 = m0 = 0
+    for r, (n, s, k, m, load, max_q, max_k, t0) in enumerate(sizes.tolist()):
         b0, b1 = int(row_cu[r]), int(row_cu[r + 1])
-        t0, t1 = int(flat.cu_tokens[b0]), int(flat.cu_tokens[b1])
-        rsrc = src[m0 : m0 + m]
+        cu_tokens = torch.zeros(b1 - b0 + 1, dtype=torch.int64)
+        torch.cumsum(lengths[b0:b1], 0, out=cu_tokens[1:])
         packs.append(
             TreePack(
-                input_ids=ids[n0 : n0 + n],
-                position_ids=pos[n0 : n0 + n],
-                shift_labels=labels[n0 : n0 + n],
-                enter=torch.arange(n, dtype=torch.int32),
-                leave=leave[n0 : n0 + n],
+                input_ids=ids[t0 : t0 + n],
+                position_ids=pos[t0 : t0 + n],
+                shift_labels=labels[t0 : t0 + n],
+                enter=enter[:n],
+                leave=leave[t0 : t0 + n],
                 tree_kv_index=kv[k0 : k0 + k],
                 tree_cu_seqlens_q=cu_q[s0 + r : s0 + r + s + 1],
                 tree_cu_seqlens_k=cu_k[s0 + r : s0 + r + s + 1],
@@ -344,15 +376,15 @@ def packs_from_layout(outputs, flat: _Flat, row_cu: torch.Tensor, key: str) -> L
                 token_pos=tpos[m0 : m0 + m],
                 segment_id=seg[m0 : m0 + m],
                 cu_seqlens=cu_m[b0 + r : b1 + r + 1],
-                gather_index=gather[t0:t1],
-                cu_tokens=flat.cu_tokens[b0 : b1 + 1] - t0,
-                old_log_probs=None if flat.old_log_probs is None else flat.old_log_probs[rsrc].to(torch.float32),
-                advantages=None if flat.advantages is None else flat.advantages[rsrc].to(torch.float32),
+                gather_index=gather[t0 : t0 + int(cu_tokens[-1])],
+                cu_tokens=cu_tokens,
+                old_log_probs=None if old is None else old[m0 : m0 + m],
+                advantages=None if adv is None else adv[m0 : m0 + m],
                 key=key,
                 load=load,
             )
         )
-        n0, s0, k0, m0 = n0 + n, s0 + s, k0 + k, m0 + m
+        s0, k0, m0 = s0 + s, k0 + k, m0 + m
     return packs
 
 
@@ -366,6 +398,7 @@ def pack_prefix_tree(
     advantages=None,
     group_index=None,
     key: str = "token+next",
+    backend: str = "cpu",
 ) -> TreePack:
     """Fold ``samples`` into one prefix tree (one row: a data-parallel rank's forward).
 
@@ -386,8 +419,45 @@ def pack_prefix_tree(
             ``"token"`` (maximal sharing: the branch token is shared too, and a branch position
             predicts several targets; score them with
             ``linear_logprobs(hidden, weight, pack.target_ids, row_index=pack.token_index)``).
+        backend: ``"cpu"`` (the C++ builder) or ``"reference"`` (the readable Python trie of
+            ``rlvr_kernels.reference.packing``, same output, slow).
+    """
+    _key(key)
+    if backend not in ("cpu", "reference"):
+        raise ValueError(f"backend: expected 'cpu' or 'reference' (the build runs on the host), got {backend!r}")
+    flat = _flatten(samples, lengths, completion_mask, completion_start, old_log_probs, advantages, group_index)
+    B = flat.cu_tokens.shape[0] - 1
+    return build_rows(flat, torch.arange(B), torch.tensor([0, B]), key, backend)[0]
+
+
+def pack_rows(
+    samples,
+    rows: Sequence[Sequence[int]],
+    *,
+    lengths=None,
+    completion_mask=None,
+    completion_start=None,
+    old_log_probs=None,
+    advantages=None,
+    group_index=None,
+    key: str = "token+next",
+) -> List[TreePack]:
+    """One :class:`TreePack` per row, built in one C++ call with the rows in parallel.
+
+    ``rows`` lists the sample indices of each row (a micro-batch of ``plan_rows``); the other
+    arguments are those of :func:`pack_prefix_tree`, for all samples. ``segment_id`` and
+    ``cu_seqlens`` of a pack count the row's samples in the order ``rows`` gives them.
     """
     _key(key)
     flat = _flatten(samples, lengths, completion_mask, completion_start, old_log_probs, advantages, group_index)
-    row_cu = torch.tensor([0, flat.cu_tokens.shape[0] - 1], dtype=torch.int64)
-    return build_rows(flat, row_cu, key)[0]
+    B = flat.cu_tokens.shape[0] - 1
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
+        raise TypeError(f"rows: expected a list of per-row lists of sample indices, got {type(rows).__name__}")
+    order = [i for row in rows for i in row]
+    if any(not isinstance(i, (int, np.integer)) or isinstance(i, bool) or not 0 <= i < B for i in order):
+        raise ValueError(f"rows: sample indices must be integers in [0, {B})")
+    if len(set(order)) != len(order):
+        raise ValueError("rows: a sample index appears more than once")
+    row_cu = torch.zeros(len(rows) + 1, dtype=torch.int64)
+    row_cu[1:] = torch.cumsum(torch.tensor([len(r) for r in rows], dtype=torch.int64), 0)
+    return build_rows(flat, torch.tensor(order, dtype=torch.int64), row_cu, key)

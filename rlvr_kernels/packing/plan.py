@@ -182,11 +182,17 @@ def plan_rows(
 def _sample_dicts(flat, have_groups: bool) -> List[Dict[str, Any]]:
     """TRL's rollout dicts (what TreeRowBuilder takes), with each sample's index."""
     cu = flat.cu_tokens.tolist()
+    trained = flat.trained
+    if trained.dtype != torch.bool:
+        # Given as each sample's first trained position: the rollout dicts need the mask.
+        lens = flat.cu_tokens.diff()
+        pos = torch.arange(flat.tokens.shape[0]) - torch.repeat_interleave(flat.cu_tokens[:-1], lens)
+        trained = pos >= torch.repeat_interleave(trained, lens)
     items = []
     prompts: Dict[bytes, int] = {}
     for b in range(len(cu) - 1):
         ids = flat.tokens[cu[b] : cu[b + 1]]
-        mask = flat.trained[cu[b] : cu[b + 1]]
+        mask = trained[cu[b] : cu[b + 1]]
         if have_groups:
             group = int(flat.group[b])
         else:
@@ -194,8 +200,8 @@ def _sample_dicts(flat, have_groups: bool) -> List[Dict[str, Any]]:
             # first trained one (all of them when none is trained).
             first = int(mask.nonzero()[0, 0]) if bool(mask.any()) else ids.shape[0]
             group = prompts.setdefault(ids[:first].numpy().tobytes(), len(prompts))
-        trained = int(mask.sum())
-        items.append({"input_ids": ids, "completion_mask": mask, "group_id": group, "index": b, "trained": trained})
+        count = int(mask.sum())
+        items.append({"input_ids": ids, "completion_mask": mask, "group_id": group, "index": b, "trained": count})
     return items
 
 

@@ -17,7 +17,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import trl.experimental.async_grpo.async_grpo_trainer as trl_trainer  # noqa: E402
 
-from rlvr_kernels.packing import RowPlan, pack_prefix_tree, plan_rows  # noqa: E402
+from rlvr_kernels.packing import RowPlan, pack_prefix_tree, pack_rows, plan_rows  # noqa: E402
 
 pytestmark = pytest.mark.cpu_kernel
 
@@ -304,6 +304,17 @@ def test_small_batches(policy):
     # Empty samples (no tokens) are placed too.
     blank = plan_rows([[], [1, 2], []], num_rows=2, token_budget=4, completion_start=0, policy=policy)
     assert sorted(i for batch in blank for row in batch for i in row) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_micro_batches_go_to_pack_rows(key):
+    """A micro-batch of the plan is the ``rows`` argument of pack_rows as it is."""
+    samples, masks, gids = workload(41)
+    plan = plan_rows(samples, num_rows=3, token_budget=2 * max(map(len, samples)), completion_mask=masks, key=key)
+    for k, batch in enumerate(plan):
+        packs = pack_rows(samples, batch, completion_mask=masks, key=key)
+        assert [p.num_tokens for p in packs] == plan.tokens[k].tolist()
+        assert [p.load for p in packs] == plan.load[k].tolist()
 
 
 def test_plan_is_a_frozen_sequence_of_micro_batches():

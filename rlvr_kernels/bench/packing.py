@@ -1,0 +1,307 @@
+"""Benchmark of prefix-tree packing.
+
+- build: 512 GRPO groups of 16 samples (prompt 1024 + completion 1024 tokens, one group per
+  row), packed by ``pack_rows`` (the C++ builder, rows in parallel) against TRL 1.16's
+  ``TreeRow`` (``add`` each sample, then ``pack()``) on the same samples, old log-probs and
+  advantages. TRL's pure-Python trie takes seconds here, so it is timed once per run; ours is
+  the median of several calls.
+- forward: a small Llama (hidden 512, 4 layers, vocab 32k), G = 8, prompt 512, completion
+  128: forward + ``linear_logprobs`` + backward on the packed row (``rk_tree_sdpa``) against
+  the padded batch (SDPA), when the tree attention is available.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from typing import Callable, Dict, Optional
+
+import torch
+
+from ..packing import pack_rows
+from .timing import time_fn
+
+BUILD_SPEEDUP_TARGET = 30.0
+BUILD_SECONDS_TARGET = 1.0
+
+
+def build_inputs(quick: bool = False) -> Dict:
+    R, G, P, C = (32, 16, 1024, 1024) if quick else (512, 16, 1024, 1024)
+    gen = torch.Generator().manual_seed(0)
+    samples, old, adv = [], [], []
+    for _ in range(R):
+        prompt = torch.randint(0, 32000, (P,), generator=gen)
+        for _ in range(G):
+            samples.append(torch.cat([prompt, torch.randint(0, 32000, (C,), generator=gen)]))
+            old.append(-torch.rand(P + C, generator=gen))
+            adv.append(float(torch.randn((), generator=gen)))
+    rows = [list(range(r * G, (r + 1) * G)) for r in range(R)]
+    return dict(R=R, G=G, P=P, C=C, samples=samples, old=old, adv=adv, rows=rows)
+
+
+def _ours(x: Dict) -> Callable[[], object]:
+    def run():
+        return pack_rows(x["samples"], x["rows"], completion_start=x["P"], old_log_probs=x["old"], advantages=x["adv"])
+
+    return run
+
+
+def _trl(x: Dict) -> Callable[[], object]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from trl.experimental.async_grpo.packing import TreeRow
+    mask = torch.cat([torch.zeros(x["P"], dtype=torch.int64), torch.ones(x["C"], dtype=torch.int64)])
+    dicts = [
+        dict(input_ids=s, completion_mask=mask, old_log_probs=o, advantage=a, group_id=i // x["G"])
+        for i, (s, o, a) in enumerate(zip(x["samples"], x["old"], x["adv"]))
+    ]
+
+    def run():
+        out = []
+        for row in x["rows"]:
+            tree = TreeRow()
+            for i in row:
+                tree.add(dicts[i])
+            out.append(tree.pack())
+        return out
+
+    return run
+
+
+def build_workload(device: str, quick: bool = False) -> Dict:
+    x = build_inputs(quick)
+    ours, trl = _ours(x), _trl(x)
+    # The same tensors, checked once before timing.
+    a, b = ours(), trl()
+    agree = all(torch.equal(p.to_trl()[k], q[k]) for p, q in zip(a[:4] + a[-4:], b[:4] + b[-4:]) for k in q)
+    del a, b
+    t_ours = time_fn(ours, "cpu", repeats=5, warmup=1)["ms"]
+    t0 = time.perf_counter()
+    trl()
+    t_trl = (time.perf_counter() - t0) * 1e3
+    tokens = x["R"] * x["G"] * (x["P"] + x["C"])
+    rows = [
+        {"method": "rlvr_kernels pack_rows (C++ trie, rows in parallel)", "key": "fused", "ms": t_ours, "ratio": 1.0},
+        {"method": "TRL 1.16 TreeRow add + pack (Python trie)", "key": "trl", "ms": t_trl, "ratio": t_trl / t_ours},
+    ]
+    targets = [
+        {
+            "target": f"TRL / ours time >= {BUILD_SPEEDUP_TARGET:.0f}",
+            "measured": t_trl / t_ours,
+            "met": t_trl / t_ours >= BUILD_SPEEDUP_TARGET,
+        },
+        {
+            "target": f"ours (s) < {BUILD_SECONDS_TARGET:.0f}",
+            "measured": t_ours / 1e3,
+            "met": t_ours / 1e3 < BUILD_SECONDS_TARGET,
+        },
+    ]
+    notes = [
+        f"{x['R']} rows, each one group of {x['G']} samples × (prompt {x['P']} + completion {x['C']}): "
+        f"{tokens / 1e6:.1f} M tokens in, {x['R'] * (x['P'] + x['G'] * x['C']) / 1e6:.1f} M unique tokens out; "
+        "inputs: 1-D token tensors, per-token old log-probs, per-sample advantages",
+        f"ours: median of 5 calls after a warm-up; TRL: one call. Output equal to TRL's tensor for tensor: {agree}",
+    ]
+    kind = "quick" if quick else "standard"
+    return {
+        "name": f"{kind} build: {x['R']} rows × {x['G']} samples × ({x['P']} + {x['C']}) tokens",
+        "rows": rows,
+        "targets": targets,
+        "notes": notes,
+    }
+
+
+FORWARD_SPEEDUP_TARGET = 2.0
+
+
+def forward_inputs(device: str, quick: bool = False) -> Dict:
+    """A Llama and one GRPO group: G samples of one prompt, fixed-length completions. On CPU a
+    small model (hidden 512, 4 layers, vocab 32k, fp32, G = 8, prompt 512, completion 128); on
+    a GPU a 0.5B-class one in bf16 (Qwen2-0.5B's shapes: hidden 896, 24 layers, 14 heads / 2 KV
+    heads, vocab 151936) at G = 16, prompt 2048, completion 1024."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if device == "cuda" and not quick:
+        G, P, R = 16, 2048, 1024
+        H, layers, V, heads, kv_heads, inter, dtype = 896, 24, 151936, 14, 2, 4864, torch.bfloat16
+    else:
+        G, P, R = (4, 128, 32) if quick else (8, 512, 128)
+        H, layers, V = (128, 2, 4096) if quick else (512, 4, 32000)
+        heads, kv_heads, inter, dtype = 8, 4, 4 * H, torch.float32
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=P + R,
+        tie_word_embeddings=False,
+    )
+    # eval: no dropout, the same math in both layouts
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    prompt = torch.randint(0, V, (P,))
+    # Distinct first completion tokens, so the unique-token count is exactly P + G * R.
+    firsts = torch.randperm(V)[:G]
+    completions = [torch.cat([firsts[g : g + 1], torch.randint(0, V, (R - 1,))]) for g in range(G)]
+    samples = [torch.cat([prompt, c]) for c in completions]
+    return dict(G=G, P=P, R=R, H=H, layers=layers, V=V, model=model, samples=samples, device=device, dtype=dtype)
+
+
+def _forward_step(x: Dict, packed: bool, attention: str = "rk_tree_sdpa") -> Callable[[], torch.Tensor]:
+    """Forward, log-probs of the completion tokens through ``linear_logprobs``, backward;
+    ``attention`` is the tree attention of the packed step."""
+    from .. import linear_logprobs
+    from ..packing import pack_prefix_tree
+    from ..packing.hf import packed_logprobs
+
+    model, device, P = x["model"], x["device"], x["P"]
+    head = model.get_output_embeddings().weight
+    if packed:
+        pack = pack_prefix_tree(x["samples"], completion_start=P, key="token").to(device)
+    else:
+        batch = torch.stack(x["samples"]).to(device)
+        positions = torch.arange(batch.shape[1], device=device).expand_as(batch)
+        rows = torch.arange(batch.shape[0] * batch.shape[1], device=device).view(batch.shape)
+        index, targets = rows[:, P - 1 : -1].reshape(-1), batch[:, P:].reshape(-1)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        if packed:
+            logp, _ = packed_logprobs(model, pack, attn_implementation=attention)
+        else:
+            model.set_attn_implementation("sdpa")
+            hidden = model.base_model(input_ids=batch, position_ids=positions, use_cache=False).last_hidden_state
+            logp, _ = linear_logprobs(
+                hidden.reshape(-1, hidden.shape[-1]), head, targets, row_index=index, return_entropy=True
+            )
+        logp.sum().backward()
+        return logp.detach()
+
+    step.tokens = pack.num_tokens if packed else batch.numel()
+    return step
+
+
+def measure_forward_memory(packed: bool, device: str, quick: bool) -> Dict:
+    """Peak extra memory of one packed or unpacked step (run in a fresh process)."""
+    from .logprobs import _current_rss
+
+    x = forward_inputs(device, quick)
+    step = _forward_step(x, packed)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        return {"extra_gb": (torch.cuda.max_memory_allocated() - base) / 1e9}
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM, the peak RSS, to the current RSS
+    base, _ = _current_rss()
+    step()
+    _, peak = _current_rss()
+    return {"extra_gb": (peak - base) / 1e9}
+
+
+def _memory(packed: bool, device: str, quick: bool) -> Optional[float]:
+    code = (
+        "import json; from rlvr_kernels.bench.packing import measure_forward_memory; "
+        f"print(json.dumps(measure_forward_memory({packed!r}, {device!r}, {quick!r})))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+    try:
+        return json.loads(res.stdout.strip().splitlines()[-1])["extra_gb"]
+    except (IndexError, KeyError, json.JSONDecodeError):
+        return None
+
+
+def _tree_attentions(device: str):
+    """The packed variants run here: SDPA everywhere; FlexAttention where it has a backward
+    (CUDA; on CPU torch 2.13 has none); flash-attn's varlen kernel where it is installed."""
+    names = ["rk_tree_sdpa"]
+    if device == "cuda":
+        names.append("rk_tree_flex")
+        try:
+            import flash_attn  # noqa: F401
+
+            names.append("rk_tree_varlen")
+        except ImportError:
+            pass
+    return names
+
+
+def forward_workload(device: str, quick: bool = False) -> Dict:
+    x = forward_inputs(device, quick)
+    steps = {name: _forward_step(x, True, name) for name in _tree_attentions(device)}
+    steps["unpacked"] = _forward_step(x, False)
+    out, errors = {}, {}
+    for k, f in list(steps.items()):  # warm-up (and compilation), agreement, whether it runs here
+        try:
+            out[k] = f()
+        except Exception as e:  # reported as a row, not hidden
+            errors[k] = repr(e)[:160]
+            del steps[k]
+    repeats = 3 if device == "cpu" else 5  # a GPU step of the 0.5B model over 49k tokens is seconds
+    times = {k: [] for k in steps}
+    for _ in range(repeats):
+        for k, f in steps.items():
+            times[k].append(time_fn(f, device, repeats=1, warmup=0)["ms"])
+    ms = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    G, P, R = x["G"], x["P"], x["R"]
+    theory = G * (P + R) / (P + G * R)
+    packed_tokens = P + G * R
+    unpacked_tokens = G * (P + R)
+    base = ms.get("rk_tree_sdpa")
+    rows = []
+    for k in [*_tree_attentions(device), "unpacked"]:
+        packed = k != "unpacked"
+        label = (
+            f"packed prefix tree, {k} ({packed_tokens} tokens)"
+            if packed
+            else f"unpacked padded batch, SDPA ({unpacked_tokens} tokens)"
+        )
+        r = {"method": label, "key": "fused" if k == "rk_tree_sdpa" else k, "ms": ms.get(k)}
+        r["ratio"] = r["ms"] / base if r["ms"] and base else None
+        r["extra_gb"] = _memory(packed, device, quick) if k in ("rk_tree_sdpa", "unpacked") else None
+        if k in errors:
+            r["note"] = errors[k]
+        rows.append(r)
+    token_ratio = steps["unpacked"].tokens / steps["rk_tree_sdpa"].tokens if "rk_tree_sdpa" in steps else None
+    speedup = ms["unpacked"] / base if base and "unpacked" in ms else None
+    targets = [
+        {
+            "target": f"token ratio == G(P+R)/(P+GR) = {theory:.3f}",
+            "measured": token_ratio,
+            "met": None if token_ratio is None else abs(token_ratio - theory) < 1e-9,
+        },
+        {
+            "target": f"unpacked / packed (rk_tree_sdpa) time >= {FORWARD_SPEEDUP_TARGET:.0f}",
+            "measured": speedup,
+            "met": None if speedup is None else speedup >= FORWARD_SPEEDUP_TARGET,
+        },
+    ]
+    agree = {k: float((v.float() - out["unpacked"].float()).abs().max()) for k, v in out.items() if k != "unpacked"}
+    dtype = str(x["dtype"]).replace("torch.", "")
+    notes = [
+        f"Llama, hidden {x['H']}, {x['layers']} layers, vocab {x['V']}, {dtype}; one group of G={G} samples, "
+        f"prompt {P}, completion {R}; forward + linear_logprobs (log-probs and entropy of the {G * R} completion "
+        f"tokens) + backward; {repeats} interleaved rounds (median)",
+        "max |log-prob packed - unpacked|: " + ", ".join(f"{k} {v:.1e}" for k, v in agree.items()),
+        "extra memory: rk_tree_sdpa and unpacked, each once in a fresh process",
+    ]
+    notes += [f"{k} did not run here: {why}" for k, why in errors.items()]
+    kind = "quick" if quick else "standard"
+    return {
+        "name": f"{kind} forward + log-probs + backward, G={G}, prompt {P}, completion {R}: packed vs unpacked",
+        "rows": rows,
+        "targets": targets,
+        "notes": notes,
+    }
+
+
+WORKLOADS: Dict[str, Callable] = {"build": build_workload, "forward": forward_workload}

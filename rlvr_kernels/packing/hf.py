@@ -1,0 +1,129 @@
+"""A ``transformers`` causal LM on a ``TreePack``: the packed forward and its log-probs.
+
+    hidden = forward_packed(model, pack)                       # [N, H]
+    logp, entropy = packed_logprobs(model, pack)               # [M], [M]
+
+``forward_packed`` runs the model's base (decoder) on ``pack.input_ids[None]`` with
+``pack.position_ids[None]`` (each token's position in its samples) and one of the tree
+attention paths of ``rlvr_kernels.packing.attention``. ``packed_logprobs`` scores every
+target off the hidden state that predicts it, without the ``[N, V]`` logits:
+``linear_logprobs(hidden, lm_head.weight, pack.target_ids, row_index=pack.token_index)``.
+Each sample's log-probs, entropies and gradients equal running that sample alone.
+
+The model's attention implementation: ``forward_packed`` switches the model to the requested
+tree attention with ``model.set_attn_implementation`` (transformers' own setter, which also
+updates sub-configs) and leaves it there. Restoring it on return would be wrong under
+gradient checkpointing, whose backward re-runs the forward after the call returned: the
+re-run would take the restored attention over the packed row. A tree attention reached
+without a pack raises, so a later unpacked call on the model cannot silently attend across
+samples: switch back with ``model.set_attn_implementation("sdpa")`` (or the previous name,
+``model.config._attn_implementation`` before the call) for unpacked use.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple, Union
+
+import torch
+
+from ..ops.logprobs import linear_logprobs
+from .attention import SDPA, check_attn_implementation, register_tree_attention
+
+# Config fields of models whose logits are not ``hidden · lm_headᵀ`` (+ bias): Gemma 2/3
+# soft-cap them, Cohere and Granite scale them. linear_logprobs would silently differ.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def forward_packed(model, pack, *, attn_implementation: str = SDPA, **attention_kwargs) -> torch.Tensor:
+    """Hidden states ``[N, H]`` of the packed row (after the model's final norm).
+
+    Args:
+        model: a ``transformers`` causal LM (``...ForCausalLM``) or its base model.
+        pack: a ``TreePack`` on the model's device.
+        attn_implementation: ``"rk_tree_sdpa"``, ``"rk_tree_flex"`` or ``"rk_tree_varlen"``;
+            the model is left on it (see the module docstring).
+        attention_kwargs: passed through the model to the attention (e.g.
+            ``tree_sdpa_path="segments"``, ``tree_block_size=64``).
+    """
+    _check_model(model)
+    device = _model_device(model)
+    if not hasattr(pack, "input_ids") or not hasattr(pack, "enter"):
+        raise TypeError(f"pack: expected a TreePack, got {type(pack).__name__}")
+    if pack.input_ids.device != device:
+        raise ValueError(f"pack: on {pack.input_ids.device}, the model is on {device}; use pack.to(device)")
+    check_attn_implementation(attn_implementation, device)
+    register_tree_attention()
+    if model.config._attn_implementation != attn_implementation:
+        model.set_attn_implementation(attn_implementation)
+    out = model.base_model(
+        input_ids=pack.input_ids[None],
+        position_ids=pack.position_ids[None],
+        tree_pack=pack,
+        use_cache=False,
+        **attention_kwargs,
+    )
+    return out.last_hidden_state[0]
+
+
+def packed_logprobs(
+    model,
+    pack,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = True,
+    attn_implementation: str = SDPA,
+    **attention_kwargs,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Per-target log-probs ``[M]`` (sample-major, ``pack.cu_seqlens``), and with
+    ``return_entropy`` the entropy ``[M]`` of the distribution each target was drawn from,
+    both at ``temperature``. fp32 (fp64 for an fp64 model); differentiable.
+
+    logp_m = log softmax(lm_head(hidden[token_index[m]]) / T)[target_ids[m]].
+    """
+    _check_model(model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise TypeError(f"model: {type(model).__name__} has no output embeddings (lm_head); pass a ...ForCausalLM")
+    _check_logits(model)
+    hidden = forward_packed(model, pack, attn_implementation=attn_implementation, **attention_kwargs)
+    logp, entropy = linear_logprobs(
+        hidden,
+        head.weight,
+        pack.target_ids,
+        row_index=pack.token_index,
+        temperature=temperature,
+        bias=getattr(head, "bias", None),
+        return_entropy=True,
+    )
+    return (logp, entropy[pack.token_index]) if return_entropy else logp
+
+
+def _check_model(model) -> None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "base_model") or not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"model: expected a transformers PreTrainedModel, got {type(model).__name__}")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    # Only attention layers can be routed along each sample's own path; a recurrent or
+    # convolutional layer would scan across the samples of the packed row.
+    other = set(getattr(text, "layer_types", None) or []) - {"full_attention", "sliding_attention"}
+    if other:
+        raise ValueError(f"model: {type(model).__name__} has {sorted(other)} layers, which cannot run on a tree")
+    if any(name.endswith(".sinks") for name, _ in model.named_parameters()):
+        raise ValueError(f"model: {type(model).__name__} uses attention sinks, which tree attention does not support")
+
+
+def _check_logits(model) -> None:
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for field in _LOGIT_TRANSFORMS:
+        value = getattr(text, field, None)
+        if value is not None and not (field != "final_logit_softcapping" and value == 1):
+            raise ValueError(
+                f"model: {type(model).__name__} transforms its logits (config.{field}={value}), which "
+                "linear_logprobs over lm_head.weight does not reproduce"
+            )
+
+
+def _model_device(model) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    raise ValueError(f"model: {type(model).__name__} has no parameters")

@@ -1,0 +1,311 @@
+"""The C++ prefix-tree builder: TRL 1.16's TreeRow tensor for tensor, the reference trie for
+both keys and groups, the layout's invariants, determinism over thread counts, bad input."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlvr_kernels.packing import TreeRowBuilder, pack_prefix_tree, pack_rows
+from rlvr_kernels.packing._tree import _flatten, build_rows
+
+from .forests import ancestors, forests
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from trl.experimental.async_grpo.packing import TreeRow
+
+pytestmark = pytest.mark.cpu_kernel
+
+
+def _pack(f, **kw):
+    return pack_prefix_tree(f.ids, completion_mask=f.mask, old_log_probs=f.old, advantages=f.adv, **kw)
+
+
+def _assert_same(ref: dict, got: dict):
+    assert list(ref) == list(got)
+    for k in ref:
+        assert ref[k].dtype == got[k].dtype, k
+        assert torch.equal(ref[k], got[k]), (k, ref[k], got[k])
+
+
+def _trl_pack(samples):
+    row = TreeRow()
+    for s in samples:
+        row.add(s)
+    return row
+
+
+@given(forests())
+def test_to_trl_equals_treerow(f):
+    f = f.nonempty()
+    samples = f.trl_samples()
+    if not samples:
+        return  # TRL's pack() takes max() over no segments: it cannot pack an empty row
+    _assert_same(_trl_pack(samples).pack(), _pack(f).to_trl())
+
+
+@given(forests(), st.lists(st.integers(0, 40), min_size=1, max_size=4))
+def test_builder_matches_treerow(f, budgets):
+    f = f.nonempty()
+    trl, ours = TreeRow(), TreeRowBuilder()
+    for s in f.trl_samples():
+        for budget in budgets:
+            assert ours.fits(s, budget) == trl.fits(s, budget)
+        trl.add(s)
+        ours.add(s)
+        assert (ours.load, ours.trained, ours.tokens.tolist()) == (trl.load, trl.trained, trl.tokens)
+        assert ours.groups == trl.groups and ours.samples == trl.samples
+    if any(len(s) for s in f.ids):
+        _assert_same(trl.pack(), ours.pack())
+
+
+@settings(max_examples=15)
+@given(forests(), st.sampled_from(["token+next", "token"]), st.booleans())
+def test_cpp_equals_reference(f, key, grouped):
+    group = f.group if grouped else None
+    a = _pack(f, key=key, group_index=group)
+    b = _pack(f, key=key, group_index=group, backend="reference")
+    for name in a.__dataclass_fields__:
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+        else:
+            assert x == y, name
+
+
+@given(forests(), st.sampled_from(["token+next", "token"]), st.booleans())
+def test_layout_invariants(f, key, grouped):
+    p = _pack(f, key=key, group_index=f.group if grouped else None)
+    flat = torch.tensor([t for s in f.ids for t in s], dtype=torch.int64)
+    pos = torch.tensor([i for s in f.ids for i in range(len(s))], dtype=torch.int64)
+    # every sample's tokens and positions come back
+    assert torch.equal(p.input_ids[p.gather_index], flat)
+    assert torch.equal(p.position_ids[p.gather_index], pos)
+    assert p.num_tokens_unpacked == len(flat) and p.num_tokens <= len(flat)
+    # targets: sample-major, the trained tokens after each sample's first, predicted by their predecessor
+    exp = [(b, q) for b, (s, m) in enumerate(zip(f.ids, f.mask)) for q in range(1, len(s)) if m[q]]
+    assert p.segment_id.tolist() == [b for b, _ in exp] and p.token_pos.tolist() == [q for _, q in exp]
+    starts = p.cu_tokens[p.segment_id] + p.token_pos
+    assert torch.equal(p.target_ids, flat[starts])
+    assert torch.equal(p.token_index, p.gather_index[starts - 1])
+    assert p.cu_seqlens.tolist() == [0] + np.cumsum(np.bincount(p.segment_id.numpy(), minlength=len(f.ids))).tolist()
+    old = torch.tensor([v for s in f.old for v in s], dtype=torch.float32)
+    assert torch.equal(p.old_log_probs, old[starts])
+    assert torch.equal(p.advantages, torch.tensor(f.adv, dtype=torch.float32)[p.segment_id])
+    # visibility: enter/leave and the gathered K/V paths give the ancestor relation
+    anc = ancestors(f.ids, p)
+    enter, leave = p.enter.tolist(), p.leave.tolist()
+    for q, keys in anc.items():
+        assert {k for k in range(p.num_tokens) if enter[k] <= enter[q] < leave[k]} == keys
+    cu_q, cu_k, kv = p.tree_cu_seqlens_q.tolist(), p.tree_cu_seqlens_k.tolist(), p.tree_kv_index.tolist()
+    for s in range(p.num_segments):
+        path = kv[cu_k[s] : cu_k[s + 1]]
+        assert path[-(cu_q[s + 1] - cu_q[s]) :] == list(range(cu_q[s], cu_q[s + 1]))
+        assert set(path) == anc[cu_q[s + 1] - 1]
+    # each sample is whole segments along one root path
+    ends = set(cu_q[1:])
+    for b in range(len(f.ids)):
+        if f.ids[b]:
+            assert int(p.gather_index[p.cu_tokens[b + 1] - 1]) + 1 in ends
+    # a label per position: one target (or none / several under key="token")
+    for q in range(p.num_tokens):
+        targets = set(p.target_ids[p.token_index == q].tolist())
+        assert int(p.shift_labels[q]) == (targets.pop() if len(targets) == 1 else -100)
+    if key == "token+next":
+        assert all(len(set(p.target_ids[p.token_index == q].tolist())) <= 1 for q in range(p.num_tokens))
+
+
+def test_key_token_shares_the_branch_token():
+    prompt, comps = [5, 6, 7], [[1, 2], [1, 3], [4]]
+    ids = [prompt + c for c in comps]
+    a = pack_prefix_tree(ids, completion_start=3)
+    b = pack_prefix_tree(ids, completion_start=3, key="token")
+    # token+next: 5 6 shared, 7 once per distinct next token (1, 4), then 1 once per next (2, 3)
+    assert a.num_tokens == 2 + 2 + 2 * 2 + 1
+    # token: 5 6 7 shared, 1 shared by two samples, then 2, 3, 4
+    assert b.num_tokens == 3 + 1 + 3
+    assert torch.equal(b.token_index[b.target_ids == 1], torch.tensor([2, 2]))
+
+
+def test_nothing_shared_is_plain_packing():
+    ids = [[1, 2, 3], [2, 3], [3, 1, 2, 2]]
+    p = pack_prefix_tree(ids, completion_start=1)
+    assert p.input_ids.tolist() == [t for s in ids for t in s]
+    assert p.position_ids.tolist() == [i for s in ids for i in range(len(s))]
+    assert p.tree_cu_seqlens_q.tolist() == [0, 3, 5, 9] and p.segment_parent.tolist() == [-1, -1, -1]
+    assert p.tree_kv_index.tolist() == list(range(9)) and p.compression == 1.0
+
+
+def test_group_index_restricts_sharing():
+    ids = [[1, 2, 3], [1, 2, 4], [1, 2, 5]]
+    shared = pack_prefix_tree(ids, completion_start=2)
+    split = pack_prefix_tree(ids, completion_start=2, group_index=[7, 7, 9])
+    assert shared.num_tokens == 1 + 3 * 2 and split.num_tokens == (1 + 2 * 2) + 3
+
+
+def test_input_forms_agree():
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 9, size=n) for n in (5, 0, 7, 3)]
+    lengths = torch.tensor([len(s) for s in seqs])
+    padded = torch.zeros(4, 7, dtype=torch.int32)
+    masks = torch.zeros(4, 7, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        padded[i, : len(s)] = torch.from_numpy(s)
+        masks[i, 1 : len(s)] = True
+    base = pack_prefix_tree([s.tolist() for s in seqs], completion_start=[1, 0, 1, 1])
+    for pack in (
+        pack_prefix_tree(seqs, completion_start=[1, 0, 1, 1]),
+        pack_prefix_tree(
+            [torch.from_numpy(s) for s in seqs], completion_mask=[m[: len(s)] for m, s in zip(masks, seqs)]
+        ),
+        pack_prefix_tree(padded, lengths=lengths, completion_mask=masks),
+        pack_prefix_tree(padded, lengths=lengths.tolist(), completion_start=torch.tensor([1, 0, 1, 1])),
+    ):
+        for name in ("input_ids", "token_index", "target_ids", "leave", "tree_kv_index", "cu_seqlens"):
+            assert torch.equal(getattr(pack, name), getattr(base, name)), name
+
+
+def test_rows_in_one_call_equal_rows_alone():
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, 50, (int(n),)) for n in torch.randint(1, 30, (9,))]
+    samples = [
+        torch.cat([p, torch.randint(0, 50, (int(torch.randint(0, 20, ())),))]) for p in prompts for _ in range(3)
+    ]
+    start = [len(p) for p in prompts for _ in range(3)]
+    flat = _flatten(samples, None, None, start, None, None, None)
+    row_cu = torch.tensor([0, 3, 3, 10, 27])  # an empty row too
+    rows = build_rows(flat, torch.arange(27), row_cu, "token+next")
+    for r, pack in enumerate(rows):
+        a, b = int(row_cu[r]), int(row_cu[r + 1])
+        alone = pack_prefix_tree(samples[a:b], completion_start=start[a:b])
+        for name in alone.__dataclass_fields__:
+            x, y = getattr(pack, name), getattr(alone, name)
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, name
+
+
+def test_same_pack_whatever_the_thread_count():
+    torch.manual_seed(1)
+    samples = [torch.randint(0, 7, (int(n),)) for n in torch.randint(1, 60, (64,))]
+    flat = _flatten(samples, None, None, 1, None, None, None)
+    row_cu = torch.arange(0, 65, 4)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(build_rows(flat, torch.arange(64), row_cu, "token"))
+    finally:
+        torch.set_num_threads(before)
+    for packs in outs[1:]:
+        for a, b in zip(outs[0], packs):
+            for name in a.__dataclass_fields__:
+                x, y = getattr(a, name), getattr(b, name)
+                assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
+def test_empty_inputs():
+    p = pack_prefix_tree([], completion_start=0)
+    assert p.num_tokens == 0 and p.num_targets == 0 and p.cu_seqlens.tolist() == [0]
+    p = pack_prefix_tree([[], []], completion_start=0, old_log_probs=[[], []], advantages=[1.0, 2.0])
+    assert p.num_tokens == 0 and p.cu_seqlens.tolist() == [0, 0, 0] and p.old_log_probs.shape == (0,)
+    p = pack_prefix_tree([[3, 4]], completion_mask=[[0, 0]])
+    assert p.num_targets == 0 and p.shift_labels.tolist() == [-100, -100]
+
+
+@pytest.mark.parametrize(
+    "kwargs, err, match",
+    [
+        (dict(samples=[[1, -2]], completion_start=0), ValueError, "samples: token ids must be non-negative"),
+        (dict(samples=[[1.5, 2]], completion_start=0), TypeError, "samples\\[0\\]"),
+        (dict(samples=[torch.tensor([1.0])], completion_start=0), TypeError, "samples\\[0\\]: token ids must be int"),
+        (dict(samples="abc", completion_start=0), TypeError, "samples"),
+        (dict(samples=torch.zeros(2, 3, dtype=torch.long), completion_start=0), ValueError, "lengths"),
+        (
+            dict(samples=torch.zeros(2, 3, dtype=torch.long), lengths=[1, 4], completion_start=0),
+            ValueError,
+            "lengths: expected values in",
+        ),
+        (dict(samples=[[1, 2]], completion_mask=[[1]]), ValueError, "completion_mask\\[0\\]: expected 2 values"),
+        (dict(samples=[[1, 2]], completion_mask=[[1, 2]]), ValueError, "completion_mask: expected 0/1"),
+        (dict(samples=[[1, 2]], completion_mask=[[1, 1]], completion_start=0), ValueError, "give one of them"),
+        (dict(samples=[[1, 2]]), ValueError, "completion_mask"),
+        (dict(samples=[[1, 2]], completion_start=3), ValueError, "completion_start: expected 0 <="),
+        (dict(samples=[[1, 2]], completion_start=[0, 1]), ValueError, "completion_start: expected 1 entries"),
+        (dict(samples=[[1, 2]], completion_start=0, group_index=[1, 2]), ValueError, "group_index: expected 1"),
+        (dict(samples=[[1, 2]], completion_start=0, old_log_probs=[[0.1]]), ValueError, "old_log_probs\\[0\\]"),
+        (dict(samples=[[1, 2]], completion_start=0, advantages=[1.0, 2.0]), ValueError, "advantages: expected 1"),
+        (dict(samples=[[1, 2]], completion_start=0, key="tok"), ValueError, "key: expected one of"),
+        (dict(samples=[[1, 2]], completion_start=0, backend="triton"), ValueError, "backend"),
+    ],
+)
+def test_bad_input_names_the_argument(kwargs, err, match):
+    samples = kwargs.pop("samples")
+    with pytest.raises(err, match=match):
+        pack_prefix_tree(samples, **kwargs)
+
+
+def test_to_trl_needs_trl_semantics():
+    with pytest.raises(ValueError, match="key='token\\+next'"):
+        pack_prefix_tree(
+            [[1, 2]], completion_start=1, key="token", old_log_probs=[[0.0, 0.0]], advantages=[1.0]
+        ).to_trl()
+    with pytest.raises(ValueError, match="old_log_probs and advantages"):
+        pack_prefix_tree([[1, 2]], completion_start=1).to_trl()
+
+
+def test_kernel_rejects_inconsistent_inputs():
+    """The registered op is reachable without the Python checks: it must refuse, not read out of bounds."""
+    from rlvr_kernels.ops._dispatch import kernel
+
+    build = kernel("prefix_tree_build", "cpu")
+    tok = torch.tensor([1, 2, 3])
+    cu = torch.tensor([0, 3])
+    ok = dict(tokens=tok, cu_tokens=cu, trained=torch.ones(3, dtype=torch.bool), group=torch.zeros(0, dtype=torch.long))
+    bad = [
+        dict(cu_tokens=torch.tensor([0, 4])),
+        dict(cu_tokens=torch.tensor([0, 2, 1, 3])),
+        dict(tokens=torch.tensor([1, -1, 3])),
+        dict(trained=torch.ones(2, dtype=torch.bool)),
+        dict(trained=torch.tensor([4])),
+        dict(group=torch.tensor([0, 1])),
+        dict(group=torch.tensor([-3])),
+    ]
+    for change in bad:
+        args = {**ok, **change}
+        row_cu = torch.tensor([0, args["cu_tokens"].numel() - 1])
+        with pytest.raises(RuntimeError, match="prefix_tree_build"):
+            order = torch.arange(args["cu_tokens"].numel() - 1)
+            build(args["tokens"], args["cu_tokens"], args["trained"], args["group"], order, row_cu, True)
+    with pytest.raises(RuntimeError, match="row_cu"):
+        build(tok, cu, ok["trained"], ok["group"], torch.tensor([0]), torch.tensor([0, 2]), True)
+    with pytest.raises(RuntimeError, match="order"):
+        build(tok, cu, ok["trained"], ok["group"], torch.tensor([1]), torch.tensor([0, 1]), True)
+
+
+def test_pack_rows_equals_each_row_alone():
+    torch.manual_seed(2)
+    samples = [torch.randint(0, 5, (int(n),)) for n in torch.randint(0, 12, (11,))]
+    start = [min(2, len(s)) for s in samples]
+    old = [torch.randn(len(s)) for s in samples]
+    rows = [[3, 0, 7], [], [10, 1], [2, 4, 5, 6, 8, 9]]
+    packs = pack_rows(samples, rows, completion_start=start, old_log_probs=old, advantages=torch.arange(11.0))
+    for row, pack in zip(rows, packs):
+        alone = pack_prefix_tree(
+            [samples[i] for i in row],
+            completion_start=[start[i] for i in row],
+            old_log_probs=[old[i] for i in row],
+            advantages=[float(i) for i in row],
+        )
+        for name in alone.__dataclass_fields__:
+            x, y = getattr(pack, name), getattr(alone, name)
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, name
+    with pytest.raises(ValueError, match="rows: a sample index appears more than once"):
+        pack_rows(samples, [[0], [0]], completion_start=start)
+    with pytest.raises(ValueError, match="rows: sample indices must be integers in"):
+        pack_rows(samples, [[11]], completion_start=start)
