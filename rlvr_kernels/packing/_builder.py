@@ -49,11 +49,15 @@ class TreeRowBuilder:
     def num_tokens(self) -> int:
         return self._trie.num_nodes()
 
+    def shared_prefix(self, sample: Dict[str, Any]) -> int:
+        """How many leading tokens of ``sample`` the row already holds (adding it costs the rest)."""
+        ids = _ids(sample)
+        return self._trie.match(ids, -1)
+
     def fits(self, sample: Dict[str, Any], budget: int) -> bool:
         """Whether the row stays within ``budget`` unique tokens and ``budget`` trained tokens
         with ``sample`` added."""
-        ids = _ids(sample)
-        novel = ids.shape[0] - self._trie.match(ids, -1)
+        novel = sample["input_ids"].shape[0] - self.shared_prefix(sample)
         trained = int(sample["completion_mask"].sum())
         return self._trie.num_nodes() + novel <= budget and self._trie.trained() + trained <= budget
 

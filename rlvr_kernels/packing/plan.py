@@ -496,4 +496,4 @@ def _fill_empty(rows: List[TreeRowBuilder], key: str) -> None:
 def _shared(row: TreeRowBuilder, item: Dict[str, Any]) -> int:
     """How many leading tokens of the sample the row already holds (the part ``fits`` does
     not charge for)."""
-    return row._trie.match(item["input_ids"], -1)
+    return row.shared_prefix(item)
