@@ -91,7 +91,7 @@ def cmd_check(args) -> int:
 def cmd_bench(args) -> int:
     from .bench import run_all
 
-    return run_all(out_dir=args.out, device=args.device, quick=args.quick)
+    return run_all(out_dir=args.out, device=args.device, quick=args.quick, ops=args.op)
 
 
 def main(argv=None) -> int:
@@ -109,6 +109,13 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--out", default=os.path.join("benchmarks", "results"), help="where result files go")
     p.add_argument("--quick", action="store_true", help="small workloads (a smoke test, not for reporting)")
+    p.add_argument(
+        "--op",
+        action="append",
+        choices=["group_advantages", "policy_loss", "linear_logprobs", "packing"],
+        default=None,
+        help="only these op families (repeatable); the result files are then named <date>-<device>-<ops>",
+    )
     args = parser.parse_args(argv)
     return {"info": cmd_info, "check": cmd_check, "bench": cmd_bench}[args.command](args)
 

@@ -58,14 +58,19 @@ def device_tag(info: Dict) -> str:
     return "cpu"
 
 
-def run_all(out_dir: str, device: Optional[str] = None, quick: bool = False) -> int:
+def run_all(out_dir: str, device: Optional[str] = None, quick: bool = False, ops: Optional[List[str]] = None) -> int:
     try:
         from tqdm import tqdm
     except ImportError:  # the `bench` extra brings it; without it, no bar
         tqdm = None
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     info = machine_info(device)
-    jobs = [(op, name, fn) for op, workloads in SUITES.items() for name, fn in workloads.items()]
+    unknown = sorted(set(ops or ()) - set(SUITES))
+    if unknown:
+        raise ValueError(f"ops: unknown op families {unknown}; expected some of {list(SUITES)}")
+    jobs = [
+        (op, name, fn) for op, workloads in SUITES.items() if not ops or op in ops for name, fn in workloads.items()
+    ]
     results: List[Dict] = []
     bar = tqdm(jobs, desc="bench", unit="workload", file=sys.stderr) if tqdm else jobs
     for op, name, fn in bar:
@@ -78,7 +83,8 @@ def run_all(out_dir: str, device: Optional[str] = None, quick: bool = False) -> 
     md = to_markdown(report)
     print(md)
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"{info['date']}-{device_tag(info)}{'-quick' if quick else ''}")
+    subset = "".join(f"-{op}" for op in SUITES if ops and op in ops)
+    stem = os.path.join(out_dir, f"{info['date']}-{device_tag(info)}{subset}{'-quick' if quick else ''}")
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
     with open(stem + ".md", "w") as f:
