@@ -35,7 +35,7 @@ import torch
 
 from .. import linear_logprobs
 from .advantages import _target
-from .timing import time_fn
+from .timing import peak_extra_gb, time_fn
 
 # Targets on CPU: time ≤ 1.1× eager and extra peak memory ≤ 0.2 GB.
 CPU_TIME_TARGET = 1.1
@@ -148,29 +148,10 @@ def step_fn(key: str, x: Dict) -> Callable[[], Dict]:
     return step
 
 
-def _current_rss() -> int:
-    with open("/proc/self/status") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
-
-
 def measure_memory(key: str, device: str, quick: bool) -> Dict:
     """Peak extra memory of one call of ``key`` (run in a fresh process by ``memory_rows``)."""
     x = make_inputs(device, quick)
-    step = step_fn(key, x)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        return {"extra_gb": (torch.cuda.max_memory_allocated() - base) / 1e9}
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM, the peak RSS, to the current RSS
-    base, _ = _current_rss()
-    step()
-    _, peak = _current_rss()
-    return {"extra_gb": (peak - base) / 1e9}
+    return {"extra_gb": peak_extra_gb(step_fn(key, x), device)}
 
 
 def memory_rows(keys: List[str], device: str, quick: bool) -> Dict[str, Dict]:

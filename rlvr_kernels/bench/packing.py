@@ -23,7 +23,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from ..packing import pack_rows
-from .timing import time_fn
+from .timing import peak_extra_gb, time_fn
 
 BUILD_SPEEDUP_TARGET = 30.0
 BUILD_SECONDS_TARGET = 1.0
@@ -189,23 +189,7 @@ def _forward_step(x: Dict, packed: bool, attention: str = "rk_tree_sdpa") -> Cal
 
 def measure_forward_memory(packed: bool, device: str, quick: bool) -> Dict:
     """Peak extra memory of one packed or unpacked step (run in a fresh process)."""
-    from .logprobs import _current_rss
-
-    x = forward_inputs(device, quick)
-    step = _forward_step(x, packed)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        return {"extra_gb": (torch.cuda.max_memory_allocated() - base) / 1e9}
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM, the peak RSS, to the current RSS
-    base, _ = _current_rss()
-    step()
-    _, peak = _current_rss()
-    return {"extra_gb": (peak - base) / 1e9}
+    return {"extra_gb": peak_extra_gb(_forward_step(forward_inputs(device, quick), packed), device)}
 
 
 def _memory(packed: bool, device: str, quick: bool) -> Optional[float]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, Tuple
 
 import torch
 
@@ -38,3 +38,29 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 28) -> float:
     dst = torch.empty_like(src)
     t = time_fn(lambda: dst.copy_(src), device, repeats=9, warmup=2)
     return 2 * nbytes / (t["ms"] * 1e-3) / 1e9
+
+
+def _rss() -> Tuple[int, int]:
+    """(current RSS, peak RSS since the last reset) of this process in bytes."""
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def peak_extra_gb(step: Callable[[], object], device: str) -> float:
+    """Peak memory one call of ``step`` adds, in GB: CUDA's max_memory_allocated above what
+    was allocated before; on CPU the peak RSS above the RSS before (run it in a fresh process:
+    a warm allocator would hide the first call's peak)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 1e9
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM, the peak RSS, to the current RSS
+    base, _ = _rss()
+    step()
+    _, peak = _rss()
+    return (peak - base) / 1e9
