@@ -265,7 +265,11 @@ def _advantages(advantages, lengths: List[int]):
         if not a.dtype.is_floating_point:
             raise TypeError("advantages: expected floating-point values")
         return a, True
-    if isinstance(advantages, Sequence) and all(isinstance(v, (int, float)) for v in advantages):
+
+    def scalar(v) -> bool:
+        return isinstance(v, (int, float, np.number)) or isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 0
+
+    if isinstance(advantages, Sequence) and len(advantages) and all(scalar(v) for v in advantages):
         if len(advantages) != B:
             raise ValueError(f"advantages: expected {B} values (one per sample), got {len(advantages)}")
         return torch.tensor([float(v) for v in advantages], dtype=torch.float64), True

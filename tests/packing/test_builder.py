@@ -309,3 +309,12 @@ def test_pack_rows_equals_each_row_alone():
         pack_rows(samples, [[0], [0]], completion_start=start)
     with pytest.raises(ValueError, match="rows: sample indices must be integers in"):
         pack_rows(samples, [[11]], completion_start=start)
+
+
+def test_advantages_per_sample_in_every_form():
+    ids = [[1, 2, 3], [1, 2, 4]]
+    want = pack_prefix_tree(ids, completion_start=1, advantages=[0.5, -1.0]).advantages
+    for adv in ([torch.tensor(0.5), torch.tensor(-1.0)], np.array([0.5, -1.0]), torch.tensor([0.5, -1.0])):
+        assert torch.equal(pack_prefix_tree(ids, completion_start=1, advantages=adv).advantages, want)
+    per_token = pack_prefix_tree(ids, completion_start=1, advantages=[[0.0, 0.5, 0.5], [0.0, -1.0, -1.0]])
+    assert torch.equal(per_token.advantages, want)
