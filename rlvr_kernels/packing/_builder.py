@@ -21,14 +21,20 @@ class TreeRowBuilder:
     returns the full :class:`TreePack`.
     """
 
-    def __init__(self, key: str = "token+next"):
+    def __init__(self, key: str = "token+next", separate_groups: bool = False):
         next_key = _key(key)
+        if not isinstance(separate_groups, bool):
+            raise TypeError(f"separate_groups: expected a bool, got {type(separate_groups).__name__}")
         if not _dispatch.load_extension():
             raise RuntimeError("TreeRowBuilder needs the C++ extension rlvr_kernels._C: it is not built")
         self.key = key
         self._trie = torch.classes.rlvr_kernels_C.PrefixTrie(next_key)
         self.samples: List[Dict[str, Any]] = []
         self.groups: set = set()
+        # With separate_groups, samples share tokens only within their group_id (the trees of
+        # pack_prefix_tree(..., group_index=)); the trie keys each group's roots on its code.
+        self.separate_groups = separate_groups
+        self._group_codes: Dict[Any, int] = {}
 
     @property
     def load(self) -> int:
@@ -52,7 +58,7 @@ class TreeRowBuilder:
     def shared_prefix(self, sample: Dict[str, Any]) -> int:
         """How many leading tokens of ``sample`` the row already holds (adding it costs the rest)."""
         ids = _ids(sample)
-        return self._trie.match(ids, -1)
+        return self._trie.match(ids, self._group_code(sample, create=False))
 
     def fits(self, sample: Dict[str, Any], budget: int) -> bool:
         """Whether the row stays within ``budget`` unique tokens and ``budget`` trained tokens
@@ -66,9 +72,25 @@ class TreeRowBuilder:
         mask = sample["completion_mask"]
         if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
             raise ValueError(f"sample['completion_mask']: expected a tensor of shape {tuple(ids.shape)}")
-        self._trie.add(ids, mask, -1)
+        if "old_log_probs" in sample:  # a short one would shift every later sample's values
+            old = sample["old_log_probs"]
+            n = old.numel() if isinstance(old, torch.Tensor) else len(old)
+            if n != ids.shape[0]:
+                raise ValueError(f"sample['old_log_probs']: expected {ids.shape[0]} values (one per token), got {n}")
+        self._trie.add(ids, mask, self._group_code(sample, create=True))
         self.samples.append(sample)
         self.groups.add(sample.get("group_id"))
+
+    def _group_code(self, sample: Dict[str, Any], create: bool) -> int:
+        """The trie's root key for the sample: -1 (shared roots), or its group's code."""
+        if not self.separate_groups:
+            return -1
+        group = sample.get("group_id")
+        if group not in self._group_codes:
+            if not create:
+                return len(self._group_codes)  # a group the row does not hold: matches nothing
+            self._group_codes[group] = len(self._group_codes)
+        return self._group_codes[group]
 
     def tree_pack(self) -> TreePack:
         """The row as a :class:`TreePack` (old log-probs and advantages when every sample has them)."""
@@ -88,7 +110,7 @@ class TreeRowBuilder:
         return packs_from_layout(layout, cu.diff(), torch.tensor([0, len(lengths)]), self.key, old, adv)[0]
 
     def pack(self) -> Dict[str, torch.Tensor]:
-        """Exactly TRL's ``TreeRow.pack()`` dict."""
+        """Exactly TRL's ``TreeRow.pack()`` dict (every sample needs ``old_log_probs`` and ``advantage``)."""
         return self.tree_pack().to_trl()
 
 
@@ -96,4 +118,8 @@ def _ids(sample: Dict[str, Any]) -> torch.Tensor:
     ids = sample["input_ids"]
     if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
         raise ValueError("sample['input_ids']: expected a 1-D integer tensor")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"sample['input_ids']: token ids must be integers, got dtype {ids.dtype}")
+    if ids.numel() and int(ids.min()) < 0:
+        raise ValueError(f"sample['input_ids']: token ids must be non-negative, got {int(ids.min())}")
     return ids

@@ -111,12 +111,23 @@ class TreePack:
         """Unpacked tokens over forwarded tokens (1.0 when nothing is shared)."""
         return self.num_tokens_unpacked / max(self.num_tokens, 1)
 
-    def to(self, device) -> "TreePack":
-        """The pack with every tensor on ``device``."""
+    def to(self, device, non_blocking: bool = False) -> "TreePack":
+        """The pack with every tensor on ``device`` (devices only: the index tensors must stay
+        integers, so a dtype is refused)."""
+        if isinstance(device, torch.dtype):
+            raise TypeError("device: TreePack.to moves tensors between devices; a dtype would corrupt its indices")
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def clone(self) -> "TreePack":
+        """A standalone copy. The rows of one ``pack_rows`` call are views into buffers shared
+        by the whole call; clone a row to keep (or ``torch.save``) it without the others."""
+        return self._map(torch.clone)
+
+    def _map(self, fn) -> "TreePack":
         return dataclasses.replace(
             self,
             **{
-                f.name: getattr(self, f.name).to(device)
+                f.name: fn(getattr(self, f.name))
                 for f in dataclasses.fields(self)
                 if isinstance(getattr(self, f.name), torch.Tensor)
             },
@@ -132,30 +143,36 @@ class TreePack:
             )
         if self.old_log_probs is None or self.advantages is None:
             missing = [n for n in ("old_log_probs", "advantages") if getattr(self, n) is None]
-            raise ValueError(f"to_trl: TRL's layout carries {' and '.join(missing)}; pass them to pack_prefix_tree")
+            raise ValueError(
+                f"to_trl: TRL's layout carries {' and '.join(missing)}; give them to the builder "
+                "(pack_prefix_tree's arguments, or each TreeRowBuilder sample's 'old_log_probs' and 'advantage')"
+            )
         return {name: getattr(self, name) for name in TRL_FIELDS}
 
 
 # ----------------------------------------------------------------------------- inputs
 
 
-def _as_int_tensor(name: str, x) -> torch.Tensor:
+def _as_int_tensor(name: str, x, what: str = "token ids") -> torch.Tensor:
+    """``x`` (a list, 1-D tensor or numpy array of integers) as a CPU int64 tensor."""
     if isinstance(x, torch.Tensor):
         t = x
     elif isinstance(x, np.ndarray):
+        if x.dtype == np.uint64 and x.size and int(x.max()) > np.iinfo(np.int64).max:
+            raise ValueError(f"{name}: {what} must fit in int64, got {int(x.max())}")
         t = torch.from_numpy(np.ascontiguousarray(x))
     elif isinstance(x, (list, tuple)):
         try:
             # No dtype= here: torch would truncate 1.5 to 1 silently; the inferred dtype is checked below.
             t = torch.tensor(x) if len(x) else torch.zeros(0, dtype=torch.int64)
         except (TypeError, ValueError, RuntimeError, OverflowError):
-            raise TypeError(f"{name}: expected a sequence of integer token ids") from None
+            raise TypeError(f"{name}: expected a sequence of integer {what} (int64)") from None
     else:
-        raise TypeError(f"{name}: expected a list, 1-D tensor or numpy array of token ids, got {type(x).__name__}")
+        raise TypeError(f"{name}: expected a list, 1-D tensor or numpy array of {what}, got {type(x).__name__}")
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise TypeError(f"{name}: token ids must be integers, got dtype {str(t.dtype).replace('torch.', '')}")
+        raise TypeError(f"{name}: {what} must be integers, got dtype {str(t.dtype).replace('torch.', '')}")
     if t.dim() != 1:
-        raise ValueError(f"{name}: expected a 1-D sequence of token ids, got shape {tuple(t.shape)}")
+        raise ValueError(f"{name}: expected a 1-D sequence of {what}, got shape {tuple(t.shape)}")
     return t.to("cpu", torch.int64)
 
 
@@ -169,7 +186,7 @@ def _flat_samples(samples, lengths):
                 f"samples: token ids must be integers, got dtype {str(samples.dtype).replace('torch.', '')}"
             )
         B, L = samples.shape
-        lens = _as_int_tensor("lengths", lengths)
+        lens = _as_int_tensor("lengths", lengths, "lengths")
         if lens.shape[0] != B:
             raise ValueError(f"lengths: expected {B} entries (one per row of samples), got {lens.shape[0]}")
         if B and (int(lens.min()) < 0 or int(lens.max()) > L):
@@ -231,10 +248,10 @@ def _trained_mask(completion_mask, completion_start, lengths: List[int], T: int)
     lens = torch.tensor(lengths, dtype=torch.int64)
     if completion_start is None:
         raise ValueError("completion_mask: give completion_mask (per token) or completion_start (per sample)")
-    if isinstance(completion_start, int) and not isinstance(completion_start, bool):
-        start = torch.full((B,), completion_start, dtype=torch.int64)
+    if isinstance(completion_start, (int, np.integer)) and not isinstance(completion_start, (bool, np.bool_)):
+        start = torch.full((B,), int(completion_start), dtype=torch.int64)
     else:
-        start = _as_int_tensor("completion_start", completion_start)
+        start = _as_int_tensor("completion_start", completion_start, "positions")
         if start.shape[0] != B:
             raise ValueError(f"completion_start: expected {B} entries (one per sample), got {start.shape[0]}")
     if B and (bool((start < 0).any()) or bool((start > lens).any())):
@@ -249,7 +266,7 @@ def _trained_mask(completion_mask, completion_start, lengths: List[int], T: int)
 def _group_codes(group_index, B: int) -> torch.Tensor:
     if group_index is None:
         return torch.zeros(0, dtype=torch.int64)
-    g = _as_int_tensor("group_index", group_index)
+    g = _as_int_tensor("group_index", group_index, "group ids")
     if g.shape[0] != B:
         raise ValueError(f"group_index: expected {B} entries (one per sample), got {g.shape[0]}")
     return torch.unique(g, return_inverse=True)[1].to(torch.int64).contiguous()
@@ -356,7 +373,6 @@ def packs_from_layout(
     """Slice the builder's concatenated outputs (``csrc/packing.cpp``) into one TreePack per row;
     ``lengths`` are the samples' lengths in row order, ``old``/``adv`` the targets' values [M]."""
     (ids, pos, labels, leave, cu_q, parent, kv, cu_k, gather, tidx, tgt, tpos, seg, cu_m, sizes) = outputs
-    enter = torch.arange(int(sizes[:, 0].max()) if sizes.shape[0] else 0, dtype=torch.int32)
     packs = []
     s0 = k0 = m0 = 0
     for r, (n, s, k, m, load, max_q, max_k, t0) in enumerate(sizes.tolist()):
@@ -368,7 +384,7 @@ def packs_from_layout(
                 input_ids=ids[t0 : t0 + n],
                 position_ids=pos[t0 : t0 + n],
                 shift_labels=labels[t0 : t0 + n],
-                enter=enter[:n],
+                enter=torch.arange(n, dtype=torch.int32),
                 leave=leave[t0 : t0 + n],
                 tree_kv_index=kv[k0 : k0 + k],
                 tree_cu_seqlens_q=cu_q[s0 + r : s0 + r + s + 1],
@@ -431,7 +447,8 @@ def pack_prefix_tree(
         raise ValueError(f"backend: expected 'cpu' or 'reference' (the build runs on the host), got {backend!r}")
     flat = _flatten(samples, lengths, completion_mask, completion_start, old_log_probs, advantages, group_index)
     B = flat.cu_tokens.shape[0] - 1
-    return build_rows(flat, torch.arange(B), torch.tensor([0, B]), key, backend)[0]
+    # One row: its own tensors, not views into buffers sized for every input token.
+    return build_rows(flat, torch.arange(B), torch.tensor([0, B]), key, backend)[0].clone()
 
 
 def pack_rows(
@@ -450,14 +467,17 @@ def pack_rows(
 
     ``rows`` lists the sample indices of each row (a micro-batch of ``plan_rows``); the other
     arguments are those of :func:`pack_prefix_tree`, for all samples. ``segment_id`` and
-    ``cu_seqlens`` of a pack count the row's samples in the order ``rows`` gives them.
+    ``cu_seqlens`` of a pack count the row's samples in the order ``rows`` gives them. The
+    packs are views into buffers shared by the call (``TreePack.clone()`` detaches one).
     """
     _key(key)
     flat = _flatten(samples, lengths, completion_mask, completion_start, old_log_probs, advantages, group_index)
     B = flat.cu_tokens.shape[0] - 1
     if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
         raise TypeError(f"rows: expected a list of per-row lists of sample indices, got {type(rows).__name__}")
-    order = [i for row in rows for i in row]
+    if any(isinstance(row, (str, bytes)) or not isinstance(row, (Sequence, np.ndarray, torch.Tensor)) for row in rows):
+        raise TypeError("rows: expected a list of per-row lists of sample indices")
+    order = [int(i) if isinstance(i, torch.Tensor) and i.dim() == 0 else i for row in rows for i in row]
     if any(not isinstance(i, (int, np.integer)) or isinstance(i, bool) or not 0 <= i < B for i in order):
         raise ValueError(f"rows: sample indices must be integers in [0, {B})")
     if len(set(order)) != len(order):

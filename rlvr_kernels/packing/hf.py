@@ -52,9 +52,15 @@ def forward_packed(model, pack, *, attn_implementation: str = SDPA, **attention_
     if pack.input_ids.device != device:
         raise ValueError(f"pack: on {pack.input_ids.device}, the model is on {device}; use pack.to(device)")
     check_attn_implementation(attn_implementation, device)
+    vocab = model.get_input_embeddings().num_embeddings
+    if pack.input_ids.numel() and int(pack.input_ids.max()) >= vocab:
+        raise ValueError(f"pack: token id {int(pack.input_ids.max())} is outside the model's vocabulary of {vocab}")
     register_tree_attention()
     if model.config._attn_implementation != attn_implementation:
         model.set_attn_implementation(attn_implementation)
+    if pack.num_tokens == 0:  # an empty row (a rank with nothing this micro-batch): no forward
+        weight = model.get_input_embeddings().weight
+        return weight.new_zeros(0, weight.shape[1]) + 0 * weight.sum()  # keeps the graph: backward works
     out = model.base_model(
         input_ids=pack.input_ids[None],
         position_ids=pack.position_ids[None],

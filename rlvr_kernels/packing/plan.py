@@ -104,6 +104,7 @@ def plan_rows(
     group_index=None,
     policy: str = "balanced",
     key: str = "token+next",
+    separate_groups: bool = False,
 ) -> RowPlan:
     """Split ``samples`` into micro-batches of ``num_rows`` rows (one per data-parallel rank).
 
@@ -134,6 +135,11 @@ def plan_rows(
             micro-batch (its stream does not end); here it is the plan's last micro-batch.
         key: the trie key, as for :func:`pack_prefix_tree`; ``"token"`` shares more and so
             prices samples lower.
+        separate_groups: price rows as trees that share nothing across groups, which is what
+            ``pack_rows(..., group_index=)`` builds; by default rows share any common prefix
+            across groups (a system prompt), as TRL's rows and ``pack_rows`` without
+            ``group_index`` do. Pack with the same choice the plan was made with, or the budget
+            does not hold. Needs ``group_index``.
 
     Returns:
         A :class:`RowPlan`; ``plan[k][r]`` are the sample indices of row ``r`` of micro-batch
@@ -149,6 +155,11 @@ def plan_rows(
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
     _key(key)
+    if not isinstance(separate_groups, bool):
+        raise TypeError(f"separate_groups: expected a bool, got {type(separate_groups).__name__}")
+    if separate_groups and group_index is None:
+        raise ValueError("separate_groups: needs group_index (the groups pack_rows keeps apart)")
+    spec = (key, separate_groups)
     flat = _flatten(samples, lengths, completion_mask, completion_start, None, None, group_index)
     items = _sample_dicts(flat, group_index is not None)
     for b, item in enumerate(items):
@@ -159,10 +170,10 @@ def plan_rows(
                 "so it fits in no row; raise token_budget to at least the longest sample or truncate the sample"
             )
     if policy == "trl":
-        batches = _plan_trl(items, num_rows, token_budget, key)
+        batches = _plan_trl(items, num_rows, token_budget, spec)
         rows = [[[s["index"] for s in row.samples] for row in batch] for batch in batches]
     else:
-        batches = _plan_balanced(items, num_rows, token_budget, key)
+        batches = _plan_balanced(items, num_rows, token_budget, spec)
         rows = [[sorted(s["index"] for s in row.samples) for row in batch] for batch in batches]
     return RowPlan(
         micro_batches=tuple(tuple(tuple(row) for row in batch) for batch in rows),
@@ -213,10 +224,10 @@ def _stat(batches: Sequence[Sequence[TreeRowBuilder]], num_rows: int, value) -> 
 # ----------------------------------------------------------------------------- policy="trl"
 
 
-def _plan_trl(items, num_rows: int, budget: int, key: str) -> List[List[TreeRowBuilder]]:
+def _plan_trl(items, num_rows: int, budget: int, key: Tuple[str, bool]) -> List[List[TreeRowBuilder]]:
     """TRL 1.16's ``TokenBudgetBatcher.__iter__``, over a finite stream."""
     batches = []
-    rows = [TreeRowBuilder(key) for _ in range(num_rows)]
+    rows = [TreeRowBuilder(*key) for _ in range(num_rows)]
     for item in items:
         # Terminates: every sample fits an empty row (checked against the budget up front).
         while True:
@@ -225,7 +236,7 @@ def _plan_trl(items, num_rows: int, budget: int, key: str) -> List[List[TreeRowB
                 row.add(item)
                 break
             batches.append(rows)
-            rows = [TreeRowBuilder(key) for _ in range(num_rows)]
+            rows = [TreeRowBuilder(*key) for _ in range(num_rows)]
     if any(row.samples for row in rows):
         batches.append(rows)
     return batches
@@ -258,7 +269,7 @@ def _trl_place(rows: List[TreeRowBuilder], item, budget: int) -> Optional[TreeRo
 _CANDIDATES = ((None, False), (1.0, False), (1.5, False), (None, True))
 
 
-def _plan_balanced(items, num_rows: int, budget: int, key: str) -> List[List[TreeRowBuilder]]:
+def _plan_balanced(items, num_rows: int, budget: int, key: Tuple[str, bool]) -> List[List[TreeRowBuilder]]:
     """The best candidate over the fewest micro-batches any candidate achieves: fewest
     micro-batches first (each is a step of every rank), then the least sum over micro-batches
     of the slowest row, then the fewest tokens forwarded.
@@ -323,8 +334,8 @@ def _plan_balanced(items, num_rows: int, budget: int, key: str) -> List[List[Tre
     return best
 
 
-def _builder(items, key: str) -> TreeRowBuilder:
-    row = TreeRowBuilder(key)
+def _builder(items, key: Tuple[str, bool]) -> TreeRowBuilder:
+    row = TreeRowBuilder(*key)
     for item in items:
         row.add(item)
     return row
@@ -340,7 +351,7 @@ class _Unit(NamedTuple):
     load: int
 
 
-def _unit(items, key: str) -> _Unit:
+def _unit(items, key: Tuple[str, bool]) -> _Unit:
     row = _builder(items, key)
     return _Unit(list(items), row.num_tokens, row.trained, row.load)
 
@@ -349,7 +360,7 @@ def _fits_alone(unit: _Unit, budget: int) -> bool:
     return unit.num_tokens <= budget and unit.trained <= budget
 
 
-def _group_units(items, budget: int, key: str) -> List[_Unit]:
+def _group_units(items, budget: int, key: Tuple[str, bool]) -> List[_Unit]:
     """Each group priced as one trie; a group over the budget is cut into the fewest chunks of
     consecutive samples, of even sample counts, that each fit a row (even chunks balance
     better than filling each to the brim and leaving a small remainder)."""
@@ -378,7 +389,7 @@ def _even_parts(members: List[Any], count: int) -> List[List[Any]]:
     return [members[bounds[i] : bounds[i + 1]] for i in range(count)]
 
 
-def _split(units: List[_Unit], count: int, target: float, key: str) -> List[_Unit]:
+def _split(units: List[_Unit], count: int, target: float, key: Tuple[str, bool]) -> List[_Unit]:
     """Halve the costliest unit while there are fewer than ``count`` units (so every row can
     get one, TRL's ``FixedCountBatcher`` rule) or while it costs more than ``target``, the mean
     row cost (a unit above it makes its row the slowest whatever the placement)."""
@@ -444,7 +455,9 @@ class _Rows:
         bisect.insort(self.order, self._key(r))
 
 
-def _place_units(units, num: int, budget: int, key: str, tight: bool) -> Optional[List[List[Dict[str, Any]]]]:
+def _place_units(
+    units, num: int, budget: int, key: Tuple[str, bool], tight: bool
+) -> Optional[List[List[Dict[str, Any]]]]:
     """Each row's samples with every unit placed in one of ``num`` rows, or None when some
     sample fits nowhere (more micro-batches are needed).
 
@@ -472,14 +485,14 @@ def _place_units(units, num: int, budget: int, key: str, tight: bool) -> Optiona
             r = min(home, key=rows.rank) if home else rows.find(n, t)
             if r is None:
                 return None
-            part = parts.setdefault(r, TreeRowBuilder(key))
+            part = parts.setdefault(r, TreeRowBuilder(*key))
             before = (part.num_tokens, part.trained, part.load)
             part.add(item)
             rows.add(r, part.num_tokens - before[0], part.trained - before[1], part.load - before[2], [item])
     return rows.members
 
 
-def _fill_empty(rows: List[TreeRowBuilder], key: str) -> None:
+def _fill_empty(rows: List[TreeRowBuilder], key: Tuple[str, bool]) -> None:
     """Move a sample into each empty row from the row with the most samples, while one has
     two: a rank forwarding nothing would desync collectives. Taking a sample out of a row
     never raises its tokens, and a sample alone always fits."""

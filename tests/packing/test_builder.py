@@ -318,3 +318,44 @@ def test_advantages_per_sample_in_every_form():
         assert torch.equal(pack_prefix_tree(ids, completion_start=1, advantages=adv).advantages, want)
     per_token = pack_prefix_tree(ids, completion_start=1, advantages=[[0.0, 0.5, 0.5], [0.0, -1.0, -1.0]])
     assert torch.equal(per_token.advantages, want)
+
+
+def test_single_pack_owns_compact_tensors_and_to_moves_devices_only():
+    p = pack_prefix_tree([list(range(200)) + [i] * 5 for i in range(4)], completion_start=200)
+    assert p.input_ids.untyped_storage().nbytes() == p.num_tokens * 8
+    rows = pack_rows([[1, 2, 3], [1, 2, 4], [5, 6]], [[0, 1], [2]], completion_start=1)
+    alone = rows[0].clone()
+    assert alone.input_ids.untyped_storage().nbytes() == alone.num_tokens * 8
+    rows[1].enter.add_(1)  # rows do not share their enter
+    assert rows[0].enter.tolist() == list(range(rows[0].num_tokens))
+    with pytest.raises(TypeError, match="device"):
+        p.to(torch.bfloat16)
+
+
+def test_builder_refuses_misaligned_or_bad_samples():
+    def sample(ids, old):
+        mask = torch.tensor([0] + [1] * (len(ids) - 1))
+        return dict(input_ids=torch.tensor(ids), completion_mask=mask, old_log_probs=torch.tensor(old), advantage=1.0)
+
+    row = TreeRowBuilder()
+    with pytest.raises(ValueError, match="old_log_probs'\\]: expected 3 values"):
+        row.add(sample([1, 2, 3], [0.0, 0.1, 0.2, 0.9]))
+    with pytest.raises(TypeError, match="input_ids'\\]: token ids must be integers"):
+        row.add(dict(input_ids=torch.tensor([1.0]), completion_mask=torch.tensor([1])))
+    with pytest.raises(ValueError, match="non-negative"):
+        row.add(dict(input_ids=torch.tensor([-1]), completion_mask=torch.tensor([1])))
+    with pytest.raises(TypeError, match="rows"):
+        pack_rows([[1, 2]], [0], completion_start=0)
+
+
+def test_builder_separate_groups_matches_group_index():
+    ids = [[1, 2, 3], [1, 2, 4], [1, 2, 5]]
+    row = TreeRowBuilder(separate_groups=True)
+    for i, g in zip(ids, [7, 7, 9]):
+        row.add(dict(input_ids=torch.tensor(i), completion_mask=torch.tensor([0, 1, 1]), group_id=g))
+    want = pack_prefix_tree(ids, completion_start=1, group_index=[7, 7, 9])
+    got = row.tree_pack()
+    assert row.num_tokens == want.num_tokens and torch.equal(got.input_ids, want.input_ids)
+    assert torch.equal(got.token_index, want.token_index)
+    assert row.shared_prefix(dict(input_ids=torch.tensor([1, 2, 6]), group_id=9)) == 1
+    assert row.shared_prefix(dict(input_ids=torch.tensor([1, 2, 6]), group_id=3)) == 0

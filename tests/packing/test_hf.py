@@ -212,3 +212,12 @@ def test_bad_arguments_name_themselves():
     model.config.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(ValueError, match="linear_attention"):
         forward_packed(model, pack)
+
+
+def test_empty_pack_and_out_of_vocabulary_ids():
+    model = _model("qwen2")
+    logp, entropy = packed_logprobs(model, pack_prefix_tree([], completion_start=0))
+    assert logp.shape == (0,) and entropy.shape == (0,)
+    logp.sum().backward()  # an empty rank still takes part in the backward
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        packed_logprobs(model, pack_prefix_tree([[1, 2, VOCAB]], completion_start=0))

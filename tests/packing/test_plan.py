@@ -368,3 +368,32 @@ def test_bad_input_names_the_argument(kwargs, error, match):
     samples = args.pop("samples")
     with pytest.raises(error, match=match):
         plan_rows(samples, **args)
+
+
+@pytest.mark.parametrize("policy", ["trl", "balanced"])
+def test_separate_groups_prices_what_pack_rows_with_group_index_builds(policy):
+    from rlvr_kernels.packing import pack_rows
+
+    system = list(range(10))
+    samples, groups, start = [], [], []
+    for g in range(4):
+        prompt = system + [100 + g] * 3
+        for j in range(2):
+            samples.append(prompt + [50 + j, 60 + g, 70])
+            groups.append(g)
+            start.append(len(prompt))
+    plan = plan_rows(
+        samples,
+        num_rows=1,
+        token_budget=34,
+        completion_start=start,
+        group_index=groups,
+        separate_groups=True,
+        policy=policy,
+    )
+    for k, batch in enumerate(plan):
+        packs = pack_rows(samples, batch, completion_start=start, group_index=groups)
+        assert [p.num_tokens for p in packs] == plan.tokens[k].tolist()
+        assert all(p.num_tokens <= 34 for p in packs)
+    with pytest.raises(ValueError, match="separate_groups: needs group_index"):
+        plan_rows(samples, num_rows=1, token_budget=34, completion_start=start, separate_groups=True)
