@@ -10,7 +10,10 @@ collator (``DataCollatorForRollout``) pack from synthetic rollout samples. TRL's
 attention is FA3 from the Hub, CUDA only: the stock trainer cannot run a forward here. So
 the applied trainer's loss, gradients and metrics are checked against each sample run
 alone, unpacked, through plain eager attention with TRL's loss formula; and TRL's own
-compute_loss (which can run once our attention is in) against the fused one.
+compute_loss (which can run once our attention is in) against the fused one. Last, one
+optimizer step of ``trainer.train()`` itself (TRL's rollout queue, planner, collator,
+dispatcher and training_step) runs on CPU, with the fused loss and with TRL's, to the same
+parameters, loss and metrics.
 """
 
 from __future__ import annotations
@@ -260,7 +263,7 @@ def env(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("async_grpo")
     _save_model(tmp / "model")
-    patcher = Patcher("trl")
+    patcher, worker = Patcher("trl"), _Worker()
     mp = pytest.MonkeyPatch()
     try:
         mp.setattr(async_grpo, "get_peak_flops_per_device", lambda *a, **k: None)  # CUDA-only probe
@@ -273,6 +276,11 @@ def env(tmp_path_factory):
                 use_cpu=True,
                 report_to=[],
                 max_steps=1,
+                gradient_accumulation_steps=GA_STEPS,
+                optim="sgd",  # the update is the gradient: the two losses' updates compare tightly
+                learning_rate=0.1,
+                logging_steps=1,
+                save_strategy="no",
                 token_budget=40,
                 epsilon=EPS_LOW,
                 epsilon_high=EPS_HIGH,
@@ -285,12 +293,12 @@ def env(tmp_path_factory):
                     args=args,
                     train_dataset=Dataset.from_dict({"prompt": ["t3"] * 4}),
                     processing_class=_tokenizer(),
-                    rollout_worker=_Worker(),
+                    rollout_worker=worker,
                     weight_transfer=_NoSync(),
                 )
             init_counts = _patch.call_counts()
         trainer.current_gradient_accumulation_steps = GA_STEPS
-        yield dict(trainer=trainer, path=tmp / "model", init_counts=init_counts)
+        yield dict(trainer=trainer, worker=worker, path=tmp / "model", init_counts=init_counts)
     finally:
         patcher.restore()
         mp.undo()
@@ -308,7 +316,7 @@ def _planner_batches(metrics, num_processes=2, budget=40):
 
 def _rank_inputs(batch, rank):
     """What DataLoaderDispatcher hands rank ``rank``: row ``rank`` of every tensor."""
-    return {k: v[rank : rank + 1] if v.dim() > 1 else v[rank : rank + 1] for k, v in batch.items()}
+    return {k: v[rank : rank + 1] for k, v in batch.items()}
 
 
 def _run(trainer, compute_loss, inputs):
@@ -457,3 +465,69 @@ def test_unsupported_option_raises_or_falls_back_to_trl_once(env):
         assert torch.equal(loss_a.detach(), expected.detach()) and torch.equal(loss_b.detach(), expected.detach())
     finally:
         trainer.epsilon_high = old
+
+
+def _train(env, compute_loss, initial):
+    """One optimizer step of ``trainer.train()`` (2 micro-batches), TRL's whole loop: the
+    rollout queue, its dataset, planner, collator, dispatcher, training_step, SGD; the
+    samples arrive as TRL's rollout worker sends them (RolloutSample, numpy arrays)."""
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+    trainer, q = env["trainer"], env["worker"].rollout_buffer
+    trainer.model.load_state_dict(initial)
+    trainer.optimizer = trainer.lr_scheduler = None
+    trainer._metrics["train"].clear()  # what earlier compute_loss calls left in TRL's sinks
+    for counter in ("_step_forward_s", "_step_forward_tokens", "_step_trained_tokens", "_step_seq_len_weighted"):
+        setattr(trainer, counter, 0.0)
+    trainer._step_samples = 0.0
+    while not q.empty():
+        q.get_nowait()
+    for seed in (0, 1, 2):  # more than the step takes: the dispatcher fetches one batch ahead
+        for s in _samples(seed, n_groups=8):
+            q.put(
+                RolloutSample(
+                    prompt=[],
+                    completion=[],
+                    input_ids=s["input_ids"].numpy(),
+                    completion_mask=s["completion_mask"].numpy(),
+                    old_log_probs=s["old_log_probs"].numpy(),
+                    advantage=float(s["advantage"]),
+                    model_version=trainer.model_version,
+                    group_id=int(s["group_id"]) + 100 * seed,
+                    metrics=s["metrics"],
+                )
+            )
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mp.setattr(async_grpo.AsyncGRPOTrainer, "compute_loss", compute_loss)
+        trainer.train()
+    assert trainer.state.global_step == 1
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return params, trainer.state.log_history[0]
+
+
+def test_train_runs_on_cpu_and_steps_as_trls_loss(env):
+    """trainer.train() itself runs on CPU once applied (TRL's FA3 cannot), and one step
+    with the fused loss moves the parameters as TRL's own loss does (on our attention and
+    TreeRow), with the same logged loss and metrics."""
+    trainer = env["trainer"]
+    initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    fused = async_grpo.AsyncGRPOTrainer.compute_loss
+    try:
+        with _counting():
+            ours, our_log = _train(env, fused, initial)
+            counts = _patch.call_counts()
+        theirs, their_log = _train(env, fused.__wrapped__, initial)
+    finally:
+        trainer.model.load_state_dict(initial)
+        trainer.optimizer = trainer.lr_scheduler = None
+    assert counts["trl.async_grpo.compute_loss"] == GA_STEPS
+    assert counts["trl.async_grpo.TreeRow.pack"] >= GA_STEPS
+    assert counts["trl.async_grpo.tree_attention[rk_tree_sdpa]"] > 0
+    for name, p in theirs.items():
+        update = (p - initial[name]).abs().max()
+        assert update > 0, name
+        # 1e-5 of the update, plus the rounding of the parameter itself
+        assert (ours[name] - p).abs().max() <= 1e-5 * update + 2e-7 * p.abs().max(), name
+    for key in ("loss", *METRICS):
+        assert our_log[key] == pytest.approx(their_log[key], rel=1e-5, abs=1e-7), key
