@@ -1,9 +1,8 @@
 """The AsyncGRPOTrainer part of ``integrations.trl.apply()`` (``_async_patch.install``), on
 TRL 1.16's real ``AsyncGRPOTrainer``: built on CPU from a tiny Qwen2 saved from a config
 (no download) with an in-memory word-level tokenizer, a stub rollout worker and a no-op
-weight transfer (TRL's injection points), so no vLLM server is involved. The one thing
-stubbed inside TRL is its MFU probe ``get_peak_flops_per_device``, which calls
-``torch.cuda.get_device_name`` and so cannot construct the trainer on a CPU-only torch.
+weight transfer (TRL's injection points), so no vLLM server is involved. Nothing inside
+TRL is stubbed: its CUDA-only MFU probe is one of the names install() replaces.
 
 Its compute_loss runs on the micro-batches its own planner (``TokenBudgetBatcher``) and
 collator (``DataCollatorForRollout``) pack from synthetic rollout samples. TRL's own tree
@@ -67,6 +66,7 @@ def _state():
     return {
         "trainer.TreeRow": async_grpo.TreeRow,
         "trainer.register_tree_attention": async_grpo.register_tree_attention,
+        "trainer.get_peak_flops_per_device": async_grpo.get_peak_flops_per_device,
         "packing.TreeRow": trl_packing.TreeRow,
         "packing.tree_attention": trl_packing.tree_attention,
         "packing.register_tree_attention": trl_packing.register_tree_attention,
@@ -109,6 +109,7 @@ def test_install_replaces_every_name_and_restore_puts_back_the_same_objects(regi
         assert after["trainer.register_tree_attention"] is AP.register_tree_attention
         assert after["packing.register_tree_attention"] is AP.register_tree_attention
         assert after["mask"] is AP._no_mask
+        assert after["trainer.get_peak_flops_per_device"].__wrapped__ is before["trainer.get_peak_flops_per_device"]
         assert after["compute_loss"].__wrapped__ is before["compute_loss"]
         # what from_pretrained(attn_implementation=TREE_ATTENTION) looks up, and what the
         # trainer's __init__ re-registers, are ours
@@ -142,10 +143,25 @@ def test_a_moved_name_raises_before_anything_changes(monkeypatch):
     assert all(after[k] is v for k, v in before.items())
 
 
-def test_attention_path_per_device():
+def test_attention_path_per_device(monkeypatch):
     q = torch.zeros(1, 2, 3, 4)
     assert AP.tree_attention_path(q) == "rk_tree_sdpa"
     assert AP.tree_attention_path(q.to(torch.bfloat16)) == "rk_tree_sdpa"
+
+    class CudaQuery:  # the path reads the device and dtype only (no GPU here)
+        device = torch.device("cuda")
+
+        def __init__(self, dtype):
+            self.dtype = dtype
+
+    fp32_module, bf16_module = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).to(torch.bfloat16)
+    for flash in (True, False):
+        monkeypatch.setattr(AP, "_flash_attn_available", lambda: flash)
+        half = "rk_tree_varlen" if flash else "rk_tree_flex"
+        assert AP.tree_attention_path(CudaQuery(torch.bfloat16), fp32_module) == half
+        assert AP.tree_attention_path(CudaQuery(torch.float16), None) == half
+        assert AP.tree_attention_path(CudaQuery(torch.float32), bf16_module) == half  # flash runs in bf16
+        assert AP.tree_attention_path(CudaQuery(torch.float32), fp32_module) == "rk_tree_flex"  # no fp32 flash
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -264,9 +280,7 @@ def env(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("async_grpo")
     _save_model(tmp / "model")
     patcher, worker = Patcher("trl"), _Worker()
-    mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(async_grpo, "get_peak_flops_per_device", lambda *a, **k: None)  # CUDA-only probe
         with _counting():
             AP.install(patcher, strict=True, loss=True)
             args = AsyncGRPOConfig(
@@ -301,7 +315,6 @@ def env(tmp_path_factory):
         yield dict(trainer=trainer, worker=worker, path=tmp / "model", init_counts=init_counts)
     finally:
         patcher.restore()
-        mp.undo()
 
 
 def _planner_batches(metrics, num_processes=2, budget=40):
@@ -379,6 +392,8 @@ def test_trainer_is_built_on_our_attention(env):
     assert trainer.model.config._attn_implementation == NAME
     assert AttentionInterface()[NAME] is AP.tree_attention
     assert env["init_counts"].get("trl.async_grpo.register_tree_attention", 0) >= 1
+    assert env["init_counts"].get("trl.async_grpo.get_peak_flops_per_device", 0) == 1
+    assert trainer._peak_flops_per_device is None  # MFU metrics off on CPU, as TRL for an unknown device
 
 
 def test_planner_batches_are_trls(env):

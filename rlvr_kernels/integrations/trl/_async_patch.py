@@ -22,6 +22,10 @@
   ``rk_tree_flex`` (compiled FlexAttention, forward and backward); elsewhere (CPU),
   ``rk_tree_sdpa`` (SDPA under the tree mask, with a backward, so the trainer trains on
   CPU). Like TRL's FA3 call, attention dropout is not applied (TRL passes none to FA3).
+- ``get_peak_flops_per_device`` as the trainer module holds it (the MFU probe its
+  ``__init__`` calls, which asks ``torch.cuda.get_device_name`` and so cannot build the
+  trainer on a CPU-only torch) -> the same probe on CUDA, None (MFU metrics off, as TRL
+  does for an unknown device) elsewhere: with the rest, the trainer builds and trains on CPU.
 - with ``loss=True``, ``AsyncGRPOTrainer.compute_loss`` -> the same forward (TRL's fused LM
   head, whatever ``apply()`` put there) with the clipped surrogate as one fused
   :func:`~rlvr_kernels.policy_loss` call (``loss_type="ppo"``, TRL's clamps, no δ clamp,
@@ -150,6 +154,20 @@ class _Entries:
 
     def __delattr__(self, key: str) -> None:
         self._mapping.pop(key, None)
+
+
+# ----------------------------------------------------------------------------- MFU probe
+
+
+def _make_peak_flops(original):
+    def get_peak_flops_per_device(accelerator, dtype):
+        record("trl.async_grpo.get_peak_flops_per_device")
+        if accelerator.device.type != "cuda":
+            return None  # TRL's own answer for a device it has no peak for; its probe is CUDA-only
+        return original(accelerator, dtype)
+
+    get_peak_flops_per_device.__wrapped__ = original
+    return get_peak_flops_per_device
 
 
 # ----------------------------------------------------------------------------- compute_loss
@@ -333,6 +351,7 @@ def install(patcher: Patcher, *, strict: bool, loss: bool) -> None:
         (trainer_module, "TreeRow"),
         (trainer_module, "register_tree_attention"),
         (trainer_module, "TREE_ATTENTION"),
+        (trainer_module, "get_peak_flops_per_device"),
         (packing_module, "TreeRow"),
         (packing_module, "tree_attention"),
         (packing_module, "register_tree_attention"),
@@ -352,6 +371,8 @@ def install(patcher: Patcher, *, strict: bool, loss: bool) -> None:
     patcher.replace(packing_module, "tree_attention", tree_attention)
     patcher.replace(packing_module, "register_tree_attention", register_tree_attention)
     patcher.replace(trainer_module, "register_tree_attention", register_tree_attention)
+    peak_flops = Patcher.lookup(trainer_module, "get_peak_flops_per_device")
+    patcher.replace(trainer_module, "get_peak_flops_per_device", _make_peak_flops(peak_flops))
     patcher.replace(_Entries(AttentionInterface._global_mapping, "AttentionInterface"), name, tree_attention)
     patcher.replace(_Entries(AttentionMaskInterface._global_mapping, "AttentionMaskInterface"), name, _no_mask)
     if loss:
