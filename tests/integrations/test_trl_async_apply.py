@@ -546,3 +546,21 @@ def test_train_runs_on_cpu_and_steps_as_trls_loss(env):
         assert (ours[name] - p).abs().max() <= 1e-5 * update + 2e-7 * p.abs().max(), name
     for key in ("loss", *METRICS):
         assert our_log[key] == pytest.approx(their_log[key], rel=1e-5, abs=1e-7), key
+
+
+def test_a_row_with_nothing_trained_gives_a_zero_loss(env):
+    """A row whose samples have no trained token (TRL's own compute_loss raises there, on
+    ``segment_id.max()`` of nothing): a differentiable zero loss, zero gradients, NaN
+    means (which TRL's log() drops), and the step accounting still counts the row."""
+    trainer = env["trainer"]
+    samples = [dict(s, completion_mask=torch.zeros_like(s["completion_mask"])) for s in _samples()[:3]]
+    row = async_grpo.TreeRow()
+    for s in samples:
+        row.add(s)
+    batch = async_grpo.DataCollatorForRollout(pad_token_id=0, num_processes=1).torch_call([[row]])
+    assert batch["token_index"].numel() == 0
+    loss, grads, metrics = _run(trainer, async_grpo.AsyncGRPOTrainer.compute_loss, batch)
+    assert loss.item() == 0.0 and all(not g.any() for g in grads.values())
+    assert all(metrics[k] != metrics[k] for k in METRICS)  # NaN
+    with pytest.raises(RuntimeError):
+        async_grpo.AsyncGRPOTrainer.compute_loss.__wrapped__(trainer, trainer.model, batch)
