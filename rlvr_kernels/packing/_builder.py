@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
+import numpy as np
 import torch
 
 from ..ops import _dispatch
@@ -14,11 +15,12 @@ from ._tree import TreePack, _key, packs_from_layout
 class TreeRowBuilder:
     """One row's trie, built a sample at a time.
 
-    A sample is TRL's rollout dict: ``input_ids`` [L] (integer tensor), ``completion_mask``
-    [L], and for :meth:`pack` ``old_log_probs`` [L] and ``advantage``; ``group_id`` is
-    recorded in :attr:`groups`. ``fits``/``add``/``pack``, ``samples``, ``groups``,
-    ``trained``, ``load`` and ``len(tokens)`` behave as TRL's ``TreeRow``; :meth:`tree_pack`
-    returns the full :class:`TreePack`.
+    A sample is TRL's rollout dict: ``input_ids`` [L] (integer tensor, or numpy array as
+    TRL's rollout worker sends it), ``completion_mask`` [L] (likewise), and for :meth:`pack`
+    ``old_log_probs`` [L] and ``advantage``; ``group_id`` is recorded in :attr:`groups`.
+    ``fits``/``add``/``pack``, ``samples``, ``groups``, ``trained``, ``load`` and
+    ``len(tokens)`` behave as TRL's ``TreeRow``; :meth:`tree_pack` returns the full
+    :class:`TreePack`.
     """
 
     def __init__(self, key: str = "token+next", separate_groups: bool = False):
@@ -69,7 +71,7 @@ class TreeRowBuilder:
 
     def add(self, sample: Dict[str, Any]) -> None:
         ids = _ids(sample)
-        mask = sample["completion_mask"]
+        mask = _tensor(sample["completion_mask"])
         if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
             raise ValueError(f"sample['completion_mask']: expected a tensor of shape {tuple(ids.shape)}")
         if "old_log_probs" in sample:  # a short one would shift every later sample's values
@@ -114,8 +116,13 @@ class TreeRowBuilder:
         return self.tree_pack().to_trl()
 
 
+def _tensor(x: Any) -> Any:
+    """A numpy array as a tensor (TRL's ``RolloutSample`` fields are numpy); anything else as is."""
+    return torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
+
+
 def _ids(sample: Dict[str, Any]) -> torch.Tensor:
-    ids = sample["input_ids"]
+    ids = _tensor(sample["input_ids"])
     if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
         raise ValueError("sample['input_ids']: expected a 1-D integer tensor")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:

@@ -57,12 +57,23 @@ def _batches(batcher_cls, samples, **kw):
     return out, metrics
 
 
+def _as_numpy(sample):
+    """As TRL's rollout worker sends it (RolloutSample: numpy int64 / int64 / float32 arrays)."""
+    out = dict(sample)
+    for key, dtype in (("input_ids", "int64"), ("completion_mask", "int64"), ("old_log_probs", "float32")):
+        out[key] = sample[key].numpy().astype(dtype)
+    return out
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("batcher", ["budget", "fixed"])
-def test_trl_planner_and_collator_with_our_builder(monkeypatch, seed, batcher):
+@pytest.mark.parametrize("arrays", ["torch", "numpy"])
+def test_trl_planner_and_collator_with_our_builder(monkeypatch, seed, batcher, arrays):
     cls = async_grpo.TokenBudgetBatcher if batcher == "budget" else async_grpo.FixedCountBatcher
     kw = dict(budget=40 + 10 * seed, microbatch=8)
     samples = _stream(seed)
+    if arrays == "numpy":
+        samples = [_as_numpy(s) for s in samples]
     theirs, their_metrics = _batches(cls, samples, **kw)
     monkeypatch.setattr(async_grpo, "TreeRow", TreeRowBuilder)  # the README's one line
     ours, our_metrics = _batches(cls, samples, **kw)
