@@ -100,7 +100,7 @@ def model_dir():
     return d
 
 
-def _cpu_engine(monkeypatch, model_dir):
+def _cpu_engine(monkeypatch, model_dir, torch_compile=False):
     """verl's FSDPEngineWithLMHead built by its own __init__ (which binds the entropy
     function, as on a GPU), with the device lookups on the CPU and no device mesh."""
 
@@ -115,7 +115,9 @@ def _cpu_engine(monkeypatch, model_dir):
     monkeypatch.setattr(ti, "get_device_id", lambda: "cpu")
     monkeypatch.setattr(ti, "get_device_name", lambda: "cpu")
     mc = HFModelConfig(path=model_dir, load_tokenizer=False, use_remove_padding=True)
-    ec = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
+    ec = FSDPEngineConfig(
+        strategy="fsdp2", use_torch_compile=torch_compile, micro_batch_size_per_gpu=2, use_dynamic_bsz=False
+    )
     oc = FSDPOptimizerConfig(lr=1.0, clip_grad=1.0)
     engine = ti.FSDPEngineWithLMHead(mc, ec, oc, CheckpointConfig())
     engine.module = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
@@ -289,18 +291,22 @@ def test_engine_update_with_registry_losses_only(monkeypatch, model_dir):
     _same_training(ours, stock)
 
 
-def test_engine_compute_log_prob_matches_stock(monkeypatch, model_dir):
-    def infer():
-        engine = _cpu_engine(monkeypatch, model_dir)
+@pytest.mark.parametrize("torch_compile", [False, True])
+def test_engine_compute_log_prob_matches_stock(monkeypatch, model_dir, torch_compile):
+    """infer_batch (verl's compute_log_prob); with use_torch_compile (verl's default) the
+    engine compiles the entropy function it binds, here ours."""
+
+    def infer(compiled):
+        engine = _cpu_engine(monkeypatch, model_dir, torch_compile=compiled)
         out = engine.infer_batch(_td(_batch(), entropy=True, train=False))
         mo = out["model_output"]
         return [mo["log_probs"].values(), mo["entropy"].values()]
 
-    stock = infer()
+    stock = infer(False)
     rk.apply()
-    ours = infer()
+    ours = infer(torch_compile)
     assert call_counts() == {"verl.logprobs_from_logits": B // 2, "verl.entropy_from_logits": B // 2}
-    _close(ours, stock)
+    _close(ours, stock, 1e-5 if torch_compile else 1e-6)
 
 
 def test_engine_fused_kernels_run_linear_cross_entropy(monkeypatch, model_dir):
