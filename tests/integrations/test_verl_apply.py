@@ -337,10 +337,19 @@ def test_engine_fused_kernels_run_linear_cross_entropy(monkeypatch, model_dir):
 # advantages through verl's registry (compute_advantage's two calls)
 # ---------------------------------------------------------------------------------------
 
-ESTIMATORS = ["grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "opo", "gpg", "reinforce_plus_plus_baseline"]
+ESTIMATORS = [
+    "grpo",
+    "grpo_vectorized",
+    "rloo",
+    "rloo_vectorized",
+    "opo",
+    "gpg",
+    "reinforce_plus_plus_baseline",
+    "gdpo",
+]
 
 
-def _compute_advantage(data: DataProto, name: str):
+def _compute_advantage(data: DataProto, name: str, config=None):
     """verl.trainer.ppo.ray_trainer.compute_advantage's calls for these estimators."""
     if name == "grpo":
         return core_algos.compute_grpo_outcome_advantage(
@@ -349,27 +358,43 @@ def _compute_advantage(data: DataProto, name: str):
             index=data.non_tensor_batch["uid"],
             norm_adv_by_std_in_grpo=True,
         )
-    fn = core_algos.get_adv_estimator_fn(name)
-    return fn(
+    kwargs = dict(
         token_level_rewards=data.batch["token_level_rewards"],
         response_mask=data.batch["response_mask"],
-        config=None,
+        config=config,
         index=data.non_tensor_batch["uid"],
     )
+    if name == "gdpo":
+        kwargs.update(non_tensor_batch=data.non_tensor_batch, batch=data.batch)
+    return core_algos.get_adv_estimator_fn(name)(**kwargs)
 
 
 @pytest.mark.parametrize("name", ESTIMATORS)
 def test_advantages_match_stock(name):
+    from omegaconf import OmegaConf
+
     g = torch.Generator().manual_seed(3)
     n, L = 12, 9
     mask = (torch.arange(L)[None] < torch.randint(1, L + 1, (n,), generator=g)[:, None]).float()
     rewards = torch.zeros(n, L)
     rewards[torch.arange(n), mask.sum(1).long() - 1] = torch.randint(0, 3, (n,), generator=g).float()
     uid = np.array(["a", "a", "a", "b", "b", "c", "c", "c", "c", "d", "a", "b"], dtype=object)
-    data = DataProto.from_dict(tensors=dict(token_level_rewards=rewards, response_mask=mask), non_tensors=dict(uid=uid))
-    stock = _compute_advantage(data, name)
+    non_tensors = dict(uid=uid)
+    config = None
+    if name == "gdpo":  # two reward terms, weighted, as verl's reward manager stores them
+        non_tensors.update(
+            fmt=np.array(torch.randint(0, 2, (n,), generator=g).tolist(), dtype=object),
+            acc=np.array(torch.rand(n, generator=g).tolist(), dtype=object),
+        )
+        config = OmegaConf.create({"gdpo_reward_keys": ["fmt", "acc"], "gdpo_reward_weights": [1.0, 0.5]})
+    tensors = dict(token_level_rewards=rewards, response_mask=mask)
+    if name == "gdpo":  # verl's GDPO reads the response lengths from the prompts and the attention mask
+        attention_mask = torch.cat([torch.ones(n, 3), mask], 1).long()
+        tensors.update(prompts=torch.ones(n, 3, dtype=torch.long), attention_mask=attention_mask)
+    data = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
+    stock = _compute_advantage(data, name, config)
     rk.apply()
-    ours = _compute_advantage(data, name)
+    ours = _compute_advantage(data, name, config)
     assert call_counts() == {f"verl.adv.{name}": 1}
     _close(list(ours), list(stock))
 
