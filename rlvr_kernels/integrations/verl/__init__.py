@@ -10,6 +10,8 @@
                             ``entropy_from_logits``
 ``kernel``                  ``verl.utils.kernel.linear_cross_entropy``
 ``_config``                 reading verl's actor config (parsed once per content)
+``patch``                   :func:`apply` / :func:`unapply`: the drop-ins inside verl's trainer
+                            and workers (registries, ``ppo_loss``, log-probs)
 ==========================  ================================================================
 
 Each drop-in has verl's signature (names, order, defaults;
@@ -47,6 +49,7 @@ from .core_algos import (
 )
 from .kernel import linear_cross_entropy
 from .losses import policy_loss_verl
+from .patch import apply, is_applied, unapply
 from .torch_functional import entropy_from_logits, logprobs_from_logits
 
 __all__ = [
@@ -70,4 +73,7 @@ __all__ = [
     "entropy_from_logits",
     "linear_cross_entropy",
     "use_backend",
+    "apply",
+    "unapply",
+    "is_applied",
 ]
