@@ -108,6 +108,11 @@ _CONFIGS = {
     ("linear_fwd", 16): dict(BLOCK_N=128, BLOCK_V=64, BLOCK_H=64, num_warps=8, num_stages=3),
     ("linear_fwd", 32): dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=16, num_warps=8, num_stages=2),
     ("linear_fwd", 64): dict(BLOCK_N=32, BLOCK_V=64, BLOCK_H=32, num_warps=4, num_stages=2),
+    # The forward with a soft-cap or optional statistics: the same tiles, but no sm_90 128×128
+    # override (its epilogue spills with the extra accumulators).
+    ("linear_fwd_extra", 16): dict(BLOCK_N=128, BLOCK_V=64, BLOCK_H=64, num_warps=8, num_stages=3),
+    ("linear_fwd_extra", 32): dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=16, num_warps=8, num_stages=2),
+    ("linear_fwd_extra", 64): dict(BLOCK_N=32, BLOCK_V=64, BLOCK_H=32, num_warps=4, num_stages=2),
     ("linear_bwd", 16): dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, BLOCK_HG=64, num_warps=8, num_stages=2),
     ("linear_bwd", 32): dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=16, BLOCK_HG=16, num_warps=8, num_stages=2),
     ("linear_bwd", 64): dict(BLOCK_N=32, BLOCK_V=32, BLOCK_H=32, BLOCK_HG=32, num_warps=4, num_stages=2),
@@ -730,7 +735,8 @@ def linear_logprobs_stats(hidden, weight, bias, inv_temperature, row_ptr, sorted
     target_logits = torch.zeros(M, dtype=cdt, device=dev)
     if N == 0:
         return stats, target_logits
-    cfg = config("linear_fwd", hidden.dtype, device_arch(dev))
+    extra = p.tanh_scale != 0.0 or p.need_sum_sq or p.need_sum_z or p.need_argmax
+    cfg = config("linear_fwd_extra" if extra else "linear_fwd", hidden.dtype, device_arch(dev))
     grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
     _linear_fwd_kernel[grid](
         hidden,
@@ -932,7 +938,7 @@ def _aot_setup(kind, dt, arch):
 
 def _aot_linear_fwd(dt, bias, entropy, arch, extra=False):
     """``extra``: the soft-cap and every optional statistic."""
-    inp, c, const, opts = _aot_setup("linear_fwd", dt, arch)
+    inp, c, const, opts = _aot_setup("linear_fwd_extra" if extra else "linear_fwd", dt, arch)
     sig = dict(
         x_ptr=inp,
         w_ptr=inp,

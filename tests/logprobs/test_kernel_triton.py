@@ -24,6 +24,7 @@ from rlvr_kernels.triton import logprobs as lp
 
 SMALL = {
     "linear_fwd": dict(BLOCK_N=16, BLOCK_V=16, BLOCK_H=16, num_warps=4, num_stages=2),
+    "linear_fwd_extra": dict(BLOCK_N=16, BLOCK_V=16, BLOCK_H=16, num_warps=4, num_stages=2),
     "linear_bwd": dict(BLOCK_N=16, BLOCK_V=32, BLOCK_H=16, BLOCK_HG=16, num_warps=4, num_stages=2),
     "logits_fwd": dict(BLOCK=32, num_warps=4),
     "logits_bwd": dict(BLOCK=32, num_warps=4),

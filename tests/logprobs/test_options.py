@@ -175,6 +175,37 @@ def test_is_top1_ties_go_to_the_earlier_column(backend, device):
         assert r.is_top1.cpu().tolist() == [True, False, True, False, False, True], kw
 
 
+@pytest.mark.cpu_kernel
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["fp32", "fp64"])
+def test_cpu_kernel_statistics_across_blocks_and_chunks(dtype):
+    """The C++ kernel folds the optional statistics across its 512-column tiles, 4096-column
+    work items and 128-row blocks: V and N past each, an argmax tie across two work items, a
+    soft-cap, and the gradients."""
+    gen = torch.Generator().manual_seed(21)
+    N, H, V = 131, 12, 4600
+    hidden = torch.randn(N, H, generator=gen, dtype=F64)
+    weight = 0.3 * torch.randn(V, H, generator=gen, dtype=F64)
+    bias = torch.zeros(V, dtype=F64)
+    weight[4400] = weight[700]
+    bias[700] = bias[4400] = 4.0  # often the max, tied between two work items
+    targets = torch.randint(0, V, (N,), generator=gen)
+    targets[:40] = 700
+    targets[40:80] = 4400
+    x = dict(hidden=hidden, weight=weight, bias=bias, targets=targets, temperature=0.9)
+    up = (torch.randn(N, generator=gen, dtype=F64), torch.randn(N, generator=gen, dtype=F64))
+    for kw in ({}, {"softcap": 3.0, "logit_scale": 1.2}):
+        cast = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in x.items()}
+        ref64 = _run(x, "reference", up, **kw)
+        same = _run(cast, "reference", up, **kw)
+        fast = _run(cast, "cpu", up, **kw)
+        for k in ref64:
+            if k != "is_top1":
+                c = compare(k, fast[k], ref64[k], same[k], dtype if k.startswith("grad.") else F32, 10.0)
+                assert c.ok, (kw, c)
+        assert torch.equal(fast["is_top1"], ref64["is_top1"]), kw
+        assert bool(fast["is_top1"][:40].any()) and not bool(fast["is_top1"][40:80].any())
+
+
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [
