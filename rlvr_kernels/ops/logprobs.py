@@ -800,7 +800,8 @@ def linear_logprobs(
             gradient. Each costs only when requested.
         process_group: vocab-parallel group (``torch.distributed``): every rank passes
             the same hidden/targets and its own weight shard; the result equals the
-            unsharded op. Eager only (collectives run in the op).
+            unsharded op (soft-cap, logit scale and every output included; is_top1's
+            tie goes to the first column of the whole vocabulary). Eager only (collectives run in the op).
         validate: check target / row_index ranges and temperatures (a host sync on
             CUDA); skipped under torch.compile and on meta tensors (kernels never go out
             of bounds anyway).
