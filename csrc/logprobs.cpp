@@ -305,40 +305,62 @@ RLVR_INLINE V vtanh(V x) {
 
 // ------------------------------------------------------------------ row statistics
 // (max, Σ exp(z − max), Σ exp(z − max)·(z − max)) of a part of a row; max = −inf: empty.
-// The optional ones (0 unless computed): q = Σ exp(2·(z − max)), zs = Σ z, am = the first column
-// holding the max (a column index, as a T).
 template <typename T>
 struct Stats {
   T m = -kInf<T>, s = T(0), e = T(0);
-  T q = T(0), zs = T(0), am = T(0);
 
-  // Folds in another part of the row (rescaling both to the common max); o holds later columns,
-  // so a tie of the maxima keeps this part's argmax.
+  // Folds in another part of the row (rescaling both to the common max).
   RLVR_INLINE void merge(const Stats& o) {
-    zs += o.zs;
     if (o.m == -kInf<T>) return;
     if (m == -kInf<T>) {
-      const T keep = zs;
       *this = o;
-      zs = keep;
       return;
     }
     const T mx = max_nan(m, o.m), d1 = m - mx, d2 = o.m - mx;
     const T a1 = std::exp(d1), a2 = std::exp(d2);
     e = a1 * (e + s * d1) + a2 * (o.e + o.s * d2);
     s = a1 * s + a2 * o.s;
-    q = a1 * a1 * q + a2 * a2 * o.q;
-    if (o.m > m) am = o.am;
     m = mx;
   }
 
   // Row n of the stats output [N, kNumStats] (columns: LogprobsStat); the entropy column is 0
-  // unless it was computed, the optional ones are 0 unless they were.
+  // unless it was computed, the optional columns are 0 (StatsX::store fills them when asked).
   RLVR_INLINE void store(T* stats, int64_t n, bool entropy) const {
     T* row = stats + n * kNumStats;
     row[int64_t(LogprobsStat::MAX)] = m;
     row[int64_t(LogprobsStat::SUM_EXP)] = s;
     row[int64_t(LogprobsStat::SUM_EXP_SHIFT)] = entropy ? e : T(0);
+    row[int64_t(LogprobsStat::SUM_EXP_SQ)] = T(0);
+    row[int64_t(LogprobsStat::SUM_Z)] = T(0);
+    row[int64_t(LogprobsStat::ARGMAX)] = T(0);
+  }
+};
+
+// The optional statistics of a part of a row, beside its Stats (kept apart, so the default path's
+// Stats code and its rounding are exactly what they were before these existed): q = Σ exp(2·(z −
+// max)), zs = Σ z, am = the first column holding the max (a column index, as a T).
+template <typename T>
+struct StatsX {
+  T q = T(0), zs = T(0), am = T(0);
+
+  // Folds in another part o (later columns; ox its optional statistics); mine and o are the two
+  // parts' Stats *before* Stats::merge combines them. A tie of the maxima keeps this part's argmax.
+  RLVR_INLINE void merge(const Stats<T>& mine, const Stats<T>& o, const StatsX& ox) {
+    zs += ox.zs;
+    if (o.m == -kInf<T>) return;
+    if (mine.m == -kInf<T>) {
+      q = ox.q;
+      am = ox.am;
+      return;
+    }
+    const T mx = max_nan(mine.m, o.m);
+    const T a1 = std::exp(mine.m - mx), a2 = std::exp(o.m - mx);
+    q = a1 * a1 * q + a2 * a2 * ox.q;
+    if (o.m > mine.m) am = ox.am;
+  }
+
+  RLVR_INLINE void store(T* stats, int64_t n) const {
+    T* row = stats + n * kNumStats;
     row[int64_t(LogprobsStat::SUM_EXP_SQ)] = q;
     row[int64_t(LogprobsStat::SUM_Z)] = zs;
     row[int64_t(LogprobsStat::ARGMAX)] = am;
@@ -438,15 +460,16 @@ RLVR_INLINE Stats<T> segment_stats(T* dst, int64_t n, const ZOf& zof) {
 // dst: Σ exp(2·(z − max)), Σ z and the first column holding the max (local to the segment). Extra
 // passes over the segment while it is in cache; only the kExtra instantiations call this.
 template <typename T, int VB, bool kEntropy, typename ZOf>
-RLVR_INLINE Stats<T> segment_stats_extra(T* dst, int64_t n, const ZOf& zof, const StatFlags& f) {
+RLVR_INLINE Stats<T> segment_stats_extra(T* dst, int64_t n, const ZOf& zof, const StatFlags& f, StatsX<T>& sx) {
   using L = Lanes<T, VB>;
   using V = typename L::V;
   constexpr int W = L::W;
-  Stats<T> st = segment_stats<T, VB, kEntropy>(dst, n, zof);
+  const Stats<T> st = segment_stats<T, VB, kEntropy>(dst, n, zof);
+  sx = StatsX<T>{};
   if (f.sum_z) {
     T zs = T(0);
     for (int64_t i = 0; i < n; ++i) zs += dst[i];
-    st.zs = zs;
+    sx.zs = zs;
   }
   if (st.m == -kInf<T>) return st;  // all −inf: no mass, argmax 0
   if (f.sum_sq) {
@@ -458,12 +481,12 @@ RLVR_INLINE Stats<T> segment_stats_extra(T* dst, int64_t n, const ZOf& zof, cons
       const V ex = lanes_below<T, VB>(cnt) ? vexp(d) : V{};
       vq += ex * ex;
     }
-    for (int l = 0; l < W; ++l) st.q += vq[l];
+    for (int l = 0; l < W; ++l) sx.q += vq[l];
   }
   if (f.argmax) {
     for (int64_t i = 0; i < n; ++i) {
       if (dst[i] == st.m) {
-        st.am = T(i);
+        sx.am = T(i);
         break;
       }
     }
@@ -573,7 +596,8 @@ struct LinearFwdTile {
     const Linear<T, in_t>* c;
     T* tile;  // [kFwdRows, kTile]
     int64_t row0, rows, c0, w;
-    Stats<T>* run;  // per row of the block
+    Stats<T>* run;    // per row of the block
+    StatsX<T>* runx;  // per row of the block, with optional statistics (else unused)
   };
 
   static bool flag(const Arg& a) { return a.c->need_entropy; }
@@ -591,13 +615,15 @@ struct LinearFwdTile {
         a.run[r].merge(segment_stats<T, VB, kEntropy>(z, a.w, LinearZ<T, VB>{z, bias, c.inv_t[n]}));
       } else {
         Stats<T> st;
+        StatsX<T> sx;
         if (c.tanh_scale != T(0)) {
           const LinearZCap<T, VB> zof{z, bias, c.inv_t[n], c.tanh_scale};
-          st = segment_stats_extra<T, VB, kEntropy>(z, a.w, zof, c.extra);
+          st = segment_stats_extra<T, VB, kEntropy>(z, a.w, zof, c.extra, sx);
         } else {
-          st = segment_stats_extra<T, VB, kEntropy>(z, a.w, LinearZ<T, VB>{z, bias, c.inv_t[n]}, c.extra);
+          st = segment_stats_extra<T, VB, kEntropy>(z, a.w, LinearZ<T, VB>{z, bias, c.inv_t[n]}, c.extra, sx);
         }
-        st.am += T(a.c0);
+        sx.am += T(a.c0);
+        a.runx[r].merge(a.run[r], st, sx);
         a.run[r].merge(st);
       }
       c.tg.each_in(n, a.c0, a.c0 + a.w, [&](int64_t k, int64_t j) { c.target_logits[k] = z[j]; });
@@ -652,6 +678,8 @@ void linear_fwd(const Linear<T, in_t>& c, T* stats) {
   const int64_t nchunks = (V + chunk - 1) / chunk, nblocks = (N + kFwdRows - 1) / kFwdRows;
   const int64_t items = nblocks * nchunks;
   std::vector<Stats<T>> partial(N * nchunks);  // [N, nchunks]
+  const bool extra = c.extra.any() || c.tanh_scale != T(0);
+  std::vector<StatsX<T>> partialx(extra ? N * nchunks : 0);
 
   const int nt = region_threads();
   const int64_t per_thread = kFwdRows * H + kFwdRows * kTile + (kConvert ? kTile * H : 0);
@@ -664,6 +692,7 @@ void linear_fwd(const Linear<T, in_t>& c, T* stats) {
     T* tile = hbuf + kFwdRows * H;
     T* wbuf = tile + kFwdRows * kTile;
     Stats<T> run[kFwdRows];
+    StatsX<T> runx[kFwdRows];
     int64_t loaded = -1;  // the token block in hbuf
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
@@ -675,14 +704,18 @@ void linear_fwd(const Linear<T, in_t>& c, T* stats) {
           loaded = b;
         }
         std::fill(run, run + rows, Stats<T>{});
+        if (extra) std::fill(runx, runx + rows, StatsX<T>{});
         for (int64_t c0 = ch * chunk; c0 < std::min(V, (ch + 1) * chunk); c0 += kTile) {
           const int64_t w = std::min(kTile, V - c0);
           int64_t ldw;
           const T* wt = as_compute(c.weight + c0 * H, w, H, H, wbuf, ldw);
           tile_gemm(hbuf, wt, ldw, w, H, tile);
-          run_isa_flagged2<LinearFwdTile<T, in_t>>({&c, tile, row0, rows, c0, w, run});
+          run_isa_flagged2<LinearFwdTile<T, in_t>>({&c, tile, row0, rows, c0, w, run, runx});
         }
         for (int64_t r = 0; r < rows; ++r) partial[(row0 + r) * nchunks + ch] = run[r];
+        if (extra) {
+          for (int64_t r = 0; r < rows; ++r) partialx[(row0 + r) * nchunks + ch] = runx[r];
+        }
       });
     }
   }
@@ -695,6 +728,19 @@ void linear_fwd(const Linear<T, in_t>& c, T* stats) {
       st.store(stats, n, c.need_entropy);
     }
   });
+  if (extra) {  // apart from the loop above, which stays the default path's own code
+    at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        Stats<T> st;
+        StatsX<T> sx;
+        for (int64_t ch = 0; ch < nchunks; ++ch) {
+          sx.merge(st, partial[n * nchunks + ch], partialx[n * nchunks + ch]);
+          st.merge(partial[n * nchunks + ch]);
+        }
+        sx.store(stats, n);
+      }
+    });
+  }
 }
 
 // Columns [h0, h0 + kHidCols) of grad_hidden[row0, row0 + rows) = dz·W, dz the block's [rows, V]
