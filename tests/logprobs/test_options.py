@@ -141,6 +141,42 @@ def _run_plain(x, backend, up):
     return out
 
 
+@pytest.mark.parametrize("backend,device", FAST)
+def test_torch_compile_fullgraph_with_options(backend, device):
+    """The soft-capped op with every output traces into one graph (fake kernels, autograd) and
+    matches eager, values and gradients."""
+    x, up = _case("compile", F32, device)
+
+    def step(hidden, weight, bias):
+        r = rk.linear_logprobs(
+            hidden,
+            weight,
+            x["targets"],
+            row_index=x["row_index"],
+            bias=bias,
+            temperature=x["temperature"],
+            softcap=5.0,
+            logit_scale=1.3,
+            outputs=OPTIONAL_OUTPUTS,
+            backend=backend,
+        )
+        loss = (r.logp * up[0].to(r.logp)).sum() + (r.entropy * up[1].to(r.entropy)).sum()
+        return loss, r.log_sum_sq_probs, r.mean_logits, r.is_top1
+
+    results = []
+    torch._dynamo.reset()
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        leaves = [x[n].detach().clone().requires_grad_(True) for n in ("hidden", "weight", "bias")]
+        loss, *stats = fn(*leaves)
+        loss.backward()
+        results.append([loss.detach(), *stats, *(t.grad for t in leaves)])
+    for a, b in zip(*results):
+        if a.dtype == torch.bool:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("backend,device", ALL)
 def test_outputs_subsets_and_return_forms(backend, device):
     x, _ = _case("subsets", F32, device)
