@@ -420,7 +420,9 @@ class _VocabParallelLinearLogprobs(torch.autograd.Function):
             a.need_top1,
             a.backend,
         )
-        stats, tlog = _all_reduce_stats(stats, tlog, shard.group, shard.vocab_start, a.need_top1)
+        stats, tlog = _all_reduce_stats(
+            stats, tlog, shard.group, shard.vocab_start, a.need_sum_sq, a.need_sum_z, a.need_top1
+        )
         lse, entropy = _row_statistics(stats, shard.vocab_size, a.return_entropy)
         logp = _target_logprobs(tlog, lse, a.row_index, a.order, a.targets == a.ignore_index)
         extras = _optional_statistics(
@@ -1055,13 +1057,14 @@ def _csr(row_index: Optional[torch.Tensor], n: int, device) -> Tuple[torch.Tenso
 
 
 def _all_reduce_stats(
-    stats, target_logits, group, vocab_start: int, need_argmax: bool
+    stats, target_logits, group, vocab_start: int, need_sum_sq: bool, need_sum_z: bool, need_argmax: bool
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-row statistics of the whole vocabulary from each shard's: one MAX all-reduce of
-    the row maxima, then one SUM all-reduce of the rescaled Σexp, Σexp·(z−max), Σexp², the
-    Σz and the target logits (each target is in exactly one shard; the others contribute
-    0); with ``need_argmax`` one MIN all-reduce of the global ids of the shards' argmax
-    that reach the global max (the first one wins, as in one shard)."""
+    the row maxima, then one SUM all-reduce of the rescaled Σexp, Σexp·(z−max), the target
+    logits (each target is in exactly one shard; the others contribute 0) and, when
+    requested, the rescaled Σexp² and the Σz; with ``need_argmax`` one MIN all-reduce of the
+    global ids of the shards' argmax that reach the global max (the first one wins, as in
+    one shard). Columns not requested stay as the kernel left them (0)."""
     import torch.distributed as dist
 
     m, s, u, q, zs, am = stats.unbind(-1)  # the columns, in LogprobsStat order
@@ -1070,14 +1073,22 @@ def _all_reduce_stats(
     # Σ exp(z−M)(z−M) = e^{m−M} Σ exp(z−m)((z−m) + (m−M)), with M the global max.
     scale = torch.exp(m - m_all)
     n = m.shape[0]
-    packed = torch.cat([s * scale, (u + (m - m_all) * s) * scale, q * scale * scale, zs, target_logits])
+    parts = [s * scale, (u + (m - m_all) * s) * scale]
+    if need_sum_sq:
+        parts.append(q * scale * scale)
+    if need_sum_z:
+        parts.append(zs)
+    packed = torch.cat([*parts, target_logits])
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    summed = list(packed[: len(parts) * n].split(n))
+    s, u = summed[0], summed[1]
+    q = summed[2] if need_sum_sq else q
+    zs = summed[-1] if need_sum_z else zs
     if need_argmax:
-        big = torch.full_like(am, float(2**24))
+        big = torch.full_like(am, float(_MAX_TOP1_VOCAB))
         am = torch.where(m == m_all, am + vocab_start, big)
         dist.all_reduce(am, op=dist.ReduceOp.MIN, group=group)
-    columns = [m_all, packed[:n], packed[n : 2 * n], packed[2 * n : 3 * n], packed[3 * n : 4 * n], am]
-    return torch.stack(columns, dim=-1), packed[4 * n :]
+    return torch.stack([m_all, s, u, q, zs, am], dim=-1), packed[len(parts) * n :]
 
 
 def _vocab_layout(weight: torch.Tensor, group) -> Tuple[int, int]:
