@@ -34,8 +34,15 @@
 // read through the logits' row stride, which may be 0 (an expanded view: every row is the same
 // memory, only read); grad_logits is always a fresh contiguous [N, V].
 //
-// Hot loops are `Body` structs run through run_isa (csrc/simd.h); a loop that also takes a run-time
-// flag as a template parameter (need_entropy, grad_entropy given) goes through run_isa_flagged.
+// Hot loops are `Body` structs run through run_isa (csrc/simd.h); a loop that also takes run-time
+// flags as template parameters (need_entropy, grad_entropy given, the optional statistics or the
+// soft-cap) goes through run_isa_flagged. The optional statistics (Σ exp², Σ z, argmax) and the
+// soft-cap only run in their own instantiations (kExtra / kCap): the default path is the code it
+// was before they existed.
+//
+// Soft-cap (tanh_scale ≠ 0): z = tanh(tanh_scale·y)·inv_T with y = acc + bias, the same inlined
+// functor in the forward and the backward (so the backward's z is the forward's); the backward
+// multiplies the row's dz by tanh_scale·(1 − t²) after the target terms.
 #include "logprobs.h"
 
 #include <ATen/ATen.h>
@@ -244,6 +251,58 @@ void run_isa_flagged(const typename Body::Arg& a) {
   run_isa<WithFlag<Body>>(a);
 }
 
+// The same with two flags: Body has `static bool flag(const Arg&)`, `static bool flag2(const Arg&)` and
+// `template <int VB, bool kFlag, bool kFlag2> static void body(const Arg&)`.
+template <typename Body>
+struct WithFlags2 {
+  using Arg = typename Body::Arg;
+  template <int VB>
+  RLVR_INLINE static void run(const Arg& a) {
+    const bool f1 = Body::flag(a), f2 = Body::flag2(a);
+    if (f2) {
+      if (f1) {
+        Body::template body<VB, true, true>(a);
+      } else {
+        Body::template body<VB, false, true>(a);
+      }
+    } else if (f1) {
+      Body::template body<VB, true, false>(a);
+    } else {
+      Body::template body<VB, false, false>(a);
+    }
+  }
+};
+
+template <typename Body>
+void run_isa_flagged2(const typename Body::Arg& a) {
+  run_isa<WithFlags2<Body>>(a);
+}
+
+// tanh on vector lanes. Float: tanh|x| = (1 − e)/(1 + e) with e = exp(−2|x|) (absolute error of a
+// few ulp of 1, exact limits ±1), and the odd Taylor series through x⁹ below |x| = 1/8, where the
+// quotient would lose relative accuracy (the series' remainder is below 1e-11 relative there).
+// Double lanes (checks rather than speed): libm.
+template <typename V>
+RLVR_INLINE V vtanh(V x) {
+  using S = std::remove_reference_t<decltype(x[0])>;
+  if constexpr (std::is_same<S, double>::value) {
+    for (int l = 0; l < int(sizeof(V) / sizeof(double)); ++l) x[l] = std::tanh(x[l]);
+    return x;
+  } else {
+    const V zero = splat<V>(0.0f), one = splat<V>(1.0f);
+    const V ax = x < zero ? -x : x;
+    const V e = vexp(ax * -2.0f);
+    const V q = (one - e) / (one + e);
+    const V x2 = x * x;
+    V p = x2 * (62.0f / 2835.0f) - 17.0f / 315.0f;
+    p = p * x2 + 2.0f / 15.0f;
+    p = p * x2 - 1.0f / 3.0f;
+    const V small = x + x * x2 * p;
+    const V big = x < zero ? -q : q;
+    return ax < splat<V>(0.125f) ? small : big;
+  }
+}
+
 // ------------------------------------------------------------------ row statistics
 // (max, Σ exp(z − max), Σ exp(z − max)·(z − max)) of a part of a row; max = −inf: empty.
 template <typename T>
@@ -265,13 +324,53 @@ struct Stats {
   }
 
   // Row n of the stats output [N, kNumStats] (columns: LogprobsStat); the entropy column is 0
-  // unless it was computed.
+  // unless it was computed, the optional columns are 0 (StatsX::store fills them when asked).
   RLVR_INLINE void store(T* stats, int64_t n, bool entropy) const {
     T* row = stats + n * kNumStats;
     row[int64_t(LogprobsStat::MAX)] = m;
     row[int64_t(LogprobsStat::SUM_EXP)] = s;
     row[int64_t(LogprobsStat::SUM_EXP_SHIFT)] = entropy ? e : T(0);
+    row[int64_t(LogprobsStat::SUM_EXP_SQ)] = T(0);
+    row[int64_t(LogprobsStat::SUM_Z)] = T(0);
+    row[int64_t(LogprobsStat::ARGMAX)] = T(0);
   }
+};
+
+// The optional statistics of a part of a row, beside its Stats (kept apart, so the default path's
+// Stats code and its rounding are exactly what they were before these existed): q = Σ exp(2·(z −
+// max)), zs = Σ z, am = the first column holding the max (a column index, as a T).
+template <typename T>
+struct StatsX {
+  T q = T(0), zs = T(0), am = T(0);
+
+  // Folds in another part o (later columns; ox its optional statistics); mine and o are the two
+  // parts' Stats *before* Stats::merge combines them. A tie of the maxima keeps this part's argmax.
+  RLVR_INLINE void merge(const Stats<T>& mine, const Stats<T>& o, const StatsX& ox) {
+    zs += ox.zs;
+    if (o.m == -kInf<T>) return;
+    if (mine.m == -kInf<T>) {
+      q = ox.q;
+      am = ox.am;
+      return;
+    }
+    const T mx = max_nan(mine.m, o.m);
+    const T a1 = std::exp(mine.m - mx), a2 = std::exp(o.m - mx);
+    q = a1 * a1 * q + a2 * a2 * ox.q;
+    if (o.m > mine.m) am = ox.am;
+  }
+
+  RLVR_INLINE void store(T* stats, int64_t n) const {
+    T* row = stats + n * kNumStats;
+    row[int64_t(LogprobsStat::SUM_EXP_SQ)] = q;
+    row[int64_t(LogprobsStat::SUM_Z)] = zs;
+    row[int64_t(LogprobsStat::ARGMAX)] = am;
+  }
+};
+
+// Which optional statistics the linear forward computes.
+struct StatFlags {
+  bool sum_sq, sum_z, argmax;
+  bool any() const { return sum_sq || sum_z || argmax; }
 };
 
 // z lanes of a GEMM tile row: (acc + bias)·inv_T.
@@ -284,6 +383,19 @@ struct LinearZ {
     auto x = load<T, VB>(acc + i, n);
     if (bias != nullptr) x += load<T, VB>(bias + i, n);
     return x * inv_t;
+  }
+};
+
+// z lanes of a soft-capped GEMM tile row: tanh(a·(acc + bias))·inv_T.
+template <typename T, int VB>
+struct LinearZCap {
+  const T* acc;
+  const T* bias;  // nullptr: none
+  T inv_t, a;
+  RLVR_INLINE typename Lanes<T, VB>::V operator()(int64_t i, int n) const {
+    auto x = load<T, VB>(acc + i, n);
+    if (bias != nullptr) x += load<T, VB>(bias + i, n);
+    return vtanh(rounded(x * a)) * inv_t;
   }
 };
 
@@ -344,6 +456,44 @@ RLVR_INLINE Stats<T> segment_stats(T* dst, int64_t n, const ZOf& zof) {
   return st;
 }
 
+// segment_stats plus the optional statistics of the segment (StatFlags), from the z it wrote to
+// dst: Σ exp(2·(z − max)), Σ z and the first column holding the max (local to the segment). Extra
+// passes over the segment while it is in cache; only the kExtra instantiations call this.
+template <typename T, int VB, bool kEntropy, typename ZOf>
+RLVR_INLINE Stats<T> segment_stats_extra(T* dst, int64_t n, const ZOf& zof, const StatFlags& f, StatsX<T>& sx) {
+  using L = Lanes<T, VB>;
+  using V = typename L::V;
+  constexpr int W = L::W;
+  const Stats<T> st = segment_stats<T, VB, kEntropy>(dst, n, zof);
+  sx = StatsX<T>{};
+  if (f.sum_z) {
+    T zs = T(0);
+    for (int64_t i = 0; i < n; ++i) zs += dst[i];
+    sx.zs = zs;
+  }
+  if (st.m == -kInf<T>) return st;  // all −inf: no mass, argmax 0
+  if (f.sum_sq) {
+    const V mx = splat<V>(st.m), floor = splat<V>(kExpFloor<T>);
+    V vq = V{};
+    for (int64_t i = 0; i < n; i += W) {
+      const int cnt = int(std::min<int64_t>(W, n - i));
+      const V d = vclamp(load<T, VB>(dst + i, cnt) - mx, floor, splat<V>(T(0)));
+      const V ex = lanes_below<T, VB>(cnt) ? vexp(d) : V{};
+      vq += ex * ex;
+    }
+    for (int l = 0; l < W; ++l) sx.q += vq[l];
+  }
+  if (f.argmax) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (dst[i] == st.m) {
+        sx.am = T(i);
+        break;
+      }
+    }
+  }
+  return st;
+}
+
 // What dz of one row needs: dz = inv_T·(Σ_{t_k = v} g_k − G·p − h·p·(z − lse + entropy)).
 template <typename T>
 struct RowGrad {
@@ -374,6 +524,21 @@ RLVR_INLINE void segment_dz(T* dst, int64_t n, const ZOf& zof, const RowGrad<T>&
 template <typename T>
 RLVR_INLINE void add_targets(T* dst, const Targets& tg, int64_t n, int64_t c0, int64_t c1, T inv_t, const T* g) {
   tg.each_in(n, c0, c1, [&](int64_t k, int64_t j) { dst[j] += rounded(inv_t * g[k]); });
+}
+
+// The soft-cap's chain factor: dst[i] *= a·(1 − t²), t = tanh(a·(acc + bias)) as the forward made it.
+template <typename T, int VB>
+RLVR_INLINE void cap_factor(T* dst, int64_t n, const T* acc, const T* bias, T a) {
+  using V = typename Lanes<T, VB>::V;
+  constexpr int W = Lanes<T, VB>::W;
+  const V va = splat<V>(a), one = splat<V>(T(1));
+  for (int64_t i = 0; i < n; i += W) {
+    const int cnt = int(std::min<int64_t>(W, n - i));
+    V x = load<T, VB>(acc + i, cnt);
+    if (bias != nullptr) x += load<T, VB>(bias + i, cnt);
+    const V t = vtanh(rounded(x * va));
+    store(dst + i, load<T, VB>(dst + i, cnt) * (va * (one - t * t)), cnt);
+  }
 }
 
 // acc[0, n) += Σ_r src[r·ld + (0, n)], rows in order.
@@ -412,8 +577,10 @@ struct Linear {
   const T* inv_t;
   Targets tg;
   int64_t N, H, V;
+  T tanh_scale;  // 0: no soft-cap
   // forward
   bool need_entropy;
+  StatFlags extra;
   T* target_logits;
   // backward
   const T *g, *lse, *ent, *h;  // h: nullptr without grad_entropy
@@ -429,19 +596,36 @@ struct LinearFwdTile {
     const Linear<T, in_t>* c;
     T* tile;  // [kFwdRows, kTile]
     int64_t row0, rows, c0, w;
-    Stats<T>* run;  // per row of the block
+    Stats<T>* run;    // per row of the block
+    StatsX<T>* runx;  // per row of the block, with optional statistics (else unused)
   };
 
   static bool flag(const Arg& a) { return a.c->need_entropy; }
+  // The optional statistics or the soft-cap.
+  static bool flag2(const Arg& a) { return a.c->extra.any() || a.c->tanh_scale != T(0); }
 
-  template <int VB, bool kEntropy>
+  template <int VB, bool kEntropy, bool kExtra>
   RLVR_INLINE static void body(const Arg& a) {
     const Linear<T, in_t>& c = *a.c;
     const T* bias = c.bias != nullptr ? c.bias + a.c0 : nullptr;
     for (int64_t r = 0; r < a.rows; ++r) {
       const int64_t n = a.row0 + r;
       T* z = a.tile + r * kTile;
-      a.run[r].merge(segment_stats<T, VB, kEntropy>(z, a.w, LinearZ<T, VB>{z, bias, c.inv_t[n]}));
+      if constexpr (!kExtra) {
+        a.run[r].merge(segment_stats<T, VB, kEntropy>(z, a.w, LinearZ<T, VB>{z, bias, c.inv_t[n]}));
+      } else {
+        Stats<T> st;
+        StatsX<T> sx;
+        if (c.tanh_scale != T(0)) {
+          const LinearZCap<T, VB> zof{z, bias, c.inv_t[n], c.tanh_scale};
+          st = segment_stats_extra<T, VB, kEntropy>(z, a.w, zof, c.extra, sx);
+        } else {
+          st = segment_stats_extra<T, VB, kEntropy>(z, a.w, LinearZ<T, VB>{z, bias, c.inv_t[n]}, c.extra, sx);
+        }
+        sx.am += T(a.c0);
+        a.runx[r].merge(a.run[r], st, sx);
+        a.run[r].merge(st);
+      }
       c.tg.each_in(n, a.c0, a.c0 + a.w, [&](int64_t k, int64_t j) { c.target_logits[k] = z[j]; });
     }
   }
@@ -462,16 +646,25 @@ struct LinearBwdTile {
   };
 
   static bool flag(const Arg& a) { return a.c->h != nullptr; }
+  static bool flag2(const Arg& a) { return a.c->tanh_scale != T(0); }
 
-  template <int VB, bool kEntGrad>
+  template <int VB, bool kEntGrad, bool kCap>
   RLVR_INLINE static void body(const Arg& a) {
     const Linear<T, in_t>& c = *a.c;
     const T* bias = c.bias != nullptr ? c.bias + a.c0 : nullptr;
     for (int64_t r = 0; r < a.rows; ++r) {
       const int64_t n = a.row0 + r;
       T* d = a.dz + r * c.V + a.c0;
-      segment_dz<T, VB, kEntGrad>(d, a.w, LinearZ<T, VB>{a.tile + r * kTile, bias, c.inv_t[n]}, c.row_grad(n));
-      add_targets(d, c.tg, n, a.c0, a.c0 + a.w, c.inv_t[n], c.g);
+      const T* acc = a.tile + r * kTile;
+      if constexpr (!kCap) {
+        segment_dz<T, VB, kEntGrad>(d, a.w, LinearZ<T, VB>{acc, bias, c.inv_t[n]}, c.row_grad(n));
+        add_targets(d, c.tg, n, a.c0, a.c0 + a.w, c.inv_t[n], c.g);
+      } else {
+        const LinearZCap<T, VB> zof{acc, bias, c.inv_t[n], c.tanh_scale};
+        segment_dz<T, VB, kEntGrad>(d, a.w, zof, c.row_grad(n));
+        add_targets(d, c.tg, n, a.c0, a.c0 + a.w, c.inv_t[n], c.g);
+        cap_factor<T, VB>(d, a.w, acc, bias, c.tanh_scale);
+      }
     }
     if (a.db != nullptr) add_rows<T, VB>(a.db + a.c0, a.dz_block + a.c0, c.V, a.block_rows, a.w);
   }
@@ -485,6 +678,8 @@ void linear_fwd(const Linear<T, in_t>& c, T* stats) {
   const int64_t nchunks = (V + chunk - 1) / chunk, nblocks = (N + kFwdRows - 1) / kFwdRows;
   const int64_t items = nblocks * nchunks;
   std::vector<Stats<T>> partial(N * nchunks);  // [N, nchunks]
+  const bool extra = c.extra.any() || c.tanh_scale != T(0);
+  std::vector<StatsX<T>> partialx(extra ? N * nchunks : 0);
 
   const int nt = region_threads();
   const int64_t per_thread = kFwdRows * H + kFwdRows * kTile + (kConvert ? kTile * H : 0);
@@ -497,6 +692,7 @@ void linear_fwd(const Linear<T, in_t>& c, T* stats) {
     T* tile = hbuf + kFwdRows * H;
     T* wbuf = tile + kFwdRows * kTile;
     Stats<T> run[kFwdRows];
+    StatsX<T> runx[kFwdRows];
     int64_t loaded = -1;  // the token block in hbuf
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
@@ -508,14 +704,18 @@ void linear_fwd(const Linear<T, in_t>& c, T* stats) {
           loaded = b;
         }
         std::fill(run, run + rows, Stats<T>{});
+        if (extra) std::fill(runx, runx + rows, StatsX<T>{});
         for (int64_t c0 = ch * chunk; c0 < std::min(V, (ch + 1) * chunk); c0 += kTile) {
           const int64_t w = std::min(kTile, V - c0);
           int64_t ldw;
           const T* wt = as_compute(c.weight + c0 * H, w, H, H, wbuf, ldw);
           tile_gemm(hbuf, wt, ldw, w, H, tile);
-          run_isa_flagged<LinearFwdTile<T, in_t>>({&c, tile, row0, rows, c0, w, run});
+          run_isa_flagged2<LinearFwdTile<T, in_t>>({&c, tile, row0, rows, c0, w, run, runx});
         }
         for (int64_t r = 0; r < rows; ++r) partial[(row0 + r) * nchunks + ch] = run[r];
+        if (extra) {
+          for (int64_t r = 0; r < rows; ++r) partialx[(row0 + r) * nchunks + ch] = runx[r];
+        }
       });
     }
   }
@@ -528,6 +728,19 @@ void linear_fwd(const Linear<T, in_t>& c, T* stats) {
       st.store(stats, n, c.need_entropy);
     }
   });
+  if (extra) {  // apart from the loop above, which stays the default path's own code
+    at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        Stats<T> st;
+        StatsX<T> sx;
+        for (int64_t ch = 0; ch < nchunks; ++ch) {
+          sx.merge(st, partial[n * nchunks + ch], partialx[n * nchunks + ch]);
+          st.merge(partial[n * nchunks + ch]);
+        }
+        sx.store(stats, n);
+      }
+    });
+  }
 }
 
 // Columns [h0, h0 + kHidCols) of grad_hidden[row0, row0 + rows) = dz·W, dz the block's [rows, V]
@@ -608,7 +821,7 @@ void linear_bwd(const Linear<T, in_t>& c, in_t* grad_hidden, in_t* grad_weight, 
           for (int64_t s = 0; s < nsub; ++s) {
             tile_gemm(hb + s * kFwdRows * H, wt, ldw, w, H, tile);
             T* db_now = s == nsub - 1 && !db.empty() ? db.data() : nullptr;
-            run_isa_flagged<LinearBwdTile<T, in_t>>({&c, tile, dz + s * kFwdRows * V, row0 + s * kFwdRows,
+            run_isa_flagged2<LinearBwdTile<T, in_t>>({&c, tile, dz + s * kFwdRows * V, row0 + s * kFwdRows,
                                                      std::min(kFwdRows, rows - s * kFwdRows), c0, w, db_now, dz,
                                                      rows});
           }
@@ -812,7 +1025,7 @@ std::tuple<torch::Tensor, torch::Tensor> linear_logprobs_stats_cpu(
     const torch::Tensor& inv_temperature, const torch::Tensor& row_ptr, const torch::Tensor& sorted_targets,
     c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams) {
   const char* op = "linear_logprobs_stats";
-  const auto p = LogprobsStatsParams::unpack(fparams, iparams);
+  const auto p = LinearLogprobsStatsParams::unpack(fparams, iparams);
   const auto ct = check_linear(op, hidden, weight, bias, inv_temperature, row_ptr, sorted_targets);
   const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0), M = sorted_targets.size(0);
   torch::Tensor stats = torch::empty({N, kNumStats}, torch::dtype(ct));
@@ -831,7 +1044,9 @@ std::tuple<torch::Tensor, torch::Tensor> linear_logprobs_stats_cpu(
     c.N = N;
     c.H = H;
     c.V = V;
+    c.tanh_scale = T(p.tanh_scale);
     c.need_entropy = p.need_entropy != 0;
+    c.extra = {p.need_sum_sq != 0, p.need_sum_z != 0, p.need_argmax != 0};
     c.target_logits = target_logits.data_ptr<T>();
     linear_fwd(c, stats.data_ptr<T>());
   });
@@ -887,6 +1102,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> linear_logprobs_bwd_cpu(
     c.ent = entropy.data_ptr<T>();
     c.h = opt_ptr<T>(grad_entropy);
     c.G = G.data();
+    c.tanh_scale = T(p.tanh_scale);
     linear_bwd(c, need_hidden ? gh.data_ptr<scalar_t>() : nullptr, need_weight ? gw.data_ptr<scalar_t>() : nullptr,
                need_bias ? gb.data_ptr<scalar_t>() : nullptr);
   });

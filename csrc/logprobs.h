@@ -11,19 +11,24 @@
 #include "params.h"
 
 // Scalar parameters, in the order of the dataclasses' float and int fields.
-// LogprobsStatsParams: linear_logprobs_stats and logprobs_from_logits_stats.
+// LogprobsStatsParams: logprobs_from_logits_stats.
 #define RLVR_LOGPROBS_STATS_FPARAMS(X)
 #define RLVR_LOGPROBS_STATS_IPARAMS(X) X(need_entropy)
+// LinearLogprobsStatsParams: linear_logprobs_stats (tanh_scale = 0: no soft-cap).
+#define RLVR_LINEAR_LOGPROBS_STATS_FPARAMS(X) X(tanh_scale)
+#define RLVR_LINEAR_LOGPROBS_STATS_IPARAMS(X) X(need_entropy) X(need_sum_sq) X(need_sum_z) X(need_argmax)
 // LinearLogprobsBwdParams: linear_logprobs_bwd.
-#define RLVR_LINEAR_LOGPROBS_BWD_FPARAMS(X)
+#define RLVR_LINEAR_LOGPROBS_BWD_FPARAMS(X) X(tanh_scale)
 #define RLVR_LINEAR_LOGPROBS_BWD_IPARAMS(X) X(need_hidden) X(need_weight) X(need_bias)
 
 // Columns of the forward kernels' stats [N, kNumStats]: contracts.logprobs.LogprobsStat.
-#define RLVR_LOGPROBS_STAT_CODES(X) X(MAX, 0) X(SUM_EXP, 1) X(SUM_EXP_SHIFT, 2)
+#define RLVR_LOGPROBS_STAT_CODES(X) \
+  X(MAX, 0) X(SUM_EXP, 1) X(SUM_EXP_SHIFT, 2) X(SUM_EXP_SQ, 3) X(SUM_Z, 4) X(ARGMAX, 5)
 
 namespace rlvr {
 
 RLVR_DEFINE_PARAMS(LogprobsStatsParams, RLVR_LOGPROBS_STATS_FPARAMS, RLVR_LOGPROBS_STATS_IPARAMS)
+RLVR_DEFINE_PARAMS(LinearLogprobsStatsParams, RLVR_LINEAR_LOGPROBS_STATS_FPARAMS, RLVR_LINEAR_LOGPROBS_STATS_IPARAMS)
 RLVR_DEFINE_PARAMS(LinearLogprobsBwdParams, RLVR_LINEAR_LOGPROBS_BWD_FPARAMS, RLVR_LINEAR_LOGPROBS_BWD_IPARAMS)
 RLVR_DEFINE_ENUM(LogprobsStat, RLVR_LOGPROBS_STAT_CODES)
 #define RLVR_LOGPROBS_STAT_COUNT(name, value) +1

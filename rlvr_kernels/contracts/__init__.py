@@ -6,13 +6,13 @@ from ._base import KernelParams, sanitized_offsets
 from .advantages import CPP_CODES as _ADVANTAGES_CODES
 from .advantages import Baseline, GroupAdvantagesParams, Scale, Whiten
 from .logprobs import CPP_CODES as _LOGPROBS_CODES
-from .logprobs import LinearLogprobsBwdParams, LogprobsStat, LogprobsStatsParams
+from .logprobs import LinearLogprobsBwdParams, LinearLogprobsStatsParams, LogprobsStat, LogprobsStatsParams
 from .policy_loss import CPP_CODES as _POLICY_LOSS_CODES
 from .policy_loss import PolicyLossParams
 
 __all__ = ["KernelParams", "sanitized_offsets"]
 __all__ += ["Baseline", "GroupAdvantagesParams", "Scale", "Whiten"]
-__all__ += ["LinearLogprobsBwdParams", "LogprobsStatsParams", "LogprobsStat"]
+__all__ += ["LinearLogprobsBwdParams", "LinearLogprobsStatsParams", "LogprobsStatsParams", "LogprobsStat"]
 __all__ += ["PolicyLossParams"]
 
 # Branch-code enums and the C++ X-macro list each one mirrors ("RLVR_<NAME>_CODES"); the

@@ -6,8 +6,9 @@ Mirrored in ``csrc/logprobs.h`` (``RLVR_LOGPROBS_STATS_FPARAMS`` / ``_IPARAMS``,
 ``tests/common/test_contracts.py`` compares the two. The tensors and what the kernels
 compute from them are described in :mod:`rlvr_kernels.ops.logprobs`.
 
-- ``linear_logprobs_stats`` and ``logprobs_from_logits_stats`` take
-  :class:`LogprobsStatsParams`;
+- ``logprobs_from_logits_stats`` takes :class:`LogprobsStatsParams`;
+- ``linear_logprobs_stats`` takes :class:`LinearLogprobsStatsParams` (the entropy flag, the
+  optional statistics and the soft-cap);
 - ``linear_logprobs_bwd`` takes :class:`LinearLogprobsBwdParams`;
 - ``logprobs_from_logits_bwd`` has no scalar parameter (whether the entropy carries a
   gradient is whether ``grad_entropy`` is given).
@@ -24,11 +25,15 @@ from ._base import KernelParams
 
 class LogprobsStat(enum.IntEnum):
     """Columns of the ``stats [N, NUM_STATS]`` output of the forward kernels (``NUM_STATS`` columns): over a row's
-    (local) vocabulary, max z, Σ exp(z − max) and Σ exp(z − max)·(z − max)."""
+    (local) vocabulary, max z, Σ exp(z − max), Σ exp(z − max)·(z − max), and the optional statistics of the
+    linear head (0 unless requested; the logits kernels never compute them)."""
 
     MAX = 0
     SUM_EXP = 1
     SUM_EXP_SHIFT = 2  # 0 when the entropy is not needed
+    SUM_EXP_SQ = 3  # Σ exp(2·(z − max)) (log Σ p²); 0 unless need_sum_sq
+    SUM_Z = 4  # Σ z (the mean logit); 0 unless need_sum_z
+    ARGMAX = 5  # the first column holding max z, as a number in the compute dtype; 0 unless need_argmax
 
 
 NUM_STATS = len(LogprobsStat)
@@ -44,12 +49,29 @@ class LogprobsStatsParams(KernelParams):
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearLogprobsStatsParams(KernelParams):
+    """Scalar parameters of the linear head's forward. ``tanh_scale`` > 0 soft-caps the logits:
+    z = inv_T·tanh(tanh_scale·y) instead of z = inv_T·y (y = hidden·Wᵀ + b; the op folds
+    ``logit_scale``, the cap and the temperature into tanh_scale and the per-row inv_T)."""
+
+    CPP_NAME: ClassVar[str] = "LINEAR_LOGPROBS_STATS"
+
+    tanh_scale: float  # 0: no soft-cap
+    need_entropy: bool  # compute LogprobsStat.SUM_EXP_SHIFT (else it is 0)
+    need_sum_sq: bool  # compute LogprobsStat.SUM_EXP_SQ
+    need_sum_z: bool  # compute LogprobsStat.SUM_Z
+    need_argmax: bool  # compute LogprobsStat.ARGMAX
+
+
+@dataclasses.dataclass(frozen=True)
 class LinearLogprobsBwdParams(KernelParams):
-    """Scalar parameters of the linear head's backward: which gradients to form (an output
-    that is not needed is an empty ``[0]`` tensor)."""
+    """Scalar parameters of the linear head's backward: the soft-cap of the forward
+    (:class:`LinearLogprobsStatsParams`) and which gradients to form (an output that is not
+    needed is an empty ``[0]`` tensor)."""
 
     CPP_NAME: ClassVar[str] = "LINEAR_LOGPROBS_BWD"
 
+    tanh_scale: float  # 0: no soft-cap; else dz gains the factor tanh_scale·(1 − tanh²)
     need_hidden: bool
     need_weight: bool
     need_bias: bool  # only with a bias

@@ -12,11 +12,17 @@ single-process op and the process-group path.
 Kernel contract (both backends; C++ in csrc/logprobs.cpp, Triton in triton/logprobs.py,
 each kernel under the same name; scalar parameters and stats columns in
 ``rlvr_kernels.contracts.logprobs``, passed as ``fparams, iparams`` = ``params.pack()``).
-"Compute dtype" is fp64 for fp64 inputs, else fp32. z = (hidden·Wᵀ + b) · inv_temperature
-(row-wise), accumulated in the compute dtype whatever the input dtype.
+"Compute dtype" is fp64 for fp64 inputs, else fp32. With y = hidden·Wᵀ + b accumulated in
+the compute dtype whatever the input dtype, z = y · inv_temperature (row-wise), or with a
+soft-cap (tanh_scale ≠ 0) z = tanh(tanh_scale · y) · inv_temperature. The op folds the public
+transform z = softcap·tanh(logit_scale·y/softcap)/T into these: inv_temperature = logit_scale/T
+(no cap) or softcap/T, tanh_scale = logit_scale/softcap ("inv_temperature" is the per-row
+factor after the transform, 1/T when nothing else is asked).
 
   linear_logprobs_stats(hidden [N,H], weight [V,H], bias [V] or None, inv_temperature [N],
-                        row_ptr [N+1], sorted_targets [M], LogprobsStatsParams(need_entropy))
+                        row_ptr [N+1], sorted_targets [M],
+                        LinearLogprobsStatsParams(tanh_scale, need_entropy, need_sum_sq,
+                                                  need_sum_z, need_argmax))
       -> stats [N, NUM_STATS], target_logits [M]            (compute dtype)
     hidden, weight, bias: one float dtype, contiguous. inv_temperature: compute dtype.
     row_ptr: int64, non-decreasing, row_ptr[0] = 0, row_ptr[N] = M; the targets of row n
@@ -24,16 +30,19 @@ each kernel under the same name; scalar parameters and stats columns in
     sorted_targets: int64 local vocabulary ids; a value outside [0, V) never matches any
     column (ignored targets are −1, another shard's targets are out of range) and is never
     used as an address.
-    stats[n] = (MAX: max_v z, SUM_EXP: Σ_v exp(z − max), SUM_EXP_SHIFT: Σ_v exp(z − max)·(z − max))
-    over the V local columns (columns named by ``LogprobsStat``); SUM_EXP_SHIFT is 0 when
-    need_entropy is False.
+    stats[n] = (MAX: max_v z, SUM_EXP: Σ_v exp(z − max), SUM_EXP_SHIFT: Σ_v exp(z − max)·(z − max),
+    SUM_EXP_SQ: Σ_v exp(2(z − max)), SUM_Z: Σ_v z, ARGMAX: the first v with z_v = max, as a
+    number) over the V local columns (columns named by ``LogprobsStat``); each optional
+    column is 0 unless its flag (need_entropy, need_sum_sq, need_sum_z, need_argmax) is set,
+    and computing it must not change the other columns. The logits kernels compute the first
+    three columns and write 0 to the others.
     target_logits[k] = z[n, sorted_targets[k]] for k in row n if that id is in [0, V), else 0.
     The target logit must come from the same rounding of z as the statistics (take it
     from the tile, not from a separate dot product), so log p = z_t − lse ≤ 0 holds.
 
   linear_logprobs_bwd(hidden, weight, bias, inv_temperature, row_ptr, sorted_targets,
                       sorted_grad [M], lse [N], entropy [N], grad_entropy [N] or None,
-                      LinearLogprobsBwdParams(need_hidden, need_weight, need_bias))
+                      LinearLogprobsBwdParams(tanh_scale, need_hidden, need_weight, need_bias))
       -> grad_hidden [N,H] (hidden's dtype), grad_weight [V,H] (weight's dtype),
          grad_bias [V] (bias' dtype); an output that is not needed is an empty [0] tensor.
     sorted_grad, lse, entropy, grad_entropy: compute dtype. lse and entropy are the global
@@ -41,6 +50,7 @@ each kernel under the same name; scalar parameters and stats columns in
     the row's targets, matching or not — a target in another shard still pulls every
     column down) and h_n = grad_entropy[n] (0 if None):
         dz[n,v] = inv_T_n · ( Σ_{k in row n, t_k = v} g_k − G_n·p_v − h_n·p_v·(z_v − lse_n + entropy_n) )
+    times tanh_scale·(1 − tanh²(tanh_scale·y_v)) with a soft-cap (dz is d/dy), and
         grad_hidden = dz·W,  grad_weight = dzᵀ·hidden,  grad_bias = Σ_n dz
     accumulated in the compute dtype. grad_weight and grad_bias are summed over rows in a
     fixed order (no atomics): bitwise-deterministic whatever the thread count.
@@ -66,25 +76,49 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import einops
 import torch
 
-from ..contracts.logprobs import NUM_STATS, LinearLogprobsBwdParams, LogprobsStatsParams
+from ..contracts.logprobs import (
+    NUM_STATS,
+    LinearLogprobsBwdParams,
+    LinearLogprobsStatsParams,
+    LogprobsStat,
+    LogprobsStatsParams,
+)
 from . import _dispatch
 from ._validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     MAX_COUNT,
     check_int,
+    check_number,
     check_temperature,
     check_tensor,
     checks_enabled,
 )
 
 _Triple = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_Six = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 _INT64 = torch.iinfo(torch.int64)
+
+# The optional statistics of ``linear_logprobs(outputs=...)``, in the order of :class:`LinearLogprobs`.
+OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+# The ARGMAX stats column holds a column index in the compute dtype: exact up to 2^24 in fp32.
+_MAX_TOP1_VOCAB = 2**24
+
+
+class LinearLogprobs(NamedTuple):
+    """What ``linear_logprobs(..., outputs=...)`` returns; None for an output not requested.
+    ``entropy`` carries a gradient; the others do not."""
+
+    logp: torch.Tensor  # [M]: log-prob of each target (0 for ignored ones)
+    entropy: Optional[torch.Tensor]  # [N]: entropy of each row's distribution
+    log_sum_sq_probs: Optional[torch.Tensor]  # [N]: log Σ_v p_v² (no gradient)
+    mean_logits: Optional[torch.Tensor]  # [N]: mean over the vocabulary of z (no gradient)
+    is_top1: Optional[torch.Tensor]  # [M] bool: the target is the row's first argmax (no gradient)
 
 
 # ------------------------------------------------------------------ custom ops: the kernels
@@ -98,17 +132,40 @@ def _linear_stats(
     inv_temperature: torch.Tensor,
     row_ptr: torch.Tensor,
     sorted_targets: torch.Tensor,
+    tanh_scale: float,
     need_entropy: bool,
+    need_sum_sq: bool,
+    need_sum_z: bool,
+    need_argmax: bool,
     backend: str,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(stats [N, NUM_STATS], target_logits [M]) of the kernel contract."""
-    params = LogprobsStatsParams(need_entropy=need_entropy)
+    params = LinearLogprobsStatsParams(
+        tanh_scale=tanh_scale,
+        need_entropy=need_entropy,
+        need_sum_sq=need_sum_sq,
+        need_sum_z=need_sum_z,
+        need_argmax=need_argmax,
+    )
     args = (hidden, weight, bias, inv_temperature, row_ptr, sorted_targets, *params.pack())
     return _dispatch.run("linear_logprobs_stats", backend, hidden.device, *args)
 
 
 @_linear_stats.register_fake
-def _(hidden, weight, bias, inv_temperature, row_ptr, sorted_targets, need_entropy, backend):
+def _(
+    hidden,
+    weight,
+    bias,
+    inv_temperature,
+    row_ptr,
+    sorted_targets,
+    tanh_scale,
+    need_entropy,
+    need_sum_sq,
+    need_sum_z,
+    need_argmax,
+    backend,
+):
     dt = _compute_dtype(hidden.dtype)
     return hidden.new_empty((hidden.shape[0], NUM_STATS), dtype=dt), hidden.new_empty(sorted_targets.shape, dtype=dt)
 
@@ -125,13 +182,16 @@ def _linear_bwd(
     lse: torch.Tensor,
     entropy: torch.Tensor,
     grad_entropy: Optional[torch.Tensor],
+    tanh_scale: float,
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
     backend: str,
 ) -> _Triple:
     """(grad_hidden, grad_weight, grad_bias) of the kernel contract."""
-    params = LinearLogprobsBwdParams(need_hidden=need_hidden, need_weight=need_weight, need_bias=need_bias)
+    params = LinearLogprobsBwdParams(
+        tanh_scale=tanh_scale, need_hidden=need_hidden, need_weight=need_weight, need_bias=need_bias
+    )
     args = (hidden, weight, bias, inv_temperature, row_ptr, sorted_targets, sorted_grad, lse, entropy, grad_entropy)
     return _dispatch.run("linear_logprobs_bwd", backend, hidden.device, *args, *params.pack())
 
@@ -148,6 +208,7 @@ def _(
     lse,
     entropy,
     grad_entropy,
+    tanh_scale,
     need_hidden,
     need_weight,
     need_bias,
@@ -173,9 +234,13 @@ class _LinearArgs(NamedTuple):
     row_index: Optional[torch.Tensor]  # int64 [M]
     row_ptr: torch.Tensor  # [N + 1]: the CSR of the targets by row (_csr)
     order: Optional[torch.Tensor]  # [M]: CSR position -> target position (None: the identity)
-    inv_temperature: torch.Tensor  # [N], compute dtype
+    inv_temperature: torch.Tensor  # [N], compute dtype: the factor after the transform (contract)
     ignore_index: int
     return_entropy: bool
+    tanh_scale: float  # 0: no soft-cap (contract)
+    need_sum_sq: bool  # log_sum_sq_probs
+    need_sum_z: bool  # mean_logits
+    need_top1: bool  # is_top1
     backend: str
 
 
@@ -205,15 +270,36 @@ def _linear_logprobs(
     inv_temperature: torch.Tensor,
     ignore_index: int,
     return_entropy: bool,
+    tanh_scale: float,
+    need_sum_sq: bool,
+    need_sum_z: bool,
+    need_top1: bool,
     backend: str,
-) -> _Triple:
-    """(logp [M], entropy [N], lse [N]) in the compute dtype; entropy is 0 unless
-    ``return_entropy``. lse is returned for the backward only."""
+) -> _Six:
+    """(logp [M], entropy [N], lse [N], log_sum_sq_probs [N], mean_logits [N], is_top1 [M] bool)
+    in the compute dtype; entropy is 0 unless ``return_entropy``, an optional output not
+    requested is an empty [0] tensor. lse is returned for the backward only."""
     local = _local_sorted_targets(targets, order, ignore_index, 0)
-    stats, tlog = _linear_stats(hidden, weight, bias, inv_temperature, row_ptr, local, return_entropy, backend)
+    stats, tlog = _linear_stats(
+        hidden,
+        weight,
+        bias,
+        inv_temperature,
+        row_ptr,
+        local,
+        tanh_scale,
+        return_entropy,
+        need_sum_sq,
+        need_sum_z,
+        need_top1,
+        backend,
+    )
     lse, entropy = _row_statistics(stats, weight.shape[0], return_entropy)
     logp = _target_logprobs(tlog, lse, row_index, order, targets == ignore_index)
-    return logp, entropy, lse
+    extras = _optional_statistics(
+        stats, weight.shape[0], targets, row_index, ignore_index, need_sum_sq, need_sum_z, need_top1
+    )
+    return (logp, entropy, lse, *extras)
 
 
 @_linear_logprobs.register_fake
@@ -228,6 +314,10 @@ def _(
     inv_temperature,
     ignore_index,
     return_entropy,
+    tanh_scale,
+    need_sum_sq,
+    need_sum_z,
+    need_top1,
     backend,
 ):
     dt = _compute_dtype(hidden.dtype)
@@ -236,12 +326,16 @@ def _(
         hidden.new_empty(targets.shape, dtype=dt),
         hidden.new_empty((n,), dtype=dt),
         hidden.new_empty((n,), dtype=dt),
+        hidden.new_empty((n if need_sum_sq else 0,), dtype=dt),
+        hidden.new_empty((n if need_sum_z else 0,), dtype=dt),
+        hidden.new_empty(targets.shape if need_top1 else (0,), dtype=torch.bool),
     )
 
 
 def _linear_setup_context(ctx, inputs, output):
     a = _LinearArgs(*inputs)
-    _, entropy, lse = output
+    _, entropy, lse, log_sum_sq, mean_logits, _ = output
+    ctx.mark_non_differentiable(lse, log_sum_sq, mean_logits)
     saved = _LinearSaved(
         hidden=a.hidden,
         weight=a.weight,
@@ -255,9 +349,10 @@ def _linear_setup_context(ctx, inputs, output):
     )
     ctx.save_for_backward(*saved)
     ctx.ignore_index, ctx.return_entropy, ctx.backend = a.ignore_index, a.return_entropy, a.backend
+    ctx.tanh_scale = a.tanh_scale
 
 
-def _linear_backward(ctx, g_logp, g_entropy, g_lse):
+def _linear_backward(ctx, g_logp, g_entropy, *_no_grad):
     s = _LinearSaved(*ctx.saved_tensors)
     need = _LinearArgs(*ctx.needs_input_grad)
     if not (need.hidden or need.weight or need.bias):
@@ -275,6 +370,7 @@ def _linear_backward(ctx, g_logp, g_entropy, g_lse):
         s.lse,
         s.entropy,
         grad_entropy,
+        ctx.tanh_scale,
         need.hidden,
         need.weight,
         need.bias and s.bias is not None,
@@ -311,11 +407,34 @@ class _VocabParallelLinearLogprobs(torch.autograd.Function):
         a, shard = _LinearArgs(*inputs[:-1]), inputs[-1]
         local = _local_sorted_targets(a.targets, a.order, a.ignore_index, shard.vocab_start)
         stats, tlog = _linear_stats(
-            a.hidden, a.weight, a.bias, a.inv_temperature, a.row_ptr, local, a.return_entropy, a.backend
+            a.hidden,
+            a.weight,
+            a.bias,
+            a.inv_temperature,
+            a.row_ptr,
+            local,
+            a.tanh_scale,
+            a.return_entropy,
+            a.need_sum_sq,
+            a.need_sum_z,
+            a.need_top1,
+            a.backend,
         )
-        stats, tlog = _all_reduce_stats(stats, tlog, shard.group)
+        stats, tlog = _all_reduce_stats(
+            stats, tlog, shard.group, shard.vocab_start, a.need_sum_sq, a.need_sum_z, a.need_top1
+        )
         lse, entropy = _row_statistics(stats, shard.vocab_size, a.return_entropy)
         logp = _target_logprobs(tlog, lse, a.row_index, a.order, a.targets == a.ignore_index)
+        extras = _optional_statistics(
+            stats,
+            shard.vocab_size,  # (the all-reduce made ARGMAX a global vocabulary id)
+            a.targets,
+            a.row_index,
+            a.ignore_index,
+            a.need_sum_sq,
+            a.need_sum_z,
+            a.need_top1,
+        )
         saved = _LinearSaved(
             hidden=a.hidden,
             weight=a.weight,
@@ -334,11 +453,12 @@ class _VocabParallelLinearLogprobs(torch.autograd.Function):
             a.backend,
             shard.group,
         )
-        ctx.mark_non_differentiable(lse)
-        return logp, entropy, lse
+        ctx.tanh_scale = a.tanh_scale
+        ctx.mark_non_differentiable(lse, *extras)
+        return (logp, entropy, lse, *extras)
 
     @staticmethod
-    def backward(ctx, g_logp, g_entropy, g_lse):
+    def backward(ctx, g_logp, g_entropy, *_no_grad):
         import torch.distributed as dist
 
         *saved, local = ctx.saved_tensors
@@ -358,6 +478,7 @@ class _VocabParallelLinearLogprobs(torch.autograd.Function):
             s.lse,
             s.entropy,
             grad_entropy,
+            ctx.tanh_scale,
             True,
             need.weight,
             need.bias and s.bias is not None,
@@ -482,6 +603,9 @@ class _LinearInputs:
     temperature: Union[float, torch.Tensor]  # a float, or [N] (detached, maybe a broadcast view)
     num_rows: int  # N
     vocab: int  # V of this shard
+    logit_scale: float
+    softcap: Optional[float]
+    outputs: frozenset  # of OPTIONAL_OUTPUTS names (return_entropy adds "entropy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -506,7 +630,29 @@ def _check_ignore_index(ignore_index) -> int:
     return check_int("ignore_index", ignore_index, minimum=_INT64.min, maximum=_INT64.max)
 
 
-def _validate_linear(hidden, weight, targets, row_index, temperature, bias, ignore_index, validate) -> _LinearInputs:
+def _check_outputs(outputs) -> frozenset:
+    if isinstance(outputs, str) or not isinstance(outputs, (tuple, list, set, frozenset)):
+        raise TypeError(f"outputs: expected a tuple of names from {OPTIONAL_OUTPUTS}, got {outputs!r}")
+    unknown = [o for o in outputs if o not in OPTIONAL_OUTPUTS]
+    if unknown:
+        raise ValueError(f"outputs: unknown output(s) {unknown}; expected names from {OPTIONAL_OUTPUTS}")
+    return frozenset(outputs)
+
+
+def _validate_linear(
+    hidden,
+    weight,
+    targets,
+    row_index,
+    temperature,
+    bias,
+    ignore_index,
+    validate,
+    logit_scale=1.0,
+    softcap=None,
+    outputs=(),
+    return_entropy=False,
+) -> _LinearInputs:
     check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES, ndim=(2,))
     check_tensor("weight", weight, dtypes=FLOAT_DTYPES, ndim=(2,), like=hidden, like_name="hidden")
     n, h = hidden.shape
@@ -540,6 +686,10 @@ def _validate_linear(hidden, weight, targets, row_index, temperature, bias, igno
         if row_index.shape[0] != m:
             raise ValueError(f"row_index: expected shape ({m},) (one per target), got {tuple(row_index.shape)}")
     _check_ignore_index(ignore_index)
+    logit_scale = check_number("logit_scale", logit_scale)
+    if softcap is not None:
+        softcap = check_number("softcap", softcap, minimum=0.0, open_low=True)
+    wanted = _check_outputs(outputs) | ({"entropy"} if return_entropy else set())
     temp = check_temperature(temperature, (n,), hidden, "hidden", validate)
     return _LinearInputs(
         hidden=hidden.contiguous(),
@@ -550,6 +700,9 @@ def _validate_linear(hidden, weight, targets, row_index, temperature, bias, igno
         temperature=temp,
         num_rows=n,
         vocab=v,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        outputs=wanted,
     )
 
 
@@ -610,14 +763,19 @@ def linear_logprobs(
     bias: Optional[torch.Tensor] = None,
     return_entropy: bool = False,
     ignore_index: int = -100,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
+    outputs: Sequence[str] = (),
     process_group=None,
     validate: bool = True,
     backend: str = "auto",
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """Log-probs of ``targets`` (and per-row entropy) straight from hidden states and the
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], LinearLogprobs]:
+    """Log-probs of ``targets`` (and per-row statistics) straight from hidden states and the
     LM head, never materialising the ``[N, V]`` logits (SPEC §3.1).
 
-    z_n = (hidden_n · Wᵀ + b) / T_n,  logp_m = z_{row(m), t_m} − logsumexp(z_{row(m)}),
+    y_n = hidden_n · Wᵀ + b,  z_n = softcap · tanh(logit_scale · y_n / softcap) / T_n
+    (without ``softcap``: logit_scale · y_n / T_n; the order of TRL's and Gemma's heads:
+    scale, soft-cap, temperature),  logp_m = z_{row(m), t_m} − logsumexp(z_{row(m)}),
     entropy_n = logsumexp(z_n) − Σ_v softmax(z_n)_v · z_{n,v}.
 
     Args:
@@ -632,25 +790,55 @@ def linear_logprobs(
             row; no gradient).
         bias: ``[V]`` optional LM-head bias (gets a gradient).
         return_entropy: also return the ``[N]`` entropies (with their gradient).
+        ignore_index: the target id that is skipped.
+        logit_scale: a finite multiplier of the logits before the soft-cap (Cohere, Granite:
+            ``1 / logits_scaling``, ...).
+        softcap: ``final_logit_softcapping`` (Gemma 2/3): a finite number > 0, or None.
+        outputs: optional statistics, names from :data:`OPTIONAL_OUTPUTS`: ``"entropy"``
+            ([N], with its gradient), ``"log_sum_sq_probs"`` ([N], log Σ_v p_v²),
+            ``"mean_logits"`` ([N], the mean over the vocabulary of z, so after the
+            soft-cap and the temperature), ``"is_top1"`` ([M] bool: the target is the
+            first argmax of its row; False for ignored targets). The last three carry no
+            gradient. Each costs only when requested.
         process_group: vocab-parallel group (``torch.distributed``): every rank passes
             the same hidden/targets and its own weight shard; the result equals the
-            unsharded op. Eager only (collectives run in the op).
+            unsharded op (soft-cap, logit scale and every output included; is_top1's
+            tie goes to the first column of the whole vocabulary). Eager only (collectives run in the op).
         validate: check target / row_index ranges and temperatures (a host sync on
             CUDA); skipped under torch.compile and on meta tensors (kernels never go out
             of bounds anyway).
         backend: ``"auto"``, or ``"reference"``, ``"cpu"``, ``"triton"``.
 
     Returns:
-        ``logp [M]`` (fp32; fp64 for fp64 inputs), or ``(logp, entropy [N])``.
+        ``logp [M]`` (fp32; fp64 for fp64 inputs), or ``(logp, entropy [N])`` with
+        ``return_entropy``; with ``outputs``, a :class:`LinearLogprobs` (logp, entropy,
+        log_sum_sq_probs, mean_logits, is_top1), None for those not requested
+        (``return_entropy=True`` requests the entropy).
     """
     _dispatch.check_backend(backend)
-    x = _validate_linear(hidden, weight, targets, row_index, temperature, bias, ignore_index, validate)
+    x = _validate_linear(
+        hidden,
+        weight,
+        targets,
+        row_index,
+        temperature,
+        bias,
+        ignore_index,
+        validate,
+        logit_scale,
+        softcap,
+        outputs,
+        return_entropy,
+    )
     if process_group is not None and backend == "reference":
         raise ValueError("process_group: the reference backend is single-process; pass backend='auto'")
     vocab_start, vocab_size = (0, x.vocab) if process_group is None else _vocab_layout(x.weight, process_group)
+    if "is_top1" in x.outputs and vocab_size > _MAX_TOP1_VOCAB:
+        raise ValueError(f"outputs: 'is_top1' supports vocabularies of at most {_MAX_TOP1_VOCAB}, got {vocab_size}")
     _check_values(x.targets, x.row_index, vocab_size, x.num_rows, ignore_index, validate)
+    named = bool(outputs)  # the return form: a LinearLogprobs when outputs were named
     if backend == "reference":
-        return _dispatch.kernel("linear_logprobs", "reference")(
+        out = _dispatch.kernel("linear_logprobs", "reference")(
             x.hidden,
             x.weight,
             x.targets,
@@ -659,9 +847,14 @@ def linear_logprobs(
             bias=x.bias,
             return_entropy=return_entropy,
             ignore_index=ignore_index,
+            logit_scale=x.logit_scale,
+            softcap=x.softcap,
+            outputs=tuple(o for o in OPTIONAL_OUTPUTS if o in x.outputs) if named else (),
         )
+        return LinearLogprobs(*out) if named else out
     n = x.num_rows
     row_ptr, order = _csr(x.row_index, n, x.hidden.device)
+    out_scale, tanh_scale = _transform_scales(x.logit_scale, x.softcap)
     args = _LinearArgs(
         hidden=x.hidden,
         weight=x.weight,
@@ -670,17 +863,29 @@ def linear_logprobs(
         row_index=x.row_index,
         row_ptr=row_ptr,
         order=order,
-        inv_temperature=_inv_temperature(x.temperature, n, x.hidden.device, _compute_dtype(x.hidden.dtype)),
+        inv_temperature=_inv_temperature(x.temperature, n, x.hidden.device, _compute_dtype(x.hidden.dtype), out_scale),
         ignore_index=int(ignore_index),
-        return_entropy=bool(return_entropy),
+        return_entropy="entropy" in x.outputs,
+        tanh_scale=tanh_scale,
+        need_sum_sq="log_sum_sq_probs" in x.outputs,
+        need_sum_z="mean_logits" in x.outputs,
+        need_top1="is_top1" in x.outputs,
         backend=backend,
     )
     if process_group is None:
-        logp, entropy, _ = _linear_logprobs(*args)
+        logp, entropy, _, log_sum_sq, mean_logits, is_top1 = _linear_logprobs(*args)
     else:
         shard = _VocabShard(group=process_group, vocab_start=vocab_start, vocab_size=vocab_size)
-        logp, entropy, _ = _VocabParallelLinearLogprobs.apply(*args, shard)
-    return (logp, _unsaved(entropy)) if return_entropy else logp
+        logp, entropy, _, log_sum_sq, mean_logits, is_top1 = _VocabParallelLinearLogprobs.apply(*args, shard)
+    if not named:
+        return (logp, _unsaved(entropy)) if return_entropy else logp
+    return LinearLogprobs(
+        logp,
+        _unsaved(entropy) if args.return_entropy else None,
+        log_sum_sq if args.need_sum_sq else None,
+        mean_logits if args.need_sum_z else None,
+        is_top1 if args.need_top1 else None,
+    )
 
 
 def logprobs_from_logits(
@@ -756,12 +961,22 @@ def _grads_by_name(args_cls, **grads) -> tuple:
     return tuple(grads.get(name) for name in args_cls._fields)
 
 
-def _inv_temperature(temperature, n: int, device, dtype) -> torch.Tensor:
-    """1 / T per row, [n] contiguous in the compute dtype (T: a float or a validated tensor
-    of n elements, maybe a broadcast view)."""
+def _inv_temperature(temperature, n: int, device, dtype, scale: float = 1.0) -> torch.Tensor:
+    """scale / T per row, [n] contiguous in the compute dtype (T: a float or a validated
+    tensor of n elements, maybe a broadcast view). scale = 1 gives exactly 1 / T."""
     if isinstance(temperature, torch.Tensor):
-        return (1.0 / temperature.to(dtype)).reshape(n).contiguous()
-    return torch.full((n,), 1.0 / temperature, device=device, dtype=dtype)
+        return (scale / temperature.to(dtype)).reshape(n).contiguous()
+    return torch.full((n,), scale / temperature, device=device, dtype=dtype)
+
+
+def _transform_scales(logit_scale: float, softcap: Optional[float]) -> Tuple[float, float]:
+    """(the per-row factor's numerator, tanh_scale) of the kernel contract for z =
+    softcap·tanh(logit_scale·y/softcap)/T: (softcap, logit_scale/softcap) with a soft-cap,
+    (logit_scale, 0) without. logit_scale = 0 makes z = 0 either way (tanh(0) = 0), so it
+    takes the uncapped form (tanh_scale = 0 means no cap)."""
+    if softcap is None or logit_scale == 0.0:
+        return logit_scale, 0.0
+    return softcap, logit_scale / softcap
 
 
 def _row_statistics(stats: torch.Tensor, vocab_size: int, need_entropy: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -770,12 +985,33 @@ def _row_statistics(stats: torch.Tensor, vocab_size: int, need_entropy: bool) ->
     entropy = lse − Σ p z = log s − u/s: no max term, so no cancellation between large
     numbers. s ≥ 1 (the max itself contributes exp(0)) and u ≤ 0, so it is ≥ 0 as
     computed; the clamp at log V only removes the last-ulp rounding of a flat row."""
-    m, s, u = stats.unbind(-1)  # the columns, in LogprobsStat order (one op: this runs per call)
+    m, s, u = stats[:, :3].unbind(-1)  # MAX, SUM_EXP, SUM_EXP_SHIFT (a test checks the order)
     log_s = torch.log(s)
     lse = m + log_s
     if not need_entropy:
         return lse, torch.zeros_like(lse)
     return lse, (log_s - u / s).clamp(0.0, math.log(vocab_size))
+
+
+def _optional_statistics(
+    stats, vocab_size: int, targets, row_index, ignore_index: int, need_sum_sq: bool, need_sum_z: bool, need_top1: bool
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log_sum_sq_probs [N], mean_logits [N], is_top1 [M] bool) from the stats columns, an
+    empty [0] tensor for each not requested. log Σ p² = log Σ exp(2(z − max)) − 2 log Σ
+    exp(z − max); is_top1: the row's first argmax is the target (ignored targets: False)."""
+    log_sum_sq = (
+        torch.log(stats[:, LogprobsStat.SUM_EXP_SQ]) - 2 * torch.log(stats[:, LogprobsStat.SUM_EXP])
+        if need_sum_sq
+        else stats.new_empty((0,))  # (distinct empties: a custom op's outputs must not alias)
+    )
+    mean_logits = stats[:, LogprobsStat.SUM_Z] / vocab_size if need_sum_z else stats.new_empty((0,))
+    if need_top1:
+        argmax = stats[:, LogprobsStat.ARGMAX].long()
+        row_argmax = argmax if row_index is None else argmax.index_select(0, row_index)
+        is_top1 = (row_argmax == targets) & (targets != ignore_index)
+    else:
+        is_top1 = targets.new_empty((0,), dtype=torch.bool)
+    return log_sum_sq, mean_logits, is_top1
 
 
 def _target_logprobs(target_logits, lse, row_index, order, ignored) -> torch.Tensor:
@@ -820,21 +1056,39 @@ def _csr(row_index: Optional[torch.Tensor], n: int, device) -> Tuple[torch.Tenso
     return torch.searchsorted(rows.index_select(0, order), bounds), order
 
 
-def _all_reduce_stats(stats, target_logits, group) -> Tuple[torch.Tensor, torch.Tensor]:
+def _all_reduce_stats(
+    stats, target_logits, group, vocab_start: int, need_sum_sq: bool, need_sum_z: bool, need_argmax: bool
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-row statistics of the whole vocabulary from each shard's: one MAX all-reduce of
-    the row maxima, then one SUM all-reduce of the rescaled Σexp, Σexp·(z−max) and the
-    target logits (each target is in exactly one shard; the others contribute 0)."""
+    the row maxima, then one SUM all-reduce of the rescaled Σexp, Σexp·(z−max), the target
+    logits (each target is in exactly one shard; the others contribute 0) and, when
+    requested, the rescaled Σexp² and the Σz; with ``need_argmax`` one MIN all-reduce of the
+    global ids of the shards' argmax that reach the global max (the first one wins, as in
+    one shard). Columns not requested stay as the kernel left them (0)."""
     import torch.distributed as dist
 
-    m, s, u = stats.unbind(-1)  # the columns, in LogprobsStat order
+    m, s, u, q, zs, am = stats.unbind(-1)  # the columns, in LogprobsStat order
     m_all = m.clone()
     dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=group)
     # Σ exp(z−M)(z−M) = e^{m−M} Σ exp(z−m)((z−m) + (m−M)), with M the global max.
     scale = torch.exp(m - m_all)
     n = m.shape[0]
-    packed = torch.cat([s * scale, (u + (m - m_all) * s) * scale, target_logits])
+    parts = [s * scale, (u + (m - m_all) * s) * scale]
+    if need_sum_sq:
+        parts.append(q * scale * scale)
+    if need_sum_z:
+        parts.append(zs)
+    packed = torch.cat([*parts, target_logits])
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-    return torch.stack([m_all, packed[:n], packed[n : 2 * n]], dim=-1), packed[2 * n :]
+    summed = list(packed[: len(parts) * n].split(n))
+    s, u = summed[0], summed[1]
+    q = summed[2] if need_sum_sq else q
+    zs = summed[-1] if need_sum_z else zs
+    if need_argmax:
+        big = torch.full_like(am, float(_MAX_TOP1_VOCAB))
+        am = torch.where(m == m_all, am + vocab_start, big)
+        dist.all_reduce(am, op=dist.ReduceOp.MIN, group=group)
+    return torch.stack([m_all, s, u, q, zs, am], dim=-1), packed[len(parts) * n :]
 
 
 def _vocab_layout(weight: torch.Tensor, group) -> Tuple[int, int]:

@@ -7,7 +7,10 @@
 ``pack.position_ids[None]`` (each token's position in its samples) and one of the tree
 attention paths of ``rlvr_kernels.packing.attention``. ``packed_logprobs`` scores every
 target off the hidden state that predicts it, without the ``[N, V]`` logits:
-``linear_logprobs(hidden, lm_head.weight, pack.target_ids, row_index=pack.token_index)``.
+``linear_logprobs(hidden, lm_head.weight, pack.target_ids, row_index=pack.token_index)``,
+with the model's logit transform read from its config as TRL's ``add_fused_lm_head`` reads
+it (``final_logit_softcapping``: Gemma 2/3; ``logit_scale`` / ``output_multiplier`` /
+``lm_head_multiplier`` / ``logits_scaling``: Cohere, Falcon-H1, Granite, ...).
 Each sample's log-probs, entropies and gradients equal running that sample alone.
 
 The model's attention implementation: ``forward_packed`` switches the model to the requested
@@ -22,16 +25,12 @@ samples: switch back with ``model.set_attn_implementation("sdpa")`` (or the prev
 
 from __future__ import annotations
 
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
 from ..ops.logprobs import linear_logprobs
 from .attention import SDPA, check_attn_implementation, register_tree_attention
-
-# Config fields of models whose logits are not ``hidden · lm_headᵀ`` (+ bias): Gemma 2/3
-# soft-cap them, Cohere and Granite scale them. linear_logprobs would silently differ.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def forward_packed(model, pack, *, attn_implementation: str = SDPA, **attention_kwargs) -> torch.Tensor:
@@ -90,7 +89,7 @@ def packed_logprobs(
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise TypeError(f"model: {type(model).__name__} has no output embeddings (lm_head); pass a ...ForCausalLM")
-    _check_logits(model)
+    softcap, logit_scale = logit_transform(model)
     hidden = forward_packed(model, pack, attn_implementation=attn_implementation, **attention_kwargs)
     logp, entropy = linear_logprobs(
         hidden,
@@ -100,6 +99,8 @@ def packed_logprobs(
         temperature=temperature,
         bias=getattr(head, "bias", None),
         return_entropy=True,
+        logit_scale=logit_scale,
+        softcap=softcap,
     )
     return (logp, entropy[pack.token_index]) if return_entropy else logp
 
@@ -118,15 +119,23 @@ def _check_model(model) -> None:
         raise ValueError(f"model: {type(model).__name__} uses attention sinks, which tree attention does not support")
 
 
-def _check_logits(model) -> None:
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    for field in _LOGIT_TRANSFORMS:
-        value = getattr(text, field, None)
-        if value is not None and not (field != "final_logit_softcapping" and value == 1):
-            raise ValueError(
-                f"model: {type(model).__name__} transforms its logits (config.{field}={value}), which "
-                "linear_logprobs over lm_head.weight does not reproduce"
-            )
+def logit_transform(model) -> Tuple[Optional[float], float]:
+    """(softcap, logit_scale) of the model's logits, z = softcap·tanh(logit_scale·y/softcap),
+    read from its (text) config as TRL 1.16's ``add_fused_lm_head`` reads them:
+    ``final_logit_softcapping`` (None: no cap); the scale from ``logit_scale``, else
+    ``output_multiplier``, else ``lm_head_multiplier``, else ``logits_scaling`` (a divisor,
+    a multiplier for HyperCLOVA X); 1.0 when none is set."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text, "final_logit_softcapping", None)
+    scale = getattr(text, "logit_scale", None)
+    for field in ("output_multiplier", "lm_head_multiplier"):
+        if scale is None:
+            scale = getattr(text, field, None)
+    scaling = getattr(text, "logits_scaling", None)
+    if scale is None and scaling is not None:
+        scale = scaling if getattr(text, "model_type", None) == "hyperclovax" else 1 / scaling
+    return softcap, 1.0 if scale is None else float(scale)
 
 
 def _model_device(model) -> torch.device:

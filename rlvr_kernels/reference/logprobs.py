@@ -5,9 +5,12 @@ fp64 when the inputs are fp64, else in fp32 from the inputs upcast."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
+
+# The optional per-row / per-target statistics of ``linear_logprobs`` (``outputs=``).
+OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -43,15 +46,39 @@ def linear_logprobs(
     bias: Optional[torch.Tensor] = None,
     return_entropy: bool = False,
     ignore_index: int = -100,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """z_n = (hidden_n·Wᵀ + b) / T_n; logp_m = z_{row(m), t_m} − logsumexp(z_{row(m)})
-    (0 for ignored targets); entropy_n = logsumexp(z_n) − Σ_v softmax(z_n)_v z_{n,v}."""
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
+    outputs: Sequence[str] = (),
+) -> Union[torch.Tensor, tuple]:
+    """y = hidden·Wᵀ + b; z_n = softcap·tanh(logit_scale·y_n / softcap) / T_n (without a
+    softcap: logit_scale·y_n / T_n); logp_m = z_{row(m), t_m} − logsumexp(z_{row(m)}) (0 for
+    ignored targets); entropy_n = logsumexp(z_n) − Σ_v softmax(z_n)_v z_{n,v}.
+
+    With ``outputs`` (names from :data:`OPTIONAL_OUTPUTS`) the result is the 5-tuple
+    (logp, entropy, log_sum_sq_probs, mean_logits, is_top1), None where not requested:
+    log_sum_sq_probs_n = log Σ_v softmax(z_n)_v², mean_logits_n = mean_v z_{n,v}, is_top1_m =
+    (t_m is the first argmax of z_{row(m)}) and t_m is not ignored."""
     dt = _compute_dtype(hidden.dtype)
     z = hidden.to(dt) @ weight.to(dt).T
     if bias is not None:
         z = z + bias.to(dt)
+    z = z * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
     z = z / _per_row(temperature, hidden.shape[0], z)[:, None]
-    return _from_scaled_logits(z, targets, row_index, ignore_index, return_entropy)
+    if not outputs:
+        return _from_scaled_logits(z, targets, row_index, ignore_index, return_entropy)
+    logp, entropy = _from_scaled_logits(z, targets, row_index, ignore_index, True)
+    log_p = torch.log_softmax(z, dim=-1)
+    rows = torch.arange(z.shape[0], device=z.device) if row_index is None else row_index.long()
+    top1 = (z.argmax(-1)[rows] == targets.long()) & (targets != ignore_index)
+    return (
+        logp,
+        entropy if "entropy" in outputs else None,
+        torch.logsumexp(2 * log_p, dim=-1).detach() if "log_sum_sq_probs" in outputs else None,
+        z.mean(-1).detach() if "mean_logits" in outputs else None,
+        top1 if "is_top1" in outputs else None,
+    )
 
 
 def logprobs_from_logits(

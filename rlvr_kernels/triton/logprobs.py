@@ -46,6 +46,11 @@ Design:
   reduced first); the target logit is one masked load, index clamped into [0, V).
   Backward (``_logits_bwd_kernel``): a (row, tile) grid writing grad_logits once. Any row
   stride (stride(1) == 1), 0 included (an expanded view: rows are only read).
+- Soft-cap (``HAS_CAP``, tanh_scale ≠ 0): z = tanh(a·y)·inv_T with a read from a
+  one-element compute-dtype tensor (a Python float would reach the kernel as fp32, too
+  coarse for the fp64 path); the backward multiplies dz by a·(1 − t²). The optional
+  statistics (Σ exp², Σ z, the first argmax) are constexpr flags of the forward: the
+  default launch compiles the same kernel as before they existed.
 Numerics: compute dtype fp64 for fp64 inputs, else fp32; every load and store is masked,
 offsets are int64 (column ids in the tile's layout are int32: int64 ones cost ~64
 registers there), CSR ranges are clamped into [0, M], no host syncs (the loop bounds
@@ -66,7 +71,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contracts.logprobs import NUM_STATS, LinearLogprobsBwdParams, LogprobsStat, LogprobsStatsParams
+from ..contracts.logprobs import (
+    NUM_STATS,
+    LinearLogprobsBwdParams,
+    LinearLogprobsStatsParams,
+    LogprobsStat,
+    LogprobsStatsParams,
+)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -79,6 +90,9 @@ _NUM_STATS = tl.constexpr(NUM_STATS)
 _STAT_MAX = tl.constexpr(int(LogprobsStat.MAX))
 _STAT_SUM_EXP = tl.constexpr(int(LogprobsStat.SUM_EXP))
 _STAT_SUM_EXP_SHIFT = tl.constexpr(int(LogprobsStat.SUM_EXP_SHIFT))
+_STAT_SUM_EXP_SQ = tl.constexpr(int(LogprobsStat.SUM_EXP_SQ))
+_STAT_SUM_Z = tl.constexpr(int(LogprobsStat.SUM_Z))
+_STAT_ARGMAX = tl.constexpr(int(LogprobsStat.ARGMAX))
 # Smallest logits tile (a power of two): tl.arange needs at least 16 lanes.
 _MIN_LOGITS_BLOCK = 16
 
@@ -94,6 +108,11 @@ _CONFIGS = {
     ("linear_fwd", 16): dict(BLOCK_N=128, BLOCK_V=64, BLOCK_H=64, num_warps=8, num_stages=3),
     ("linear_fwd", 32): dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=16, num_warps=8, num_stages=2),
     ("linear_fwd", 64): dict(BLOCK_N=32, BLOCK_V=64, BLOCK_H=32, num_warps=4, num_stages=2),
+    # The forward with a soft-cap or optional statistics: the same tiles, but no sm_90 128×128
+    # override (its epilogue spills with the extra accumulators).
+    ("linear_fwd_extra", 16): dict(BLOCK_N=128, BLOCK_V=64, BLOCK_H=64, num_warps=8, num_stages=3),
+    ("linear_fwd_extra", 32): dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=16, num_warps=8, num_stages=2),
+    ("linear_fwd_extra", 64): dict(BLOCK_N=32, BLOCK_V=64, BLOCK_H=32, num_warps=4, num_stages=2),
     ("linear_bwd", 16): dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, BLOCK_HG=64, num_warps=8, num_stages=2),
     ("linear_bwd", 32): dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=16, BLOCK_HG=16, num_warps=8, num_stages=2),
     ("linear_bwd", 64): dict(BLOCK_N=32, BLOCK_V=32, BLOCK_H=32, BLOCK_HG=32, num_warps=4, num_stages=2),
@@ -176,6 +195,25 @@ def _csr(rowptr_ptr, rows, row_ok, M):
 
 
 @triton.jit
+def _tanh(x, CDT: tl.constexpr):
+    """tanh: (1 − e)/(1 + e) with e = exp(−2|x|) (absolute error a few ulp of 1, exact limits);
+    in fp32 the odd Taylor series through x⁹ below |x| = 1/8 (relative accuracy near 0; its
+    remainder is below 1e-11 relative, too coarse for fp64, where the quotient's absolute
+    error of ~1e-16 is what the fp64 checks need). The C++ kernel: the same for fp32, libm for fp64."""
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    q = (1.0 - e) / (1.0 + e)
+    q = tl.where(x < 0, -q, q)
+    if CDT == tl.float32:
+        x2 = x * x
+        p = x2 * (62.0 / 2835.0) - 17.0 / 315.0
+        p = p * x2 + 2.0 / 15.0
+        p = p * x2 - 1.0 / 3.0
+        q = tl.where(ax < 0.125, x + x * x2 * p, q)
+    return q
+
+
+@triton.jit
 def _z_tile(
     x_ptr,
     w_ptr,
@@ -185,16 +223,19 @@ def _z_tile(
     row_ok,
     col_ok,
     inv_t,
+    tanh_scale,
     H,
     HAS_BIAS: tl.constexpr,
+    HAS_CAP: tl.constexpr,
     CDT: tl.constexpr,
     OP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """z[rows, cols] = (hidden[rows]·W[cols]ᵀ + b[cols]) · inv_t[rows] in the compute dtype
-    (masked rows / columns compute from zeros; the caller masks them)."""
+    """(z, t): z[rows, cols] = y · inv_t[rows], y = hidden[rows]·W[cols]ᵀ + b[cols], in the
+    compute dtype, or with HAS_CAP z = t · inv_t, t = tanh(tanh_scale · y) (t is z without
+    a cap; masked rows / columns compute from zeros; the caller masks them)."""
     ks = tl.arange(0, BLOCK_H)
     x_ptrs = x_ptr + rows[:, None] * H + ks[None, :]  # [BLOCK_N, BLOCK_H]
     w_ptrs = w_ptr + cols[None, :] * H + ks[:, None]  # [BLOCK_H, BLOCK_V] = W[cols]ᵀ
@@ -209,7 +250,9 @@ def _z_tile(
     if HAS_BIAS:
         b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(CDT)
         acc = acc + b[None, :]
-    return acc * inv_t[:, None]
+    if HAS_CAP:
+        acc = _tanh(acc * tanh_scale, CDT)
+    return acc * inv_t[:, None], acc
 
 
 @triton.jit
@@ -338,14 +381,19 @@ def _linear_fwd_kernel(
     invt_ptr,  # [N] inverse temperature, compute dtype
     rowptr_ptr,  # [N + 1] int64 CSR of the targets
     tgt_ptr,  # [M] int64 local vocabulary ids (compared only)
-    stats_ptr,  # [N, _NUM_STATS] compute dtype output: max z, Σexp(z − max), Σexp(z − max)·(z − max)
+    stats_ptr,  # [N, _NUM_STATS] compute dtype output: max z, Σexp(z − max), Σexp(z − max)·(z − max), ...
     tlog_ptr,  # [M] compute dtype output, zeroed by the launcher: z of each matching target
+    tscale_ptr,  # [1] compute dtype: tanh_scale (HAS_CAP)
     N,
     V,
     H,
     M,
     HAS_BIAS: tl.constexpr,
     NEED_ENTROPY: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    NEED_SUM_SQ: tl.constexpr,
+    NEED_SUM_Z: tl.constexpr,
+    NEED_ARGMAX: tl.constexpr,
     CDT: tl.constexpr,
     OP: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -359,15 +407,37 @@ def _linear_fwd_kernel(
     beg, cnt = _csr(rowptr_ptr, rows, row_ok, M)
     kmax = tl.max(cnt, 0)
     vl = tl.arange(0, BLOCK_V)
+    tanh_scale = tl.zeros([], CDT)
+    if HAS_CAP:
+        tanh_scale = tl.load(tscale_ptr).to(CDT)
 
     m = tl.full([BLOCK_N], _NEG_INF, CDT)
     s = tl.zeros([BLOCK_N], CDT)
     t = tl.zeros([BLOCK_N], CDT)
+    q = tl.zeros([BLOCK_N], CDT)
+    zs = tl.zeros([BLOCK_N], CDT)
+    am = tl.zeros([BLOCK_N], tl.int32)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + vl.to(tl.int64)  # addresses only; the tile compares int32 local ids
         col_ok = vl < V - v0
-        z = _z_tile(
-            x_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, inv_t, H, HAS_BIAS, CDT, OP, BLOCK_N, BLOCK_V, BLOCK_H
+        z, _ = _z_tile(
+            x_ptr,
+            w_ptr,
+            b_ptr,
+            rows,
+            cols,
+            row_ok,
+            col_ok,
+            inv_t,
+            tanh_scale,
+            H,
+            HAS_BIAS,
+            HAS_CAP,
+            CDT,
+            OP,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_H,
         )
         # Target logits straight from the tile.
         for k in range(kmax):
@@ -379,6 +449,15 @@ def _linear_fwd_kernel(
         # Online statistics (every tile holds ≥ 1 valid column, so m_new is finite
         # unless z itself is ±inf / NaN).
         m_new = tl.maximum(m, tl.max(tl.where(col_ok[None, :], z, _NEG_INF), 1))
+        if NEED_ARGMAX:
+            # The tile's first max column replaces the argmax only when it is strictly larger
+            # (ties keep the earlier column, as torch.argmax).
+            zm = tl.where(col_ok[None, :], z, _NEG_INF)
+            tile_max = tl.max(zm, 1)
+            tile_arg = tl.min(tl.where(zm == tile_max[:, None], vl[None, :], BLOCK_V), 1)
+            am = tl.where(tile_max > m, v0 + tile_arg, am)
+        if NEED_SUM_Z:
+            zs += tl.sum(tl.where(col_ok[None, :], z, 0.0), 1)
         seen = m > _NEG_INF
         shift = tl.where(seen, m - m_new, 0.0)
         alpha = tl.where(seen, tl.exp(shift), 0.0)
@@ -386,11 +465,16 @@ def _linear_fwd_kernel(
         e = tl.where(col_ok[None, :], tl.exp(d), 0.0)
         if NEED_ENTROPY:
             t = alpha * (t + shift * s) + tl.sum(e * d, 1)
+        if NEED_SUM_SQ:
+            q = alpha * alpha * q + tl.sum(e * e, 1)
         s = alpha * s + tl.sum(e, 1)
         m = m_new
     tl.store(stats_ptr + rows * _NUM_STATS + _STAT_MAX, m, mask=row_ok)
     tl.store(stats_ptr + rows * _NUM_STATS + _STAT_SUM_EXP, s, mask=row_ok)
     tl.store(stats_ptr + rows * _NUM_STATS + _STAT_SUM_EXP_SHIFT, t, mask=row_ok)
+    tl.store(stats_ptr + rows * _NUM_STATS + _STAT_SUM_EXP_SQ, q, mask=row_ok)
+    tl.store(stats_ptr + rows * _NUM_STATS + _STAT_SUM_Z, zs, mask=row_ok)
+    tl.store(stats_ptr + rows * _NUM_STATS + _STAT_ARGMAX, am.to(CDT), mask=row_ok)
 
 
 @triton.jit
@@ -406,12 +490,14 @@ def _linear_bwd_hidden_kernel(
     ent_ptr,  # [N] compute dtype: global logsumexp and entropy
     gent_ptr,  # [N] compute dtype: gradient of the entropy (HAS_GENT)
     gh_ptr,  # [N, H] compute dtype output (accumulated in place): dz·W
+    tscale_ptr,  # [1] compute dtype: tanh_scale (HAS_CAP)
     N,
     V,
     H,
     M,
     HAS_BIAS: tl.constexpr,
     HAS_GENT: tl.constexpr,
+    HAS_CAP: tl.constexpr,
     CDT: tl.constexpr,
     OP: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -429,15 +515,37 @@ def _linear_bwd_hidden_kernel(
         g_ptr, lse_ptr, ent_ptr, gent_ptr, rows, row_ok, beg, cnt, kmax, HAS_GENT, CDT, BLOCK_N
     )
     vl = tl.arange(0, BLOCK_V)
+    tanh_scale = tl.zeros([], CDT)
+    if HAS_CAP:
+        tanh_scale = tl.load(tscale_ptr).to(CDT)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + vl.to(tl.int64)  # addresses only; the tile compares int32 local ids
         col_ok = vl < V - v0
-        z = _z_tile(
-            x_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, inv_t, H, HAS_BIAS, CDT, OP, BLOCK_N, BLOCK_V, BLOCK_H
+        z, tt = _z_tile(
+            x_ptr,
+            w_ptr,
+            b_ptr,
+            rows,
+            cols,
+            row_ok,
+            col_ok,
+            inv_t,
+            tanh_scale,
+            H,
+            HAS_BIAS,
+            HAS_CAP,
+            CDT,
+            OP,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_H,
         )
         dz = _dz_tile(
             z, tgt_ptr, g_ptr, beg, cnt, kmax, vl, v0, V, inv_t, lse, ent, hg, G, row_ok, col_ok, HAS_GENT, CDT, BLOCK_V
-        ).to(OP)
+        )
+        if HAS_CAP:
+            dz = dz * (tanh_scale * (1.0 - tt * tt))
+        dz = dz.to(OP)
         # grad_hidden[rows] (+)= dz · W[cols]: the first tile writes, later ones add.
         _rmw_product(dz, w_ptr, cols, col_ok, gh_ptr, rows, row_ok, v0, H, OP, BLOCK_HG)
 
@@ -456,12 +564,14 @@ def _linear_bwd_weight_kernel(
     gent_ptr,  # [N] compute dtype: gradient of the entropy (HAS_GENT)
     gw_ptr,  # [V, H] compute dtype output (accumulated in place): dzᵀ·hidden (NEED_W)
     gb_ptr,  # [V] bias-dtype output: Σ_rows dz (NEED_B)
+    tscale_ptr,  # [1] compute dtype: tanh_scale (HAS_CAP)
     N,
     V,
     H,
     M,
     HAS_BIAS: tl.constexpr,
     HAS_GENT: tl.constexpr,
+    HAS_CAP: tl.constexpr,
     NEED_W: tl.constexpr,
     NEED_B: tl.constexpr,
     CDT: tl.constexpr,
@@ -477,6 +587,9 @@ def _linear_bwd_weight_kernel(
     col_ok = vl < V - v0
     nl = tl.arange(0, BLOCK_N).to(tl.int64)
     gb = tl.zeros([BLOCK_V], CDT)
+    tanh_scale = tl.zeros([], CDT)
+    if HAS_CAP:
+        tanh_scale = tl.load(tscale_ptr).to(CDT)
     for n0 in range(0, N, BLOCK_N):
         rows = n0 + nl
         row_ok = rows < N
@@ -486,12 +599,30 @@ def _linear_bwd_weight_kernel(
         lse, ent, hg, G = _row_grad_stats(
             g_ptr, lse_ptr, ent_ptr, gent_ptr, rows, row_ok, beg, cnt, kmax, HAS_GENT, CDT, BLOCK_N
         )
-        z = _z_tile(
-            x_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, inv_t, H, HAS_BIAS, CDT, OP, BLOCK_N, BLOCK_V, BLOCK_H
+        z, tt = _z_tile(
+            x_ptr,
+            w_ptr,
+            b_ptr,
+            rows,
+            cols,
+            row_ok,
+            col_ok,
+            inv_t,
+            tanh_scale,
+            H,
+            HAS_BIAS,
+            HAS_CAP,
+            CDT,
+            OP,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_H,
         )
         dz = _dz_tile(
             z, tgt_ptr, g_ptr, beg, cnt, kmax, vl, v0, V, inv_t, lse, ent, hg, G, row_ok, col_ok, HAS_GENT, CDT, BLOCK_V
         )
+        if HAS_CAP:
+            dz = dz * (tanh_scale * (1.0 - tt * tt))
         if NEED_B:
             gb += tl.sum(dz, 0)
         if NEED_W:
@@ -547,6 +678,10 @@ def _logits_fwd_kernel(
     tl.store(stats_ptr + n * _NUM_STATS + _STAT_MAX, m)
     tl.store(stats_ptr + n * _NUM_STATS + _STAT_SUM_EXP, s)
     tl.store(stats_ptr + n * _NUM_STATS + _STAT_SUM_EXP_SHIFT, t)
+    zero = tl.zeros([], CDT)  # the linear head's optional columns
+    tl.store(stats_ptr + n * _NUM_STATS + _STAT_SUM_EXP_SQ, zero)
+    tl.store(stats_ptr + n * _NUM_STATS + _STAT_SUM_Z, zero)
+    tl.store(stats_ptr + n * _NUM_STATS + _STAT_ARGMAX, zero)
 
 
 @triton.jit
@@ -590,7 +725,7 @@ def _logits_bwd_kernel(
 
 def linear_logprobs_stats(hidden, weight, bias, inv_temperature, row_ptr, sorted_targets, fparams, iparams):
     """-> (stats [N, NUM_STATS], target_logits [M]), compute dtype."""
-    p = LogprobsStatsParams.unpack(fparams, iparams)
+    p = LinearLogprobsStatsParams.unpack(fparams, iparams)
     N, H = hidden.shape
     V = weight.shape[0]
     M = sorted_targets.shape[0]
@@ -600,7 +735,8 @@ def linear_logprobs_stats(hidden, weight, bias, inv_temperature, row_ptr, sorted
     target_logits = torch.zeros(M, dtype=cdt, device=dev)
     if N == 0:
         return stats, target_logits
-    cfg = config("linear_fwd", hidden.dtype, device_arch(dev))
+    extra = p.tanh_scale != 0.0 or p.need_sum_sq or p.need_sum_z or p.need_argmax
+    cfg = config("linear_fwd_extra" if extra else "linear_fwd", hidden.dtype, device_arch(dev))
     grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
     _linear_fwd_kernel[grid](
         hidden,
@@ -611,12 +747,17 @@ def linear_logprobs_stats(hidden, weight, bias, inv_temperature, row_ptr, sorted
         sorted_targets,
         stats,
         target_logits,
+        _tanh_scale_arg(p.tanh_scale, cdt, inv_temperature),
         N,
         V,
         H,
         M,
         HAS_BIAS=bias is not None,
         NEED_ENTROPY=p.need_entropy,
+        HAS_CAP=p.tanh_scale != 0.0,
+        NEED_SUM_SQ=p.need_sum_sq,
+        NEED_SUM_Z=p.need_sum_z,
+        NEED_ARGMAX=p.need_argmax,
         CDT=CDT,
         OP=operand_dtype(hidden.dtype),
         **cfg,
@@ -651,8 +792,14 @@ def linear_logprobs_bwd(
     empty = torch.empty(0, dtype=hidden.dtype, device=dev)
     cfg = config("linear_bwd", hidden.dtype, device_arch(dev))
     common = dict(
-        HAS_BIAS=bias is not None, HAS_GENT=grad_entropy is not None, CDT=CDT, OP=operand_dtype(hidden.dtype), **cfg
+        HAS_BIAS=bias is not None,
+        HAS_GENT=grad_entropy is not None,
+        HAS_CAP=p.tanh_scale != 0.0,
+        CDT=CDT,
+        OP=operand_dtype(hidden.dtype),
+        **cfg,
     )
+    tscale = _tanh_scale_arg(p.tanh_scale, cdt, inv_temperature)
     args = (
         hidden,
         weight,
@@ -671,7 +818,7 @@ def linear_logprobs_bwd(
         # The kernel accumulates in the compute dtype: in place for fp32 / fp64 inputs.
         gh = torch.empty((N, H), dtype=cdt, device=dev)
         if N > 0 and H > 0:
-            _linear_bwd_hidden_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](*args, gh, N, V, H, M, **common)
+            _linear_bwd_hidden_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](*args, gh, tscale, N, V, H, M, **common)
         grad_hidden = gh.to(hidden.dtype)
 
     grad_weight, grad_bias = empty, torch.empty(0, dtype=bias.dtype if bias is not None else hidden.dtype, device=dev)
@@ -686,6 +833,7 @@ def linear_logprobs_bwd(
                 *args,
                 gw if need_weight else lse,
                 gb if need_bias else lse,
+                tscale,
                 N,
                 V,
                 H,
@@ -699,6 +847,14 @@ def linear_logprobs_bwd(
         if need_bias:
             grad_bias = gb
     return grad_hidden, grad_weight, grad_bias
+
+
+def _tanh_scale_arg(tanh_scale: float, cdt: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """The soft-cap's tanh_scale as a one-element compute-dtype tensor (exact in fp64), or any
+    compute-dtype tensor as an unread placeholder without a cap."""
+    if tanh_scale == 0.0:
+        return like
+    return torch.full((1,), tanh_scale, dtype=cdt, device=like.device)
 
 
 def _logits_block(kind: str, dtype: torch.dtype, device: torch.device, V: int) -> dict:
@@ -780,8 +936,9 @@ def _aot_setup(kind, dt, arch):
     return f"*{dt}:16", c, const, opts
 
 
-def _aot_linear_fwd(dt, bias, entropy, arch):
-    inp, c, const, opts = _aot_setup("linear_fwd", dt, arch)
+def _aot_linear_fwd(dt, bias, entropy, arch, extra=False):
+    """``extra``: the soft-cap and every optional statistic."""
+    inp, c, const, opts = _aot_setup("linear_fwd_extra" if extra else "linear_fwd", dt, arch)
     sig = dict(
         x_ptr=inp,
         w_ptr=inp,
@@ -791,17 +948,20 @@ def _aot_linear_fwd(dt, bias, entropy, arch):
         tgt_ptr=_AOT_I64,
         stats_ptr=c,
         tlog_ptr=c,
+        tscale_ptr=c,
         N="i32",
         V="i32",
         H="i32:16",
         M="i32",
     )
-    const.update(HAS_BIAS=bias, NEED_ENTROPY=entropy)
-    name = f"_linear_fwd_kernel[{dt},bias={int(bias)},entropy={int(entropy)}]"
+    const.update(
+        HAS_BIAS=bias, NEED_ENTROPY=entropy, HAS_CAP=extra, NEED_SUM_SQ=extra, NEED_SUM_Z=extra, NEED_ARGMAX=extra
+    )
+    name = f"_linear_fwd_kernel[{dt},bias={int(bias)},entropy={int(entropy)}{',cap,stats' if extra else ''}]"
     return name, _linear_fwd_kernel, sig, const, opts
 
 
-def _aot_linear_bwd(which, dt, bias, gent, arch, need_w=True, need_b=True):
+def _aot_linear_bwd(which, dt, bias, gent, arch, need_w=True, need_b=True, cap=False):
     inp, c, const, opts = _aot_setup("linear_bwd", dt, arch)
     sig = dict(
         x_ptr=inp,
@@ -815,7 +975,7 @@ def _aot_linear_bwd(which, dt, bias, gent, arch, need_w=True, need_b=True):
         ent_ptr=c,
         gent_ptr=c,
     )
-    const.update(HAS_BIAS=bias, HAS_GENT=gent)
+    const.update(HAS_BIAS=bias, HAS_GENT=gent, HAS_CAP=cap)
     if which == "hidden":
         sig["gh_ptr"] = c
         kernel, extra = _linear_bwd_hidden_kernel, ""
@@ -823,7 +983,9 @@ def _aot_linear_bwd(which, dt, bias, gent, arch, need_w=True, need_b=True):
         sig.update(gw_ptr=c, gb_ptr=inp)
         const.update(NEED_W=need_w, NEED_B=need_b and bias)
         kernel, extra = _linear_bwd_weight_kernel, f",need_w={int(need_w)},need_b={int(need_b and bias)}"
-    sig.update(N="i32", V="i32", H="i32:16", M="i32")
+    if cap:
+        extra += ",cap"
+    sig.update(tscale_ptr=c, N="i32", V="i32", H="i32:16", M="i32")
     name = f"{kernel.__name__}[{dt},bias={int(bias)},grad_entropy={int(gent)}{extra}]"
     return name, kernel, sig, const, opts
 
@@ -864,6 +1026,10 @@ def aot_specs():
         yield _aot_linear_fwd("bf16", False, False, arch)
         yield _aot_linear_fwd("fp32", True, True, arch)
         yield _aot_linear_fwd("fp64", True, True, arch)
+        yield _aot_linear_fwd("bf16", True, True, arch, extra=True)
+        yield _aot_linear_fwd("fp32", True, True, arch, extra=True)
+        yield _aot_linear_bwd("hidden", "bf16", True, True, arch, cap=True)
+        yield _aot_linear_bwd("weight", "bf16", True, True, arch, cap=True)
         yield _aot_linear_bwd("hidden", "bf16", True, True, arch)
         yield _aot_linear_bwd("hidden", "fp32", True, True, arch)
         yield _aot_linear_bwd("hidden", "fp64", True, True, arch)

@@ -97,3 +97,16 @@ def test_use_backend_is_the_one_of_every_integration():
     from rlvr_kernels.integrations import _backend
 
     assert ours.use_backend is _backend.use_backend
+
+
+def test_chunked_logprob_function_apply_has_trls_signature():
+    """``ChunkedLogProbFunction.apply`` takes what TRL's autograd Function's ``forward`` takes
+    after ``ctx`` (names, order, kinds, defaults): TRL's fused LM head calls it positionally."""
+    import trl.kernels as trl_kernels
+
+    from rlvr_kernels.integrations.trl.kernels import OPTIONAL_OUTPUTS, ChunkedLogProbFunction
+
+    theirs = _params(inspect.signature(trl_kernels.ChunkedLogProbFunction.forward))
+    assert theirs[0][0] == "ctx"
+    assert _params(inspect.signature(ChunkedLogProbFunction.apply)) == theirs[1:]
+    assert OPTIONAL_OUTPUTS == trl_kernels.chunked_logprob.OPTIONAL_OUTPUTS

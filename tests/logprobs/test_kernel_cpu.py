@@ -10,7 +10,12 @@ import sys
 import pytest
 import torch
 
-from rlvr_kernels.contracts.logprobs import LinearLogprobsBwdParams, LogprobsStatsParams
+from rlvr_kernels.contracts.logprobs import (
+    NUM_STATS,
+    LinearLogprobsBwdParams,
+    LinearLogprobsStatsParams,
+    LogprobsStatsParams,
+)
 from rlvr_kernels.ops._dispatch import load_extension
 
 pytestmark = pytest.mark.cpu_kernel
@@ -57,7 +62,8 @@ def ref_stats(z, need_entropy):
     d = z - m[:, None]
     ex = d.exp()
     e = (ex * d).sum(-1) if need_entropy else torch.zeros_like(m)
-    return torch.stack([m, ex.sum(-1), e], -1)
+    zero = torch.zeros_like(m)  # the linear head's optional columns, not requested here
+    return torch.stack([m, ex.sum(-1), e, zero, zero, zero], -1)
 
 
 def ref_target_logits(z, rows, targets):
@@ -118,13 +124,17 @@ def make_linear(N, H, V, dtype, bias, gen, shape="normal"):
     return hidden.to(dtype), weight.to(dtype), None if b is None else b.to(dtype), inv_t
 
 
-def linear_fwd(hidden, weight, bias, inv_t, row_ptr, targets, need_entropy=True):
-    params = LogprobsStatsParams(need_entropy=need_entropy)
+def linear_fwd(hidden, weight, bias, inv_t, row_ptr, targets, need_entropy=True, tanh_scale=0.0):
+    params = LinearLogprobsStatsParams(
+        tanh_scale=tanh_scale, need_entropy=need_entropy, need_sum_sq=False, need_sum_z=False, need_argmax=False
+    )
     return K.linear_logprobs_stats(hidden, weight, bias, inv_t, row_ptr, targets, *params.pack())
 
 
-def linear_bwd(*args, need_hidden=True, need_weight=True, need_bias=True):
-    params = LinearLogprobsBwdParams(need_hidden=need_hidden, need_weight=need_weight, need_bias=need_bias)
+def linear_bwd(*args, need_hidden=True, need_weight=True, need_bias=True, tanh_scale=0.0):
+    params = LinearLogprobsBwdParams(
+        tanh_scale=tanh_scale, need_hidden=need_hidden, need_weight=need_weight, need_bias=need_bias
+    )
     return K.linear_logprobs_bwd(*args, *params.pack())
 
 
@@ -157,7 +167,7 @@ def test_linear_fwd_matches_fp64(dtype, N, H, V, bias):
     for need_entropy in (True, False):
         stats, tl = linear_fwd(hidden, weight, b, inv_t, row_ptr, targets, need_entropy)
         ct = compute_dtype(dtype)
-        assert stats.dtype == ct and tl.dtype == ct and stats.shape == (N, 3) and tl.shape == targets.shape
+        assert stats.dtype == ct and tl.dtype == ct and stats.shape == (N, NUM_STATS) and tl.shape == targets.shape
         z = ref_z(hidden, weight, b, inv_t)
         assert_close(stats, ref_stats(z, need_entropy), STATS_TOL[dtype], "stats")
         assert_close(
@@ -398,7 +408,7 @@ def test_empty_inputs():
         torch.zeros(0),
     )
     stats, tl = linear_fwd(hidden, weight, bias, e, row_ptr, targets)
-    assert stats.shape == (0, 3) and tl.shape == (0,)
+    assert stats.shape == (0, NUM_STATS) and tl.shape == (0,)
     gh, gw, gb = linear_bwd(hidden, weight, bias, e, row_ptr, targets, e, e, e, None)
     assert gh.shape == (0, H) and torch.equal(gw, torch.zeros(V, H)) and torch.equal(gb, torch.zeros(V))
     # M = 0: rows without targets.
@@ -423,7 +433,7 @@ def test_empty_inputs():
     assert_close(gw, dz.T @ hidden.double(), 2e-5, "grad_weight")
     # Logits with N = 0.
     stats, tl = logits_fwd(torch.zeros(0, V), targets, e, True)
-    assert stats.shape == (0, 3) and tl.shape == (0,)
+    assert stats.shape == (0, NUM_STATS) and tl.shape == (0,)
     assert logits_bwd(torch.zeros(0, V), targets, e, e, e, e, None).shape == (0, V)
 
 
@@ -535,11 +545,11 @@ def test_linear_bwd_refuses_inconsistent_shapes(arg, bad, match):
 def test_linear_kernels_check_their_parameter_lists():
     a = _good_linear()
     fwd, bwd = [a[k] for k in FWD_ARGS], [a[k] for k in BWD_ARGS]
-    with pytest.raises(RuntimeError, match="LogprobsStatsParams: expected 0 fparams and 1 iparams"):
+    with pytest.raises(RuntimeError, match="LinearLogprobsStatsParams: expected 1 fparams and 4 iparams"):
         K.linear_logprobs_stats(*fwd, [], [1, 1])
-    with pytest.raises(RuntimeError, match="LogprobsStatsParams: expected 0 fparams and 1 iparams"):
+    with pytest.raises(RuntimeError, match="LinearLogprobsStatsParams: expected 1 fparams and 4 iparams"):
         K.linear_logprobs_stats(*fwd, [1.0], [1])
-    with pytest.raises(RuntimeError, match="LinearLogprobsBwdParams: expected 0 fparams and 3 iparams"):
+    with pytest.raises(RuntimeError, match="LinearLogprobsBwdParams: expected 1 fparams and 3 iparams"):
         K.linear_logprobs_bwd(*bwd, [], [1, 1])
     with pytest.raises(RuntimeError, match="LogprobsStatsParams"):
         K.logprobs_from_logits_stats(torch.randn(3, 5), torch.zeros(3, dtype=torch.int64), torch.ones(3), [], [])

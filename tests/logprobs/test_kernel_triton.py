@@ -13,12 +13,18 @@ import pytest
 import torch
 from _backends import DEVICE, INTERPRETED
 
-from rlvr_kernels.contracts.logprobs import LinearLogprobsBwdParams, LogprobsStatsParams
+from rlvr_kernels.contracts.logprobs import (
+    NUM_STATS,
+    LinearLogprobsBwdParams,
+    LinearLogprobsStatsParams,
+    LogprobsStatsParams,
+)
 from rlvr_kernels.testing import compare
 from rlvr_kernels.triton import logprobs as lp
 
 SMALL = {
     "linear_fwd": dict(BLOCK_N=16, BLOCK_V=16, BLOCK_H=16, num_warps=4, num_stages=2),
+    "linear_fwd_extra": dict(BLOCK_N=16, BLOCK_V=16, BLOCK_H=16, num_warps=4, num_stages=2),
     "linear_bwd": dict(BLOCK_N=16, BLOCK_V=32, BLOCK_H=16, BLOCK_HG=16, num_warps=4, num_stages=2),
     "logits_fwd": dict(BLOCK=32, num_warps=4),
     "logits_bwd": dict(BLOCK=32, num_warps=4),
@@ -34,13 +40,20 @@ def tiles(request, monkeypatch):
     return request.param
 
 
-def stats_params(need_entropy):
-    fparams, iparams = LogprobsStatsParams(need_entropy=need_entropy).pack()
+def stats_params(need_entropy, linear=True, tanh_scale=0.0):
+    if not linear:
+        fparams, iparams = LogprobsStatsParams(need_entropy=need_entropy).pack()
+    else:
+        fparams, iparams = LinearLogprobsStatsParams(
+            tanh_scale=tanh_scale, need_entropy=need_entropy, need_sum_sq=False, need_sum_z=False, need_argmax=False
+        ).pack()
     return dict(fparams=fparams, iparams=iparams)
 
 
-def bwd_params(need_hidden, need_weight, need_bias):
-    params = LinearLogprobsBwdParams(need_hidden=need_hidden, need_weight=need_weight, need_bias=need_bias)
+def bwd_params(need_hidden, need_weight, need_bias, tanh_scale=0.0):
+    params = LinearLogprobsBwdParams(
+        tanh_scale=tanh_scale, need_hidden=need_hidden, need_weight=need_weight, need_bias=need_bias
+    )
     fparams, iparams = params.pack()
     return dict(fparams=fparams, iparams=iparams)
 
@@ -113,7 +126,8 @@ def ref_stats(z, need_entropy=True):
     d = z - mx[:, None]
     e = d.exp()
     t = (e * d).sum(1) if need_entropy else torch.zeros_like(mx)
-    return torch.stack([mx, e.sum(1), t], 1)
+    zero = torch.zeros_like(mx)  # the linear head's optional columns, not requested here
+    return torch.stack([mx, e.sum(1), t, zero, zero, zero], 1)
 
 
 def ref_target_logits(z, row_ptr, tg):
@@ -301,7 +315,7 @@ def test_linear_empty():
     # N = 0 (so M = 0): empty outputs; the weight / bias gradients are sums over no rows.
     c = linear_case(0, 7, 5, F32, True)
     stats, tlog = lp.linear_logprobs_stats(**on_device(c), **stats_params(True))
-    assert stats.shape == (0, 3) and tlog.shape == (0,)
+    assert stats.shape == (0, NUM_STATS) and tlog.shape == (0,)
     gi = dict(sorted_grad=torch.zeros(0), lse=torch.zeros(0), entropy=torch.zeros(0), grad_entropy=torch.zeros(0))
     gh, gw, gb = lp.linear_logprobs_bwd(**on_device(c), **on_device(gi), **bwd_params(True, True, True))
     assert gh.shape == (0, 5) and gh.dtype == F32
@@ -386,7 +400,7 @@ def logits_case(N, V, dtype, seed=0):
 def test_logits_fwd_bwd(dtype, N, V, flag):
     c = logits_case(N, V, dtype)
     cdt = cdt_of(dtype)
-    stats, tlog = lp.logprobs_from_logits_stats(**on_device(c), **stats_params(flag))
+    stats, tlog = lp.logprobs_from_logits_stats(**on_device(c), **stats_params(flag, linear=False))
 
     def z_of(rdt):
         return c["logits"].to(rdt) * c["inv_temperature"].to(rdt)[:, None]
@@ -418,15 +432,15 @@ def test_logits_fwd_bwd(dtype, N, V, flag):
 
 def test_logits_empty_and_batch_invariant():
     c = logits_case(0, 7, F32)
-    stats, tlog = lp.logprobs_from_logits_stats(**on_device(c), **stats_params(True))
-    assert stats.shape == (0, 3) and tlog.shape == (0,)
+    stats, tlog = lp.logprobs_from_logits_stats(**on_device(c), **stats_params(True, linear=False))
+    assert stats.shape == (0, NUM_STATS) and tlog.shape == (0,)
     z = torch.zeros(0)
     assert lp.logprobs_from_logits_bwd(**on_device(c), grad_logp=z, lse=z, entropy=z, grad_entropy=None).shape == (0, 7)
     big = logits_case(37, 131, BF16, seed=2)
     pick = [20, 3, 36, 0]
     small = dict(logits=big["logits"][pick], targets=big["targets"][pick], inv_temperature=big["inv_temperature"][pick])
-    s_big, t_big = lp.logprobs_from_logits_stats(**on_device(big), **stats_params(True))
-    s_small, t_small = lp.logprobs_from_logits_stats(**on_device(small), **stats_params(True))
+    s_big, t_big = lp.logprobs_from_logits_stats(**on_device(big), **stats_params(True, linear=False))
+    s_small, t_small = lp.logprobs_from_logits_stats(**on_device(small), **stats_params(True, linear=False))
     assert torch.equal(s_big[pick], s_small) and torch.equal(t_big[pick], t_small)
 
 
@@ -440,8 +454,8 @@ def test_logits_rows_at_any_stride(stride):
     logits = base.as_strided((N, V), (stride, 1))
     c = dict(logits=logits, targets=torch.randint(0, V, (N,), generator=gen), inv_temperature=torch.full((N,), 1.3))
     dense = dict(c, logits=logits.contiguous())
-    stats, tlog = lp.logprobs_from_logits_stats(**on_device(c), **stats_params(True))
-    want_stats, want_tlog = lp.logprobs_from_logits_stats(**on_device(dense), **stats_params(True))
+    stats, tlog = lp.logprobs_from_logits_stats(**on_device(c), **stats_params(True, linear=False))
+    want_stats, want_tlog = lp.logprobs_from_logits_stats(**on_device(dense), **stats_params(True, linear=False))
     assert torch.equal(stats, want_stats) and torch.equal(tlog, want_tlog)
     lse, ent = global_stats((logits.double() * 1.3))
     gi = on_device(
@@ -453,10 +467,10 @@ def test_logits_rows_at_any_stride(stride):
 
 def test_launchers_check_their_parameter_lists():
     c = on_device(linear_case(3, 7, 5, F32, True))
-    with pytest.raises(ValueError, match="LogprobsStatsParams: expected 0 fparams and 1 iparams"):
+    with pytest.raises(ValueError, match="LinearLogprobsStatsParams: expected 1 fparams and 4 iparams"):
         lp.linear_logprobs_stats(**c, fparams=[], iparams=[1, 1])
     gi = on_device(bwd_inputs(linear_case(3, 7, 5, F32, True), True))
-    with pytest.raises(ValueError, match="LinearLogprobsBwdParams: expected 0 fparams and 3 iparams"):
+    with pytest.raises(ValueError, match="LinearLogprobsBwdParams: expected 1 fparams and 3 iparams"):
         lp.linear_logprobs_bwd(**c, **gi, fparams=[], iparams=[1])
     lc = on_device(logits_case(3, 7, F32))
     with pytest.raises(ValueError, match="LogprobsStatsParams"):

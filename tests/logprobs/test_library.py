@@ -14,7 +14,7 @@ from rlvr_kernels.testing import random_logprobs_case
 ops = importlib.import_module("rlvr_kernels.ops.logprobs")  # (the package re-exports functions of its names)
 
 
-def linear_op_args(device, backend, branching, dtype=torch.float32):
+def linear_op_args(device, backend, branching, dtype=torch.float32, extras=False):
     gen = torch.Generator().manual_seed(0)
     x = random_logprobs_case(
         gen,
@@ -43,14 +43,19 @@ def linear_op_args(device, backend, branching, dtype=torch.float32):
         inv_t,
         -100,
         True,
+        0.37 if extras else 0.0,  # tanh_scale: a soft-cap
+        extras,  # need_sum_sq
+        extras,  # need_sum_z
+        extras,  # need_top1
         backend,
     )
 
 
 @pytest.mark.parametrize("backend,device", FAST)
 @pytest.mark.parametrize("branching", [False, True])
-def test_opcheck_linear(backend, device, branching):
-    torch.library.opcheck(ops._linear_logprobs, linear_op_args(device, backend, branching))
+@pytest.mark.parametrize("extras", [False, True], ids=["plain", "softcap+outputs"])
+def test_opcheck_linear(backend, device, branching, extras):
+    torch.library.opcheck(ops._linear_logprobs, linear_op_args(device, backend, branching, extras=extras))
 
 
 @pytest.mark.parametrize("backend,device", FAST)
@@ -88,8 +93,8 @@ def test_autograd_reads_inputs_by_schema_name():
 def test_fake_kernels_match_real_outputs():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    for branching in (False, True):
-        args = linear_op_args("cpu", "cpu", branching)
+    for branching, extras in ((False, False), (True, False), (True, True)):
+        args = linear_op_args("cpu", "cpu", branching, extras=extras)
         real = ops._linear_logprobs(*args)
         with FakeTensorMode() as mode:
             fake = ops._linear_logprobs(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))

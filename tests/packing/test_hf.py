@@ -45,7 +45,14 @@ def _model(name: str):
         model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **common))
     else:
         common["attn_implementation"] = "eager"  # transformers' SDPA path has no soft-capping
-        cfg = Gemma2Config(head_dim=8, sliding_window=3, attn_logit_softcapping=2.0, query_pre_attn_scalar=8, **common)
+        cfg = Gemma2Config(
+            head_dim=8,
+            sliding_window=3,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=0.5,  # small enough to bend these random logits
+            query_pre_attn_scalar=8,
+            **common,
+        )
         model = Gemma2ForCausalLM(cfg)
         with torch.no_grad():  # scores of order one, where the soft-cap bends them
             for layer in model.model.layers:
@@ -141,8 +148,9 @@ def test_packed_equals_each_sample_alone(name, key, path, monkeypatch):
 
 @pytest.mark.parametrize("path", ["sdpa-dense", "sdpa-segments", "flex"])
 def test_sliding_window_and_softcap_on_gemma2(path):
-    """Gemma 2 alternates sliding-window and full layers and soft-caps attention scores: the
-    packed hidden states equal each sample's own (transformers' eager attention)."""
+    """Gemma 2 alternates sliding-window and full layers and soft-caps attention scores and
+    its final logits: the packed hidden states equal each sample's own (transformers' eager
+    attention), and so do the log-probs and entropies, read through its final soft-cap."""
     model = _model("gemma2")
     ids, mask = _samples()
     pack = pack_prefix_tree(ids, completion_mask=mask)
@@ -153,8 +161,44 @@ def test_sliding_window_and_softcap_on_gemma2(path):
     cu = pack.cu_tokens.tolist()
     for b, w in enumerate(want):
         torch.testing.assert_close(hidden[pack.gather_index[cu[b] : cu[b + 1]]], w, atol=1e-5, rtol=0)
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        packed_logprobs(model, pack)
+    ref_logp, ref_ent, ref_grads = _reference("gemma2", 0.7)
+    with torch.set_grad_enabled(path != "flex"):  # FlexAttention has no CPU backward
+        logp, ent = packed_logprobs(model, pack, temperature=0.7, attn_implementation=impl, **kw)
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+    if path != "flex":
+        for (pname, _), got, want in zip(model.named_parameters(), _grads(model, logp, ent), ref_grads):
+            err = (got - want).abs().max().item()
+            assert err <= 1e-4 * max(want.abs().max().item(), 1e-6), (pname, err)
+    # Without the cap's bend the log-probs would differ: the test sees the soft-cap.
+    model.config.final_logit_softcapping = None
+    with torch.no_grad():
+        uncapped, _ = packed_logprobs(model, pack, temperature=0.7, attn_implementation=impl, **kw)
+    model.config.final_logit_softcapping = 0.5
+    assert (uncapped - ref_logp).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize(
+    "fields,want",
+    [
+        ({}, (None, 1.0)),
+        ({"final_logit_softcapping": 30.0}, (30.0, 1.0)),
+        ({"logit_scale": 0.0625}, (None, 0.0625)),  # Cohere
+        ({"logit_scale": None, "output_multiplier": 2.0}, (None, 2.0)),
+        ({"lm_head_multiplier": 0.5}, (None, 0.5)),  # Falcon-H1
+        ({"logits_scaling": 8.0}, (None, 0.125)),  # Granite divides
+        ({"logits_scaling": 8.0, "model_type": "hyperclovax"}, (None, 8.0)),  # HyperCLOVA X multiplies
+        ({"final_logit_softcapping": 10.0, "logit_scale": 3.0}, (10.0, 3.0)),
+    ],
+)
+def test_logit_transform_is_read_like_trl(fields, want):
+    """The fields TRL 1.16's add_fused_lm_head reads, with its precedence."""
+    from types import SimpleNamespace
+
+    from rlvr_kernels.packing.hf import logit_transform
+
+    config = SimpleNamespace(**{"model_type": "test", **fields})
+    assert logit_transform(SimpleNamespace(config=config)) == want
 
 
 def test_trl_keywords_through_the_model():
