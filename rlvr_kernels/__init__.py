@@ -3,7 +3,7 @@
 from .ops._cache import cpu_cache_stats, empty_cpu_cache
 from .ops.advantages import group_advantages
 from .ops.groups import uids_to_group_index
-from .ops.logprobs import linear_logprobs, logprobs_from_logits
+from .ops.logprobs import OPTIONAL_OUTPUTS, LinearLogprobs, linear_logprobs, logprobs_from_logits
 from .ops.policy_loss import policy_loss, shape_token_advantages
 from .options import (
     AdvantageOptions,
@@ -28,6 +28,8 @@ __all__ = [
     "group_advantages",
     "linear_logprobs",
     "logprobs_from_logits",
+    "LinearLogprobs",
+    "OPTIONAL_OUTPUTS",
     "policy_loss",
     "shape_token_advantages",
     "uids_to_group_index",
