@@ -67,6 +67,17 @@ CONFIGS: Dict[str, Any] = {
         dict(loss_type="bnpo", multi_objective_aggregation="normalize_then_sum", reward_weights=[1.0, 0.5]),
         {"rewards": "two"},
     ),
+    "entropy_beta_accum": (
+        dict(
+            loss_type="grpo",
+            beta=0.04,
+            use_bias_correction_kl=False,
+            entropy_coef=0.01,
+            gradient_accumulation_steps=2,
+            steps_per_generation=4,
+        ),
+        {},
+    ),
     "adaptive_entropy": (dict(loss_type="grpo", use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=5.0), {}),
     # TRL's default use_bias_correction_kl=True with beta > 0: not fused today.
     "bias_kl_fallback": (dict(loss_type="grpo", beta=0.04), {"strict": False}),
