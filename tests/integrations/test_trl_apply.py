@@ -76,7 +76,11 @@ def _close(a, b, tol=1e-6) -> bool:
 
 
 def _steps(result):
-    return [e for e in result["logs"] if "train_runtime" not in e]
+    return [e for e in result["logs"] if "train_runtime" not in e and "eval_loss" not in e]
+
+
+def _evals(result):
+    return [e for e in result["logs"] if "eval_loss" in e]
 
 
 def _timing(key: str) -> bool:
@@ -106,8 +110,17 @@ def test_step1_metrics_and_losses(runs, name):
             assert _close(first_s[key], first_a[key]), (key, first_s[key], first_a[key])
     overrides = RUNNER.CONFIGS[name][0]
     per_step = overrides.get("gradient_accumulation_steps", 1)
+    assert all(stock["training"][:per_step])
     for s, a in zip(stock["losses"][:per_step], applied["losses"][:per_step]):
         assert abs(s - a) <= 1e-6, (s, a)
+    # Eval (TRL's eval mode of the loss: no accumulation scaling) after two updates.
+    s_evals, a_evals = _evals(stock), _evals(applied)
+    assert len(s_evals) == len(a_evals)
+    for s, a in zip(s_evals, a_evals):
+        assert set(s) == set(a)
+        for key in s:
+            if not _timing(key):
+                assert _close(s[key], a[key], 1e-4), (key, s[key], a[key])
     # Later micro-batches see parameters that differ by float rounding only.
     for s, a in zip(stock["losses"], applied["losses"]):
         assert abs(s - a) <= 1e-4 * (1 + abs(s))
@@ -133,7 +146,9 @@ def test_each_patched_part_ran(runs, name):
     assert counts.get("trl.kernels.ChunkedLogProbFunction", 0) > 0
     assert counts.get("stock:ChunkedLogProbFunction.forward", 0) == 0
     kw = {**RUNNER.BASE, **RUNNER.CONFIGS[name][0]}
-    rounds = math.ceil(micro_batches / (kw["steps_per_generation"] * kw.get("num_iterations", 1)))
+    training = runs["applied"][name]["training"]
+    rounds = math.ceil(sum(training) / (kw["steps_per_generation"] * kw.get("num_iterations", 1)))
+    rounds += len(training) - sum(training)  # eval: one generation per eval micro-batch
     assert counts.get("trl.GRPOTrainer.advantages", 0) == rounds  # once per generation round
     if name in FUSED:
         assert counts.get("trl.GRPOTrainer._compute_loss", 0) == micro_batches
@@ -143,6 +158,11 @@ def test_each_patched_part_ran(runs, name):
         assert counts.get("trl.GRPOTrainer._compute_loss", 0) == 0
         assert counts["trl.GRPOTrainer._compute_loss[trl fallback]"] == micro_batches
         assert counts["stock:GRPOTrainer._compute_loss"] == micro_batches
+
+
+def test_eval_mode_is_exercised(runs):
+    evals = _evals(runs["stock"]["eval"])
+    assert len(evals) == 2 and "eval_entropy" in evals[0] and "eval_clip_ratio/region_mean" in evals[0]
 
 
 def test_clip_ratios_are_exercised(runs):

@@ -29,7 +29,8 @@ CHARS = "abcdefghijklmnopqrstuvwxyz "
 PROMPTS = ["abc", "hello", "xyz q", "grpo", "aaab", "token", "mn", "kernels"]
 
 # name -> (GRPOConfig overrides, runner options). Options: strict (apply's), expect_error
-# (the applied build must raise NotImplementedError mentioning this), rewards ("one" | "two").
+# (the applied build must raise NotImplementedError mentioning this), rewards ("one" | "two"),
+# eval (an eval dataset: TRL's eval mode of the loss).
 BASE = dict(
     max_steps=4,
     per_device_train_batch_size=4,
@@ -77,6 +78,10 @@ CONFIGS: Dict[str, Any] = {
             steps_per_generation=4,
         ),
         {},
+    ),
+    "eval": (
+        dict(loss_type="bnpo", eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4),
+        {"eval": True},
     ),
     "adaptive_entropy": (dict(loss_type="grpo", use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=5.0), {}),
     # TRL's default use_bias_correction_kl=True with beta > 0: not fused today.
@@ -139,12 +144,13 @@ def run_one(name: str, mode: str) -> Dict[str, Any]:
 
     overrides, opts = CONFIGS[name]
     kw = {**BASE, **overrides}
-    probe: Dict[str, list] = {"losses": [], "completions": [], "masks": [], "advantages": []}
+    probe: Dict[str, list] = {"losses": [], "completions": [], "masks": [], "advantages": [], "training": []}
 
     class Probe(GRPOTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             probe["losses"].append(loss.detach().double().item())
+            probe["training"].append(bool(self.model.training))
             probe["completions"].append(inputs["completion_ids"].tolist())
             probe["masks"].append(inputs["completion_mask"].tolist())
             probe["advantages"].append(inputs["advantages"].double().tolist())
@@ -185,7 +191,15 @@ def run_one(name: str, mode: str) -> Dict[str, Any]:
             tok.save_pretrained(os.path.join(tmp, "tiny"))
             model_arg = os.path.join(tmp, "tiny")
         try:
-            trainer = Probe(model=model_arg, reward_funcs=funcs, args=args, train_dataset=ds, processing_class=tok)
+            eval_ds = Dataset.from_dict({"prompt": PROMPTS[:2]}) if opts.get("eval") else None
+            trainer = Probe(
+                model=model_arg,
+                reward_funcs=funcs,
+                args=args,
+                train_dataset=ds,
+                eval_dataset=eval_ds,
+                processing_class=tok,
+            )
             trainer.train()
         except NotImplementedError as e:
             result["error"] = str(e)

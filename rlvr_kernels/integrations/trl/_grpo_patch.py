@@ -259,7 +259,7 @@ def _reward_std_is_zero(rpf: torch.Tensor, weights: torch.Tensor, G: int, scale:
 # ---------------------------------------------------------------------------------------
 
 # Settings the *patch* cannot serve yet even when grpo_loss_trl accepts them (what
-# grpo_loss_trl itself rejects is found by a dry run, see _support): option -> (predicate, why).
+# grpo_loss_trl itself rejects is found by a dry run, see unsupported()): option -> (predicate, why).
 # PLUG-IN POINT: when grpo_loss_trl gains vespo (and returns φ) or OPSM (and takes TRL's
 # sampling log-probs), map them in _fused_compute_loss / _log_metrics and drop the row.
 PATCH_UNSUPPORTED: Dict[str, Tuple[Callable[[Any], bool], str]] = {
@@ -516,10 +516,12 @@ def _log_metrics(self, mode, metrics, per_token_logps, inputs, mask, entropies) 
     """TRL's metric names and reductions: token means as global Σ/Σ over processes
     (``accelerator.reduce``), per-sequence extrema over gathered sequence means.
 
-    PLUG-IN POINT: "kl" comes from the op's metrics; the clip metrics are computed here from
-    the detached ratio (a [B, T] elementwise pass). When grpo_loss_trl returns per-side clip
-    counts and per-sequence extrema (and a function mapping its metrics to TRL's names),
-    take them from there instead.
+    PLUG-IN POINT: "kl" comes from the op's metrics (with ``use_bias_correction_kl`` it must
+    be the mean of TRL's corrected per-token KL, k3 · ratio, and "policy_loss" above reads
+    ``pg_loss + beta · kl_loss``); the clip metrics are computed here from the detached ratio
+    (a [B, T] elementwise pass). When grpo_loss_trl returns per-side clip counts and
+    per-sequence extrema (and a function mapping its metrics to TRL's names), take them
+    from there instead.
     """
     from trl.trainer.utils import nanmax, nanmin
 
