@@ -253,12 +253,12 @@ def test_apply_unapply_restores_identical_objects():
 def test_all_or_nothing(monkeypatch):
     """A failing part (here the AsyncGRPOTrainer part) leaves TRL untouched."""
     from rlvr_kernels.integrations import trl as rk_trl
-    from rlvr_kernels.integrations.trl import _async_patch
+    from rlvr_kernels.integrations.trl import patch
 
     def fail(patcher, *, strict, loss):
         raise RuntimeError("async part failed")
 
-    monkeypatch.setattr(_async_patch, "install", fail)
+    monkeypatch.setattr(patch, "install_async", fail)
     before = _trl_objects()
     with pytest.raises(RuntimeError, match="async part failed"):
         rk_trl.apply()

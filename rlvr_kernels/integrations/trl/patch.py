@@ -35,7 +35,8 @@ import threading
 from typing import Any, Dict, Optional
 
 from .._patch import Patcher, PatchError, check_version, set_counting
-from . import _async_patch, _grpo_patch
+from ._async_patch import install as install_async
+from ._grpo_patch import prepare_advantages, prepare_logprobs, prepare_loss
 
 __all__ = ["apply", "unapply", "is_applied", "applied_options", "TESTED_TRL"]
 
@@ -78,17 +79,17 @@ def apply(
         check_version("trl", trl.__version__, *TESTED_TRL, strict=strict)
         replacements = []
         if logprobs:
-            replacements += _grpo_patch.prepare_logprobs(compact=compact_logprobs)
+            replacements += prepare_logprobs(compact=compact_logprobs)
         if advantages:
-            replacements += _grpo_patch.prepare_advantages()
+            replacements += prepare_advantages()
         if loss:
-            replacements += _grpo_patch.prepare_loss(strict=strict)
+            replacements += prepare_loss(strict=strict)
         patcher = Patcher("trl")
         try:
             for owner, attr, new in replacements:
                 patcher.replace(owner, attr, new)
             if async_grpo:
-                _async_patch.install(patcher, strict=strict, loss=loss)
+                install_async(patcher, strict=strict, loss=loss)
         except BaseException:
             patcher.restore()
             raise
