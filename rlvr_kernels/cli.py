@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--op",
         action="append",
-        choices=["group_advantages", "policy_loss", "linear_logprobs", "packing"],
+        choices=["group_advantages", "policy_loss", "linear_logprobs", "packing", "trainer"],
         default=None,
         help="only these op families (repeatable); the result files are then named <date>-<device>-<ops>",
     )

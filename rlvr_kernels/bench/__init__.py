@@ -17,13 +17,14 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import advantages, logprobs, packing, policy_loss
+from . import advantages, logprobs, packing, policy_loss, trainer
 
 SUITES = {
     "group_advantages": advantages.WORKLOADS,
     "policy_loss": policy_loss.WORKLOADS,
     "linear_logprobs": logprobs.WORKLOADS,
     "packing": packing.WORKLOADS,
+    "trainer": trainer.WORKLOADS,
 }
 
 

@@ -23,6 +23,11 @@ NOT_DROPINS = {
     "grpo_loss_trl": "grpo_trainer",  # GRPOTrainer._compute_loss
     "compute_async_grpo_advantages": "async_rollout_worker",  # trl.experimental.async_grpo
     "use_backend": None,
+    # integrations.trl.patch: putting the ops into TRL's trainers (tests/integrations/test_trl_apply.py)
+    "apply": None,
+    "unapply": None,
+    "is_applied": None,
+    "applied_options": None,
 }
 # drop-in -> (our module, TRL's module)
 TRL_MODULES = {"trainer_utils": trl_utils}

@@ -20,6 +20,9 @@ TRL's code (tests/advantages/test_peers_trl.py, tests/policy_loss/test_peers_trl
 TRL's own source). Everything is importable from here: ``from rlvr_kernels.integrations
 import trl as rk_trl; rk_trl.selective_log_softmax(...)``.
 
+:func:`apply` / :func:`unapply` (``patch``) put these ops into TRL's own ``GRPOTrainer``
+(and ``AsyncGRPOTrainer``): one call, no subclass; see :mod:`.patch`.
+
 Backend selection (the same for every integration): a drop-in's signature has no room
 for a ``backend`` argument, so the drop-ins run on the backend of the innermost
 ``with use_backend("reference" | "cpu" | "triton" | "auto"):`` block (a process-wide
@@ -31,9 +34,14 @@ from .._backend import use_backend
 from .async_rollout_worker import compute_async_grpo_advantages
 from .grpo_trainer import TRL_LOSS_TYPES as TRL_LOSS_TYPES  # the loss types grpo_loss_trl fuses
 from .grpo_trainer import compute_grpo_advantages, grpo_loss_trl
+from .patch import applied_options, apply, is_applied, unapply
 from .trainer_utils import entropy_from_logits, selective_log_softmax, selective_log_softmax_and_entropy
 
 __all__ = [
+    "apply",
+    "unapply",
+    "is_applied",
+    "applied_options",
     "compute_grpo_advantages",
     "compute_async_grpo_advantages",
     "grpo_loss_trl",

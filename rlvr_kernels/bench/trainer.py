@@ -1,0 +1,211 @@
+"""One training step of TRL's real ``GRPOTrainer``, stock vs ``integrations.trl.apply()``.
+
+Generation dominates a GRPO step and is the same either way, so the step timed here is
+the training part on a fixed prepared micro-batch: ``trainer.compute_loss(model, batch)``
+(the policy forward through TRL's fused LM head, the loss, TRL's metrics) and
+``loss.backward()``. The model is a Qwen2 built from a config (no download) where the LM
+head and the loss are a visible part of the step: vocab 32k, hidden 512, 2 layers, 8
+completions of 256 tokens after 64-token prompts (``quick``: a smoke-test size).
+
+Rows: TRL stock; applied (the fused log-probs with the compact head on the CPU, the fused
+advantages and loss); applied with ``compact_logprobs=False`` (every position through the
+head, as stock TRL does off Triton devices). Peak memory: each row once in a fresh process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any, Callable, Dict, Tuple
+
+import torch
+
+from .timing import peak_extra_gb, time_fn
+
+# key -> (label, apply() switches or None for stock)
+METHODS: Dict[str, Tuple[str, Any]] = {
+    "trl": ("TRL 1.16 GRPOTrainer, stock (chunked LM head, _compute_loss)", None),
+    "fused": ("GRPOTrainer after rlvr_kernels.integrations.trl.apply()", {}),
+    "fused_full_head": ("apply(compact_logprobs=False): every position through the head", {"compact_logprobs": False}),
+}
+
+
+def shape(quick: bool) -> Dict[str, int]:
+    if quick:
+        return dict(V=2048, H=64, layers=1, B=4, P=16, C=32)
+    return dict(V=32000, H=512, layers=2, B=8, P=64, C=256)
+
+
+def build(device: str, quick: bool, loss_type: str = "dapo", seed: int = 0):
+    """(trainer, model, batch): a GRPOTrainer on a config-built Qwen2 and one prepared
+    micro-batch as ``_compute_loss`` receives it (random completions of random lengths,
+    old log-probs off the current ones so that the ratios clip)."""
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    s = shape(quick)
+    torch.manual_seed(seed)
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate("abcdefghij")}}
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>")),
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+    )
+    cfg = Qwen2Config(
+        vocab_size=s["V"],
+        hidden_size=s["H"],
+        intermediate_size=2 * s["H"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=8 if s["H"] >= 256 else 4,
+        num_key_value_heads=2,
+        max_position_embeddings=s["P"] + s["C"] + 8,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    model = Qwen2ForCausalLM(cfg).to(device)
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="rlvr-bench-trainer-"),
+        report_to=[],
+        save_strategy="no",
+        use_cpu=device == "cpu",
+        bf16=False,
+        per_device_train_batch_size=s["B"],
+        num_generations=s["B"],
+        max_completion_length=s["C"],
+        loss_type=loss_type,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["a"] * s["B"]}),
+        processing_class=tok,
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop otherwise
+    g = torch.Generator().manual_seed(seed)
+    B, P, C, V = s["B"], s["P"], s["C"], s["V"]
+    lengths = torch.randint(C // 4, C + 1, (B,), generator=g)
+    completion_mask = (torch.arange(C)[None, :] < lengths[:, None]).long()
+    batch = {
+        "prompt_ids": torch.randint(3, V, (B, P), generator=g),
+        "prompt_mask": torch.ones(B, P, dtype=torch.long),
+        "completion_ids": torch.randint(3, V, (B, C), generator=g) * completion_mask,
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(B, generator=g),
+        "num_items_in_batch": completion_mask.sum(),
+    }
+    batch = {k: v.to(device) for k, v in batch.items()}
+    with torch.no_grad():
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+    batch["old_per_token_logps"] = logps + 0.2 * torch.randn(logps.shape, generator=g).to(device)
+    return trainer, trainer.model, batch
+
+
+def step_fn(trainer, model, batch) -> Callable[[], float]:
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = trainer.compute_loss(model, batch)
+        loss.backward()
+        return float(loss.detach())
+
+    return step
+
+
+def _switch(key: str) -> None:
+    from ..integrations import trl as rk_trl
+
+    switches = METHODS[key][1]
+    if switches is None:
+        rk_trl.unapply()
+    else:
+        rk_trl.apply(async_grpo=False, **switches)
+
+
+def measure_memory(key: str, device: str, quick: bool) -> Dict:
+    """Peak extra memory of one step of ``key`` (a fresh process, see ``memory_rows``)."""
+    _switch(key)
+    trainer, model, batch = build(device, quick)
+    step = step_fn(trainer, model, batch)
+    return {"extra_gb": peak_extra_gb(step, device)}
+
+
+def memory_rows(device: str, quick: bool) -> Dict[str, Dict]:
+    out = {}
+    for key in METHODS:
+        code = (
+            "import json; from rlvr_kernels.bench.trainer import measure_memory; "
+            f"print(json.dumps(measure_memory({key!r}, {device!r}, {quick!r})))"
+        )
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+        try:
+            out[key] = json.loads(res.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            out[key] = {"error": (res.stderr.strip().splitlines() or ["no output"])[-1][:120]}
+    return out
+
+
+def workload(device: str, quick: bool = False) -> Dict:
+    from ..integrations import trl as rk_trl
+
+    s = shape(quick)
+    was_applied = rk_trl.applied_options()
+    trainer, model, batch = build(device, quick)
+    losses, times = {}, {key: [] for key in METHODS}
+    try:
+        for key in METHODS:  # warm-up and the loss each computes
+            _switch(key)
+            losses[key] = step_fn(trainer, model, batch)()
+        repeats = 2 if quick else 5
+        for _ in range(repeats):  # interleaved rounds
+            for key in METHODS:
+                _switch(key)
+                times[key].append(time_fn(step_fn(trainer, model, batch), device, repeats=1, warmup=0)["ms"])
+    finally:
+        rk_trl.unapply()
+        if was_applied:
+            rk_trl.apply(**was_applied)
+    memory = memory_rows(device, quick)
+    rows = []
+    fused = sorted(times["fused"])[len(times["fused"]) // 2]
+    for key, (label, _) in METHODS.items():
+        ms = sorted(times[key])[len(times[key]) // 2]
+        rows.append(
+            {"method": label, "key": key, "ms": ms, "ratio": ms / fused, "extra_gb": memory[key].get("extra_gb")}
+        )
+    targets = [
+        {
+            "target": "stock / applied step time",
+            "measured": rows[0]["ms"] / fused,
+            "met": "info",
+        }
+    ]
+    notes = [
+        f"Qwen2 from a config: vocab {s['V']}, hidden {s['H']}, {s['layers']} layers; {s['B']} completions of up "
+        f"to {s['C']} tokens after {s['P']}-token prompts; loss_type dapo, fp32; one step = compute_loss + backward "
+        f"on a fixed prepared micro-batch (generation excluded); median of {len(times['fused'])} interleaved rounds",
+        "extra memory: each row once in a fresh process (peak RSS above the RSS before the step on the CPU)",
+        "loss agreement with stock: "
+        + ", ".join(f"{k} {abs(losses[k] - losses['trl']):.1e}" for k in METHODS if k != "trl"),
+    ]
+    kind = "quick" if quick else "standard"
+    return {
+        "name": f"{kind}: one GRPOTrainer training step (compute_loss + backward), V={s['V']}, H={s['H']}, "
+        f"B={s['B']}, completions {s['C']}",
+        "rows": rows,
+        "targets": targets,
+        "notes": notes,
+    }
+
+
+WORKLOADS: Dict[str, Callable] = {"grpo_trainer_step": workload}
