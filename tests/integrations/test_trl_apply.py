@@ -210,10 +210,18 @@ def test_stock_after_unapply_equals_stock_bit_for_bit(runs, name):
 
 
 def _trl_objects():
+    import trl.experimental.async_grpo.async_grpo_trainer as async_trainer
+    import trl.experimental.async_grpo.packing as async_packing
     import trl.trainer.utils as utils
+    from transformers import AttentionInterface
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     return {
+        "async_grpo_trainer.TreeRow": async_trainer.TreeRow,
+        "packing.TreeRow": async_packing.TreeRow,
+        "packing.tree_attention": async_packing.tree_attention,
+        "AsyncGRPOTrainer.compute_loss": vars(async_trainer.AsyncGRPOTrainer)["compute_loss"],
+        "AttentionInterface[tree]": AttentionInterface._global_mapping.get(async_packing.TREE_ATTENTION),
         "utils._ChunkedLogProbFunction": utils._ChunkedLogProbFunction,
         "utils._use_triton": utils._use_triton,
         "GRPOTrainer._compute_loss": vars(GRPOTrainer)["_compute_loss"],
@@ -228,7 +236,7 @@ def test_apply_unapply_restores_identical_objects():
 
     assert not rk_trl.is_applied() and rk_trl.unapply() is False
     before = _trl_objects()
-    rk_trl.apply(async_grpo=False)
+    rk_trl.apply()
     try:
         after = _trl_objects()
         assert rk_trl.is_applied() and rk_trl.applied_options()["loss"] is True
@@ -239,7 +247,7 @@ def test_apply_unapply_restores_identical_objects():
         assert "mean_grouped_rewards" not in code.co_varnames and "is_std_zero" in code.co_varnames
         assert "_rlvr_grpo_advantages" in code.co_freevars
         # apply() again: the last call's switches win, nothing is stacked.
-        rk_trl.apply(async_grpo=False, loss=False)
+        rk_trl.apply(loss=False)
         again = _trl_objects()
         assert again["GRPOTrainer._compute_loss"] is before["GRPOTrainer._compute_loss"]
         assert again["utils._ChunkedLogProbFunction"] is ChunkedLogProbFunction
@@ -275,11 +283,11 @@ def test_version_outside_tested_range(monkeypatch):
     before = _trl_objects()
     monkeypatch.setattr(trl, "__version__", "1.17.0")
     with pytest.raises(PatchError, match=r"trl 1\.17\.0 .*1\.16\.0"):
-        rk_trl.apply(async_grpo=False)
+        rk_trl.apply()
     assert all(_trl_objects()[k] is before[k] for k in before)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rk_trl.apply(async_grpo=False, strict=False)
+        rk_trl.apply(strict=False)
     try:
         assert any("outside the range" in str(w.message) for w in caught)
     finally:

@@ -6,7 +6,7 @@ logged metrics, θ_0 and the final parameters, the call counts.
 
     python tests/integrations/trl_grpo_runner.py {stock|applied|unapplied} OUT.pt NAME [NAME ...]
 
-``applied``: ``apply(async_grpo=False, strict=<config's>, count_calls=True)`` before each
+``applied``: ``apply(strict=<config's>, count_calls=True)`` before each
 trainer is built; ``unapplied``: apply() then unapply() before the stock run. CPU only,
 nothing downloaded, nothing saved but OUT.
 """
@@ -158,7 +158,7 @@ def run_one(name: str, mode: str) -> Dict[str, Any]:
 
     if mode == "applied":
         switches = {**opts.get("apply", {}), **json.loads(os.environ.get("RK_TRL_APPLY", "{}"))}
-        rk_trl.apply(async_grpo=False, strict=opts.get("strict", True), count_calls=True, **switches)
+        rk_trl.apply(strict=opts.get("strict", True), count_calls=True, **switches)
     elif rk_trl.is_applied():
         rk_trl.unapply()
     reset_call_counts()
@@ -251,7 +251,7 @@ def main(argv) -> None:
     if mode == "unapplied":
         from rlvr_kernels.integrations import trl as rk_trl
 
-        rk_trl.apply(async_grpo=False)
+        rk_trl.apply()
         rk_trl.unapply()
     results = {name: run_one(name, mode) for name in names}
     torch.save(results, out)
