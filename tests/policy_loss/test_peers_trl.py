@@ -366,6 +366,21 @@ def test_batches_exercise_every_branch():
         assert ((ratio > 2.0) & (adv < 0) & valid).any()
         assert (b["completion_mask"].sum(-1) == 0).any()
         assert (is_ratio(b, "token_mask")[valid] == 0).any()
+    # Over the cases' batches: a zero IS ratio on a clipped token (TRL's clip metrics still
+    # count it), and off-policy masks that drop sequences at both thresholds of the cases.
+    zero_on_clipped, dropped = False, {0.05: 0, 0.5: 0}
+    for seed in range(50, 62):
+        b = make_batch(seed)
+        ratio = (b["per_token_logps"] - b["old_per_token_logps"]).exp()
+        adv = b["advantages"][:, None].expand_as(ratio)
+        clipped = ((ratio > 1.28) & (adv > 0)) | ((ratio < 0.8) & (adv < 0))
+        zero_on_clipped |= bool((clipped & b["completion_mask"].bool() & (is_ratio(b, "token_mask") == 0)).any())
+        for threshold in dropped:
+            keep = GRPOTrainer.get_off_policy_mask(
+                b["advantages"][:, None], b["per_token_logps"], sampling_logps(b), b["completion_mask"], threshold
+            )
+            dropped[threshold] += int((keep == 0).sum())
+    assert zero_on_clipped and all(dropped.values()), dropped
 
 
 @pytest.mark.parametrize("backend,device", ALL)
