@@ -29,8 +29,10 @@ Kernel contract (C++ ``csrc/policy_loss.cpp``, Triton ``triton/policy_loss.py``;
   - advantages: compute dtype (fp32; fp64 for fp64 inputs), [B] (``seq_adv``) or
     token-shaped. mask: token-shaped bool, or None (packed: every token inside
     cu_seqlens[-1] is valid). cu_seqlens: int64 [B + 1] or None (padded).
-    entropy_threshold: 0-d fp32 (:func:`~rlvr_kernels.contracts.policy_loss.entropy_quantile_threshold`)
-    or None. Every output is in the compute dtype.
+    entropy_threshold: 0-d fp32 (:func:`~rlvr_kernels.contracts.policy_loss.entropy_quantile_threshold`,
+    or the caller's ``entropy_threshold=``) or None. Every output is in the compute dtype.
+  - The per-sequence clip statistics (PolicyLossSum.SEQ_CLIP_*) are exact integer counts
+    per sequence, reduced in sequence order: deterministic as every other sum.
   - Packed spans follow the one cu_seqlens rule (``csrc/spans.h``): in bounds and disjoint
     whatever the offsets; tokens outside every span get 0.
   - Results are deterministic: the same bits for any thread count or launch.
