@@ -229,10 +229,12 @@ def grpo_loss_trl(
         pg multiplier (advantage · IS ratio · masks) is uniform within each sequence.
         Otherwise the logps pass through an autograd identity whose backward takes that
         per-sequence mean, and a plain KL term (per-token gradient) moves to a second call.
-      * cispo, token level → "cispo" with the bounds [0, ε_high] (clip_low = 1,
-        clip_high = ε_high − 1; needs ε_high >= 1, TRL recommends 5). Sequence level →
-        "reinforce" with the advantages times the detached per-sequence clamp(s_i, max=ε_high)
-        (a [B] torch pre-computation: TRL's clamped ratio is a constant of the loss).
+      * cispo, token level with ε_high >= 1 (TRL recommends 5) → "cispo" with the bounds
+        [0, ε_high] (clip_low = 1, clip_high = ε_high − 1). Sequence level → "reinforce" with
+        the advantages times the detached per-sequence clamp(s_i, max=ε_high) (a [B] torch
+        pre-computation: TRL's clamped ratio is a constant of the loss); token level with
+        ε_high < 1 (an upper bound below 1 the op's clip range cannot express) likewise with
+        the per-token clamp(ρ, max=ε_high) (one elementwise torch pass).
       * sapo, token level → "sapo" with TRL's temperatures. Sequence level: TRL's term is a
         function of the sequence ratio s_i alone whose gradient reaches every token through
         the sequence mean, so it is computed in torch (per-sequence values, one broadcast),
@@ -266,10 +268,8 @@ def grpo_loss_trl(
         term ``− coef · Σ H·m / max(Σ m, 1) / accumulation`` (gradient to ``entropies``).
 
     Not supported (each raises, naming the option): ``delta`` < 1 (the clip bound δ − 1
-    would be negative; TRL requires delta > 1 anyway), ``delta`` <= 1 + ε_high with
-    ε_high = 0 (the dual clip would need c = 1); cispo with ``epsilon_high`` < 1 (the
-    fused CISPO clamp keeps ρ >= 1 − clip_low >= 0, so bounds [0, ε_high] need
-    ε_high >= 1); ``top_entropy_quantile`` < 1 with ``num_processes`` > 1 and neither
+    would be negative; TRL's docs ask for delta > 1 + ε_high), ``delta`` <= 1 + ε_high with
+    ε_high = 0 (the dual clip would need c = 1); ``top_entropy_quantile`` < 1 with ``num_processes`` > 1 and neither
     ``process_group`` nor ``entropy_threshold`` (ValueError: the threshold needs every
     process's entropies).
 
@@ -464,11 +464,7 @@ def _loss_fields(loss_type, eps_low, eps_high, delta, seq_level, c) -> Tuple[Dic
             fields["gspo_log_clamp"] = _NO_GSPO_CLAMP
         return fields, high_never
     if loss_type == "cispo":
-        if eps_high < 1:
-            raise NotImplementedError(
-                f"epsilon_high: CISPO's clamp(ρ, max=epsilon_high) is fused for epsilon_high >= 1, got {eps_high}"
-            )
-        if seq_level:  # the clamped sequence ratio is a per-sequence constant (see _fused_loss)
+        if seq_level or eps_high < 1:  # the detached clamped ratio as a weight (see _fused_loss)
             return dict(loss_type="reinforce"), False
         return dict(loss_type="cispo", clip_low=1.0, clip_high=eps_high - 1.0), False
     if loss_type == "vespo":
@@ -663,8 +659,8 @@ def _fused_loss(x: _Inputs, plan: _Plan, validate, backend):
         phi = _gamma_weights(x, plan)
         extra["phi"] = phi
         adv = _fold_ratio(adv, phi, x.logps.shape)
-    elif plan.loss_type == "cispo" and plan.seq_level:
-        coef_1 = torch.exp(seq_lr.detach())
+    elif plan.loss_type == "cispo" and fields["loss_type"] == "reinforce":
+        coef_1 = torch.exp(seq_lr.detach() if plan.seq_level else x.logps.detach() - x.old)
         extra["cispo_clipped"] = (coef_1 > plan.eps_high) & (x.raw_adv > 0)
         adv = _fold_ratio(adv, torch.clamp(coef_1, max=plan.eps_high), x.logps.shape)
     elif plan.loss_type == "sapo" and plan.seq_level:
