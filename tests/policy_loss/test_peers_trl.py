@@ -176,13 +176,13 @@ def make_case(k: int, loss_type: str, level: str) -> dict:
         eps_high=(2.5 if k % 5 else 0.9) if loss_type == "cispo" else (0.28 if k % 2 else 0.2),
         delta=(2.0, 1.1, 1.28)[k % 3] if clipped and k % 4 != 3 else None,
         beta=0.04 if k % 2 == 0 else 0.0,
-        bias_kl=k % 6 != 4,  # TRL's default True
-        opsm=(None, 0.05, None, 0.5)[k % 4],
+        bias_kl=k % 4 != 2,  # TRL's default True
+        opsm=(None, 0.05, 0.5)[k % 3],
         sampling=k % 5 == 2,
         vespo_k_neg=3.0 if k % 2 else 1.5,
         tau_pos=1.0 if k % 2 else 1.3,
         tau_neg=1.05 if k % 2 else 0.9,
-        top_entropy_quantile=(1.0, 0.2, 1.0, 0.5)[k % 4],
+        top_entropy_quantile=(1.0, 0.2, 1.0, 0.5, 0.3)[k % 5],
         entropy_coef=(0.0, 0.0, 0.01, 0.03)[k % 4] if k % 5 else 0.01,
         is_ratio=(None, "token_truncate", "sequence_truncate", None, "token_mask", "sequence_mask")[k % 6],
         ga=(1, 4, 2)[k % 3],

@@ -1,6 +1,8 @@
 """TRL's ``trl.trainer.grpo_trainer.GRPOTrainer`` computations as functions (TRL 1.16):
 the advantages of ``_generate_and_score_completions`` (:func:`compute_grpo_advantages`)
-and the loss of ``_compute_loss`` (:func:`grpo_loss_trl`), each one fused op call.
+and the loss of ``_compute_loss`` (:func:`grpo_loss_trl`, with TRL's metric set:
+:func:`reduce_trl_metrics`), each one fused op call (plus per-sequence torch terms where
+TRL's sequence-level gradient couples a sequence's tokens; see grpo_loss_trl).
 
 TRL computes both inline, so these are not signature drop-ins: they take the tensors TRL
 has at that point and the ``GRPOConfig`` fields, under TRL's names, and match TRL's code
@@ -267,11 +269,12 @@ def grpo_loss_trl(
         completion tokens whatever the loss type's normaliser, so it is a separate torch
         term ``− coef · Σ H·m / max(Σ m, 1) / accumulation`` (gradient to ``entropies``).
 
-    Not supported (each raises, naming the option): ``delta`` < 1 (the clip bound δ − 1
-    would be negative; TRL's docs ask for delta > 1 + ε_high), ``delta`` <= 1 + ε_high with
-    ε_high = 0 (the dual clip would need c = 1); ``top_entropy_quantile`` < 1 with ``num_processes`` > 1 and neither
-    ``process_group`` nor ``entropy_threshold`` (ValueError: the threshold needs every
-    process's entropies).
+    Not supported (NotImplementedError, naming the option): ``delta`` < 1 (the clip bound
+    δ − 1 would be negative; TRL's docs ask for delta > 1 + ε_high), and ``delta`` <=
+    1 + ε_high with ε_high = 0 (the dual clip would need c = 1). Needed arguments:
+    ``top_entropy_quantile`` < 1 with ``num_processes`` > 1 and neither ``process_group``
+    nor ``entropy_threshold`` raises ValueError (the threshold needs every process's
+    entropies).
 
     Returns ``(loss, metrics)``, or ``(loss, metrics, trl_metrics)`` with
     ``return_trl_metrics=True``. ``metrics``: the op's :class:`PolicyLossMetrics` (detached
