@@ -497,3 +497,25 @@ def test_entropy_threshold_across_processes(tmp_path, how):
         torch.testing.assert_close(got["loss"], loss.detach(), atol=ATOL, rtol=RTOL)
         torch.testing.assert_close(got["grad"], lp.grad, atol=ATOL, rtol=RTOL)
         torch.testing.assert_close(got["grad_ent"], ent.grad, atol=ATOL, rtol=RTOL)
+
+
+def test_reduce_trl_metrics_with_an_accelerator():
+    """reduce_trl_metrics takes a real ``accelerate.Accelerator`` (its reduce / gather), as a
+    trainer patch passes ``self.accelerator``: the same floats as without one (one process)."""
+    from accelerate import Accelerator
+
+    b = make_batch(4)
+    _, _, trl_metrics = grpo_loss_trl(
+        b["per_token_logps"],
+        b["old_per_token_logps"],
+        b["advantages"],
+        b["completion_mask"],
+        loss_type="grpo",
+        beta=0.04,
+        ref_per_token_logps=b["ref_per_token_logps"],
+        entropies=b["entropies"],
+        return_trl_metrics=True,
+    )
+    with_acc = reduce_trl_metrics(trl_metrics, Accelerator(cpu=True))
+    assert with_acc == reduce_trl_metrics(trl_metrics)
+    assert {"kl", "entropy", "clip_ratio/low_min", "clip_ratio/high_max"} <= set(with_acc)
