@@ -191,6 +191,7 @@ def make_case(k: int, loss_type: str, level: str) -> dict:
         training=k % 7 != 3,
         max_len=64,
         old_given=k % 8 != 5,
+        validate=k % 5 != 4,  # (without the value checks zero IS ratios are not looked for)
         adv_shape=("B", "B1", "BT")[k % 3],
     )
 
@@ -283,6 +284,7 @@ def run_ours(batch, c, backend):
         steps_per_generation=c["spg"],
         training=c["training"],
         return_trl_metrics=True,
+        validate=c["validate"],
         backend=backend,
     )
     loss.backward()

@@ -570,9 +570,11 @@ def _validate(
     raw_adv = advantages if advantages.dim() == 2 else advantages[:, None]  # TRL's unsqueeze(1)
     adv = raw_adv[:, 0] if raw_adv.shape[1] == 1 and raw_adv.shape != logps.shape else raw_adv
     r = None if ratio is None else (ratio if ratio.dim() == 2 else ratio[:, None]).detach()
+    zeros = True  # whether the ratio may hold zeros (they need the keep mask); known when checked
     if r is not None and checks_enabled(validate, r, mask) and r.numel():
         valid = (mask != 0) if r.shape == logps.shape else (mask != 0).any(-1).reshape(r.shape)
-        if bool((~(r >= 0) & valid).any()):
+        negative, zeros = torch.stack([(~(r >= 0) & valid).any(), (r == 0).any()]).tolist()  # one host sync
+        if negative:
             raise ValueError(
                 "importance_sampling_ratio: expected ratios >= 0 on valid tokens (the fold into the "
                 "advantages is exact for non-negative ratios only)"
@@ -581,10 +583,12 @@ def _validate(
     if plan.opsm is not None:
         keep = _off_policy_mask(raw_adv, logps, old if sampling is None else sampling, mask, plan.opsm)
     use_ratio = r is not None and apply_ratio and plan.loss_type != "vespo"
-    if use_ratio:
+    if use_ratio and zeros:
         nonzero = r != 0
         keep = nonzero if keep is None else keep & nonzero
         adv = _fold_ratio(adv, torch.where(nonzero, r, torch.ones_like(r)), shape)
+    elif use_ratio:  # (truncate modes: no zero, a plain fold)
+        adv = _fold_ratio(adv, r, shape)
     if keep is not None:
         keep = keep.expand(shape)
     if plan.shaping is not None and threshold is None:
