@@ -423,7 +423,7 @@ def test_not_fused_raise():
     for kw in cases:
         with pytest.raises(NotImplementedError):
             grpo_loss_trl(*args, **kw)
-    with pytest.raises(ValueError, match="process_group"):
+    with pytest.raises(NotImplementedError, match="process_group"):
         grpo_loss_trl(*args, loss_type="bnpo", top_entropy_quantile=0.2, entropies=b["entropies"], num_processes=2)
     bad = torch.ones_like(b["per_token_logps"])
     bad[0, 0] = -1.0

@@ -271,10 +271,10 @@ def grpo_loss_trl(
 
     Not supported (NotImplementedError, naming the option): ``delta`` < 1 (the clip bound
     δ − 1 would be negative; TRL's docs ask for delta > 1 + ε_high), and ``delta`` <=
-    1 + ε_high with ε_high = 0 (the dual clip would need c = 1). Needed arguments:
-    ``top_entropy_quantile`` < 1 with ``num_processes`` > 1 and neither ``process_group``
-    nor ``entropy_threshold`` raises ValueError (the threshold needs every process's
-    entropies).
+    1 + ε_high with ε_high = 0 (the dual clip would need c = 1); and, without the argument
+    it needs, ``top_entropy_quantile`` < 1 with ``num_processes`` > 1 and neither
+    ``process_group`` nor ``entropy_threshold`` (the threshold needs every process's
+    entropies: the message says which argument to pass).
 
     Returns ``(loss, metrics)``, or ``(loss, metrics, trl_metrics)`` with
     ``return_trl_metrics=True``. ``metrics``: the op's :class:`PolicyLossMetrics` (detached
@@ -407,7 +407,7 @@ def _plan(logps, **c) -> _Plan:
     shaping = None
     if top_q < 1.0:
         if num_processes > 1 and c["process_group"] is None and c["entropy_threshold"] is None:
-            raise ValueError(
+            raise NotImplementedError(
                 "top_entropy_quantile: with num_processes > 1 TRL's threshold is the quantile over all "
                 "processes' tokens; pass process_group= (a torch.distributed group) or entropy_threshold="
             )
