@@ -76,6 +76,8 @@ struct Options {
   TokenOut token_out;
   bool kl_clamp, seq_mean, seq_adv, a3po, a3po_entropy, ent_quantile, need_entropy_grad;
   bool lrc_on, dual_clip, has_entropy, ent_term, shaping, seq_rc, prepass;
+  bool kl_ratio;    // the KL term times the ratio (kl_ratio_correction)
+  bool clip_sides;  // the loss type clips (ppo, gspo, cispo): per-side and per-sequence clip counts
   double w_pos, w_neg, lambda;
   double a3po_knobs[8];  // (ratio, scale) of pos-high, pos-low, neg-high, neg-low
 };
@@ -105,6 +107,7 @@ struct Ctx {
   float threshold;
   const SeqInfo<T>* seq;  // nullptr without pre-pass
   uint8_t* has_valid;     // without pre-pass: sequences with a valid token
+  int64_t* seq_counts;    // clip_sides: per sequence (n_i, Σ m·low, Σ m·high), integer atomics
 
   void span(int64_t i, int64_t& b, int64_t& e) const {
     if (L > 0 || offsets == nullptr) {
@@ -154,12 +157,12 @@ struct Acc {
   using D = typename L::D;
   enum { kTotal, kPg, kKl, kNegDelta, kKlRaw, kIs, kEnt, kNumSums };
   D sum[kNumSums];
-  typename L::M ntok, clip, clip_lower, reject, shaped, nonfinite;
+  typename L::M ntok, clip, clip_lower, reject, shaped, nonfinite, clip_low, clip_high;
   V is_max;
 
   RLVR_INLINE void zero() {
     for (int k = 0; k < kNumSums; ++k) sum[k] = D{};
-    ntok = clip = clip_lower = reject = shaped = nonfinite = typename L::M{};
+    ntok = clip = clip_lower = reject = shaped = nonfinite = clip_low = clip_high = typename L::M{};
     is_max = V{};
   }
 
@@ -178,6 +181,8 @@ struct Acc {
       out[idx(Sum::REJECT)] += double(reject[l]);
       out[idx(Sum::SHAPED)] += double(shaped[l]);
       out[idx(Sum::NONFINITE)] += double(nonfinite[l]);
+      out[idx(Sum::CLIP_LOW)] += double(clip_low[l]);
+      out[idx(Sum::CLIP_HIGH)] += double(clip_high[l]);
       mx = std::max(mx, double(is_max[l]));
     }
     out[idx(Sum::IS_MAX)] = mx;
@@ -324,8 +329,17 @@ RLVR_INLINE V clipped_objective(const K& k, V neg_adv, V x, V& coef, M& clipped)
 template <typename T, int VB>
 struct PgSums {
   typename Lanes<T, VB>::V neg_delta;
-  typename Lanes<T, VB>::M clip, clip_lower;
+  typename Lanes<T, VB>::M clip, clip_lower, low, high;
 };
+
+// The clip sides of the ratio x the loss type clips (CLIP_LOW / CLIP_HIGH): x below 1 − ε_low
+// with A < 0, above 1 + ε_high with A > 0, on valid tokens.
+template <int VB, typename T>
+RLVR_INLINE void clip_sides(const VConst<T, VB>& k, const Tile<T, VB>& tl, int g, typename Lanes<T, VB>::V x,
+                            PgSums<T, VB>& s) {
+  s.low -= tl.valid[g] & (x < k.ratio_low) & (tl.adv[g] < k.zero);
+  s.high -= tl.valid[g] & (x > k.ratio_high) & (tl.adv[g] > k.zero);
+}
 
 // Mirrors reference ppo_term: the clipped ratio objective, and for A < 0 the dual clip
 // min(·, −A·c) (torch.minimum: a tie passes half the gradient).
@@ -351,23 +365,34 @@ RLVR_INLINE void ppo_term(const Options& o, const VConst<T, VB>& k, Tile<T, VB>&
   tl.pg[g] = p;
   tl.dpg[g] = sel(pass, neg_adv * coef * ratio, k.zero);
   s.clip -= tl.valid[g] & clipped;
+  clip_sides(k, tl, g, ratio, s);
   s.neg_delta += sel(tl.valid[g], -delta, k.zero);
 }
 
 // Mirrors reference gspo_term: log s_{i,t} = logp − sg(logp) + sg(log s_i), so the value is the
 // sequence's s (from the pre-pass) and the derivative w.r.t. its own logp is s while log s_i is
-// under the clamp.
+// under the clamp; the dual clip (gspo_dual_clip) as ppo_term's.
 template <int VB, typename T>
-RLVR_INLINE void gspo_term(const VConst<T, VB>& k, const SeqConst<T>& sc, typename Lanes<T, VB>::V s_vec,
-                           Tile<T, VB>& tl, int g, PgSums<T, VB>& s) {
+RLVR_INLINE void gspo_term(const Options& o, const VConst<T, VB>& k, const SeqConst<T>& sc,
+                           typename Lanes<T, VB>::V s_vec, Tile<T, VB>& tl, int g, PgSums<T, VB>& s) {
   using V = typename Lanes<T, VB>::V;
   using M = typename Lanes<T, VB>::M;
   const V neg_adv = -tl.adv[g];
   V coef;
   M clipped;
-  tl.pg[g] = clipped_objective(k, neg_adv, s_vec, coef, clipped);
+  V p = clipped_objective(k, neg_adv, s_vec, coef, clipped);
+  if (o.dual_clip) {
+    const V l3 = neg_adv * k.clip_c;
+    const M neg = tl.adv[g] < k.zero;
+    const V gm = sel(p < l3, k.one, sel(p == l3, k.half, k.zero));
+    s.clip_lower -= tl.valid[g] & neg & (p > l3);
+    coef = sel(neg, coef * gm, coef);
+    p = sel(neg, vmin_nan(p, l3), p);
+  }
+  tl.pg[g] = p;
   tl.dpg[g] = sc.gspo_pass ? neg_adv * coef * s_vec : k.zero;
   s.clip -= tl.valid[g] & clipped;
+  clip_sides(k, tl, g, s_vec, s);
   s.neg_delta += sel(tl.valid[g], tl.old[g] - tl.lp[g], k.zero);
 }
 
@@ -383,6 +408,7 @@ RLVR_INLINE void cispo_term(const Options& o, const VConst<T, VB>& k, Tile<T, VB
   tl.dpg[g] = -clipped_ratio * tl.adv[g];
   tl.pg[g] = tl.dpg[g] * tl.lp[g];
   s.clip -= tl.valid[g] & (ratio != clipped_ratio);
+  clip_sides(k, tl, g, ratio, s);
   s.neg_delta += sel(tl.valid[g], -delta, k.zero);
 }
 
@@ -417,14 +443,14 @@ template <int VB, typename T>
 RLVR_INLINE void pg_stage(const Options& o, const VConst<T, VB>& k, const SeqConst<T>& sc, Tile<T, VB>& tl,
                           Acc<T, VB>& acc) {
   using V = typename Lanes<T, VB>::V;
-  PgSums<T, VB> s{k.zero, k.none, k.none};
+  PgSums<T, VB> s{k.zero, k.none, k.none, k.none, k.none};
   switch (o.loss) {
     case LossType::PPO:
       for (int g = 0; g < tl.ng; ++g) ppo_term(o, k, tl, g, s);
       break;
     case LossType::GSPO: {
       const V s_vec = splat<V>(sc.gspo_s);
-      for (int g = 0; g < tl.ng; ++g) gspo_term(k, sc, s_vec, tl, g, s);
+      for (int g = 0; g < tl.ng; ++g) gspo_term(o, k, sc, s_vec, tl, g, s);
       break;
     }
     case LossType::CISPO:
@@ -440,6 +466,8 @@ RLVR_INLINE void pg_stage(const Options& o, const VConst<T, VB>& k, const SeqCon
   acc.add(Acc<T, VB>::kNegDelta, s.neg_delta);
   acc.clip += s.clip;
   acc.clip_lower += s.clip_lower;
+  acc.clip_low += s.low;
+  acc.clip_high += s.high;
 }
 
 // The factors of reference shaping_weights, per token in double.
@@ -577,6 +605,21 @@ RLVR_INLINE void kl_stage(const Options& o, const VConst<T, VB>& k, const SeqCon
   V kl_sum = k.zero;
   for (int g = 0; g < tl.ng; ++g) {
     tl.kl[g] = kl_term<V, M>(o, k, tl.lp[g], tl.ref[g], tl.dkl[g]);
+    if (o.kl_ratio) {
+      // kl·r with r the loss type's ratio and its own-token derivative dr: exp(δ) (δ through
+      // log_ratio), GSPO's s_{i,t}; d(kl·r) = dkl·r + kl·dr (reference policy_loss).
+      V r, dr;
+      if (o.loss == LossType::GSPO) {
+        r = splat<V>(sc.gspo_s);
+        dr = sc.gspo_pass ? r : k.zero;
+      } else {
+        M pass;
+        r = vexp(log_ratio(o.lrc_on, k, tl.lp[g], tl.old[g], pass));
+        dr = sel(pass, r, k.zero);
+      }
+      tl.dkl[g] = tl.dkl[g] * r + tl.kl[g] * dr;
+      tl.kl[g] = tl.kl[g] * r;
+    }
     kl_sum += sel(tl.valid[g], tl.kl[g], k.zero);
   }
   acc.add(Acc<T, VB>::kKlRaw, kl_sum);
@@ -678,6 +721,7 @@ struct BlockBody {
     auto segment = [&](int64_t i, int64_t s0, int64_t s1) __attribute__((always_inline)) {
       const SeqConst<T> sc = seq_const(c, i);
       bool any = false;
+      const auto n0 = acc.ntok, low0 = acc.clip_low, high0 = acc.clip_high;
       for (int64_t t = s0; t < s1;) {
         if (c.mask != nullptr) {  // a run of masked slots (padding) in 8-byte steps
           int64_t r = t;
@@ -696,6 +740,15 @@ struct BlockBody {
         t += ns;
       }
       if (any && c.has_valid != nullptr) __atomic_store_n(c.has_valid + i, uint8_t(1), __ATOMIC_RELAXED);
+      if (any && c.seq_counts != nullptr) {  // integer sums: the same result in any order
+        int64_t d[3] = {0, 0, 0};
+        for (int l = 0; l < Lanes<T, VB>::W; ++l) {
+          d[0] += int64_t(acc.ntok[l] - n0[l]);
+          d[1] += int64_t(acc.clip_low[l] - low0[l]);
+          d[2] += int64_t(acc.clip_high[l] - high0[l]);
+        }
+        for (int j = 0; j < 3; ++j) __atomic_fetch_add(c.seq_counts + 3 * i + j, d[j], __ATOMIC_RELAXED);
+      }
     };
     int64_t t = t0;
     if (c.L > 0) {
@@ -838,6 +891,12 @@ void forward(Ctx<in_t, T>& c, double* sums) {
     c.has_valid = has_valid.data();
   }
 
+  std::vector<int64_t> seq_counts;
+  if (o.clip_sides) {
+    seq_counts.assign(3 * c.B, 0);
+    c.seq_counts = seq_counts.data();
+  }
+
   const int64_t nblocks = (c.slots + kBlock - 1) / kBlock;
   std::vector<double> partial(nblocks * NUM_SUMS);
   const Ctx<in_t, T>* cc = &c;
@@ -852,6 +911,23 @@ void forward(Ctx<in_t, T>& c, double* sums) {
   int64_t nseq = 0;
   for (int64_t i = 0; i < c.B; ++i) nseq += o.prepass ? seq.n[i] > 0 : has_valid[i] != 0;
   sums[idx(Sum::NSEQ)] = double(nseq);
+  // The per-sequence clip fractions f_i = count / n_i (sequences with n_i > 0), in order.
+  double low_sum = 0.0, high_sum = 0.0, low_min = 0.0, high_max = 0.0;
+  bool first = true;
+  for (int64_t i = 0; o.clip_sides && i < c.B; ++i) {
+    const int64_t n = seq_counts[3 * i];
+    if (n <= 0) continue;
+    const double fl = double(seq_counts[3 * i + 1]) / double(n), fh = double(seq_counts[3 * i + 2]) / double(n);
+    low_sum += fl;
+    high_sum += fh;
+    low_min = first ? fl : std::min(low_min, fl);
+    high_max = first ? fh : std::max(high_max, fh);
+    first = false;
+  }
+  sums[idx(Sum::SEQ_CLIP_LOW)] = low_sum;
+  sums[idx(Sum::SEQ_CLIP_HIGH)] = high_sum;
+  sums[idx(Sum::SEQ_CLIP_LOW_MIN)] = low_min;
+  sums[idx(Sum::SEQ_CLIP_HIGH_MAX)] = high_max;
   if (o.rc == RolloutCorrection::NONE) {  // is_w = 1
     sums[idx(Sum::IS)] = sums[idx(Sum::NTOK)];
     sums[idx(Sum::IS_MAX)] = sums[idx(Sum::NTOK)] > 0 ? 1.0 : 0.0;
@@ -881,7 +957,8 @@ Options decode_options(const PolicyLossParams& p, bool need_entropy_grad, bool h
   o.ent_quantile = p.entropy_quantile != 0;
   o.need_entropy_grad = need_entropy_grad;
   o.lrc_on = p.log_ratio_clamp > 0;
-  o.dual_clip = o.loss == LossType::PPO && p.clip_ratio_c > 0;
+  // (the op layer passes c = 0 for GSPO unless PolicyLossOptions.gspo_dual_clip)
+  o.dual_clip = (o.loss == LossType::PPO || o.loss == LossType::GSPO) && p.clip_ratio_c > 0;
   o.has_entropy = has_entropy;
   o.ent_term = has_entropy && p.entropy_coef != 0;
   // The polarity weights enter the double shaping weight exactly (as the reference's).
@@ -894,6 +971,8 @@ Options decode_options(const PolicyLossParams& p, bool need_entropy_grad, bool h
   o.shaping = o.w_pos != 1.0 || o.w_neg != 1.0 || o.lambda != 0.0 || o.a3po || o.ent_quantile;
   o.seq_rc = o.rc == RolloutCorrection::SEQ_TIS || o.rc == RolloutCorrection::SEQ_MIS;
   o.prepass = o.seq_mean || o.loss == LossType::GSPO || o.seq_rc || o.a3po;
+  o.kl_ratio = o.kl != KlEstimator::NONE && p.kl_ratio_correction != 0;
+  o.clip_sides = o.loss == LossType::PPO || o.loss == LossType::GSPO || o.loss == LossType::CISPO;
   return o;
 }
 

@@ -17,7 +17,7 @@
 // iparams, in order.
 #define RLVR_POLICY_LOSS_IPARAMS(X)                                                                \
   X(loss_type) X(kl) X(kl_clamp) X(rollout_correction) X(seq_mean) X(token_out) X(a3po_metric) X(a3po) \
-  X(entropy_quantile) X(seq_adv)
+  X(entropy_quantile) X(seq_adv) X(kl_ratio_correction)
 
 #define RLVR_LOSS_TYPE_CODES(X) X(PPO, 0) X(GSPO, 1) X(CISPO, 2) X(SAPO, 3) X(REINFORCE, 4)
 #define RLVR_KL_ESTIMATOR_CODES(X) X(NONE, 0) X(K1, 1) X(K2, 2) X(K3, 3) X(K3_PLUS, 4)
@@ -28,7 +28,8 @@
 // Entries of the `sums` output.
 #define RLVR_POLICY_LOSS_SUM_CODES(X)                                                                           \
   X(TOTAL, 0) X(PG, 1) X(KL, 2) X(NTOK, 3) X(NSEQ, 4) X(CLIP, 5) X(CLIP_LOWER, 6) X(NEG_DELTA, 7) X(KL_RAW, 8) \
-  X(IS, 9) X(IS_MAX, 10) X(REJECT, 11) X(SHAPED, 12) X(ENT, 13) X(NONFINITE, 14)
+  X(IS, 9) X(IS_MAX, 10) X(REJECT, 11) X(SHAPED, 12) X(ENT, 13) X(NONFINITE, 14) X(CLIP_LOW, 15) X(CLIP_HIGH, 16) \
+  X(SEQ_CLIP_LOW, 17) X(SEQ_CLIP_HIGH, 18) X(SEQ_CLIP_LOW_MIN, 19) X(SEQ_CLIP_HIGH_MAX, 20)
 
 namespace rlvr {
 

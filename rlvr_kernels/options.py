@@ -262,12 +262,18 @@ class PolicyLossOptions:
                       field reads "reinforce" after construction)
     clip_low/high     ε_low, ε_high of the ratio clip (ppo, gspo, cispo)
     clip_ratio_c      dual-clip bound c > 1 for A < 0 (ppo); None = off
+    gspo_dual_clip    apply clip_ratio_c to GSPO's sequence ratio too (TRL's ``delta`` at
+                      sequence level); verl's GSPO has no dual clip, hence off by default
     log_ratio_clamp   δ clamped to ±this before exp (ppo, cispo, sapo); None = off. The
                       rollout-correction log-weights are always clamped to ±20 (verl)
     gspo_log_clamp    upper clamp of log s_i (gspo); None = off (TRL)
     tau_pos/tau_neg   SAPO temperatures
     kl                None | k1 | k2 | k3 | k3+ to ``ref_logprobs``, times ``kl_coef``
     kl_clamp          k3's clamps (x to ±20, value to ±10) as verl; TRL has none
+    kl_ratio_correction  the KL term times the loss type's importance ratio r with its
+                      gradient (TRL's ``use_bias_correction_kl``): r = exp(δ) (δ after
+                      ``log_ratio_clamp``), GSPO's token-form s_{i,t} (its value s_i, the
+                      gradient through the token's own log-prob, as GSPO's pg term)
     rollout_correction None | token_tis | seq_tis | token_mis | seq_mis | decoupled
     rollout_threshold C (upper bound / cap), rollout_threshold_low the MIS lower bound
                       (default 1/C)
@@ -293,6 +299,8 @@ class PolicyLossOptions:
     entropy_coef: float = 0.0
     agg: str = "token-mean"
     shaping: TokenShaping = field(default_factory=TokenShaping)
+    kl_ratio_correction: bool = False
+    gspo_dual_clip: bool = False
     mis_low: float = field(init=False, repr=False, compare=False)  # rollout_threshold_low or 1/C
 
     def __post_init__(self):
@@ -322,6 +330,10 @@ class PolicyLossOptions:
                 f"got {self.rollout_threshold_low}"
             )
         _check_float("entropy_coef", self.entropy_coef)
+        if not isinstance(self.gspo_dual_clip, bool):
+            raise TypeError(f"gspo_dual_clip: expected a bool, got {type(self.gspo_dual_clip).__name__}")
+        if not isinstance(self.kl_ratio_correction, bool):
+            raise TypeError(f"kl_ratio_correction: expected a bool, got {type(self.kl_ratio_correction).__name__}")
         _check_choice("agg", self.agg, AGG_MODES)
         if not isinstance(self.shaping, TokenShaping):
             raise TypeError(f"shaping: expected a rlvr_kernels.TokenShaping, got {type(self.shaping).__name__}")
@@ -357,14 +369,23 @@ def resolve_policy_loss_options(preset: Optional[str] = None, **overrides) -> Po
 
 class PolicyLossMetrics(NamedTuple):
     """Metrics of ``policy_loss`` as 0-d fp32 device tensors (detached; no host sync).
-    Means are over the valid tokens of this call (micro-batch)."""
+    Means are over the valid tokens of this call (micro-batch); an empty call gives zeros,
+    never NaN.
+
+    The clip sides (ppo, gspo, cispo; 0 for sapo / reinforce): ρ is the ratio the loss type
+    clips (exp(δ) after ``log_ratio_clamp``; GSPO's sequence ratio s_i), A the unshaped
+    advantage; low_t = [ρ < 1 − clip_low and A < 0], high_t = [ρ > 1 + clip_high and A > 0].
+    For ppo / gspo, ``pg_clipfrac`` (the clipped branch active) = low + high; for cispo
+    it counts ρ outside the range whatever the sign of A. f_low_i, f_high_i: the mean of
+    low_t / high_t over the valid tokens of sequence i; the ``seq_*`` metrics are over the
+    sequences with a valid token (0 when there is none)."""
 
     pg_loss: torch.Tensor  # the policy-gradient part of the loss, aggregated like the loss
     kl_loss: torch.Tensor  # the KL part (before kl_coef), aggregated like the loss
     pg_clipfrac: torch.Tensor  # fraction of tokens where the clipped branch is active
     pg_clipfrac_lower: torch.Tensor  # fraction of tokens where the dual clip is active
     ppo_kl: torch.Tensor  # mean(−δ)
-    kl: torch.Tensor  # mean per-token KL estimate (0 without kl)
+    kl: torch.Tensor  # mean per-token KL term (times r with kl_ratio_correction; 0 without kl)
     is_weight_mean: torch.Tensor  # mean rollout-correction weight (1 without correction)
     is_weight_max: torch.Tensor
     is_masked_frac: torch.Tensor  # fraction of tokens a MIS / decoupled bound rejected
@@ -372,3 +393,9 @@ class PolicyLossMetrics(NamedTuple):
     entropy_mean: torch.Tensor  # mean entropy (0 without entropy)
     num_tokens: torch.Tensor  # valid tokens in this call
     num_seqs: torch.Tensor  # sequences with at least one valid token
+    pg_clipfrac_low: torch.Tensor  # mean of low_t over valid tokens
+    pg_clipfrac_high: torch.Tensor  # mean of high_t over valid tokens
+    seq_clipfrac_low_mean: torch.Tensor  # mean over sequences of f_low_i
+    seq_clipfrac_high_mean: torch.Tensor  # mean over sequences of f_high_i
+    seq_clipfrac_low_min: torch.Tensor  # min over sequences of f_low_i
+    seq_clipfrac_high_max: torch.Tensor  # max over sequences of f_high_i

@@ -88,6 +88,16 @@ class PolicyLossSum(enum.IntEnum):
     SHAPED = 12  # Σ m·[shaping weight ≠ 1]
     ENT = 13  # Σ m·entropy
     NONFINITE = 14  # valid tokens where an input the call reads is NaN/±inf (the value check)
+    # The clip sides (ppo, gspo, cispo; 0 for the others). ρ is the ratio the loss type clips:
+    # exp(δ) (δ after log_ratio_clamp), GSPO's s_i. low_t = [ρ < 1 − ε_low and A < 0],
+    # high_t = [ρ > 1 + ε_high and A > 0] (A the unshaped advantage). f_i = Σ_t m·low / n_i
+    # (resp. high) over the sequences with n_i > 0.
+    CLIP_LOW = 15  # Σ m·low
+    CLIP_HIGH = 16  # Σ m·high
+    SEQ_CLIP_LOW = 17  # Σ_i f_low_i
+    SEQ_CLIP_HIGH = 18  # Σ_i f_high_i
+    SEQ_CLIP_LOW_MIN = 19  # min_i f_low_i (0 without a sequence with n_i > 0)
+    SEQ_CLIP_HIGH_MAX = 20  # max_i f_high_i (0 without a sequence with n_i > 0)
 
 
 NUM_SUMS = len(PolicyLossSum)
@@ -102,7 +112,7 @@ class PolicyLossParams(KernelParams):
 
     ratio_low: float  # 1 − ε_low: the clip range in ratio space
     ratio_high: float  # 1 + ε_high
-    clip_ratio_c: float  # dual-clip bound c (> 1), or 0 = off
+    clip_ratio_c: float  # dual-clip bound c (> 1) of ppo and gspo, or 0 = off
     log_ratio_clamp: float  # δ clamped to ±this before exp (> 0), or 0 = off
     gspo_log_clamp: float  # upper clamp of log s_i (+inf = off)
     tau_pos: float  # SAPO temperatures
@@ -132,6 +142,7 @@ class PolicyLossParams(KernelParams):
     a3po: bool  # a knob of the A3PO selection is on
     entropy_quantile: bool  # keep the pg term only where entropy >= entropy_threshold
     seq_adv: bool  # advantages are [B] (else token-shaped)
+    kl_ratio_correction: bool  # the KL term times the ratio ρ (TRL's use_bias_correction_kl)
 
 
 # The C++ X-macro list each branch-code enum mirrors.

@@ -29,8 +29,10 @@ Kernel contract (C++ ``csrc/policy_loss.cpp``, Triton ``triton/policy_loss.py``;
   - advantages: compute dtype (fp32; fp64 for fp64 inputs), [B] (``seq_adv``) or
     token-shaped. mask: token-shaped bool, or None (packed: every token inside
     cu_seqlens[-1] is valid). cu_seqlens: int64 [B + 1] or None (padded).
-    entropy_threshold: 0-d fp32 (:func:`~rlvr_kernels.contracts.policy_loss.entropy_quantile_threshold`)
-    or None. Every output is in the compute dtype.
+    entropy_threshold: 0-d fp32 (:func:`~rlvr_kernels.contracts.policy_loss.entropy_quantile_threshold`,
+    or the caller's ``entropy_threshold=``) or None. Every output is in the compute dtype.
+  - The per-sequence clip statistics (PolicyLossSum.SEQ_CLIP_*) are exact integer counts
+    per sequence, reduced in sequence order: deterministic as every other sum.
   - Packed spans follow the one cu_seqlens rule (``csrc/spans.h``): in bounds and disjoint
     whatever the offsets; tokens outside every span get 0.
   - Results are deterministic: the same bits for any thread count or launch.
@@ -256,6 +258,7 @@ def _validate(
     opts: PolicyLossOptions,
     validate: bool,
     logprobs_name: str = "logprobs",
+    entropy_threshold: Optional[torch.Tensor] = None,
 ) -> _Inputs:
     """Static checks (always) and value checks (``validate``); returns kernel-ready inputs."""
     check_tensor(logprobs_name, logprobs, dtypes=FLOAT_DTYPES, ndim=(1, 2))
@@ -299,7 +302,16 @@ def _validate(
     if ent is not None:
         ent = ent.to(dt).contiguous()  # keeps the autograd edge for the entropy bonus
     threshold = None
-    if opts.shaping.entropy_quantile is not None:
+    if entropy_threshold is not None:
+        if opts.shaping.entropy_quantile is None:
+            raise ValueError("entropy_threshold: only used with shaping.entropy_quantile")
+        check_tensor(
+            "entropy_threshold", entropy_threshold, dtypes=FLOAT_DTYPES, like=logprobs, like_name=logprobs_name
+        )
+        if entropy_threshold.numel() != 1:
+            raise ValueError(f"entropy_threshold: expected one element, got shape {tuple(entropy_threshold.shape)}")
+        threshold = entropy_threshold.detach().reshape(()).float()
+    elif opts.shaping.entropy_quantile is not None:
         valid = packed_mask(mask, cu, shape[0], logprobs.device) if cu is not None else mask
         threshold = entropy_quantile_threshold(ent, valid, opts.shaping.entropy_quantile)
     return _Inputs(
@@ -403,8 +415,10 @@ def policy_loss(
     clip_low: Optional[float] = None,
     clip_high: Optional[float] = None,
     clip_ratio_c: Optional[float] = None,
+    gspo_dual_clip: Optional[bool] = None,
     kl: Optional[str] = None,
     kl_coef: Optional[float] = None,
+    kl_ratio_correction: Optional[bool] = None,
     rollout_correction: Optional[str] = None,
     rollout_threshold: Optional[float] = None,
     entropy_coef: Optional[float] = None,
@@ -418,6 +432,7 @@ def policy_loss(
     global_num_seqs=None,
     dp_size: int = 1,
     loss_scale_factor: Optional[float] = None,
+    entropy_threshold: Optional[torch.Tensor] = None,
     validate: bool = True,
     backend: str = "auto",
 ) -> Tuple[torch.Tensor, PolicyLossMetrics]:
@@ -450,6 +465,10 @@ def policy_loss(
             ranks is the full-batch one).
         loss_scale_factor: divisor of ``seq-mean-token-sum-norm`` (Dr.GRPO); default L
             (padded; 1 when L = 0: no token, a loss of 0); required for the packed layout.
+        entropy_threshold: with ``shaping.entropy_quantile``, a 1-element tensor that
+            replaces this call's own quantile of ``entropy`` (e.g. the quantile over every
+            data-parallel rank's tokens, as TRL's ``top_entropy_quantile``); tokens with an
+            (fp32) entropy >= it keep their policy-gradient term.
         validate: check values (finite log-probs on valid tokens, ``cu_seqlens``), a host
             sync on CUDA; skipped under torch.compile and for meta tensors.
         backend: ``"auto"``, or ``"reference"``, ``"cpu"``, ``"triton"``.
@@ -466,8 +485,10 @@ def policy_loss(
         clip_low=clip_low,
         clip_high=clip_high,
         clip_ratio_c=clip_ratio_c,
+        gspo_dual_clip=gspo_dual_clip,
         kl=kl,
         kl_coef=kl_coef,
+        kl_ratio_correction=kl_ratio_correction,
         rollout_correction=rollout_correction,
         rollout_threshold=rollout_threshold,
         entropy_coef=entropy_coef,
@@ -475,7 +496,17 @@ def policy_loss(
         shaping=shaping,
     )
     x = _validate(
-        logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_logprobs, entropy, cu_seqlens, opts, validate
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        ref_logprobs,
+        rollout_logprobs,
+        entropy,
+        cu_seqlens,
+        opts,
+        validate,
+        entropy_threshold=entropy_threshold,
     )
     _check_agg_args(opts, cu_seqlens, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
     agg_kw = dict(
@@ -496,6 +527,7 @@ def policy_loss(
             rollout_logprobs=rollout_logprobs,
             entropy=entropy,
             cu_seqlens=x.cu_seqlens,
+            entropy_threshold=x.entropy_threshold if entropy_threshold is not None else None,
             **agg_kw,
         )
     token_out = TokenOut.LOSS if opts.agg == "none" else TokenOut.NONE
@@ -592,7 +624,7 @@ def _kernel_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> 
     return PolicyLossParams(
         ratio_low=1.0 - o.clip_low,
         ratio_high=1.0 + o.clip_high,
-        clip_ratio_c=float(o.clip_ratio_c or 0.0),
+        clip_ratio_c=float(o.clip_ratio_c or 0.0) if o.loss_type == "ppo" or o.gspo_dual_clip else 0.0,
         log_ratio_clamp=float(o.log_ratio_clamp or 0.0),
         gspo_log_clamp=float(o.gspo_log_clamp) if o.gspo_log_clamp is not None else float("inf"),
         tau_pos=float(o.tau_pos),
@@ -622,6 +654,7 @@ def _kernel_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> 
         a3po=bool(s.a3po_active),
         entropy_quantile=s.entropy_quantile is not None,
         seq_adv=bool(seq_adv),
+        kl_ratio_correction=bool(o.kl_ratio_correction and o.kl is not None),
     )
 
 
@@ -711,4 +744,10 @@ def _metrics(sums: torch.Tensor, norm: torch.Tensor) -> PolicyLossMetrics:
         entropy_mean=mean(S.ENT),
         num_tokens=ntok,
         num_seqs=s[S.NSEQ],
+        pg_clipfrac_low=mean(S.CLIP_LOW),
+        pg_clipfrac_high=mean(S.CLIP_HIGH),
+        seq_clipfrac_low_mean=_safe_div(s[S.SEQ_CLIP_LOW], s[S.NSEQ]),
+        seq_clipfrac_high_mean=_safe_div(s[S.SEQ_CLIP_HIGH], s[S.NSEQ]),
+        seq_clipfrac_low_min=s[S.SEQ_CLIP_LOW_MIN],
+        seq_clipfrac_high_max=s[S.SEQ_CLIP_HIGH_MAX],
     )

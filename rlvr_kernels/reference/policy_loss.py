@@ -193,7 +193,8 @@ def ppo_term(opts: PolicyLossOptions, logp, old, adv):
 
 def gspo_term(opts: PolicyLossOptions, logp, old, adv, valid):
     """The clipped objective of the sequence ratio s_i = exp(mean δ) with the token's own
-    gradient: log s_{i,t} = logp − sg(logp) + sg(log s_i), log s_i clamped above."""
+    gradient: log s_{i,t} = logp − sg(logp) + sg(log s_i), log s_i clamped above; with
+    ``gspo_dual_clip``, ppo_term's dual clip for A < 0."""
     delta_raw = logp - old
     lo, hi = _clip_range(opts)
     n = valid.sum(-1).clamp(min=1)
@@ -203,7 +204,12 @@ def gspo_term(opts: PolicyLossOptions, logp, old, adv, valid):
     l1 = -adv * s
     l2 = -adv * torch.clamp(s, lo, hi)
     clipped = l2 > l1
-    return torch.maximum(l1, l2), clipped, torch.zeros_like(clipped), delta_raw
+    pg1 = torch.maximum(l1, l2)
+    if opts.clip_ratio_c is None or not opts.gspo_dual_clip:
+        return pg1, clipped, torch.zeros_like(clipped), delta_raw
+    l3 = -adv * opts.clip_ratio_c  # the dual clip (gspo_dual_clip), as ppo_term
+    pg = torch.where(adv < 0, torch.minimum(pg1, l3), pg1)
+    return pg, clipped, (pg1 > l3) & (adv < 0), delta_raw
 
 
 def cispo_term(opts: PolicyLossOptions, logp, old, adv):
@@ -244,6 +250,36 @@ def pg_term(opts: PolicyLossOptions, logp, old, adv, valid):
     if opts.loss_type == "sapo":
         return sapo_term(opts, logp, old, adv)
     return reinforce_term(opts, logp, old, adv)
+
+
+def importance_ratio(opts: PolicyLossOptions, logp, old, valid):
+    """The ratio r the loss type is built on, with its token-form gradient: exp(δ) (δ from
+    ``log_ratio``), GSPO's s_{i,t} (value s_i, gradient through the token's own log-prob).
+    Used by the clip-side metrics and by ``kl_ratio_correction``."""
+    if opts.loss_type == "gspo":
+        n = valid.sum(-1).clamp(min=1)
+        log_s = ((logp - old) * valid).sum(-1) / n
+        log_st = logp - logp.detach() + log_s.detach()[:, None]
+        return torch.exp(torch.clamp(log_st, max=opts.gspo_log_clamp) if opts.gspo_log_clamp is not None else log_st)
+    return torch.exp(log_ratio(opts, logp, old))
+
+
+def clip_sides(opts: PolicyLossOptions, logp, old, adv, valid):
+    """(low, high) per token: ρ < 1 − ε_low with A < 0, ρ > 1 + ε_high with A > 0, for the
+    loss types that clip (ppo, gspo, cispo); all False for the others."""
+    if opts.loss_type not in ("ppo", "gspo", "cispo"):
+        no = torch.zeros_like(valid)
+        return no, no
+    lo, hi = _clip_range(opts)
+    r = importance_ratio(opts, logp, old, valid).detach()
+    return valid & (r < lo) & (adv < 0), valid & (r > hi) & (adv > 0)
+
+
+def seq_fractions(x, valid):
+    """Per-sequence mean of the flags ``x`` over the valid tokens, for the sequences with one."""
+    n = valid.sum(-1)
+    f = (x & valid).sum(-1).double() / n.clamp(min=1).double()
+    return f[n > 0]
 
 
 # ------------------------------------------------------------------ IS weight, KL, token loss
@@ -348,11 +384,13 @@ def policy_loss(
     global_num_seqs=None,
     dp_size: int = 1,
     loss_scale_factor: Optional[float] = None,
+    entropy_threshold: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, PolicyLossMetrics]:
     """The GRPO-family policy loss, per SPEC §4, and its metrics: pg_term → shaping_weights →
     is_weights → kl_term → token_loss → aggregate.
 
     Computes in the dtype of ``logprobs`` promoted to at least fp32 (fp64 stays fp64).
+    ``entropy_threshold`` replaces the batch's entropy quantile (shaping.entropy_quantile).
     Returns the aggregated loss (0-d; ``[B, L]``/``[T]`` for ``agg="none"``) and metrics.
     """
     dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
@@ -375,13 +413,19 @@ def policy_loss(
 
     pg, clipped, clip_lower, delta = pg_term(opts, lp, old, adv, valid)
     thr = None
-    if opts.shaping.entropy_quantile is not None:
+    if entropy_threshold is not None:
+        thr = entropy_threshold.detach().reshape(()).float()
+    elif opts.shaping.entropy_quantile is not None:
         thr = entropy_quantile_threshold(ent, valid, opts.shaping.entropy_quantile)
     shape_w = shaping_weights(adv, old, valid, opts.shaping, ent, thr).to(dtype)
     is_w, rejected = torch.ones_like(lp), torch.zeros_like(valid)
     if opts.rollout_correction is not None:
         is_w, rejected = is_weights(opts, old, roll.to(dtype), m)
     kl_tok = kl_term(opts, lp, ref.to(dtype)) if opts.kl is not None else None
+    if kl_tok is not None and opts.kl_ratio_correction:
+        kl_tok = kl_tok * importance_ratio(opts, lp, old, valid)
+    low, high = clip_sides(opts, lp, old, adv, valid)
+    f_low, f_high = seq_fractions(low, valid), seq_fractions(high, valid)
     loss_tok, pg_tok = token_loss(opts, pg, shape_w, is_w if opts.rollout_correction is not None else None, kl_tok, ent)
     kl_tok = torch.zeros_like(lp) if kl_tok is None else kl_tok
 
@@ -420,8 +464,21 @@ def policy_loss(
             entropy_mean=mean(ent.detach()) if ent is not None else lp.new_zeros((), dtype=torch.float32),
             num_tokens=N_tok.float(),
             num_seqs=(m.sum(-1) > 0).to(dtype).sum().float(),
+            pg_clipfrac_low=mean(low),
+            pg_clipfrac_high=mean(high),
+            seq_clipfrac_low_mean=_seq_stat(f_low, "mean"),
+            seq_clipfrac_high_mean=_seq_stat(f_high, "mean"),
+            seq_clipfrac_low_min=_seq_stat(f_low, "min"),
+            seq_clipfrac_high_max=_seq_stat(f_high, "max"),
         )
     return loss.to(dtype), metrics
+
+
+def _seq_stat(f, how):
+    """mean / min / max of the per-sequence values ``f`` as fp32, 0 when there is none."""
+    if f.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=f.device)
+    return getattr(f, how)().float()
 
 
 def _safe_div(num, den):

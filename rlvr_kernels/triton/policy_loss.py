@@ -86,7 +86,7 @@ TOKEN_OUT_NONE = tl.constexpr(int(TokenOut.NONE))
 TOKEN_OUT_LOSS = tl.constexpr(int(TokenOut.LOSS))
 TOKEN_OUT_SHAPED = tl.constexpr(int(TokenOut.SHAPED_ADVANTAGES))
 # Columns of a partial-sums row (PolicyLossSum), padded to a power of two.
-_NP = tl.constexpr(16)
+_NP = tl.constexpr(32)
 _C_TOTAL = tl.constexpr(int(PolicyLossSum.TOTAL))
 _C_PG = tl.constexpr(int(PolicyLossSum.PG))
 _C_KL = tl.constexpr(int(PolicyLossSum.KL))
@@ -102,8 +102,14 @@ _C_REJECT = tl.constexpr(int(PolicyLossSum.REJECT))
 _C_SHAPED = tl.constexpr(int(PolicyLossSum.SHAPED))
 _C_ENT = tl.constexpr(int(PolicyLossSum.ENT))
 _C_NONFINITE = tl.constexpr(int(PolicyLossSum.NONFINITE))
+_C_CLIP_LOW = tl.constexpr(int(PolicyLossSum.CLIP_LOW))
+_C_CLIP_HIGH = tl.constexpr(int(PolicyLossSum.CLIP_HIGH))
+_C_SEQ_CLIP_LOW = tl.constexpr(int(PolicyLossSum.SEQ_CLIP_LOW))
+_C_SEQ_CLIP_HIGH = tl.constexpr(int(PolicyLossSum.SEQ_CLIP_HIGH))
+_C_SEQ_CLIP_LOW_MIN = tl.constexpr(int(PolicyLossSum.SEQ_CLIP_LOW_MIN))
+_C_SEQ_CLIP_HIGH_MAX = tl.constexpr(int(PolicyLossSum.SEQ_CLIP_HIGH_MAX))
 _C_NUM_SUMS = tl.constexpr(NUM_SUMS)
-assert NUM_SUMS <= 16
+assert NUM_SUMS <= 32
 _NSTAT = tl.constexpr(4)  # per-sequence stats row: n_i, log s_i (gspo), Σ log w·m (seq IS), unused
 _NA3 = tl.constexpr(5)  # per-sequence A3PO row: polarity, K_high, cut_high, K_low, cut_low
 _I64_MAX = tl.constexpr(0x7FFFFFFFFFFFFFFF)
@@ -468,6 +474,13 @@ def _clipped_objective(adv, x, dl1, lo, hi):
 
 
 @triton.jit
+def _clip_sides(x, adv, valid, lo, hi):
+    """The clip sides of the ratio x (PolicyLossSum.CLIP_LOW / CLIP_HIGH): below lo with
+    A < 0, above hi with A > 0, on valid tokens."""
+    return valid & (x < lo) & (adv < 0.0), valid & (x > hi) & (adv > 0.0)
+
+
+@triton.jit
 def _ppo_term(
     lp,
     old,
@@ -482,7 +495,7 @@ def _ppo_term(
     DUAL_CLIP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Mirrors reference ppo_term: (pg, ∂pg/∂logp, clipped, clip_lower, δ)."""
+    """Mirrors reference ppo_term: (pg, ∂pg/∂logp, clipped, clip_lower, δ, low, high)."""
     delta, d_delta = _log_ratio(lp, old, lr_clamp, CDT, LR_CLAMP, BLOCK)
     ratio = tl.exp(delta)
     pg, dpg, clipped = _clipped_objective(adv, ratio, -adv * ratio * d_delta, lo, hi)
@@ -493,18 +506,27 @@ def _ppo_term(
         clip_lower = neg & (pg > l3)
         dpg = tl.where(neg, tl.where(pg < l3, dpg, tl.where(pg == l3, 0.5 * dpg, 0.0)), dpg)
         pg = tl.where(neg, tl.minimum(pg, l3), pg)
-    return pg, dpg, clipped, clip_lower, delta
+    low, high = _clip_sides(ratio, adv, valid, lo, hi)
+    return pg, dpg, clipped, clip_lower, delta, low, high
 
 
 @triton.jit
-def _gspo_term(lp, old, adv, valid, log_s, lo, hi, gspo_clamp, CDT: tl.constexpr):
+def _gspo_term(lp, old, adv, valid, log_s, lo, hi, clip_c, gspo_clamp, CDT: tl.constexpr, DUAL_CLIP: tl.constexpr):
     """Mirrors reference gspo_term: s = exp(min(log s_i, clamp)) from the stats pass, and
-    ∂ log s_{i,t} / ∂logp_t = 1 while log s_i is under the clamp."""
+    ∂ log s_{i,t} / ∂logp_t = 1 while log s_i is under the clamp; the dual clip as _ppo_term."""
     g = _param(gspo_clamp, CDT)
     s = tl.exp(tl.minimum(log_s, g))
     ds = tl.where(log_s <= g, s, 0.0)
     pg, dpg, clipped = _clipped_objective(adv, s, -adv * ds, lo, hi)
-    return pg, dpg, clipped, valid & False, lp - old
+    clip_lower = valid & False
+    if DUAL_CLIP:
+        l3 = -adv * _param(clip_c, CDT)
+        neg = adv < 0.0
+        clip_lower = neg & (pg > l3)
+        dpg = tl.where(neg, tl.where(pg < l3, dpg, tl.where(pg == l3, 0.5 * dpg, 0.0)), dpg)
+        pg = tl.where(neg, tl.minimum(pg, l3), pg)
+    low, high = _clip_sides(s, adv, valid, lo, hi)
+    return pg, dpg, clipped, clip_lower, lp - old, low, high
 
 
 @triton.jit
@@ -514,7 +536,8 @@ def _cispo_term(lp, old, adv, valid, lo, hi, lr_clamp, CDT: tl.constexpr, LR_CLA
     ratio = tl.exp(delta)
     cr = tl.minimum(tl.maximum(ratio, lo), hi)
     dpg = -cr * adv
-    return dpg * lp, dpg, ratio != cr, valid & False, delta
+    low, high = _clip_sides(ratio, adv, valid, lo, hi)
+    return dpg * lp, dpg, ratio != cr, valid & False, delta, low, high
 
 
 @triton.jit
@@ -529,13 +552,13 @@ def _sapo_term(
     k = 4.0 / tau
     pg = -(sig * k) * adv
     dpg = (-adv * k) * ((1.0 - sig) * sig) * tau * ratio * d_delta
-    return pg, dpg, valid & False, valid & False, delta
+    return pg, dpg, valid & False, valid & False, delta, valid & False, valid & False
 
 
 @triton.jit
 def _reinforce_term(lp, old, adv, valid):
     """Mirrors reference reinforce_term: −A·logp."""
-    return -adv * lp, -adv, valid & False, valid & False, lp - old
+    return -adv * lp, -adv, valid & False, valid & False, lp - old, valid & False, valid & False
 
 
 @triton.jit
@@ -558,13 +581,14 @@ def _pg_term(
     LR_CLAMP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Mirrors reference pg_term: (pg, ∂pg/∂logp, clipped, clip_lower, δ for ppo_kl)."""
+    """Mirrors reference pg_term: (pg, ∂pg/∂logp, clipped, clip_lower, δ for ppo_kl) and the
+    clip sides (low, high) of reference clip_sides."""
     lo = _param(clip_lo, CDT)
     hi = _param(clip_hi, CDT)
     if LOSS == PPO:
         return _ppo_term(lp, old, adv, valid, lo, hi, clip_c, lr_clamp, CDT, LR_CLAMP, DUAL_CLIP, BLOCK)
     elif LOSS == GSPO:
-        return _gspo_term(lp, old, adv, valid, log_s, lo, hi, gspo_clamp, CDT)
+        return _gspo_term(lp, old, adv, valid, log_s, lo, hi, clip_c, gspo_clamp, CDT, DUAL_CLIP)
     elif LOSS == CISPO:
         return _cispo_term(lp, old, adv, valid, lo, hi, lr_clamp, CDT, LR_CLAMP, BLOCK)
     elif LOSS == SAPO:
@@ -729,6 +753,8 @@ def _partial_sums(
     kl_a,  # agg_w·kl
     clipped,
     clip_lower,
+    low,
+    high,
     delta,
     is_w,
     rejected,
@@ -756,6 +782,8 @@ def _partial_sums(
     part = tl.where(cols == _C_NTOK, ntok, part)
     if (LOSS == PPO) or (LOSS == GSPO) or (LOSS == CISPO):  # only these clip
         part = tl.where(cols == _C_CLIP, tl.sum(tl.where(valid & clipped, one, zero), 0), part)
+        part = tl.where(cols == _C_CLIP_LOW, tl.sum(tl.where(low, one, zero), 0), part)
+        part = tl.where(cols == _C_CLIP_HIGH, tl.sum(tl.where(high, one, zero), 0), part)
     if DUAL_CLIP:
         part = tl.where(cols == _C_CLIP_LOWER, tl.sum(tl.where(valid & clip_lower, one, zero), 0), part)
     part = tl.where(cols == _C_NEG_DELTA, tl.sum(tl.where(valid, -delta, zero), 0), part)
@@ -796,7 +824,7 @@ def _token_kernel(
     grad_ptr,  # token-shaped compute dtype: agg_w · ∂ℓ/∂logp
     gent_ptr,  # token-shaped compute dtype: agg_w · ∂ℓ/∂entropy (ENT_GRAD)
     tok_ptr,  # token-shaped compute dtype: ℓ·m (TOKEN_OUT_LOSS) or A·w·m (TOKEN_OUT_SHAPED)
-    part_ptr,  # [programs, 16] compute dtype: per-program partial sums (PolicyLossSum columns)
+    part_ptr,  # [programs, 32] compute dtype: per-program partial sums (PolicyLossSum columns)
     B,
     L,
     T,
@@ -840,6 +868,7 @@ def _token_kernel(
     A3PO: tl.constexpr,
     A3PO_ENT: tl.constexpr,
     ENT_Q: tl.constexpr,
+    KL_RATIO: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -874,7 +903,7 @@ def _token_kernel(
     log_s = tl.zeros([BLOCK], CDT)
     if LOSS == GSPO:
         log_s = tl.load(seqf_ptr + row * _NSTAT + 1, mask=is_seq, other=0.0) + log_s
-    pg, dpg, clipped, clip_lower, delta = _pg_term(
+    pg, dpg, clipped, clip_lower, delta, low, high = _pg_term(
         lp,
         old,
         adv,
@@ -930,6 +959,17 @@ def _token_kernel(
     dkl = tl.zeros([BLOCK], CDT)
     if KL != KL_NONE:
         kl, dkl = _kl_term(lp, ref, KL, KL_CLAMP, CDT, BLOCK)
+        if KL_RATIO:  # kl·r, r the loss type's ratio (reference importance_ratio): d = dkl·r + kl·dr
+            if LOSS == GSPO:
+                g = _param(gspo_clamp, CDT)
+                r = tl.exp(tl.minimum(log_s, g))
+                dr = tl.where(log_s <= g, r, 0.0)
+            else:
+                d_r, dd_r = _log_ratio(lp, old, lr_clamp, CDT, LR_CLAMP, BLOCK)
+                r = tl.exp(d_r)
+                dr = r * dd_r
+            dkl = dkl * r + kl * dr
+            kl = kl * r
     ec = _param(ent_coef, CDT)
     ell, pgw, dlp = _token_loss(pg, dpg, w, is_w, kl, dkl, ent, _param(kl_coef, CDT), ec, SHAPING, RC, KL, ENT_TERM)
 
@@ -976,6 +1016,8 @@ def _token_kernel(
         kl_a,
         clipped,
         clip_lower,
+        low,
+        high,
         delta,
         is_w,
         rejected,
@@ -996,7 +1038,7 @@ def _token_kernel(
 
 @triton.jit
 def _finalize_kernel(
-    part_ptr,  # [P, 16] compute dtype partial sums
+    part_ptr,  # [P, 32] compute dtype partial sums
     seqf_ptr,  # [B, 4] per-sequence stats (HAS_STATS: column 0 is n_i)
     boff_ptr,  # [B + 3] int64 program offsets (PACKED)
     sums_ptr,  # [NUM_SUMS] compute dtype output
@@ -1020,27 +1062,50 @@ def _finalize_kernel(
         mx = tl.maximum(mx, tl.max(tile, 0))
     out = tl.where(cols == _C_IS_MAX, mx, acc)
 
-    # Sequences with n_i > 0: from the stats pass, else from the per-program counts.
+    # Per sequence: n_i (from the stats pass, else the per-program counts) and the clip-side
+    # counts (per-program counts, summed over the sequence's programs in order).
     lanes = tl.arange(0, SEQS).to(tl.int64)
     nseq = tl.zeros([SEQS], tl.int32)
+    f_lo_sum = tl.zeros([SEQS], tl.float64)
+    f_hi_sum = tl.zeros([SEQS], tl.float64)
+    f_lo_min = tl.full([SEQS], float("inf"), tl.float64)
+    f_hi_max = tl.zeros([SEQS], tl.float64)
     for start in range(0, B, SEQS):
         s = start + lanes
         ok = s < B
+        if PACKED:
+            b0 = tl.load(boff_ptr + s + 1, mask=ok, other=0)
+            nb = tl.where(ok, tl.load(boff_ptr + s + 2, mask=ok, other=0) - b0, 0)
+        else:
+            b0 = s * NBL
+            nb = tl.where(ok, NBL, 0).to(tl.int64)
+        n = tl.zeros([SEQS], CDT)
+        c_lo = tl.zeros([SEQS], CDT)
+        c_hi = tl.zeros([SEQS], CDT)
+        for j in range(0, tl.max(nb, 0)):
+            # (b0 + j < P always holds for sanitised spans; the mask keeps every read in bounds)
+            rmask = (j < nb) & (b0 + j < P)
+            rp = part_ptr + (b0 + j) * _NP
+            n += tl.load(rp + _C_NTOK, mask=rmask, other=0.0)
+            c_lo += tl.load(rp + _C_CLIP_LOW, mask=rmask, other=0.0)
+            c_hi += tl.load(rp + _C_CLIP_HIGH, mask=rmask, other=0.0)
         if HAS_STATS:
             n = tl.load(seqf_ptr + s * _NSTAT, mask=ok, other=0.0)
-        else:
-            if PACKED:
-                b0 = tl.load(boff_ptr + s + 1, mask=ok, other=0)
-                nb = tl.where(ok, tl.load(boff_ptr + s + 2, mask=ok, other=0) - b0, 0)
-            else:
-                b0 = s * NBL
-                nb = tl.where(ok, NBL, 0).to(tl.int64)
-            n = tl.zeros([SEQS], CDT)
-            for j in range(0, tl.max(nb, 0)):
-                # (b0 + j < P always holds for sanitised spans; the mask keeps every read in bounds)
-                n += tl.load(part_ptr + (b0 + j) * _NP + _C_NTOK, mask=(j < nb) & (b0 + j < P), other=0.0)
-        nseq += (ok & (n > 0.0)).to(tl.int32)
-    out = tl.where(cols == _C_NSEQ, tl.sum(nseq, 0).to(tl.float64), out)
+        has = ok & (n > 0.0)
+        nseq += has.to(tl.int32)
+        n64 = tl.maximum(n.to(tl.float64), 1.0)
+        f_lo = c_lo.to(tl.float64) / n64
+        f_hi = c_hi.to(tl.float64) / n64
+        f_lo_sum += tl.where(has, f_lo, 0.0)
+        f_hi_sum += tl.where(has, f_hi, 0.0)
+        f_lo_min = tl.minimum(f_lo_min, tl.where(has, f_lo, float("inf")))
+        f_hi_max = tl.maximum(f_hi_max, tl.where(has, f_hi, 0.0))
+    n_all = tl.sum(nseq, 0)
+    out = tl.where(cols == _C_NSEQ, n_all.to(tl.float64), out)
+    out = tl.where(cols == _C_SEQ_CLIP_LOW, tl.sum(f_lo_sum, 0), out)
+    out = tl.where(cols == _C_SEQ_CLIP_HIGH, tl.sum(f_hi_sum, 0), out)
+    out = tl.where(cols == _C_SEQ_CLIP_LOW_MIN, tl.where(n_all > 0, tl.min(f_lo_min, 0), 0.0), out)
+    out = tl.where(cols == _C_SEQ_CLIP_HIGH_MAX, tl.max(f_hi_max, 0), out)
     tl.store(sums_ptr + cols, out.to(CDT), mask=cols < _C_NUM_SUMS)
 
 
@@ -1194,7 +1259,7 @@ def policy_loss_fwd(
         if k["A3PO"]:
             a3po_rows = torch.empty(B * 5, dtype=torch.int64, device=dev)
         _launch_seq_stats(p, k, x, cu, seqf, a3po_rows, B, L, T)
-    part = torch.empty(max(P, 1) * 16, dtype=cdt, device=dev)
+    part = torch.empty(max(P, 1) * 32, dtype=cdt, device=dev)
     if P > 0:
         _token_kernel[(P,)](
             *_token_pointers(p, x, grad),
@@ -1215,7 +1280,7 @@ def policy_loss_fwd(
             BLOCK=tb,
             num_warps=_WARPS,
         )
-    c = dict(CDT=k["CDT"], PACKED=k["PACKED"], HAS_STATS=stats, ROWS=64, SEQS=256)
+    c = dict(CDT=k["CDT"], PACKED=k["PACKED"], HAS_STATS=stats, ROWS=32, SEQS=128)
     _finalize_kernel[(1,)](part, seqf, boff, sums, P, B, NBL, **c)
     return sums, grad, gent, tok
 
@@ -1303,7 +1368,7 @@ def _token_constexprs(p: PolicyLossParams, k, has_entropy: bool, need_entropy_gr
     return dict(
         k,
         LOSS=int(p.loss_type),
-        DUAL_CLIP=p.loss_type == LossType.PPO and p.clip_ratio_c > 0,
+        DUAL_CLIP=p.loss_type in (LossType.PPO, LossType.GSPO) and p.clip_ratio_c > 0,
         LR_CLAMP=p.log_ratio_clamp > 0,
         KL=int(p.kl),
         KL_CLAMP=bool(p.kl_clamp),
@@ -1317,6 +1382,7 @@ def _token_constexprs(p: PolicyLossParams, k, has_entropy: bool, need_entropy_gr
         SHAPE_POL=p.w_pos != 1.0 or p.w_neg != 1.0,
         SHAPE_PROB=p.probability != 0,
         ENT_Q=bool(p.entropy_quantile),
+        KL_RATIO=p.kl != KlEstimator.NONE and bool(p.kl_ratio_correction),
         SEARCH_STEPS=max(1, math.ceil(math.log2(B + 2)) + 1) if k["PACKED"] else 1,
     )
 
@@ -1353,7 +1419,7 @@ def aot_specs():
             f"_finalize_kernel[{name}]",
             k._finalize_kernel,
             sig,
-            dict(CDT=cdt, PACKED=packed, HAS_STATS=stats, ROWS=64, SEQS=256),
+            dict(CDT=cdt, PACKED=packed, HAS_STATS=stats, ROWS=32, SEQS=128),
         )
 
 
@@ -1466,6 +1532,7 @@ def _aot_token_spec(name, inp, cdt, **const):
         A3PO=False,
         A3PO_ENT=False,
         ENT_Q=False,
+        KL_RATIO=False,
         SEARCH_STEPS=1,
     )
     full.update(const)
@@ -1538,3 +1605,15 @@ def _aot_token_specs():
     yield spec("everything,packed", "*bf16", tl.float32, PACKED=True, SEARCH_STEPS=8, **everything)
     yield spec("fp64,everything", "*fp64", tl.float64, **everything)
     yield spec("fp64,gspo", "*fp64", tl.float64, LOSS=int(LossType.GSPO), KL=int(KlEstimator.K3))
+    # TRL's defaults with beta > 0: k3 times the ratio (use_bias_correction_kl)
+    yield spec("ppo,k3,kl_ratio", "*bf16", tl.float32, LOSS=int(LossType.PPO), KL=int(KlEstimator.K3), KL_RATIO=True)
+    yield spec(
+        "gspo,k3,kl_ratio,seq_mean",
+        "*bf16",
+        tl.float32,
+        LOSS=int(LossType.GSPO),
+        KL=int(KlEstimator.K3),
+        KL_RATIO=True,
+        SEQ_MEAN=True,
+        N_FROM_STATS=True,
+    )

@@ -21,6 +21,9 @@ from rlvr_kernels.integrations import trl as ours
 NOT_DROPINS = {
     "compute_grpo_advantages": "grpo_trainer",  # GRPOTrainer._generate_and_score_completions
     "grpo_loss_trl": "grpo_trainer",  # GRPOTrainer._compute_loss
+    "reduce_trl_metrics": "grpo_trainer",  # _compute_loss's metric logging
+    "trl_entropy_threshold": "grpo_trainer",  # GRPOTrainer.get_high_entropy_mask's threshold
+    "TrlMetric": "grpo_trainer",  # (grpo_loss_trl's metric type)
     "compute_async_grpo_advantages": "async_rollout_worker",  # trl.experimental.async_grpo
     "use_backend": None,
     # integrations.trl.patch: putting the ops into TRL's trainers (tests/integrations/test_trl_apply.py)

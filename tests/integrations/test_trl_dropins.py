@@ -278,30 +278,38 @@ def test_wrongly_shaped_ratio_is_a_shape_error_even_when_it_broadcasts():
 # ---------------------------------------------------------------------------------------
 
 
-def test_bias_corrected_kl_raises_unless_turned_off():
+def test_bias_corrected_kl_is_the_default():
     """TRL's default ``use_bias_correction_kl=True`` multiplies the KL by the importance
-    ratio, which the fused op does not: asked for (the default) with a KL term, it raises
-    naming the option; without a KL term TRL computes none and the option changes nothing."""
+    ratio (fused: the op's kl_ratio_correction); without a KL term it changes nothing.
+    Values against TRL's own code: tests/policy_loss/test_peers_trl.py."""
     gen = torch.Generator().manual_seed(5)
     lp = torch.randn(B, T, generator=gen)
     old = lp + 0.1 * torch.randn(B, T, generator=gen)
+    ref = lp + 0.1 * torch.randn(B, T, generator=gen)
     args = (lp, old, torch.randn(B, generator=gen), M)
-    with pytest.raises(NotImplementedError, match="^use_bias_correction_kl"):
-        ours.grpo_loss_trl(*args, loss_type="bnpo", beta=0.04, ref_per_token_logps=old)
-    with pytest.raises(NotImplementedError, match="^use_bias_correction_kl"):
-        ours.grpo_loss_trl(*args, loss_type="bnpo", beta=0.04, ref_per_token_logps=old, use_bias_correction_kl=True)
-    plain, _ = ours.grpo_loss_trl(
-        *args, loss_type="bnpo", beta=0.04, ref_per_token_logps=old, use_bias_correction_kl=False
-    )
-    assert torch.isfinite(plain)
+    kw = dict(loss_type="bnpo", beta=0.04, ref_per_token_logps=ref)
+    default, m_default = ours.grpo_loss_trl(*args, **kw)
+    plain, m_plain = ours.grpo_loss_trl(*args, **kw, use_bias_correction_kl=False)
+    ratio = (lp - old).exp()
+    k3 = (ref - lp).exp() - (ref - lp) - 1
+    valid = M.bool()
+    assert float(m_default.kl) == pytest.approx(float((k3 * ratio)[valid].mean()), rel=1e-5)
+    assert float(m_plain.kl) == pytest.approx(float(k3[valid].mean()), rel=1e-5)
+    assert not torch.equal(default, plain)
     off, _ = ours.grpo_loss_trl(*args, loss_type="bnpo", use_bias_correction_kl=False)
     on, _ = ours.grpo_loss_trl(*args, loss_type="bnpo")
     assert torch.equal(on, off)
 
 
-def test_off_policy_mask_raises():
-    with pytest.raises(NotImplementedError, match="^off_policy_mask_threshold"):
-        ours.grpo_loss_trl(LP, LP, A, M, loss_type="bnpo", off_policy_mask_threshold=0.5)
+def test_off_policy_mask_drops_negative_off_policy_sequences():
+    """TRL's off-policy sequence mask: a sequence with A < 0 whose mean KL to the sampling
+    policy exceeds the threshold loses its pg term (values: test_peers_trl.py)."""
+    adv = torch.tensor([-1.0] * B)
+    old = LP - 0.5  # mean KL old − logp = −0.5: kept at threshold 0; dropped at −1
+    kept, _ = ours.grpo_loss_trl(LP, old, adv, M, loss_type="bnpo", off_policy_mask_threshold=0.0)
+    plain, _ = ours.grpo_loss_trl(LP, old, adv, M, loss_type="bnpo")
+    dropped, _ = ours.grpo_loss_trl(LP, old, adv, M, loss_type="bnpo", off_policy_mask_threshold=-1.0)
+    assert torch.equal(kept, plain) and float(dropped) == 0.0 and float(plain) != 0.0
 
 
 # ---------------------------------------------------------------------------------------

@@ -111,9 +111,15 @@ def expected(inputs, opts):
         (S.REJECT, "is_masked_frac"),
         (S.SHAPED, "shaped_frac"),
         (S.ENT, "entropy_mean"),
+        (S.CLIP_LOW, "pg_clipfrac_low"),
+        (S.CLIP_HIGH, "pg_clipfrac_high"),
     ):
         sums[col] = float(getattr(met, name)) * ntok
     sums[S.IS_MAX] = float(met.is_weight_max)
+    sums[S.SEQ_CLIP_LOW] = float(met.seq_clipfrac_low_mean) * float(met.num_seqs)
+    sums[S.SEQ_CLIP_HIGH] = float(met.seq_clipfrac_high_mean) * float(met.num_seqs)
+    sums[S.SEQ_CLIP_LOW_MIN] = float(met.seq_clipfrac_low_min)
+    sums[S.SEQ_CLIP_HIGH_MAX] = float(met.seq_clipfrac_high_max)
     token_loss, _ = rk.policy_loss(**x64, **dict(opts, agg="none"), backend="reference")
     return sums, lp.grad * n_seq, grad_ent * n_seq, token_loss.detach()
 
@@ -129,6 +135,29 @@ CASES = [
         "ppo verl dual clip, k3, token_tis",
         {},
         dict(preset="verl", clip_high=0.28, kl="k3", kl_coef=0.1, rollout_correction="token_tis", entropy_coef=0.01),
+    ),
+    (
+        "ppo trl k3 kl_ratio_correction seq-mean",
+        {},
+        dict(
+            preset="trl",
+            clip_low=0.1,
+            clip_high=0.1,
+            kl="k3",
+            kl_coef=0.2,
+            kl_ratio_correction=True,
+            agg="seq-mean-token-mean",
+        ),
+    ),
+    (
+        "gspo k3 kl_ratio_correction, packed",
+        dict(layout="packed"),
+        dict(loss_type="gspo", clip_low=0.02, clip_high=0.02, kl="k3", kl_coef=0.1, kl_ratio_correction=True),
+    ),
+    (
+        "gspo dual clip fp64",
+        dict(dtype=torch.float64),
+        dict(loss_type="gspo", clip_low=0.01, clip_high=0.01, clip_ratio_c=1.02, gspo_dual_clip=True),
     ),
     (
         "gspo seq_tis seq-mean, packed bf16",
@@ -297,7 +326,7 @@ def replace_param(args, **fields):
 def test_cpp_op_checks_parameter_lists():
     args = kernel_args(small_case(), ALL_ON)
     K.policy_loss_fwd(*args)
-    with pytest.raises(RuntimeError, match="PolicyLossParams: expected 22 fparams and 10 iparams"):
+    with pytest.raises(RuntimeError, match="PolicyLossParams: expected 22 fparams and 11 iparams"):
         K.policy_loss_fwd(*args[:9], args[9] + [1.0], *args[10:])
     with pytest.raises(RuntimeError, match="PolicyLossParams"):
         K.policy_loss_fwd(*args[:10], args[10][:-1], *args[11:])
@@ -434,7 +463,7 @@ def test_cpp_grad_op_checks_shapes():
 def test_triton_launcher_checks_parameter_lists_and_shapes():
     args = kernel_args(small_case(device=DEVICE), dict(kl="k3", kl_coef=0.1, rollout_correction="token_tis"))
     f = triton_policy_loss.policy_loss_fwd
-    with pytest.raises(ValueError, match="PolicyLossParams: expected 22 fparams and 10 iparams"):
+    with pytest.raises(ValueError, match="PolicyLossParams: expected 22 fparams and 11 iparams"):
         f(*args[:9], args[9][:-1], *args[10:])
     with pytest.raises(ValueError, match="is not a valid LossType"):
         f(*replace_param(args, loss_type=9))

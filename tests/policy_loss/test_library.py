@@ -98,6 +98,7 @@ def test_torch_compile_fullgraph(backend, device, layout):
             preset="verl",
             kl="k3",
             kl_coef=0.1,
+            kl_ratio_correction=True,
             ref_logprobs=ref,
             rollout_correction="token_tis",
             rollout_logprobs=roll,
@@ -105,7 +106,7 @@ def test_torch_compile_fullgraph(backend, device, layout):
             global_num_tokens=n_tok,
             backend=backend,
         )
-        return loss * 2.0, met.pg_clipfrac
+        return loss * 2.0, torch.stack([met.pg_clipfrac, met.pg_clipfrac_low, met.seq_clipfrac_high_max])
 
     args = [inputs[k] for k in ("logprobs", "old_logprobs", "advantages", "mask", "ref_logprobs", "rollout_logprobs")]
     args.append(inputs.get("cu_seqlens"))
@@ -125,7 +126,8 @@ def test_gradcheck_fp64(backend, device, loss_type):
     """The registered backward is the derivative of the forward. CISPO and GSPO define
     their gradient through stop-gradients (sg(clip(ρ)), sg(log s_i)), so their value only
     has that derivative where the stopped part is constant: CISPO with every ratio
-    outside the clip range, GSPO with weights uniform along a sequence."""
+    outside the clip range, GSPO with weights uniform along a sequence (and no KL ratio
+    correction: its token form s_{i,t} is not the derivative of the KL term times s_i)."""
     gen = torch.Generator().manual_seed(2)
     # Small log-ratios keep every token away from the kinks the finite differences would straddle.
     inputs = random_policy_case(gen, B=4, L=6, dtype=torch.float64, spread=0.05, device=device)
@@ -149,6 +151,7 @@ def test_gradcheck_fp64(backend, device, loss_type):
                 clip_ratio_c=3.0 if loss_type == "ppo" else None,
                 kl=kl,
                 kl_coef=0.1,
+                kl_ratio_correction=loss_type != "gspo" and kl != "k1",
                 ref_logprobs=inputs["ref_logprobs"],
                 entropy=ent,
                 entropy_coef=0.01,

@@ -12,8 +12,9 @@ skip), naming the TRL version.
 Each case runs TRL and ours on copies of the same fp32 batch (B in 6..16, T in 20..50,
 ragged completion mask with an empty row, advantages of both signs, log-ratios that clip
 on both sides and pass TRL's ``delta``) and compares the loss and its gradient w.r.t.
-``per_token_logps`` and ``entropies`` (atol 1e-6, rtol 1e-5), and the metrics TRL logs
-that the kernel reports ("kl", "entropy", "clip_ratio/region_mean", "policy_loss").
+``per_token_logps`` and ``entropies`` (atol 1e-6, rtol 1e-5), and every metric TRL logs
+(``grpo_loss_trl(..., return_trl_metrics=True)`` reduced by ``reduce_trl_metrics``: the same
+names, the same values, NaN where TRL's is NaN).
 TRL computes in float32; where its own rounding exceeds the tolerance (sums that cancel),
 its code is also run in float64 and ours is held to that (``close``).
 """
@@ -34,11 +35,12 @@ from trl.trainer.grpo_trainer import GRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
 from rlvr_kernels.integrations.trl import grpo_loss_trl
+from rlvr_kernels.integrations.trl.grpo_trainer import reduce_trl_metrics
 
 ATOL, RTOL = 1e-6, 1e-5
 START = "if self.top_entropy_quantile < 1.0:"
 END = "return loss"
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"]
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"]
 CLIPPED = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]
 
 
@@ -75,15 +77,19 @@ def trl_self(c: dict):
         sync_gradients=True,
     )
     args = types.SimpleNamespace(
-        use_bias_correction_kl=False,
+        use_bias_correction_kl=c["bias_kl"],
         delta=c["delta"],
+        vespo_k_pos=2.0,
+        vespo_lambda_pos=3.0,
+        vespo_k_neg=c["vespo_k_neg"],
+        vespo_lambda_neg=2.0,
         steps_per_generation=c["spg"],
         sapo_temperature_pos=c["tau_pos"],
         sapo_temperature_neg=c["tau_neg"],
     )
     self = types.SimpleNamespace(
         top_entropy_quantile=c["top_entropy_quantile"],
-        off_policy_mask_threshold=None,
+        off_policy_mask_threshold=c["opsm"],
         importance_sampling_level=c["level"],
         beta=c["beta"],
         args=args,
@@ -103,6 +109,8 @@ def trl_self(c: dict):
         aux_loss_enabled=False,
     )
     self.get_high_entropy_mask = types.MethodType(GRPOTrainer.get_high_entropy_mask, self)
+    self.get_off_policy_mask = GRPOTrainer.get_off_policy_mask  # (static methods)
+    self.get_gamma_weights = GRPOTrainer.get_gamma_weights
     return self
 
 
@@ -165,12 +173,16 @@ def make_case(k: int, loss_type: str, level: str) -> dict:
         loss_type=loss_type,
         level=level,
         eps_low=0.2,
-        eps_high=2.5 if loss_type == "cispo" else (0.28 if k % 2 else 0.2),
-        delta=(2.0 if k % 3 != 1 else 1.28) if clipped and level == "token" and k % 3 else None,
+        eps_high=(2.5 if k % 5 else 0.9) if loss_type == "cispo" else (0.28 if k % 2 else 0.2),
+        delta=(2.0, 1.1, 1.28)[k % 3] if clipped and k % 4 != 3 else None,
         beta=0.04 if k % 2 == 0 else 0.0,
+        bias_kl=k % 4 != 2,  # TRL's default True
+        opsm=(None, 0.05, 0.5)[k % 3],
+        sampling=k % 5 == 2,
+        vespo_k_neg=3.0 if k % 2 else 1.5,
         tau_pos=1.0 if k % 2 else 1.3,
         tau_neg=1.05 if k % 2 else 0.9,
-        top_entropy_quantile=(1.0, 0.2, 1.0, 0.5)[k % 4],
+        top_entropy_quantile=(1.0, 0.2, 1.0, 0.5, 0.3)[k % 5],
         entropy_coef=(0.0, 0.0, 0.01, 0.03)[k % 4] if k % 5 else 0.01,
         is_ratio=(None, "token_truncate", "sequence_truncate", None, "token_mask", "sequence_mask")[k % 6],
         ga=(1, 4, 2)[k % 3],
@@ -179,13 +191,13 @@ def make_case(k: int, loss_type: str, level: str) -> dict:
         training=k % 7 != 3,
         max_len=64,
         old_given=k % 8 != 5,
+        validate=k % 5 != 4,  # (without the value checks zero IS ratios are not looked for)
         adv_shape=("B", "B1", "BT")[k % 3],
     )
 
 
 def case_grid(loss_type):
-    levels = ["token", "sequence"] if loss_type in CLIPPED else ["token"]
-    return [make_case(k, loss_type, level) for level in levels for k in range(12)]
+    return [make_case(k, loss_type, level) for level in ("token", "sequence") for k in range(12)]
 
 
 def subsample(backend, device, cases):
@@ -226,16 +238,24 @@ def run_trl(batch, c):
     ratio = is_ratio(batch, c["is_ratio"])
     if ratio is not None:
         inputs["importance_sampling_ratio"] = ratio
+    if c["sampling"]:
+        inputs["sampling_per_token_logps"] = sampling_logps(batch)
     loss = fn(self, inputs, lp, ent, batch["completion_mask"].clone(), None)
     loss.backward()
     metrics = {k: v[0] for k, v in self._metrics["train" if c["training"] else "eval"].items()}
+    metrics.pop("entropy_coef", None)  # the trainer's controller state, not the loss's
     return loss, lp.grad, ent.grad, metrics
+
+
+def sampling_logps(batch):
+    """vLLM's log-probs for the off-policy mask: the old ones shifted by the sampling gap."""
+    return batch["old_per_token_logps"] - batch["sampling_gap"]
 
 
 def run_ours(batch, c, backend):
     lp = batch["per_token_logps"].clone().requires_grad_(True)
     ent = batch["entropies"].clone().requires_grad_(True)
-    loss, m = grpo_loss_trl(
+    loss, m, trl_metrics = grpo_loss_trl(
         lp,
         batch["old_per_token_logps"].clone() if c["old_given"] else None,
         advantages_as(batch, c["adv_shape"]),
@@ -247,23 +267,29 @@ def run_ours(batch, c, backend):
         importance_sampling_level=c["level"],
         beta=c["beta"],
         ref_per_token_logps=batch["ref_per_token_logps"].clone(),
-        use_bias_correction_kl=False,  # as trl_self's args (the default True is not fused: raises)
+        use_bias_correction_kl=c["bias_kl"],
         sapo_temperature_pos=c["tau_pos"],
         sapo_temperature_neg=c["tau_neg"],
         top_entropy_quantile=c["top_entropy_quantile"],
         entropies=ent,
         entropy_coef=c["entropy_coef"],
         importance_sampling_ratio=is_ratio(batch, c["is_ratio"]),
+        off_policy_mask_threshold=c["opsm"],
+        sampling_per_token_logps=sampling_logps(batch) if c["sampling"] else None,
+        vespo_k_neg=c["vespo_k_neg"],
         max_completion_length=c["max_len"],
         num_items_in_batch=batch["num_items"].clone(),
         gradient_accumulation_steps=c["ga"],
         num_processes=c["num_processes"],
         steps_per_generation=c["spg"],
         training=c["training"],
+        return_trl_metrics=True,
+        validate=c["validate"],
         backend=backend,
     )
     loss.backward()
-    return loss, lp.grad, ent.grad, m
+    assert m.num_tokens == float(batch["completion_mask"].sum())
+    return loss, lp.grad, ent.grad, reduce_trl_metrics(trl_metrics)
 
 
 def close(mine, v32, v64, what):
@@ -278,6 +304,9 @@ def close(mine, v32, v64, what):
         m, a, e = mine.detach().double().cpu(), v32.detach().double().cpu(), v64.detach().double().cpu()
     else:
         m, a, e = (torch.tensor(float(x), dtype=torch.float64) for x in (mine, v32, v64))
+        if bool(a.isnan()) or bool(m.isnan()):
+            assert bool(a.isnan()) and bool(m.isnan()), f"{what}: ours {float(m)} vs TRL's {float(a)}"
+            return
     tol = ATOL + RTOL * e.abs()
     trl_err = (a - e).abs()
     excess = (m - e).abs() - tol - 2 * trl_err
@@ -296,21 +325,12 @@ def compare(mine, t32, t64, c):
         assert mine[2] is None, what
     else:
         close(mine[2], t32[2], t64[2], what + " grad entropies")
-    m, metrics32, metrics64 = mine[3], t32[3], t64[3]
-
-    def metric(name, value):
-        close(float(value), metrics32[name], metrics64[name], f"{what}: metric {name}")
-
-    metric("entropy", m.entropy_mean)
-    if c["beta"]:
-        metric("kl", m.kl)
-    zero_ratio = c["is_ratio"] is not None and c["is_ratio"].endswith("mask")
-    # TRL measures clipping on min(ρ, delta): at delta == 1 + ε_high it never sees the high side.
-    delta_edge = c["delta"] is not None and c["delta"] <= 1 + c["eps_high"]
-    if c["loss_type"] in CLIPPED and c["level"] == "token" and not zero_ratio and not delta_edge:
-        metric("clip_ratio/region_mean", m.pg_clipfrac)
-    if "policy_loss" in metrics32:
-        metric("policy_loss", m.pg_loss + c["beta"] * m.kl_loss)
+    m, metrics32, metrics64 = dict(mine[3]), t32[3], t64[3]
+    if "policy_loss" not in metrics32:  # TRL logs it only with its entropy bonus on
+        m.pop("policy_loss")
+    assert sorted(m) == sorted(metrics32), f"{what}: metric names {sorted(m)} != TRL's {sorted(metrics32)}"
+    for name in m:
+        close(m[name], metrics32[name], metrics64[name], f"{what}: metric {name}")
 
 
 def check_case(batch, c, backend):
@@ -348,20 +368,34 @@ def test_batches_exercise_every_branch():
         assert ((ratio > 2.0) & (adv < 0) & valid).any()
         assert (b["completion_mask"].sum(-1) == 0).any()
         assert (is_ratio(b, "token_mask")[valid] == 0).any()
+    # Over the cases' batches: a zero IS ratio on a clipped token (TRL's clip metrics still
+    # count it), and off-policy masks that drop sequences at both thresholds of the cases.
+    zero_on_clipped, dropped = False, {0.05: 0, 0.5: 0}
+    for seed in range(50, 62):
+        b = make_batch(seed)
+        ratio = (b["per_token_logps"] - b["old_per_token_logps"]).exp()
+        adv = b["advantages"][:, None].expand_as(ratio)
+        clipped = ((ratio > 1.28) & (adv > 0)) | ((ratio < 0.8) & (adv < 0))
+        zero_on_clipped |= bool((clipped & b["completion_mask"].bool() & (is_ratio(b, "token_mask") == 0)).any())
+        for threshold in dropped:
+            keep = GRPOTrainer.get_off_policy_mask(
+                b["advantages"][:, None], b["per_token_logps"], sampling_logps(b), b["completion_mask"], threshold
+            )
+            dropped[threshold] += int((keep == 0).sum())
+    assert zero_on_clipped and all(dropped.values()), dropped
 
 
 @pytest.mark.parametrize("backend,device", ALL)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_grpo_loss_matches_trl(backend, device, loss_type):
-    """Each TRL loss type at token (and, for the clipped family, sequence) level, with KL,
-    delta, the entropy-quantile mask, the entropy bonus, vLLM IS ratios of every mode,
+    """Each TRL loss type at token and sequence level, with KL (bias-corrected or not),
+    delta above, at and below 1 + ε_high, the off-policy mask (with and without vLLM's
+    log-probs), the entropy-quantile mask, the entropy bonus, vLLM IS ratios of every mode,
     gradient accumulation, several processes, steps_per_generation, eval mode, missing
     old log-probs and [B] / [B, 1] / [B, T] advantages switched on across the cases."""
     for k, c in enumerate(subsample(backend, device, case_grid(loss_type))):
         if c["top_entropy_quantile"] < 1.0:
-            c["num_processes"] = 1  # TRL's threshold is over all processes: not fused (tested below)
-        if c["delta"] is not None and c["delta"] < 1 + c["eps_high"]:
-            c["delta"] = 1 + c["eps_high"]  # the boundary case
+            c["num_processes"] = 1  # TRL's threshold over several processes: test_entropy_threshold_across_processes
         check_case(make_batch(50 * LOSS_TYPES.index(loss_type) + k, device), c, backend)
 
 
@@ -383,18 +417,107 @@ def test_not_fused_raise():
     b = make_batch(1)
     args = (b["per_token_logps"], b["old_per_token_logps"], b["advantages"], b["completion_mask"])
     cases = [
-        dict(loss_type="vespo"),
-        dict(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=5.0),
-        dict(loss_type="sapo", importance_sampling_level="sequence"),
-        dict(loss_type="grpo", importance_sampling_level="sequence", delta=2.0),
-        dict(loss_type="dapo", delta=1.1, epsilon_high=0.28, num_items_in_batch=100),
-        dict(loss_type="cispo", epsilon_high=0.5, num_items_in_batch=100),
-        dict(loss_type="bnpo", top_entropy_quantile=0.2, entropies=b["entropies"], num_processes=2),
+        dict(loss_type="dapo", delta=0.9, epsilon_high=0.28, num_items_in_batch=100),
+        dict(loss_type="grpo", delta=1.0, epsilon_high=0.0),
     ]
     for kw in cases:
         with pytest.raises(NotImplementedError):
             grpo_loss_trl(*args, **kw)
+    with pytest.raises(NotImplementedError, match="process_group"):
+        grpo_loss_trl(*args, loss_type="bnpo", top_entropy_quantile=0.2, entropies=b["entropies"], num_processes=2)
     bad = torch.ones_like(b["per_token_logps"])
     bad[0, 0] = -1.0
     with pytest.raises(ValueError, match="importance_sampling_ratio"):
         grpo_loss_trl(*args, loss_type="bnpo", importance_sampling_ratio=bad)
+
+
+# ---------------------------------------------------------------------------------------
+# top_entropy_quantile over several processes (two gloo processes started here)
+# ---------------------------------------------------------------------------------------
+
+_MP_CASE = dict(make_case(3, "dapo", "token"), top_entropy_quantile=0.3, entropy_coef=0.02, num_processes=2)
+
+
+def _run_two_processes(tmp_path, how, batches):
+    import time
+
+    import torch.multiprocessing as mp
+    from _trl_entropy_mp import worker
+
+    c = _MP_CASE
+    kw = dict(
+        loss_type=c["loss_type"],
+        epsilon_high=c["eps_high"],
+        beta=c["beta"],
+        top_entropy_quantile=c["top_entropy_quantile"],
+        entropy_coef=c["entropy_coef"],
+        gradient_accumulation_steps=c["ga"],
+        steps_per_generation=c["spg"],
+    )
+    args = (str(tmp_path / "init"), str(tmp_path), how, batches, kw)
+    ctx = mp.start_processes(worker, args=args, nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 180
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the two gloo processes did not finish within 180 s")
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("how", ["process_group", "threshold"])
+def test_entropy_threshold_across_processes(tmp_path, how):
+    """TRL's threshold is ``torch.quantile`` over every process's valid-token entropies
+    (``pad_across_processes`` + ``gather``): two gloo processes, each with its own batch,
+    against TRL's code on each batch with the gather returning both processes' entropies."""
+    batches = [make_batch(70 + r) for r in range(2)]
+    results = _run_two_processes(tmp_path, how, batches)
+    locals_ = [b["entropies"][b["completion_mask"].bool()].float() for b in batches]
+    longest = max(t.numel() for t in locals_)
+    padded = [torch.cat([t, t.new_full((longest - t.numel(),), -1e9)]) for t in locals_]
+    gathered = torch.cat(padded)
+    for batch, got in zip(batches, results):
+        c = _MP_CASE
+        fn, _ = trl_loss_fn()
+        self = trl_self(c)
+        calls = iter([gathered])  # the first gather is get_high_entropy_mask's
+        self.accelerator.gather = lambda t: next(calls, t)
+        lp = batch["per_token_logps"].clone().requires_grad_(True)
+        ent = batch["entropies"].clone().requires_grad_(True)
+        inputs = dict(
+            advantages=batch["advantages"].clone(),
+            num_items_in_batch=batch["num_items"].clone(),
+            ref_per_token_logps=batch["ref_per_token_logps"].clone(),
+            old_per_token_logps=batch["old_per_token_logps"].clone(),
+        )
+        loss = fn(self, inputs, lp, ent, batch["completion_mask"].clone(), None)
+        loss.backward()
+        # TRL with this process's threshold only gives another gradient: the test sees the gather
+        lp_local = batch["per_token_logps"].clone().requires_grad_(True)
+        fn(trl_self(c), dict(inputs), lp_local, ent.detach().clone(), batch["completion_mask"].clone(), None).backward()
+        assert not torch.allclose(lp_local.grad, lp.grad, atol=1e-4)
+        torch.testing.assert_close(got["loss"], loss.detach(), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(got["grad"], lp.grad, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(got["grad_ent"], ent.grad, atol=ATOL, rtol=RTOL)
+
+
+def test_reduce_trl_metrics_with_an_accelerator():
+    """reduce_trl_metrics takes a real ``accelerate.Accelerator`` (its reduce / gather), as a
+    trainer patch passes ``self.accelerator``: the same floats as without one (one process)."""
+    from accelerate import Accelerator
+
+    b = make_batch(4)
+    _, _, trl_metrics = grpo_loss_trl(
+        b["per_token_logps"],
+        b["old_per_token_logps"],
+        b["advantages"],
+        b["completion_mask"],
+        loss_type="grpo",
+        beta=0.04,
+        ref_per_token_logps=b["ref_per_token_logps"],
+        entropies=b["entropies"],
+        return_trl_metrics=True,
+    )
+    with_acc = reduce_trl_metrics(trl_metrics, Accelerator(cpu=True))
+    assert with_acc == reduce_trl_metrics(trl_metrics)
+    assert {"kl", "entropy", "clip_ratio/low_min", "clip_ratio/high_max"} <= set(with_acc)

@@ -38,6 +38,23 @@ def call(**over):
         (dict(rollout_correction="token_tis"), ValueError, "rollout_logprobs: rollout_correction='token_tis' needs"),
         (dict(rollout_correction="icepop"), ValueError, "rollout_correction: expected one of"),
         (dict(entropy_coef=0.01), ValueError, "entropy: entropy_coef != 0 needs"),
+        (dict(kl_ratio_correction=1), TypeError, "kl_ratio_correction: expected a bool"),
+        (dict(gspo_dual_clip="yes"), TypeError, "gspo_dual_clip: expected a bool"),
+        (dict(entropy_threshold=torch.tensor(0.5)), ValueError, "entropy_threshold: only used with"),
+        (
+            dict(
+                shaping=TokenShaping(entropy_quantile=0.2),
+                entropy=torch.rand(3, 5),
+                entropy_threshold=torch.zeros(2),
+            ),
+            ValueError,
+            "entropy_threshold: expected one element",
+        ),
+        (
+            dict(shaping=TokenShaping(entropy_quantile=0.2), entropy=torch.rand(3, 5), entropy_threshold=[0.5]),
+            TypeError,
+            "entropy_threshold: expected a torch.Tensor",
+        ),
         (dict(shaping=TokenShaping(entropy_quantile=0.2)), ValueError, "entropy: shaping.entropy_quantile needs"),
         (dict(loss_type="ppo2"), ValueError, "loss_type: expected one of"),
         (dict(clip_low=1.5), ValueError, "clip_low: expected a value <= 1.0"),

@@ -372,3 +372,123 @@ def test_entropy_quantile_mask(backend, device):
     )
     assert float(loss) == pytest.approx(-2 / 10)
     assert float(met.shaped_frac) == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_clip_sides_and_sequence_extrema(backend, device):
+    """The per-side clip fractions and the per-sequence extrema of the clip sides (ppo,
+    ε = 0.2): sequence 0 (A > 0) has ratios 1.5, 1.0, 1.3 (high on 2 of 3), sequence 1
+    (A < 0) has 0.5, 1.0 (low on 1 of 2), sequence 2 is empty (left out of the extrema)."""
+    ratio = torch.tensor([[1.5, 1.0, 1.3], [0.5, 1.0, 1.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    old = torch.full((3, 3), -1.0, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]], dtype=torch.bool)
+    adv = torch.tensor([1.0, -1.0, 1.0], dtype=torch.float64)
+    _, m = rk.policy_loss(
+        (old + ratio.log()).to(device), old.to(device), adv.to(device), mask.to(device), backend=backend
+    )
+    assert float(m.pg_clipfrac_high) == pytest.approx(2 / 5) and float(m.pg_clipfrac_low) == pytest.approx(1 / 5)
+    assert float(m.pg_clipfrac) == pytest.approx(3 / 5)  # the union, unchanged
+    assert float(m.seq_clipfrac_high_mean) == pytest.approx((2 / 3 + 0) / 2)
+    assert float(m.seq_clipfrac_low_mean) == pytest.approx((0 + 1 / 2) / 2)
+    assert float(m.seq_clipfrac_low_min) == pytest.approx(0.0)
+    assert float(m.seq_clipfrac_high_max) == pytest.approx(2 / 3)
+    # cispo: the sides at its own range (high: ρ > 1 + clip_high with A > 0)
+    _, m = rk.policy_loss(
+        (old + ratio.log()).to(device),
+        old.to(device),
+        adv.to(device),
+        mask.to(device),
+        loss_type="cispo",
+        clip_high=0.4,
+        backend=backend,
+    )
+    assert float(m.pg_clipfrac_high) == pytest.approx(1 / 5) and float(m.seq_clipfrac_high_max) == pytest.approx(1 / 3)
+    # GSPO: every token of a sequence shares its ratio s_i (here exp(mean log ρ) of sequence 0 ≈ 1.24)
+    _, m = rk.policy_loss(
+        (old + ratio.log()).to(device),
+        old.to(device),
+        adv.to(device),
+        mask.to(device),
+        loss_type="gspo",
+        backend=backend,
+    )
+    assert float(m.seq_clipfrac_high_max) == 1.0 and float(m.seq_clipfrac_low_min) == 0.0
+    assert float(m.pg_clipfrac_high) == pytest.approx(3 / 5) and float(m.pg_clipfrac_low) == pytest.approx(2 / 5)
+    # no valid token: zeros, never NaN
+    _, m = rk.policy_loss(
+        old.to(device), old.to(device), adv.to(device), torch.zeros_like(mask).to(device), backend=backend
+    )
+    for name in ("pg_clipfrac_low", "pg_clipfrac_high", "seq_clipfrac_low_min", "seq_clipfrac_high_max"):
+        assert float(getattr(m, name)) == 0.0, name
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+@pytest.mark.parametrize("loss_type", ["ppo", "gspo", "reinforce"])
+def test_kl_ratio_correction(backend, device, loss_type):
+    """kl_ratio_correction: the KL term times the ratio r (exp δ; GSPO's token-form s_i),
+    value and gradient; kl / kl_loss report the corrected term."""
+    lp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, device=device, requires_grad=True)
+    old = torch.tensor([[-1.2, -1.7]], dtype=torch.float64, device=device)
+    ref = torch.tensor([[-0.5, -2.5]], dtype=torch.float64, device=device)
+    m = torch.ones(1, 2, dtype=torch.bool, device=device)
+    adv = torch.zeros(1, dtype=torch.float64, device=device)
+    kw = dict(loss_type=loss_type, kl="k3", kl_coef=0.5, agg="token-sum", ref_logprobs=ref, backend=backend)
+    loss, met = rk.policy_loss(lp, old, adv, m, kl_ratio_correction=True, **kw)
+    loss.backward()
+    x = lp.detach().clone().requires_grad_(True)
+    y = ref - x
+    k3 = torch.exp(y) - y - 1
+    if loss_type == "gspo":
+        r = torch.exp(x - x.detach() + (x.detach() - old).mean())
+    else:
+        r = torch.exp(x - old)
+    want = 0.5 * (k3 * r).sum()
+    want.backward()
+    assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-12)
+    torch.testing.assert_close(lp.grad, x.grad, rtol=1e-12, atol=1e-12)
+    assert float(met.kl) == pytest.approx(float((k3 * r).detach().mean()), rel=1e-6)
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_gspo_dual_clip(backend, device):
+    """gspo_dual_clip: ppo's dual clip on GSPO's sequence ratio (A < 0: min(·, −A·c));
+    without it clip_ratio_c leaves GSPO alone (verl's GSPO)."""
+    old = torch.full((1, 2), -1.0, dtype=torch.float64, device=device)
+    adv = torch.tensor([-1.0], dtype=torch.float64, device=device)
+    m = torch.ones(1, 2, dtype=torch.bool, device=device)
+    for dual, want_loss, want_grad in ((True, 3.0, 0.0), (False, 4.0, 2.0)):
+        lp = (old + math.log(4.0)).requires_grad_(True)  # s = 4 > c = 3
+        opts = rk.PolicyLossOptions(loss_type="gspo", clip_ratio_c=3.0, gspo_dual_clip=dual, agg="token-mean")
+        loss, met = rk.policy_loss(lp, old, adv, m, options=opts, backend=backend)
+        loss.backward()
+        assert float(loss.detach()) == pytest.approx(want_loss)
+        assert float(lp.grad[0, 0]) == pytest.approx(want_grad)
+        assert float(met.pg_clipfrac_lower) == (1.0 if dual else 0.0)
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_entropy_threshold_argument(backend, device):
+    """entropy_threshold= replaces the call's own quantile: tokens with entropy >= it keep
+    their pg term (e.g. a threshold computed over every data-parallel rank)."""
+    lp = torch.zeros(1, 4, dtype=torch.float64, device=device, requires_grad=True)
+    ent = torch.tensor([[0.1, 0.5, 0.9, 1.3]], dtype=torch.float64, device=device)
+    m = torch.ones(1, 4, dtype=torch.bool, device=device)
+    adv = torch.ones(1, dtype=torch.float64, device=device)
+    shaping = TokenShaping(entropy_quantile=0.5)
+    thr = torch.tensor(0.7, device=device)
+    loss, _ = rk.policy_loss(
+        lp,
+        lp.detach(),
+        adv,
+        m,
+        loss_type="reinforce",
+        agg="token-sum",
+        shaping=shaping,
+        entropy=ent,
+        entropy_threshold=thr,
+        backend=backend,
+    )
+    loss.backward()
+    assert lp.grad.cpu().tolist() == [[0.0, 0.0, -1.0, -1.0]]
+    with pytest.raises(ValueError, match="entropy_threshold"):
+        rk.policy_loss(lp, lp.detach(), adv, m, entropy_threshold=thr, backend=backend)

@@ -33,7 +33,7 @@ function, also takes ``backend=`` (None: the ``use_backend`` one).
 from .._backend import use_backend
 from .async_rollout_worker import compute_async_grpo_advantages
 from .grpo_trainer import TRL_LOSS_TYPES as TRL_LOSS_TYPES  # the loss types grpo_loss_trl fuses
-from .grpo_trainer import compute_grpo_advantages, grpo_loss_trl
+from .grpo_trainer import TrlMetric, compute_grpo_advantages, grpo_loss_trl, reduce_trl_metrics, trl_entropy_threshold
 from .patch import applied_options, apply, is_applied, unapply
 from .trainer_utils import entropy_from_logits, selective_log_softmax, selective_log_softmax_and_entropy
 
@@ -45,6 +45,9 @@ __all__ = [
     "compute_grpo_advantages",
     "compute_async_grpo_advantages",
     "grpo_loss_trl",
+    "reduce_trl_metrics",
+    "trl_entropy_threshold",
+    "TrlMetric",
     "selective_log_softmax",
     "entropy_from_logits",
     "selective_log_softmax_and_entropy",
