@@ -171,6 +171,14 @@ def test_clip_ratios_are_exercised(runs):
     assert max(e.get("clip_ratio/region_mean") or 0.0 for e in logs) > 0.1
     assert max(e.get("clip_ratio/low_mean") or 0.0 for e in logs) > 0.0
     assert max(e.get("cispo_clip_ratio") or 0.0 for e in logs) > 0.0
+    assert max(e.get("vespo/phi_seq_mean") or 0.0 for e in logs) > 0.0
+
+
+def test_off_policy_mask_drops_sequences(runs):
+    """The off-policy mask configuration does drop sequences: its loss differs from the
+    same run without the mask (dapo) once the policy has moved."""
+    masked, plain = runs["stock"]["off_policy_mask"]["losses"], runs["stock"]["dapo"]["losses"]
+    assert masked[0] == plain[0] and masked != plain
 
 
 def test_empty_completions_are_exercised(runs):
@@ -181,14 +189,14 @@ def test_empty_completions_are_exercised(runs):
 
 
 def test_strict_refuses_unsupported_option(runs):
-    error = runs["applied"]["bias_kl_strict"].get("error", "")
-    assert "use_bias_correction_kl" in error and "strict=False" in error
-    assert "error" not in runs["stock"]["bias_kl_strict"]
+    error = runs["applied"]["delta_below_one_strict"].get("error", "")
+    assert "delta" in error and "strict=False" in error
+    assert "error" not in runs["stock"]["delta_below_one_strict"]
 
 
 def test_non_strict_warns_once(runs):
-    warned = runs["applied"]["bias_kl_fallback"]["warnings"]
-    assert len(warned) == 1 and "use_bias_correction_kl" in warned[0]
+    warned = runs["applied"]["delta_below_one_fallback"]["warnings"]
+    assert len(warned) == 1 and "delta" in warned[0]
 
 
 @pytest.mark.parametrize("name", UNAPPLIED)

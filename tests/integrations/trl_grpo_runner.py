@@ -54,8 +54,16 @@ CONFIGS: Dict[str, Any] = {
     "cispo": (dict(loss_type="cispo", epsilon_high=1.05), {}),
     "sapo": (dict(loss_type="sapo"), {}),
     "gspo": (dict(loss_type="grpo", importance_sampling_level="sequence"), {}),
-    "grpo_beta": (dict(loss_type="grpo", beta=0.04, use_bias_correction_kl=False), {}),
-    "dapo_beta_delta": (dict(loss_type="dapo", beta=0.1, use_bias_correction_kl=False, delta=1.5), {}),
+    "grpo_beta": (dict(loss_type="grpo", beta=0.04), {}),  # TRL's default bias-corrected KL
+    "grpo_beta_plain_kl": (dict(loss_type="grpo", beta=0.04, use_bias_correction_kl=False), {}),
+    "gspo_beta": (dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04), {}),
+    "vespo": (dict(loss_type="vespo"), {}),
+    "cispo_seq": (dict(loss_type="cispo", epsilon_high=1.05, importance_sampling_level="sequence"), {}),
+    "sapo_seq": (dict(loss_type="sapo", importance_sampling_level="sequence"), {}),
+    "delta_inside_clip": (dict(loss_type="bnpo", delta=1.02), {}),
+    "gspo_delta": (dict(loss_type="grpo", importance_sampling_level="sequence", delta=1.5), {}),
+    "off_policy_mask": (dict(loss_type="dapo", off_policy_mask_threshold=1e-4), {}),
+    "dapo_beta_delta": (dict(loss_type="dapo", beta=0.1, delta=1.5), {}),
     "grad_accum": (dict(loss_type="dapo", gradient_accumulation_steps=2, steps_per_generation=4), {}),
     "num_iterations": (dict(loss_type="grpo", num_iterations=2), {}),
     "top_entropy": (dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.01), {}),
@@ -72,7 +80,6 @@ CONFIGS: Dict[str, Any] = {
         dict(
             loss_type="grpo",
             beta=0.04,
-            use_bias_correction_kl=False,
             entropy_coef=0.01,
             gradient_accumulation_steps=2,
             steps_per_generation=4,
@@ -84,9 +91,9 @@ CONFIGS: Dict[str, Any] = {
         {"eval": True},
     ),
     "adaptive_entropy": (dict(loss_type="grpo", use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=5.0), {}),
-    # TRL's default use_bias_correction_kl=True with beta > 0: not fused today.
-    "bias_kl_fallback": (dict(loss_type="grpo", beta=0.04), {"strict": False}),
-    "bias_kl_strict": (dict(loss_type="grpo", beta=0.04, max_steps=1), {"expect_error": "use_bias_correction_kl"}),
+    # delta < 1 (TRL clamps the unclipped ratio below 1): not fused, the clip bound would be negative.
+    "delta_below_one_fallback": (dict(loss_type="grpo", delta=0.9), {"strict": False}),
+    "delta_below_one_strict": (dict(loss_type="grpo", delta=0.9, max_steps=1), {"expect_error": "delta"}),
 }
 
 

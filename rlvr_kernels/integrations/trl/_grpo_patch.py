@@ -39,9 +39,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ...contracts.policy_loss import entropy_quantile_threshold
 from .._patch import Patcher, PatchError, record
-from .grpo_trainer import compute_grpo_advantages, grpo_loss_trl
+from .grpo_trainer import compute_grpo_advantages, grpo_loss_trl, reduce_trl_metrics, trl_entropy_threshold
 from .kernels import ChunkedLogProbFunction
 
 TRL_GRPO = "trl.trainer.grpo_trainer"
@@ -258,21 +257,6 @@ def _reward_std_is_zero(rpf: torch.Tensor, weights: torch.Tensor, G: int, scale:
 # loss
 # ---------------------------------------------------------------------------------------
 
-# Settings the *patch* cannot serve yet even when grpo_loss_trl accepts them (what
-# grpo_loss_trl itself rejects is found by a dry run, see unsupported()): option -> (predicate, why).
-# PLUG-IN POINT: when grpo_loss_trl gains vespo (and returns φ) or OPSM (and takes TRL's
-# sampling log-probs), map them in _fused_compute_loss / _log_metrics and drop the row.
-PATCH_UNSUPPORTED: Dict[str, Tuple[Callable[[Any], bool], str]] = {
-    "loss_type": (
-        lambda t: t.loss_type == "vespo",
-        "loss_type='vespo': the patch does not map its metric vespo/phi_seq_mean yet",
-    ),
-    "off_policy_mask_threshold": (
-        lambda t: t.off_policy_mask_threshold is not None,
-        "off_policy_mask_threshold: the patch does not pass TRL's sampling log-probs to the fused loss yet",
-    ),
-}
-
 _MM_KEYS = (
     "pixel_values",
     "image_grid_thw",
@@ -305,6 +289,10 @@ def _settings(trainer: Any) -> Tuple:
         bool(trainer._entropy_bonus_enabled),
         args.sapo_temperature_pos,
         args.sapo_temperature_neg,
+        args.vespo_k_pos,
+        args.vespo_lambda_pos,
+        args.vespo_k_neg,
+        args.vespo_lambda_neg,
         trainer.max_completion_length,
     )
 
@@ -319,6 +307,8 @@ def _dry_run(trainer: Any) -> Optional[str]:
         kw["ref_per_token_logps"] = logps - 0.1
     if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
         kw["importance_sampling_ratio"] = torch.ones(2, 3)
+    if trainer.accelerator.num_processes > 1 and trainer.top_entropy_quantile < 1.0:
+        kw["entropy_threshold"] = torch.tensor(0.5)  # the real call passes the process group
     try:
         grpo_loss_trl(
             logps,
@@ -348,6 +338,10 @@ def _loss_settings(trainer: Any, *, training: bool) -> Dict[str, Any]:
         use_bias_correction_kl=args.use_bias_correction_kl,
         sapo_temperature_pos=args.sapo_temperature_pos,
         sapo_temperature_neg=args.sapo_temperature_neg,
+        vespo_k_pos=args.vespo_k_pos,
+        vespo_lambda_pos=args.vespo_lambda_pos,
+        vespo_k_neg=args.vespo_k_neg,
+        vespo_lambda_neg=args.vespo_lambda_neg,
         top_entropy_quantile=trainer.top_entropy_quantile,
         off_policy_mask_threshold=trainer.off_policy_mask_threshold,
         max_completion_length=trainer.max_completion_length,
@@ -366,13 +360,7 @@ def unsupported(trainer: Any) -> Optional[str]:
     cached = getattr(trainer, "_rlvr_support", None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    reason = None
-    for applies, why in PATCH_UNSUPPORTED.values():
-        if applies(trainer):
-            reason = why
-            break
-    if reason is None:
-        reason = _dry_run(trainer)
+    reason = _dry_run(trainer)
     trainer._rlvr_support = (key, reason)
     return reason
 
@@ -449,10 +437,14 @@ def _fused_compute_loss(self, model, inputs):
         # The coefficient (and, adaptive, its gate) of the end of the previous optimizer step.
         gate = (not self.use_adaptive_entropy) or self._last_world_entropy <= self.args.entropy_target
         apply_coef = self.entropy_coef if gate else 0.0
-    ratio = None
-    if self.use_vllm and self.vllm_importance_sampling_correction:
-        ratio = inputs["importance_sampling_ratio"]
-    loss, metrics = grpo_loss_trl(
+    use_is = bool(self.use_vllm and self.vllm_importance_sampling_correction)
+    threshold = None
+    if self.top_entropy_quantile < 1.0:
+        # TRL's threshold is over every process's valid-token entropies (a collective, as
+        # TRL's gather); computed once for the loss and the entropy bonus.
+        group = torch.distributed.group.WORLD if self.accelerator.num_processes > 1 else None
+        threshold = trl_entropy_threshold(entropies.detach(), mask, self.top_entropy_quantile, group)
+    loss, _, trl_metrics = grpo_loss_trl(
         per_token_logps,
         inputs.get("old_per_token_logps"),
         inputs["advantages"],
@@ -460,17 +452,21 @@ def _fused_compute_loss(self, model, inputs):
         ref_per_token_logps=inputs.get("ref_per_token_logps"),
         entropies=entropies,
         entropy_coef=apply_coef,
-        importance_sampling_ratio=ratio,
+        importance_sampling_ratio=inputs.get("importance_sampling_ratio"),
+        vllm_importance_sampling_correction=use_is,
+        sampling_per_token_logps=inputs.get("sampling_per_token_logps"),
+        entropy_threshold=threshold,
         num_items_in_batch=inputs.get("num_items_in_batch"),
+        return_trl_metrics=True,
         **_loss_settings(self, training=training),
     )
-
+    policy_loss = trl_metrics.pop("policy_loss")
     if self._entropy_bonus_enabled:
-        # TRL's "policy_loss": the loss before the entropy bonus and the accumulation divisor.
-        policy_loss = (metrics.pg_loss + self.beta * metrics.kl_loss).detach()
-        self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+        # TRL logs its "policy_loss" (before the bonus and the accumulation divisor) only here.
+        value = reduce_trl_metrics({"policy_loss": policy_loss}, self.accelerator)["policy_loss"]
+        self._metrics[mode]["policy_loss"].append(value)
         if self.use_adaptive_entropy and training:
-            _adaptive_entropy_update(self, entropies, _bonus_mask(self, entropies, mask))
+            _adaptive_entropy_update(self, entropies, _bonus_mask(entropies, mask, threshold))
         if training and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
@@ -478,18 +474,19 @@ def _fused_compute_loss(self, model, inputs):
         loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
         self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
-    _log_metrics(self, mode, metrics, per_token_logps, inputs, mask, entropies)
+    # TRL's names, in TRL's order, reduced across processes as TRL does.
+    for name, value in reduce_trl_metrics(trl_metrics, self.accelerator).items():
+        self._metrics[mode][name].append(value)
     return loss
 
 
-def _bonus_mask(self, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The tokens TRL's entropy bonus acts on: the completion tokens, entropy-masked when
-    ``top_entropy_quantile`` < 1 (the fused loss's threshold rule)."""
-    if self.top_entropy_quantile >= 1.0:
+def _bonus_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: Optional[torch.Tensor]) -> torch.Tensor:
+    """The tokens TRL's entropy bonus acts on: the completion tokens, entropy-masked at
+    TRL's threshold when ``top_entropy_quantile`` < 1."""
+    if threshold is None:
         return mask
-    valid = mask != 0
-    thr = entropy_quantile_threshold(entropies.detach(), valid, self.top_entropy_quantile)
-    return mask * (valid & (entropies.detach().float() >= thr)).to(mask.dtype)
+    keep = (mask != 0) & (entropies.detach().float() >= threshold.to(entropies.device))
+    return mask * keep.to(mask.dtype)
 
 
 def _adaptive_entropy_update(self, entropies: torch.Tensor, effective_mask: torch.Tensor) -> None:
@@ -510,61 +507,3 @@ def _adaptive_entropy_update(self, entropies: torch.Tensor, effective_mask: torc
         self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
     self._last_world_entropy = world_entropy
     self._entropy_window_stats = None
-
-
-def _log_metrics(self, mode, metrics, per_token_logps, inputs, mask, entropies) -> None:
-    """TRL's metric names and reductions: token means as global Σ/Σ over processes
-    (``accelerator.reduce``), per-sequence extrema over gathered sequence means.
-
-    PLUG-IN POINT: "kl" comes from the op's metrics (with ``use_bias_correction_kl`` it must
-    be the mean of TRL's corrected per-token KL, k3 · ratio, and "policy_loss" above reads
-    ``pg_loss + beta · kl_loss``); the clip metrics are computed here from the detached ratio
-    (a [B, T] elementwise pass). When grpo_loss_trl returns per-side clip counts and
-    per-sequence extrema (and a function mapping its metrics to TRL's names), take them
-    from there instead.
-    """
-    from trl.trainer.utils import nanmax, nanmin
-
-    acc = self.accelerator
-    maskf = mask.float()
-
-    def global_mean(local_sum: torch.Tensor, local_count: torch.Tensor) -> float:
-        totals = acc.reduce(torch.stack([local_sum.float(), local_count.float()]), reduction="sum")
-        return (totals[0] / totals[1].clamp(min=1.0)).item()
-
-    def token_mean(x: torch.Tensor) -> float:
-        if x.shape[1] == 1:  # one value per sequence (sequence level)
-            return global_mean(x.sum(), torch.tensor(float(x.shape[0]), device=x.device))
-        return global_mean((x * mask).sum(), maskf.sum())
-
-    def seq_means(x: torch.Tensor) -> torch.Tensor:
-        return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
-
-    if self.beta != 0.0:
-        count = maskf.sum()
-        self._metrics[mode]["kl"].append(global_mean(metrics.kl.to(count.device) * count, count))
-    self._metrics[mode]["entropy"].append(token_mean(entropies.detach()))
-
-    if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo"):
-        return
-    advantages = inputs["advantages"]
-    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    logps = per_token_logps.detach()
-    old = inputs.get("old_per_token_logps")
-    log_ratio = torch.zeros_like(logps) if old is None else logps - old
-    if self.importance_sampling_level == "sequence":
-        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    ratio = torch.exp(log_ratio)
-    if self.loss_type == "cispo":
-        clipped = ((ratio > self.epsilon_high) & (advantages > 0)).float()
-        self._metrics[mode]["cispo_clip_ratio"].append(token_mean(clipped))
-        return
-    if self.args.delta is not None:  # TRL counts the clip sides on the δ-clamped ratio
-        ratio = ratio.clamp(max=self.args.delta)
-    low = ((ratio < 1 - self.epsilon_low) & (advantages < 0)).float()
-    high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).float()
-    self._metrics[mode]["clip_ratio/low_mean"].append(token_mean(low))
-    self._metrics[mode]["clip_ratio/high_mean"].append(token_mean(high))
-    self._metrics[mode]["clip_ratio/region_mean"].append(token_mean(torch.maximum(low, high)))
-    self._metrics[mode]["clip_ratio/low_min"].append(nanmin(acc.gather(seq_means(low))).item())
-    self._metrics[mode]["clip_ratio/high_max"].append(nanmax(acc.gather(seq_means(high))).item())
