@@ -47,10 +47,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+import rlvr_kernels.integrations.verl.core_algos as _ours_core
+import rlvr_kernels.integrations.verl.kernel as _ours_kernel
+import rlvr_kernels.integrations.verl.torch_functional as _ours_tf
+
 from .._patch import Patcher, PatchError, check_version, record, set_counting
-from . import core_algos as _ours_core
-from . import kernel as _ours_kernel
-from . import torch_functional as _ours_tf
 from .losses import KL_FUSED, KL_UNFUSED, policy_loss_verl
 
 __all__ = ["apply", "unapply", "is_applied", "POLICY_LOSSES", "ADV_ESTIMATORS", "TESTED_VERSIONS"]
