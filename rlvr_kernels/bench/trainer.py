@@ -14,12 +14,13 @@ head, as stock TRL does off Triton devices). Peak memory: each row once in a fre
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -39,25 +40,11 @@ def shape(quick: bool) -> Dict[str, int]:
     return dict(V=32000, H=512, layers=2, B=8, P=64, C=256)
 
 
-def build(device: str, quick: bool, loss_type: str = "dapo", seed: int = 0):
-    """(trainer, model, batch): a GRPOTrainer on a config-built Qwen2 and one prepared
-    micro-batch as ``_compute_loss`` receives it (random completions of random lengths,
-    old log-probs off the current ones so that the ratios clip)."""
-    from datasets import Dataset
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-    from trl import GRPOConfig, GRPOTrainer
+def qwen2_config(s: Dict[str, int]):
+    """The benchmark's Qwen2 config for a :func:`shape` (no download; fp32 weights)."""
+    from transformers import Qwen2Config
 
-    s = shape(quick)
-    torch.manual_seed(seed)
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate("abcdefghij")}}
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>")),
-        pad_token="<pad>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-    )
-    cfg = Qwen2Config(
+    return Qwen2Config(
         vocab_size=s["V"],
         hidden_size=s["H"],
         intermediate_size=2 * s["H"],
@@ -69,7 +56,27 @@ def build(device: str, quick: bool, loss_type: str = "dapo", seed: int = 0):
         pad_token_id=0,
         eos_token_id=1,
     )
-    model = Qwen2ForCausalLM(cfg).to(device)
+
+
+def build(device: str, quick: bool, loss_type: str = "dapo", seed: int = 0):
+    """(trainer, model, batch): a GRPOTrainer on a config-built Qwen2 and one prepared
+    micro-batch as ``_compute_loss`` receives it (random completions of random lengths,
+    old log-probs off the current ones so that the ratios clip)."""
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    s = shape(quick)
+    torch.manual_seed(seed)
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate("abcdefghij")}}
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>")),
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+    )
+    model = Qwen2ForCausalLM(qwen2_config(s)).to(device)
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="rlvr-bench-trainer-"),
         report_to=[],
@@ -122,14 +129,18 @@ def step_fn(trainer, model, batch) -> Callable[[], float]:
     return step
 
 
+def switch_to(switches: Optional[Dict[str, Any]], apply: Callable[..., None], unapply: Callable[[], None]) -> None:
+    """A method's integration state: stock (``switches`` None) or ``apply(**switches)``."""
+    if switches is None:
+        unapply()
+    else:
+        apply(**switches)
+
+
 def _switch(key: str) -> None:
     from ..integrations import trl as rk_trl
 
-    switches = METHODS[key][1]
-    if switches is None:
-        rk_trl.unapply()
-    else:
-        rk_trl.apply(async_grpo=False, **switches)
+    switch_to(METHODS[key][1], functools.partial(rk_trl.apply, async_grpo=False), rk_trl.unapply)
 
 
 def measure_memory(key: str, device: str, quick: bool) -> Dict:
@@ -140,11 +151,13 @@ def measure_memory(key: str, device: str, quick: bool) -> Dict:
     return {"extra_gb": peak_extra_gb(step, device)}
 
 
-def memory_rows(device: str, quick: bool) -> Dict[str, Dict]:
+def memory_rows(device: str, quick: bool, module: str = __name__, methods=METHODS) -> Dict[str, Dict]:
+    """``module.measure_memory(key, device, quick)`` for each key of ``methods``, each in a
+    fresh process: a warm allocator would hide the first call's peak."""
     out = {}
-    for key in METHODS:
+    for key in methods:
         code = (
-            "import json; from rlvr_kernels.bench.trainer import measure_memory; "
+            f"import json; from {module} import measure_memory; "
             f"print(json.dumps(measure_memory({key!r}, {device!r}, {quick!r})))"
         )
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
@@ -155,56 +168,100 @@ def memory_rows(device: str, quick: bool) -> Dict[str, Dict]:
     return out
 
 
+def interleaved(
+    methods, switch: Callable[[str], None], make_step: Callable[[], Callable[[], float]], device: str, repeats: int
+) -> Tuple[Dict[str, float], Dict[str, List[float]]]:
+    """(the loss each method's first call returns, its times over ``repeats`` interleaved
+    rounds): ``switch(key)`` then a fresh ``make_step()`` for every call (a step binds the
+    patched functions when it is made)."""
+    losses, times = {}, {key: [] for key in methods}
+    for key in methods:  # warm-up and the loss each computes
+        switch(key)
+        losses[key] = make_step()()
+    for _ in range(repeats):  # interleaved rounds
+        for key in methods:
+            switch(key)
+            times[key].append(time_fn(make_step(), device, repeats=1, warmup=0)["ms"])
+    return losses, times
+
+
+def method_rows(methods, times: Dict[str, List[float]], memory: Dict[str, Dict], base: str = "fused") -> List[Dict]:
+    """One row a method: the median time, its ratio to ``base``'s, the fresh-process peak."""
+
+    def median(xs):
+        return sorted(xs)[len(xs) // 2]
+
+    rows = []
+    for key, (label, _) in methods.items():
+        ms = median(times[key])
+        rows.append(
+            {
+                "method": label,
+                "key": key,
+                "ms": ms,
+                "ratio": ms / median(times[base]),
+                "extra_gb": memory[key].get("extra_gb"),
+            }
+        )
+    return rows
+
+
 def workload(device: str, quick: bool = False) -> Dict:
     from ..integrations import trl as rk_trl
 
     s = shape(quick)
     was_applied = rk_trl.applied_options()
     trainer, model, batch = build(device, quick)
-    losses, times = {}, {key: [] for key in METHODS}
-    try:
-        for key in METHODS:  # warm-up and the loss each computes
-            _switch(key)
-            losses[key] = step_fn(trainer, model, batch)()
-        repeats = 2 if quick else 5
-        for _ in range(repeats):  # interleaved rounds
-            for key in METHODS:
-                _switch(key)
-                times[key].append(time_fn(step_fn(trainer, model, batch), device, repeats=1, warmup=0)["ms"])
-    finally:
+
+    def restore():
         rk_trl.unapply()
         if was_applied:
             rk_trl.apply(**was_applied)
-    memory = memory_rows(device, quick)
-    rows = []
-    fused = sorted(times["fused"])[len(times["fused"]) // 2]
-    for key, (label, _) in METHODS.items():
-        ms = sorted(times[key])[len(times[key]) // 2]
-        rows.append(
-            {"method": label, "key": key, "ms": ms, "ratio": ms / fused, "extra_gb": memory[key].get("extra_gb")}
-        )
-    targets = [
-        {
-            "target": "stock / applied step time",
-            "measured": rows[0]["ms"] / fused,
-            "met": "info",
-        }
-    ]
-    notes = [
-        f"Qwen2 from a config: vocab {s['V']}, hidden {s['H']}, {s['layers']} layers; {s['B']} completions of up "
-        f"to {s['C']} tokens after {s['P']}-token prompts; loss_type dapo, fp32; one step = compute_loss + backward "
-        f"on a fixed prepared micro-batch (generation excluded); median of {len(times['fused'])} interleaved rounds",
-        "extra memory: each row once in a fresh process (peak RSS above the RSS before the step on the CPU)",
-        "loss agreement with stock: "
-        + ", ".join(f"{k} {abs(losses[k] - losses['trl']):.1e}" for k in METHODS if k != "trl"),
-    ]
-    kind = "quick" if quick else "standard"
+
+    rows, losses, rounds = run_methods(
+        METHODS, _switch, lambda: step_fn(trainer, model, batch), restore, device, quick, __name__
+    )
+    step = (
+        f"{s['B']} completions of up to {s['C']} tokens after {s['P']}-token prompts; loss_type dapo, fp32; "
+        f"one step = compute_loss + backward on a fixed prepared micro-batch (generation excluded); median of "
+        f"{rounds} interleaved rounds"
+    )
+    title = f"one GRPOTrainer training step (compute_loss + backward), V={s['V']}, H={s['H']}, B={s['B']}, completions"
+    return step_result(title, quick, rows, losses, [model_note(s) + step, MEMORY_NOTE], stock="trl")
+
+
+MEMORY_NOTE = "extra memory: each row once in a fresh process (peak RSS above the RSS before the step on the CPU)"
+
+
+def model_note(s: Dict[str, int]) -> str:
+    return f"Qwen2 from a config: vocab {s['V']}, hidden {s['H']}, {s['layers']} layers; "
+
+
+def run_methods(
+    methods, switch, make_step, restore: Callable[[], None], device: str, quick: bool, module: str
+) -> Tuple[List[Dict], Dict[str, float], int]:
+    """(rows, the loss of each method, the number of rounds): :func:`interleaved` (then
+    ``restore()``, whatever happened) and the fresh-process memory of ``module``'s methods."""
+    try:
+        losses, times = interleaved(methods, switch, make_step, device, repeats=2 if quick else 5)
+    finally:
+        restore()
+    rows = method_rows(methods, times, memory_rows(device, quick, module, methods))
+    return rows, losses, len(times["fused"])
+
+
+def step_result(title: str, quick: bool, rows: List[Dict], losses: Dict[str, float], notes: List[str], stock: str):
+    """A step workload's result: the rows, the stock / applied ("fused") time ratio, the notes
+    and last the loss agreement of every method with ``stock``; ``title`` ends with what the
+    last size (the completion length) counts."""
+    ms = {r["key"]: r["ms"] for r in rows}
+    agreement = ", ".join(f"{k} {abs(v - losses[stock]):.1e}" for k, v in losses.items() if k != stock)
+    s = shape(quick)
     return {
-        "name": f"{kind}: one GRPOTrainer training step (compute_loss + backward), V={s['V']}, H={s['H']}, "
-        f"B={s['B']}, completions {s['C']}",
+        "name": f"{'quick' if quick else 'standard'}: {title} {s['C']}",
         "rows": rows,
-        "targets": targets,
-        "notes": notes,
+        "targets": [{"target": "stock / applied step time", "measured": ms[stock] / ms["fused"], "met": "info"}],
+        "notes": notes + [f"loss agreement with stock: {agreement}"],
     }
 
 

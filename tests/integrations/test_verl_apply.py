@@ -7,9 +7,10 @@ the engine's ``ppo_loss`` bound with ``functools.partial`` as verl's worker bind
 backward), ``optimizer_step``; ``infer_batch`` for compute_log_prob) on a tiny Qwen2 built
 from a config, a single process with a gloo group. verl 0.9.1 has no CPU platform (its
 device lookups fall back to CUDA) and its worker classes import the rollout server's
-packages, so the test points the engine module's two device lookups at the CPU, skips
-the device mesh (world size 1: no mesh) and gives the engine the plain module and a plain
-AdamW instead of the FSDP-wrapped ones; everything between is verl's code. Stock and
+packages, so the engine is built by ``rlvr_kernels.testing.verl_engine`` (shared with the
+verl step benchmark): the engine module's two device lookups on the CPU, no device mesh
+(world size 1), the plain module and a plain SGD instead of the FSDP-wrapped ones;
+everything between is verl's code. Stock and
 applied runs start from the same weights and data and must agree to 1e-6 (losses per
 micro-batch, every metric, gradients, the parameters after the step); the call counts
 prove the fused functions ran.
@@ -31,23 +32,20 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
 import verl
 import verl.utils.torch_functional as verl_F
 from verl import DataProto
-from verl.trainer.config import CheckpointConfig
 from verl.trainer.ppo import core_algos
-from verl.utils import tensordict_utils as tu
 from verl.utils.kernel import linear_cross_entropy as verl_lce
-from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, PolicyLossConfig
+from verl.workers.config import FSDPActorConfig
 from verl.workers.engine.fsdp import transformer_impl as ti
 from verl.workers.utils import losses as verl_losses
-from verl.workers.utils.padding import left_right_2_no_padding
 
 from rlvr_kernels.integrations import verl as rk
 from rlvr_kernels.integrations._patch import PatchError, call_counts, reset_call_counts, set_counting
 from rlvr_kernels.integrations.verl import patch as rk_patch
+from rlvr_kernels.testing import verl_engine
 
 V, B, P, R = 97, 6, 5, 7
 
@@ -59,14 +57,8 @@ V, B, P, R = 97, 6, 5, 7
 
 @pytest.fixture(scope="module", autouse=True)
 def gloo():
-    created = False
-    if not dist.is_initialized():
-        store = dist.FileStore(tempfile.mktemp(prefix="rk-verl-gloo-"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        created = True
-    yield
-    if created:
-        dist.destroy_process_group()
+    with verl_engine.single_process_group():
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -101,99 +93,36 @@ def model_dir():
 
 
 def _cpu_engine(monkeypatch, model_dir, torch_compile=False):
-    """verl's FSDPEngineWithLMHead built by its own __init__ (which binds the entropy
-    function, as on a GPU), with the device lookups on the CPU and no device mesh."""
-
-    def init_device_mesh(self):  # world size 1: what _init_device_mesh sets, without a mesh
-        self.device_mesh = None
-        self.ulysses_device_mesh = None
-        self.ulysses_parallel_group = None
-        self.ulysses_sequence_parallel_size = 1
-        self.use_ulysses_sp = False
-
-    monkeypatch.setattr(ti.FSDPEngine, "_init_device_mesh", init_device_mesh)
-    monkeypatch.setattr(ti, "get_device_id", lambda: "cpu")
-    monkeypatch.setattr(ti, "get_device_name", lambda: "cpu")
-    mc = HFModelConfig(path=model_dir, load_tokenizer=False, use_remove_padding=True)
-    ec = FSDPEngineConfig(
-        strategy="fsdp2", use_torch_compile=torch_compile, micro_batch_size_per_gpu=2, use_dynamic_bsz=False
-    )
-    oc = FSDPOptimizerConfig(lr=1.0, clip_grad=1.0)
-    engine = ti.FSDPEngineWithLMHead(mc, ec, oc, CheckpointConfig())
-    engine.module = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    engine.module.train()
-    engine._autocast_dtype = torch.float32
+    """verl's FSDPEngineWithLMHead on the CPU (rlvr_kernels.testing.verl_engine), the patches
+    held for the test."""
+    for obj, name, value in verl_engine.device_patches("cpu"):
+        monkeypatch.setattr(obj, name, value)
+    module = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     # Plain SGD: Adam's first steps are lr·g/(|g| + eps), which turns rounding-level differences
     # of near-zero gradient elements into lr-sized parameter differences.
-    engine.optimizer = torch.optim.SGD(engine.module.parameters(), lr=oc.lr)
-    return engine
-
-
-def _batch(seed=0, zero_row=True):
-    """A left/right-padded rollout batch as verl's trainer holds it (prompt left-padded,
-    response right-padded), one response with no valid token when ``zero_row``."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(1, V, (B, P), generator=g)
-    resp = torch.randint(1, V, (B, R), generator=g)
-    plen = torch.randint(1, P + 1, (B,), generator=g)
-    rlen = torch.randint(1, R + 1, (B,), generator=g)
-    rlen[0] = R
-    pm = (torch.arange(P)[None] >= P - plen[:, None]).long()
-    rm = (torch.arange(R)[None] < rlen[:, None]).long()
-    attn = torch.cat([pm, rm], 1)
-    pos = (attn.cumsum(1) - 1).clamp(min=0)
-    old = -torch.rand(B, R, generator=g) * 3 - 0.05
-    adv = (torch.randn(B, 1, generator=g) * rm).float()
-    tensors = dict(
-        prompts=prompts,
-        responses=resp,
-        input_ids=torch.cat([prompts, resp], 1),
-        attention_mask=attn,
-        position_ids=pos,
-        response_mask=rm,
-        old_log_probs=old,
-        advantages=adv,
-        ref_log_prob=old + 0.3 * torch.randn(B, R, generator=g),
-        rollout_is_weights=torch.rand(B, R, generator=g) * 2,
+    return verl_engine.build_engine(
+        model_dir,
+        module,
+        micro_batch_size=2,
+        optimizer=lambda params: torch.optim.SGD(params, lr=1.0),
+        torch_compile=torch_compile,
     )
-    return DataProto.from_dict(tensors=tensors)
+
+
+def _batch(seed=0):
+    return verl_engine.rollout_batch(vocab=V, batch=B, prompt=P, response=R, seed=seed)
 
 
 def _td(batch: DataProto, *, entropy: bool, fused_kernels: bool = False, train: bool = True, is_weights=False):
-    """verl's trainer → worker conversion (ray_trainer._update_actor / _compute_old_log_prob):
-    to_tensordict, left_right_2_no_padding, the non-tensor settings the worker injects."""
-    batch = DataProto.from_dict(tensors={k: v.clone() for k, v in batch.batch.items()})
-    if not is_weights:
-        batch.batch.pop("rollout_is_weights")
-    td = left_right_2_no_padding(batch.to_tensordict())
-    tu.assign_non_tensor(
-        td,
-        calculate_entropy=entropy,
-        use_remove_padding=True,
-        use_dynamic_bsz=False,
-        micro_batch_size_per_gpu=2,
-        use_fused_kernels=fused_kernels,
-        temperature=1.0,
-        global_batch_size=B,
-        compute_loss=train,
+    return verl_engine.worker_batch(
+        batch, micro_batch_size=2, entropy=entropy, fused_kernels=fused_kernels, train=train, is_weights=is_weights
     )
-    return td
 
 
 def _actor_config(loss_mode="vanilla", agg="token-mean", **kw) -> FSDPActorConfig:
-    fields = dict(
-        strategy="fsdp2",
-        rollout_n=1,
-        ppo_mini_batch_size=B,
-        ppo_micro_batch_size_per_gpu=2,
-        clip_ratio=0.2,
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
-        loss_agg_mode=agg,
-        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
-    )
+    fields = dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=agg)
     fields.update(kw)
-    return FSDPActorConfig(**fields)
+    return verl_engine.actor_config(loss_mode, batch_size=B, micro_batch_size=2, **fields)
 
 
 def _train(monkeypatch, model_dir, config, *, entropy, is_weights=False, steps=2):
