@@ -40,6 +40,8 @@ RUNNER = _runner()
 CONFIGS = list(RUNNER.CONFIGS)
 TRAINED = [n for n in CONFIGS if "expect_error" not in RUNNER.CONFIGS[n][1]]
 FUSED = [n for n in TRAINED if RUNNER.CONFIGS[n][1].get("strict", True)]
+# fp32 runs, compared to 1e-6; the bf16-autocast one by the tolerance rule (its own test).
+EXACT = [n for n in TRAINED if not RUNNER.CONFIGS[n][1].get("autocast")]
 UNAPPLIED = ["grpo", "grpo_beta", "top_entropy"]
 
 
@@ -97,7 +99,7 @@ def test_generations_identical(runs, name):
         assert max(abs(x - y) for x, y in zip(s, a)) <= 1e-6
 
 
-@pytest.mark.parametrize("name", TRAINED)
+@pytest.mark.parametrize("name", EXACT)
 def test_step1_metrics_and_losses(runs, name):
     stock, applied = runs["stock"][name], runs["applied"][name]
     s_steps, a_steps = _steps(stock), _steps(applied)
@@ -126,7 +128,7 @@ def test_step1_metrics_and_losses(runs, name):
         assert abs(s - a) <= 1e-4 * (1 + abs(s))
 
 
-@pytest.mark.parametrize("name", TRAINED)
+@pytest.mark.parametrize("name", EXACT)
 def test_final_parameters(runs, name):
     stock, applied = runs["stock"][name], runs["applied"][name]
     diff = math.sqrt(sum(float(((stock["theta"][k] - applied["theta"][k]) ** 2).sum()) for k in stock["theta"]))
@@ -158,6 +160,28 @@ def test_each_patched_part_ran(runs, name):
         assert counts.get("trl.GRPOTrainer._compute_loss", 0) == 0
         assert counts["trl.GRPOTrainer._compute_loss[trl fallback]"] == micro_batches
         assert counts["stock:GRPOTrainer._compute_loss"] == micro_batches
+
+
+def test_bf16_autocast_within_the_tolerance_rule(runs):
+    """Under TRL's default bf16 autocast both runs round differently (TRL rounds each logits
+    tile to bf16; the fused head keeps fp32 logits but bf16 gradients, as autocast's own
+    linear does), and AdamW turns rounding into sign flips of small gradients: neither run
+    is the fp32 one. The applied run must be as close to the fp32 run ("dapo", same
+    settings) as stock is: |applied − fp32| <= 2·|stock − fp32| (+ atol), on the first
+    step's metrics and the final parameters."""
+    fp32 = runs["stock"]["dapo"]
+    stock, applied = runs["stock"]["bf16_autocast"], runs["applied"]["bf16_autocast"]
+    assert stock["completions"] == applied["completions"]  # generation does not run the patched parts
+
+    def dist(theta):
+        return math.sqrt(sum(float(((theta[k] - fp32["theta"][k]) ** 2).sum()) for k in theta))
+
+    assert dist(applied["theta"]) <= 2 * dist(stock["theta"]) + 1e-6
+    first_fp32, first_s, first_a = _steps(fp32)[0], _steps(stock)[0], _steps(applied)[0]
+    assert set(first_s) == set(first_a)
+    for key in first_s:
+        if not _timing(key) and isinstance(first_s[key], float):
+            assert abs(first_a[key] - first_fp32[key]) <= 2 * abs(first_s[key] - first_fp32[key]) + 1e-3, key
 
 
 def test_eval_mode_is_exercised(runs):

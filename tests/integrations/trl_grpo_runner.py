@@ -30,6 +30,7 @@ PROMPTS = ["abc", "hello", "xyz q", "grpo", "aaab", "token", "mn", "kernels"]
 
 # name -> (GRPOConfig overrides, runner options). Options: strict (apply's), expect_error
 # (the applied build must raise NotImplementedError mentioning this), rewards ("one" | "two"),
+# autocast (bf16: compared by the tolerance rule against the fp32 run, not to 1e-6),
 # eval (an eval dataset: TRL's eval mode of the loss).
 BASE = dict(
     max_steps=4,
@@ -58,6 +59,8 @@ CONFIGS: Dict[str, Any] = {
     "grpo_beta_plain_kl": (dict(loss_type="grpo", beta=0.04, use_bias_correction_kl=False), {}),
     "gspo_beta": (dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04), {}),
     "vespo": (dict(loss_type="vespo"), {}),
+    # TRL's default bf16=True: autocast on the CPU too (compared with the fp32 "dapo" run).
+    "bf16_autocast": (dict(loss_type="dapo", bf16=True), {"autocast": True}),
     "cispo_seq": (dict(loss_type="cispo", epsilon_high=1.05, importance_sampling_level="sequence"), {}),
     "sapo_seq": (dict(loss_type="sapo", importance_sampling_level="sequence"), {}),
     "delta_inside_clip": (dict(loss_type="bnpo", delta=1.02), {}),
