@@ -7,15 +7,15 @@
 # It builds the package against the machine's own torch, runs the test suite with the
 # Triton kernels compiled for the GPU (CUDA tensors, checked against the fp64 reference),
 # `rlvr-kernels check` and `rlvr-kernels bench` on CUDA. Only a few files come back from
-# the device, so $OUT receives at most seven: logs.tar.gz (every log), and the two bench
-# runs' .json/.md/.png (commit them as benchmarks/results/<date>-h200*.*). The tarball is written
-# on any exit, a timeout included.
+# the device (8), so $OUT receives at most seven: logs.tar.gz (every log and plot), and
+# the three bench runs' .json/.md (commit them as benchmarks/results/<date>-h200*.*). The
+# tarball is written on any exit, a timeout included.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rlvr-gpu-out}
 mkdir -p "$OUT"
 LOGS=$(mktemp -d)
-trap 'cp "$LOGS"/results/*.{json,md,png} "$OUT"/ 2>/dev/null; tar czf "$OUT/logs.tar.gz" -C "$LOGS" .' EXIT
+trap 'cp "$LOGS"/results/*.{json,md} "$OUT"/ 2>/dev/null; tar czf "$OUT/logs.tar.gz" -C "$LOGS" .' EXIT
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 start=$(date +%s)
@@ -38,17 +38,22 @@ $PY -c "import verl.trainer.ppo.core_algos, trl" > "$LOGS/peers.txt" 2>&1 && ech
 
 stamp "tests on CUDA"
 # The CLI tests re-run check and a quick bench, both done below on the real workload.
-timeout 180 $PY -m pytest -q -p no:cacheprovider --ignore=tests/common/test_cli.py tests 2>&1 | tee "$LOGS/tests.log" | tail -12
+timeout 160 $PY -m pytest -q -p no:cacheprovider --ignore=tests/common/test_cli.py tests 2>&1 | tee "$LOGS/tests.log" | tail -12
 
 stamp "check"
-timeout 45 $PY -m rlvr_kernels check > "$LOGS/check.txt" 2>&1; echo "check exit code $?"; tail -3 "$LOGS/check.txt"
+timeout 40 $PY -m rlvr_kernels check > "$LOGS/check.txt" 2>&1; echo "check exit code $?"; tail -3 "$LOGS/check.txt"
 
 stamp "bench"
 # Two runs, so a packing workload that overruns (a 0.5B model over 49k tokens, FlexAttention
 # compiles) cannot take the op tables with it: each run writes its files only at its end.
-timeout 140 $PY -m rlvr_kernels bench --op group_advantages --op policy_loss --op linear_logprobs \
+timeout 130 $PY -m rlvr_kernels bench --op group_advantages --op policy_loss --op linear_logprobs \
   --out "$LOGS/results" 2>&1 | tee "$LOGS/bench.log" | grep -v "^bench" | tail -40
 stamp "bench packing"
-timeout 90 $PY -m rlvr_kernels bench --op packing --out "$LOGS/results" 2>&1 | tee "$LOGS/bench-packing.log" \
+timeout 75 $PY -m rlvr_kernels bench --op packing --out "$LOGS/results" 2>&1 | tee "$LOGS/bench-packing.log" \
+  | grep -v "^bench" | tail -25
+stamp "bench trainer"
+# One TRL GRPOTrainer step and one verl engine step, stock vs apply(): last, as the least
+# essential (it needs TRL's and verl's dependencies on the machine).
+timeout 55 $PY -m rlvr_kernels bench --op trainer --out "$LOGS/results" 2>&1 | tee "$LOGS/bench-trainer.log" \
   | grep -v "^bench" | tail -25
 stamp "done"
