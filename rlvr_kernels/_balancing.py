@@ -215,21 +215,31 @@ def balance_groups(
 # ----------------------------------------------------------------------------- partitioners
 
 
-class _Subset:
-    """One rank's groups in a Karmarkar–Karp state, ordered as verl's ``Set``: by sum, then
-    size, then the (index, cost) items, so two subsets never compare equal."""
+# A Karmarkar–Karp subset (one rank's groups in a state) is the tuple (sum, count, first, tree):
+# its cost, its number of groups, its first group (-1 when empty) and its groups as a tree of
+# pairs with group indices at the leaves (so a merge is O(1), not a copy of both lists).
+# Tuples order as verl's ``Set``: by sum, then size, then the (index, cost) item lists, which
+# hold disjoint groups and so differ at their first item: comparing ``first`` is the same.
+_EMPTY = (0, 0, -1, ())
 
-    __slots__ = ("sum", "items")
 
-    def __init__(self, items: List[Tuple[int, Any]]):
-        self.items = items
-        self.sum = _sum([c for _, c in items])
+def _join(x: tuple, y: tuple) -> tuple:
+    if not x[1]:
+        return y
+    if not y[1]:
+        return x
+    return (x[0] + y[0], x[1] + y[1], x[2], (x[3], y[3]))
 
-    def _key(self):
-        return (self.sum, len(self.items), self.items)
 
-    def __lt__(self, other: "_Subset") -> bool:
-        return self._key() < other._key()
+def _leaves(tree) -> List[int]:
+    out, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, int):
+            out.append(node)
+        elif node:
+            stack += (node[1], node[0])  # left first, as verl appends the other set's items after its own
+    return out
 
 
 class _State:
@@ -239,14 +249,14 @@ class _State:
 
     __slots__ = ("subsets", "spread")
 
-    def __init__(self, subsets: List[_Subset]):
+    def __init__(self, subsets: List[tuple]):
         self.subsets = sorted(subsets, reverse=True)
-        self.spread = self.subsets[0].sum - self.subsets[-1].sum
+        self.spread = self.subsets[0][0] - self.subsets[-1][0]
 
     def __lt__(self, other: "_State") -> bool:
         if self.spread != other.spread:
             return self.spread > other.spread
-        return other.subsets[0] < self.subsets[0]
+        return other.subsets[0][:3] < self.subsets[0][:3]
 
 
 def _karmarkar_karp(costs: Sequence, k: int, equal_counts: bool) -> List[List[int]]:
@@ -258,16 +268,15 @@ def _karmarkar_karp(costs: Sequence, k: int, equal_counts: bool) -> List[List[in
     heap: List[_State] = []
     step = k if equal_counts else 1
     for start in range(0, len(order), step):
-        items = [[(g, costs[g])] for g in order[start : start + step]]
-        heap.append(_State([_Subset(it) for it in items] + [_Subset([]) for _ in range(k - len(items))]))
+        chunk = order[start : start + step]
+        heap.append(_State([(costs[g], 1, g, g) for g in chunk] + [_EMPTY] * (k - len(chunk))))
     if not heap:
         return [[] for _ in range(k)]
     heapq.heapify(heap)
     while len(heap) > 1:
         a, b = heapq.heappop(heap), heapq.heappop(heap)
-        merged = [_Subset(x.items + y.items) for x, y in zip(a.subsets, reversed(b.subsets))]
-        heapq.heappush(heap, _State(merged))
-    return [[g for g, _ in s.items] for s in heap[0].subsets]
+        heapq.heappush(heap, _State([_join(x, y) for x, y in zip(a.subsets, reversed(b.subsets))]))
+    return [_leaves(s[3]) for s in heap[0].subsets]
 
 
 def _lpt(costs: Sequence, k: int, equal_counts: bool) -> List[List[int]]:

@@ -132,6 +132,7 @@ def test_verl_splits_groups_ours_does_not():
 
     out = balance_groups(lengths, group_index, num_ranks, equal_counts=True)
     check_invariants(out, lengths, group_index, num_ranks, attention)
+    assert {len(rank) for rank in out} == {len(lengths) // num_ranks}  # groups of one size: equal samples
     group_costs = [sum(costs[g * n : (g + 1) * n]) for g in range(num_groups)]
     verl_groups = get_seqlen_balanced_partitions(group_costs, num_ranks, True)
     assert max(out.costs) <= _max_load(verl_groups, group_costs)
