@@ -44,6 +44,7 @@ from .ops._validation import MAX_COUNT, check_int
 
 METHODS = ("kk", "lpt")
 COST_MODELS = ("attention", "tokens", "tree", "given")
+TREE_KEYS = ("token+next", "token")  # rlvr_kernels.packing's, imported lazily with the packing
 
 # a per token, b per score pair: a = 6·h for hidden size h = 4096 (see the module docstring).
 DEFAULT_ATTENTION_COEFFICIENTS = (24576, 1)
@@ -56,8 +57,8 @@ class RankAssignment:
     ``sample_indices[r]``: rank r's sample indices, ascending (the batch order, so a group's
     samples keep their order); ``groups[r]``: rank r's group ids, in the order of their first
     sample; ``costs[r]``: rank r's cost under the cost model (an int for the integer models,
-    a float for ``"given"``/callable costs). Ranks are in the partitioner's order
-    (Karmarkar–Karp: costliest first; LPT: the rank each group was dealt to).
+    a float for ``"given"``/callable costs). The order of the ranks carries no meaning beyond
+    being the same on every process (rank r of the trainer takes entry r).
     """
 
     sample_indices: Tuple[Tuple[int, ...], ...]
@@ -150,6 +151,8 @@ def balance_groups(
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     if not callable(cost) and cost not in COST_MODELS:
         raise ValueError(f"cost: expected one of {COST_MODELS} or a callable, got {cost!r}")
+    if key not in TREE_KEYS:
+        raise ValueError(f"key: expected one of {TREE_KEYS} (the trie key of cost='tree'), got {key!r}")
     coef = _coefficients(attention_coefficients)
 
     sample_costs, lens = None, None

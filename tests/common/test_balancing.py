@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions, karmarkar_karp
 
-from rlvr_kernels._balancing import DEFAULT_ATTENTION_COEFFICIENTS, RankAssignment, balance_groups
+from rlvr_kernels._balancing import DEFAULT_ATTENTION_COEFFICIENTS, TREE_KEYS, RankAssignment, balance_groups
 
 A, B = DEFAULT_ATTENTION_COEFFICIENTS
 
@@ -206,6 +206,7 @@ def test_empty_ranks():
         (dict(cost="given", lengths=[1.0, float("nan"), 2.0, 1.0]), ValueError, "lengths"),
         (dict(cost="tree"), ValueError, "samples"),
         (dict(samples=[[1], [2], [3], [4]]), ValueError, "samples"),
+        (dict(key="node"), ValueError, "key"),
         (dict(equal_counts=True), ValueError, "equal_counts"),  # 3 groups over 2 ranks
         (dict(equal_counts=1), TypeError, "equal_counts"),
         (dict(allow_empty_ranks="yes"), TypeError, "allow_empty_ranks"),
@@ -225,6 +226,11 @@ def test_validation(kwargs, exc, name):
 from packing.forests import forests  # noqa: E402
 
 from rlvr_kernels.packing import pack_prefix_tree  # noqa: E402
+from rlvr_kernels.packing._tree import KEYS  # noqa: E402
+
+
+def test_tree_keys_are_the_packing_keys():
+    assert TREE_KEYS == KEYS
 
 
 @pytest.mark.cpu_kernel
