@@ -35,7 +35,7 @@ import bisect
 import dataclasses
 import heapq
 import math
-from typing import Any, Callable, List, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -155,29 +155,8 @@ def balance_groups(
         raise ValueError(f"key: expected one of {TREE_KEYS} (the trie key of cost='tree'), got {key!r}")
     coef = _coefficients(attention_coefficients)
 
-    sample_costs, lens = None, None
-    if cost == "tree":
-        if samples is None:
-            raise ValueError("samples: cost='tree' prices each group's prefix tree, so it needs the token ids")
-        from .packing._tree import _flat_samples
-
-        tokens, tree_lens = _flat_samples(samples, lengths if _padded(samples) else None)
-        if lengths is not None and not _padded(samples):
-            lens = _int_vector("lengths", lengths, "lengths")
-            if lens.tolist() != tree_lens:
-                raise ValueError("lengths: must equal the lengths of samples (or be None under cost='tree')")
-        lens = torch.tensor(tree_lens, dtype=torch.int64)
-    else:
-        if samples is not None:
-            raise ValueError(f"samples: only used by cost='tree', got cost={cost!r}")
-        if lengths is None:
-            raise ValueError("lengths: expected [B] per-sample lengths (or costs under cost='given')")
-        if cost == "given":
-            sample_costs = _cost_vector("lengths", lengths)
-        else:
-            lens = _int_vector("lengths", lengths, "lengths")
-    B = len(sample_costs) if sample_costs is not None else lens.shape[0]
-
+    inputs = _sample_inputs(lengths, cost, samples)
+    B = inputs.num_samples
     group_order, members = _groups(group_index, B)
     G = len(group_order)
     if G < num_ranks and not allow_empty_ranks:
@@ -192,10 +171,9 @@ def balance_groups(
         )
 
     if cost == "tree":
-        group_costs = _tree_costs(tokens, lens, members, key, coef)
+        group_costs = _tree_costs(inputs.tokens, inputs.lengths, members, key, coef)
     else:
-        if sample_costs is None:
-            sample_costs = _sample_costs(cost, lens, coef)
+        sample_costs = inputs.costs if inputs.costs is not None else _sample_costs(cost, inputs.lengths, coef)
         group_costs = [_sum([sample_costs[i] for i in m]) for m in members]
 
     if method == "kk":
@@ -407,8 +385,41 @@ def _sum(values: Sequence) -> Any:
 # ----------------------------------------------------------------------------- inputs
 
 
-def _padded(samples) -> bool:
-    return isinstance(samples, torch.Tensor) and samples.dim() == 2
+@dataclasses.dataclass(frozen=True)
+class _Samples:
+    """The per-sample input of one cost model: lengths [B] int64 (None under ``"given"``),
+    the flat token ids [T] (``"tree"`` only) or the given costs."""
+
+    lengths: Optional[torch.Tensor]
+    tokens: Optional[torch.Tensor] = None
+    costs: Optional[List[Any]] = None
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.costs) if self.costs is not None else self.lengths.shape[0]
+
+
+def _sample_inputs(lengths, cost, samples) -> _Samples:
+    if cost != "tree":
+        if samples is not None:
+            raise ValueError(f"samples: only used by cost='tree', got cost={cost!r}")
+        if lengths is None:
+            raise ValueError("lengths: expected [B] per-sample lengths (or costs under cost='given')")
+        if cost == "given":
+            return _Samples(None, costs=_cost_vector("lengths", lengths))
+        return _Samples(_int_vector("lengths", lengths, "lengths"))
+    if samples is None:
+        raise ValueError("samples: cost='tree' prices each group's prefix tree, so it needs the token ids")
+    from .packing._tree import _flat_samples
+
+    padded = isinstance(samples, torch.Tensor) and samples.dim() == 2
+    tokens, tree_lens = _flat_samples(samples, lengths if padded else None)
+    if tokens.numel() and int(tokens.min()) < 0:
+        raise ValueError(f"samples: token ids must be non-negative, got {int(tokens.min())}")
+    if lengths is not None and not padded:
+        if _int_vector("lengths", lengths, "lengths").tolist() != tree_lens:
+            raise ValueError("lengths: must equal the lengths of samples (or be None under cost='tree')")
+    return _Samples(torch.tensor(tree_lens, dtype=torch.int64), tokens)
 
 
 def _as_tensor(name: str, x, what: str) -> torch.Tensor:

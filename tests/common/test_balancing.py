@@ -206,6 +206,8 @@ def test_empty_ranks():
         (dict(cost="given", lengths=[1.0, float("nan"), 2.0, 1.0]), ValueError, "lengths"),
         (dict(cost="tree"), ValueError, "samples"),
         (dict(samples=[[1], [2], [3], [4]]), ValueError, "samples"),
+        (dict(cost="tree", lengths=None, samples=[[1], [2, -1], [3], [4]]), ValueError, "samples"),
+        (dict(cost="tree", lengths=None, samples=[[1], [2.5], [3], [4]]), TypeError, "samples"),
         (dict(key="node"), ValueError, "key"),
         (dict(equal_counts=True), ValueError, "equal_counts"),  # 3 groups over 2 ranks
         (dict(equal_counts=1), TypeError, "equal_counts"),
@@ -217,7 +219,7 @@ def test_empty_ranks():
 def test_validation(kwargs, exc, name):
     args = dict(lengths=[1, 2, 3, 4], group_index=[0, 1, 1, 2], num_ranks=2)
     args.update(kwargs)
-    with pytest.raises(exc, match=f"^{name}:"):
+    with pytest.raises(exc, match=rf"^{name}(\[\d+\])?:"):
         balance_groups(args.pop("lengths"), args.pop("group_index"), args.pop("num_ranks"), **args)
 
 
