@@ -472,12 +472,6 @@ def _group_device(process_group, like) -> torch.device:
     return torch.device("cpu")
 
 
-def _row_value(v, device) -> torch.Tensor:
-    if isinstance(v, torch.Tensor):
-        return v.detach().reshape(()).to(device, torch.float64)
-    return torch.tensor(float(v), dtype=torch.float64, device=device)
-
-
 def _group_reduce(process_group, call: Optional[_GroupCall], like, validate: bool):
     """The one all-reduce; returns ``(global_num_tokens, global_num_seqs)`` for the
     normalisation: the given ones if the caller passed them (the whole step's counts, for
@@ -502,9 +496,14 @@ def _group_reduce(process_group, call: Optional[_GroupCall], like, validate: boo
             lsf = call.loss_scale_factor if call.loss_scale_factor is not None else max(x.logprobs.shape[-1], 1)
         # crc32 of the options' repr: the same on every process (unlike hash()), exact in fp64.
         fingerprint = zlib.crc32(repr((opts, call.dp_size)).encode())
-        given = [-1.0 if v is None else v for v in (call.global_num_tokens, call.global_num_seqs)]
-        values = [_OK, ntok, nseq, fingerprint, lsf] + given
-        table[rank] = torch.stack([_row_value(v, device) for v in values])
+        values = [_OK, ntok, nseq, fingerprint, lsf, call.global_num_tokens, call.global_num_seqs]
+        # Host values in one copy; the tensors (the counts, given tensor counts) on the device.
+        host = [-1.0 if v is None else v for v in values]
+        host = [0.0 if isinstance(v, torch.Tensor) else float(v) for v in host]
+        table[rank] = torch.tensor(host, dtype=torch.float64).to(device)
+        for slot, v in enumerate(values):
+            if isinstance(v, torch.Tensor):
+                table[rank, slot] = v.detach().reshape(()).to(device, torch.float64)
     dist.all_reduce(table, op=dist.ReduceOp.SUM, group=process_group)
     if call is None:
         return None, None  # the caller raises its own error

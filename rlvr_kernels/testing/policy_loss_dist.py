@@ -86,8 +86,9 @@ def _close(a, b, dtype, what: str) -> None:
     torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{what}: {m}")
 
 
-def dp_equivalence_worker(rank: int, world: int, port: int, backends: List[str]) -> None:
-    """Every aggregation mode × ppo/gspo/cispo × KL on/off × padded/packed × fp64/fp32:
+def dp_equivalence_worker(rank: int, world: int, port: int, combos: List[Tuple[str, str, torch.dtype]]) -> None:
+    """Every aggregation mode × ppo/gspo/cispo × KL on/off, for each (backend, layout, dtype)
+    of ``combos``:
     (1) the mean over ranks of the ranks' gradients (scattered into the full batch) and of
     their losses equals one process on the full batch; (2) micro-batches of the rank with the
     step's counts (``global_counts``) accumulate to the rank's whole-batch gradient and loss."""
@@ -100,7 +101,6 @@ def dp_equivalence_worker(rank: int, world: int, port: int, backends: List[str])
         bounds = _bounds(11, world)
         lo, hi = bounds[rank], bounds[rank + 1]
         mid = (lo + hi) // 2
-        combos = itertools.product(backends, ("padded", "packed"), (torch.float64, torch.float32))
         for seed, (backend, layout, dtype) in enumerate(combos):
             inputs = _case(layout, dtype, world, seed)
             local = _slice(inputs, lo, hi)

@@ -6,6 +6,7 @@ ppo/gspo/cispo, with and without KL, padded and packed, fp64 and fp32; micro-bat
 the step's counts accumulate to the rank's whole batch; inconsistent calls raise on every
 rank."""
 
+import itertools
 import socket
 
 import pytest
@@ -24,8 +25,11 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_data_parallel_equals_full_batch(world):
-    backends = ["cpu", "reference"] if world == 2 else ["cpu"]
-    mp.spawn(dp_equivalence_worker, args=(world, _free_port(), backends), nprocs=world, join=True)
+    if world == 2:  # every layout and dtype, the C++ kernel and the reference
+        combos = list(itertools.product(["cpu", "reference"], ["padded", "packed"], [torch.float64, torch.float32]))
+    else:  # (4 processes on a few cores: each layout once, each dtype once)
+        combos = [("cpu", "padded", torch.float64), ("cpu", "packed", torch.float32)]
+    mp.spawn(dp_equivalence_worker, args=(world, _free_port(), combos), nprocs=world, join=True)
 
 
 def test_inconsistent_calls_raise_on_every_rank():
