@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import zlib
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -346,9 +347,26 @@ def _check_needed_inputs(opts: PolicyLossOptions, ref, roll, ent) -> None:
             raise ValueError("entropy: shaping.a3po_metric='entropy' needs the per-token entropy")
 
 
-def _check_agg_args(opts, cu_seqlens, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor) -> None:
+def _check_agg_args(
+    opts, cu_seqlens, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor, group_size=None
+) -> int:
+    """Checks the aggregation arguments; returns the dp_size to use (the group's size by
+    default with a process group, else 1)."""
+    if dp_size is None:
+        dp_size = 1 if group_size is None else group_size
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise ValueError(f"dp_size: expected an int >= 1, got {dp_size!r}")
+    if group_size is not None:
+        if dp_size != group_size:
+            raise ValueError(
+                f"dp_size: {dp_size} conflicts with the process group's size {group_size} (with process_group "
+                f"it defaults to the group size; omit it)"
+            )
+        if opts.agg == "none":
+            raise ValueError(
+                "process_group: agg='none' returns the per-token losses unreduced; aggregate them with "
+                "rlvr_kernels.distributed.global_counts, or pick a reducing agg"
+            )
     for name, v in (("global_num_tokens", global_num_tokens), ("global_num_seqs", global_num_seqs)):
         if v is None or isinstance(v, torch.Tensor):
             if isinstance(v, torch.Tensor) and v.numel() != 1:
@@ -368,6 +386,7 @@ def _check_agg_args(opts, cu_seqlens, global_num_tokens, global_num_seqs, dp_siz
             "loss_scale_factor: agg='seq-mean-token-sum-norm' on the packed layout needs it "
             "(the padded layout defaults to L)"
         )
+    return dp_size
 
 
 def _resolve(preset, options, **overrides) -> PolicyLossOptions:
@@ -402,6 +421,141 @@ def _check_finite(sums: Optional[torch.Tensor], x: _Inputs, validate: bool) -> N
         raise ValueError("non-finite input on a valid token")  # (unreachable unless a search above missed it)
 
 
+# ------------------------------------------------------------------ data parallel (process_group)
+# With ``process_group``, ``policy_loss`` runs exactly one collective: an all-reduce (SUM) of a
+# [world, _SLOTS] fp64 table where each rank fills only its own row. Summing zeros and one
+# value is exact, so every rank gets every rank's row bitwise: the global counts (summed in
+# rank order: the same bits on every rank) and what the cross-rank checks compare (options
+# fingerprint, the effective loss_scale_factor, the given global counts). A rank whose own
+# checks failed still joins the collective with a failure status and then raises its own
+# error, so the other ranks raise too instead of waiting in a collective it never reaches.
+_OK, _FAILED = 1.0, 2.0
+_STATUS, _NTOK, _NSEQ, _FINGERPRINT, _LSF, _GIVEN_TOK, _GIVEN_SEQ = range(7)
+_SLOTS = 7
+
+
+class _GroupCall(NamedTuple):
+    """What one rank contributes to the all-reduce (:func:`_group_reduce`)."""
+
+    x: _Inputs
+    opts: PolicyLossOptions
+    dp_size: int
+    loss_scale_factor: Optional[float]
+    global_num_tokens: object  # None, a number or a 1-element tensor
+    global_num_seqs: object
+
+
+def _group_size(process_group) -> Optional[int]:
+    """The group's size (None without a group); refuses torch.compile before any collective."""
+    if process_group is None:
+        return None
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            "policy_loss(process_group=...): eager only (the all-reduce of the counts is not traced by "
+            "torch.compile); compute the counts outside the compiled region with "
+            "rlvr_kernels.distributed.global_counts and pass global_num_tokens / global_num_seqs / dp_size"
+        )
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("process_group: torch.distributed is not initialized")
+    return dist.get_world_size(process_group)
+
+
+def _group_device(process_group, like) -> torch.device:
+    import torch.distributed as dist
+
+    if isinstance(like, torch.Tensor) and like.device.type != "meta":
+        return like.device
+    if dist.get_backend(process_group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _group_reduce(process_group, call: Optional[_GroupCall], like, validate: bool):
+    """The one all-reduce; returns ``(global_num_tokens, global_num_seqs)`` for the
+    normalisation: the given ones if the caller passed them (the whole step's counts, for
+    micro-batches), else the sums of the ranks' counts (0-d fp64 tensors, no host sync).
+    ``call`` None: this rank failed its checks (it joins, the caller re-raises). With
+    ``validate``, the table is read on the host (a sync on CUDA) and every rank raises the
+    same error for inconsistent options or counts or a failed rank."""
+    import torch.distributed as dist
+
+    from ..distributed import local_counts
+
+    world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+    device = _group_device(process_group, like)
+    table = torch.zeros((world, _SLOTS), dtype=torch.float64, device=device)
+    if call is None:
+        table[rank, _STATUS] = _FAILED
+    else:
+        x, opts = call.x, call.opts
+        ntok, nseq = local_counts(x.mask, x.cu_seqlens, x.logprobs.shape[0])
+        lsf = 0.0
+        if opts.agg == "seq-mean-token-sum-norm":
+            lsf = call.loss_scale_factor if call.loss_scale_factor is not None else max(x.logprobs.shape[-1], 1)
+        # crc32 of the options' repr: the same on every process (unlike hash()), exact in fp64.
+        fingerprint = zlib.crc32(repr((opts, call.dp_size)).encode())
+        values = [_OK, ntok, nseq, fingerprint, lsf, call.global_num_tokens, call.global_num_seqs]
+        # Host values in one copy; the tensors (the counts, given tensor counts) on the device.
+        host = [-1.0 if v is None else v for v in values]
+        host = [0.0 if isinstance(v, torch.Tensor) else float(v) for v in host]
+        table[rank] = torch.tensor(host, dtype=torch.float64).to(device)
+        for slot, v in enumerate(values):
+            if isinstance(v, torch.Tensor):
+                table[rank, slot] = v.detach().reshape(()).to(device, torch.float64)
+    dist.all_reduce(table, op=dist.ReduceOp.SUM, group=process_group)
+    if call is None:
+        return None, None  # the caller raises its own error
+    if checks_enabled(validate, table):
+        _check_group_table(table.tolist())
+    ntok, nseq = table[:, _NTOK].sum(), table[:, _NSEQ].sum()
+    return (
+        ntok if call.global_num_tokens is None else call.global_num_tokens,
+        nseq if call.global_num_seqs is None else call.global_num_seqs,
+    )
+
+
+def _check_group_table(rows) -> None:
+    """The cross-rank checks on the gathered table (every rank runs them on the same rows, so
+    every rank raises the same error)."""
+    failed = [r for r, row in enumerate(rows) if row[_STATUS] != _OK]
+    if failed:
+        raise RuntimeError(
+            f"policy_loss(process_group): rank(s) {failed} of the process group failed their own argument checks "
+            f"(see the error raised there); every rank stops here"
+        )
+
+    def differ(slot):
+        return next((r for r, row in enumerate(rows) if row[slot] != rows[0][slot]), None)
+
+    r = differ(_FINGERPRINT)
+    if r is not None:
+        raise ValueError(
+            f"policy_loss(process_group): the loss options (loss type, agg, clipping, KL, shaping, dp_size, ...) "
+            f"differ between rank 0 and rank {r}; every rank must pass the same options"
+        )
+    r = differ(_LSF)
+    if r is not None:
+        raise ValueError(
+            f"loss_scale_factor: differs between rank 0 ({rows[0][_LSF]:g}) and rank {r} ({rows[r][_LSF]:g}) under "
+            f"process_group (the padded default is each rank's length L); pass the same loss_scale_factor on every rank"
+        )
+    for slot, name, count in ((_GIVEN_TOK, "global_num_tokens", _NTOK), (_GIVEN_SEQ, "global_num_seqs", _NSEQ)):
+        r = differ(slot)
+        if r is not None:
+            raise ValueError(
+                f"{name}: differs between rank 0 ({rows[0][slot]:g}) and rank {r} ({rows[r][slot]:g}); with "
+                f"process_group it is the count of the whole step over every rank, the same on each"
+            )
+        total = sum(row[count] for row in rows)
+        if rows[0][slot] >= 0 and rows[0][slot] < total:
+            raise ValueError(
+                f"{name}: {rows[0][slot]:g} is less than this call's {total:g} over the process group; with "
+                f"process_group pass the whole step's global count (rlvr_kernels.distributed.global_counts) or omit it"
+            )
+
+
 # ------------------------------------------------------------------ public functions
 def policy_loss(
     logprobs: torch.Tensor,
@@ -430,9 +584,10 @@ def policy_loss(
     cu_seqlens: Optional[torch.Tensor] = None,
     global_num_tokens=None,
     global_num_seqs=None,
-    dp_size: int = 1,
+    dp_size: Optional[int] = None,
     loss_scale_factor: Optional[float] = None,
     entropy_threshold: Optional[torch.Tensor] = None,
+    process_group=None,
     validate: bool = True,
     backend: str = "auto",
 ) -> Tuple[torch.Tensor, PolicyLossMetrics]:
@@ -462,53 +617,86 @@ def policy_loss(
             (global) batch, number or tensor, for micro-batches and data-parallel ranks
             (verl's ``batch_num_tokens`` / ``global_batch_size``); default: this call's.
         dp_size: multiplies the loss (verl's convention, so the gradient averaged over
-            ranks is the full-batch one).
+            ranks is the full-batch one); default 1, or the group size with ``process_group``
+            (an explicit value that differs from it is an error).
         loss_scale_factor: divisor of ``seq-mean-token-sum-norm`` (Dr.GRPO); default L
             (padded; 1 when L = 0: no token, a loss of 0); required for the packed layout.
         entropy_threshold: with ``shaping.entropy_quantile``, a 1-element tensor that
             replaces this call's own quantile of ``entropy`` (e.g. the quantile over every
             data-parallel rank's tokens, as TRL's ``top_entropy_quantile``); tokens with an
             (fp32) entropy >= it keep their policy-gradient term.
+        process_group: the data-parallel group (``torch.distributed``; every rank of it calls
+            with its own batch, any sizes, possibly without a valid token). The op then runs
+            ONE all-reduce (a small [world, 7] fp64 table, before the normalisation) for the
+            global token and sequence counts the aggregation divides by, and ``dp_size``
+            defaults to the group size: each rank's token gradients are world_size × the
+            full-batch gradients of its tokens, so DDP/FSDP's average over ranks is the
+            full-batch gradient. Given ``global_num_tokens`` / ``global_num_seqs`` are taken
+            as the whole step's global counts (gradient accumulation: see
+            :func:`rlvr_kernels.distributed.global_counts`) and must be equal on every rank.
+            With ``validate``, the gathered table is checked on every rank (a host sync on
+            CUDA): different options, ``dp_size``, effective ``loss_scale_factor`` (the padded
+            default L must then agree) or given counts across ranks, a given count below the
+            group's, or a rank whose own argument checks failed (it still joins the
+            collective) raise on every rank instead of hanging. Not with ``agg="none"``.
+            GSPO's sequence ratios stay per sequence (no collective). Eager only: under
+            torch.compile pass the counts and ``dp_size`` instead.
         validate: check values (finite log-probs on valid tokens, ``cu_seqlens``), a host
             sync on CUDA; skipped under torch.compile and for meta tensors.
         backend: ``"auto"``, or ``"reference"``, ``"cpu"``, ``"triton"``.
 
     Returns:
         ``(loss, metrics)``: the loss, 0-d fp32 (fp64 for fp64 inputs), or per-token for
-        ``agg="none"``; :class:`PolicyLossMetrics` of detached 0-d tensors.
+        ``agg="none"``; :class:`PolicyLossMetrics` of detached 0-d tensors. Data parallel
+        (``process_group`` or ``dp_size`` > 1 with global counts), verl's convention: the loss
+        is dp_size × this rank's share of the full-batch loss (its tokens' terms over the
+        global count), so the mean of the ranks' losses is the full-batch loss. The metrics
+        are this rank's own (means over its tokens, its counts); ``pg_loss`` / ``kl_loss``
+        follow the loss convention.
     """
     _dispatch.check_backend(backend)
-    opts = _resolve(
-        preset,
-        options,
-        loss_type=loss_type,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        clip_ratio_c=clip_ratio_c,
-        gspo_dual_clip=gspo_dual_clip,
-        kl=kl,
-        kl_coef=kl_coef,
-        kl_ratio_correction=kl_ratio_correction,
-        rollout_correction=rollout_correction,
-        rollout_threshold=rollout_threshold,
-        entropy_coef=entropy_coef,
-        agg=agg,
-        shaping=shaping,
-    )
-    x = _validate(
-        logprobs,
-        old_logprobs,
-        advantages,
-        mask,
-        ref_logprobs,
-        rollout_logprobs,
-        entropy,
-        cu_seqlens,
-        opts,
-        validate,
-        entropy_threshold=entropy_threshold,
-    )
-    _check_agg_args(opts, cu_seqlens, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
+    group_size = _group_size(process_group)
+    try:
+        opts = _resolve(
+            preset,
+            options,
+            loss_type=loss_type,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            clip_ratio_c=clip_ratio_c,
+            gspo_dual_clip=gspo_dual_clip,
+            kl=kl,
+            kl_coef=kl_coef,
+            kl_ratio_correction=kl_ratio_correction,
+            rollout_correction=rollout_correction,
+            rollout_threshold=rollout_threshold,
+            entropy_coef=entropy_coef,
+            agg=agg,
+            shaping=shaping,
+        )
+        x = _validate(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            ref_logprobs,
+            rollout_logprobs,
+            entropy,
+            cu_seqlens,
+            opts,
+            validate,
+            entropy_threshold=entropy_threshold,
+        )
+        dp_size = _check_agg_args(
+            opts, cu_seqlens, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor, group_size
+        )
+    except Exception:
+        if group_size is not None:
+            _group_reduce(process_group, None, logprobs, validate)  # joins the collective, then raises here
+        raise
+    if group_size is not None:  # the one all-reduce: global counts (and the cross-rank checks)
+        call = _GroupCall(x, opts, dp_size, loss_scale_factor, global_num_tokens, global_num_seqs)
+        global_num_tokens, global_num_seqs = _group_reduce(process_group, call, logprobs, validate)
     agg_kw = dict(
         global_num_tokens=global_num_tokens,
         global_num_seqs=global_num_seqs,
