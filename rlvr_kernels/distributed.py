@@ -5,6 +5,9 @@ Sections (each self-contained):
 - Global counts: :func:`global_counts`, the valid-token and sequence counts of the whole
   data-parallel batch (one all-reduce), for trainers that aggregate the loss themselves and
   for gradient accumulation with :func:`rlvr_kernels.policy_loss`.
+- Balancing: :func:`balance_groups` assigns whole GRPO groups to data-parallel ranks
+  (Karmarkar–Karp or LPT on an attention-cost model, or the prefix-tree pack's unique
+  tokens and score pairs) and never splits a group; :class:`RankAssignment` is its result.
 
 Gradient accumulation (micro-batches) with ``policy_loss``: count the whole optimizer step
 once, over every micro-batch of the rank and every rank, then pass the counts to each
@@ -28,9 +31,10 @@ from typing import Optional, Tuple
 
 import torch
 
+from ._balancing import DEFAULT_ATTENTION_COEFFICIENTS, RankAssignment, balance_groups
 from .contracts import sanitized_offsets
 
-__all__ = ["global_counts", "local_counts"]
+__all__ = ["global_counts", "local_counts", "balance_groups", "RankAssignment", "DEFAULT_ATTENTION_COEFFICIENTS"]
 
 
 # ------------------------------------------------------------------ global counts

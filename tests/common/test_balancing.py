@@ -19,7 +19,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions, karmarkar_karp
 
-from rlvr_kernels._balancing import DEFAULT_ATTENTION_COEFFICIENTS, TREE_KEYS, RankAssignment, balance_groups
+from rlvr_kernels._balancing import TREE_KEYS
+from rlvr_kernels.distributed import DEFAULT_ATTENTION_COEFFICIENTS, RankAssignment, balance_groups
 
 A, B = DEFAULT_ATTENTION_COEFFICIENTS
 
@@ -144,7 +145,7 @@ def test_deterministic_across_processes():
     rank): nothing depends on set or dict hashing order."""
     code = (
         "import random\n"
-        "from rlvr_kernels._balancing import balance_groups\n"
+        "from rlvr_kernels.distributed import balance_groups\n"
         "rng = random.Random(1)\n"
         "g = [rng.randrange(40) for _ in range(300)]\n"
         "L = [rng.choice([5, 17, 400]) for _ in g]\n"
