@@ -351,7 +351,9 @@ def group_advantages(
             ``opo``, ``gpg``, ``passk``; ``reinforce_pp_baseline`` and ``gdpo`` whiten over
             the batch after the baseline (a second collective) and raise NotImplementedError.
             The rank-local partials and advantages are torch float64 on the inputs' device
-            (the Triton path's float32 single-process statistics differ by fp32 rounding).
+            (the Triton path's float32 single-process statistics differ by fp32 rounding; on
+            CUDA the rank-local group sums use atomic adds, so inexact sums may differ from run
+            to run in the last bit, still the same on every rank).
             Eager only (refused under ``torch.compile``); not with ``backend="reference"``.
 
     Returns:
