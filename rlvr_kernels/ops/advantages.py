@@ -37,13 +37,29 @@ Kernel contract (C++ ``csrc/advantages.cpp``, Triton ``triton/advantages.py``; b
   The kernels check every shape relation they rely on (the registered ops are reachable
   directly); values (ids in range, monotone offsets, finite scores) are checked here when
   ``validate=True`` and are harmless when they are wrong.
+
+Data parallel (``process_group``, :func:`_distributed`): a group's samples may be spread over
+the ranks. Each rank reduces its own valid samples to per-group partials in float64 (torch,
+reference quality: the kernels emit no partials), exactly the kernel's accumulators ``Acc``
+(n, first valid score x₁, Σ(x − x₁), Σ(x − x₁)², "differs", OPO's Σw·x and Σw, pass@k's
+incorrect count, and the non-zero count of GPG's α); ONE ``all_gather`` of the fixed-size
+``[num_groups, 9]`` partials, merged on every rank in rank order 0..W−1 with the kernel's own
+merge rule (``Acc::merge``), then the kernel's per-group step and affine map. Every rank
+combines the same gathered bits in the same order with elementwise ops only (no reductions
+whose order could depend on threads), so the statistics are bitwise equal on every rank. The
+per-sample advantages are ``(r − b_g)·f_g`` in float64, rounded and broadcast to tokens by the
+kernel itself (a ``Baseline.NONE`` plan over them), as in one process. Before it, a small
+``all_gather`` of each rank's validation outcome and option fingerprint makes a bad input an
+error on every rank rather than a hang.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from ..contracts.advantages import Baseline, GroupAdvantagesParams, Scale, Whiten
@@ -277,6 +293,7 @@ def group_advantages(
     out_dtype: torch.dtype = torch.float32,
     validate: bool = True,
     backend: str = "auto",
+    process_group=None,
 ) -> GroupAdvantages:
     """Masked group-relative advantages, group statistics and dynamic-sampling flags (SPEC §1).
 
@@ -314,10 +331,55 @@ def group_advantages(
             reads the data (a host sync on CUDA), skipped under ``torch.compile`` and for meta
             tensors. Wrong values never make a kernel read or write out of bounds.
         backend: ``"auto"``, or ``"reference"``, ``"cpu"``, ``"triton"`` for tests.
+        process_group: a ``torch.distributed`` data-parallel group whose ranks each pass their
+            own samples of one global batch (a group's samples may be on several ranks).
+            ``group_index`` then holds GLOBAL group ids and ``num_groups`` (the global count)
+            is required (``group_size`` is refused: contiguous rows are a per-rank notion).
+            Statistics are over the whole batch: per-group float64 partials, one
+            ``all_gather`` (plus a small one of each rank's validation outcome and options
+            first: a bad input on any rank raises on every rank, never hangs), merged in
+            rank order. Guarantees: (1) every rank gets bitwise-equal ``group_mean``,
+            ``group_std``, ``group_count``, ``group_degenerate`` (the global ones); (2) each
+            rank's advantages, token advantages and keep flags are computed with the CPU
+            kernel's float64 formulas, and equal bitwise the single-process ``backend="cpu"``
+            result on the batch concatenated in rank order whenever the float64 group sums are
+            exact (e.g. 0/1 or integer rewards, dyadic values of bounded range: any order then
+            gives the same sums); otherwise they agree to float64 rounding of those sums
+            (~1e-16 relative before the ``out_dtype`` rounding). ``scale="batch"`` combines the
+            groups' moments (Chan's formula) instead of the kernel's two-pass batch σ: equal
+            to float64 rounding only. Supported: ``grpo`` (any scale), ``dr_grpo``, ``rloo``,
+            ``opo``, ``gpg``, ``passk``; ``reinforce_pp_baseline`` and ``gdpo`` whiten over
+            the batch after the baseline (a second collective) and raise NotImplementedError.
+            The rank-local partials and advantages are torch float64 on the inputs' device
+            (the Triton path's float32 single-process statistics differ by fp32 rounding; on
+            CUDA the rank-local group sums use atomic adds, so inexact sums may differ from run
+            to run in the last bit, still the same on every rank).
+            Eager only (refused under ``torch.compile``); not with ``backend="reference"``.
 
     Returns:
         :class:`GroupAdvantages`.
     """
+    if process_group is not None:
+        return _distributed(
+            process_group,
+            backend,
+            dict(
+                preset=preset,
+                estimator=estimator,
+                std=std,
+                eps=eps,
+                eps_in_sqrt=eps_in_sqrt,
+                scale=scale,
+                singleton=singleton,
+                nan_policy=nan_policy,
+                k=k,
+                whitening=whitening,
+            ),
+            (scores, group_index, num_groups, sample_mask, response_mask, cu_seqlens, lengths, reward_weights),
+            group_size,
+            out_dtype,
+            validate,
+        )
     _dispatch.check_backend(backend)
     opts = resolve_advantage_options(
         preset,
@@ -347,20 +409,12 @@ def group_advantages(
     )
     if backend == "reference":
         return _reference(x, opts, out_dtype)
-    if x.scores.dim() == 1 and opts.estimator != "gdpo":
-        r, valid = x.scores, x.sample_mask  # the kernels exclude non-finite scores themselves
-    else:
-        # Reward terms: a row counts when some term is finite (TRL: all-NaN rows are unscorable).
+    if opts.estimator == "gdpo":
         terms = x.scores if x.scores.dim() == 2 else x.scores[:, None]
         finite = torch.isfinite(terms)
         valid = finite.any(dim=1) if x.sample_mask is None else x.sample_mask & finite.any(dim=1)
-        dtype = torch.float64 if terms.dtype == torch.float64 else torch.float32
-        ones = terms.new_ones(terms.shape[1], dtype=dtype)
-        w = x.reward_weights.to(dtype) if x.reward_weights is not None else ones
-        if opts.estimator == "gdpo":
-            return _gdpo(x, terms, finite, valid, w, opts, out_dtype, backend)
-        # One estimator over r = Σ_k w_k r_k, NaN terms counted as 0 (TRL's nansum).
-        r = torch.where(finite, terms.to(dtype) * w, torch.zeros((), dtype=dtype, device=terms.device)).sum(1)
+        return _gdpo(x, terms, finite, valid, _term_weights(x, terms), opts, out_dtype, backend)
+    r, valid = _score_column(x)
     baseline, scale_code, whiten = _plan(opts)
     adv, tok, mean, sd, count, degenerate, keep = _call(
         x, r, valid, opts, baseline, scale_code, whiten, out_dtype, backend
@@ -369,6 +423,28 @@ def group_advantages(
 
 
 # ------------------------------------------------------------------ helpers
+def _term_weights(x: _Inputs, terms: torch.Tensor) -> torch.Tensor:
+    """The [K] reward-term weights in the compute dtype of the terms (ones by default)."""
+    dtype = torch.float64 if terms.dtype == torch.float64 else torch.float32
+    if x.reward_weights is not None:
+        return x.reward_weights.to(dtype)
+    return terms.new_ones(terms.shape[1], dtype=dtype)
+
+
+def _score_column(x: _Inputs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The one score column of every estimator but gdpo and its sample mask: the scores, or
+    r = Σ_k w_k r_k of ``[B, K]`` reward terms, NaN terms counted as 0 (TRL's nansum)."""
+    if x.scores.dim() == 1:
+        return x.scores, x.sample_mask  # the kernels exclude non-finite scores themselves
+    # Reward terms: a row counts when some term is finite (TRL: all-NaN rows are unscorable).
+    terms = x.scores
+    finite = torch.isfinite(terms)
+    valid = finite.any(dim=1) if x.sample_mask is None else x.sample_mask & finite.any(dim=1)
+    w = _term_weights(x, terms)
+    zero = torch.zeros((), dtype=w.dtype, device=terms.device)
+    return torch.where(finite, terms.to(w.dtype) * w, zero).sum(1), valid
+
+
 def _plan(opts: AdvantageOptions) -> Tuple[Baseline, Scale, Whiten]:
     """The one kernel plan of every estimator but gdpo."""
     baseline = {
@@ -501,3 +577,281 @@ def _packed_token_count(cu_seqlens: torch.Tensor) -> int:
     if not 0 <= T <= MAX_COUNT:
         raise ValueError(f"cu_seqlens: expected cu_seqlens[-1] (the token count) in [0, {MAX_COUNT}], got {T}")
     return T
+
+
+# ------------------------------------------------------------------ data parallel (process_group)
+# Columns of a rank's per-group partials: the kernel's Acc (csrc/advantages.cpp) plus the
+# non-zero count of GPG's α. Counts are float64 integers (exact below 2**53).
+_N, _FIRST, _S, _S2, _DIFFERS, _WX, _W, _INCORRECT, _NONZERO = range(9)
+_NUM_PARTIALS = 9
+_DIST_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "opo", "gpg", "passk")
+
+
+def _distributed(group, backend, option_kwargs, tensors, group_size, out_dtype, validate) -> GroupAdvantages:
+    """``group_advantages(..., process_group=group)``: validate locally, agree on the inputs
+    (one small all_gather: every rank raises if any rank failed or the ranks disagree), one
+    all_gather of the per-group partials, merged in rank order; the module docstring and the
+    public docstring's ``process_group`` entry say what is guaranteed."""
+    import torch.distributed as dist
+
+    if torch.compiler.is_compiling():
+        raise RuntimeError("group_advantages: process_group is eager only (its collectives are not traced)")
+    scores, group_index, num_groups = tensors[:3]
+    error, fingerprint = None, [0, 0, 0, 0]
+    try:
+        x, opts = _validate_distributed(backend, option_kwargs, tensors, group_size, out_dtype, validate)
+        options = repr((opts, scores.dim(), scores.shape[1] if scores.dim() == 2 else 0)).encode()
+        fingerprint = [1, num_groups, zlib.crc32(options), zlib.crc32(repr(out_dtype).encode())]
+    except Exception as exc:  # raised below, after every rank has learnt that this one failed
+        error = exc
+    device = _collective_device(group, scores)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = torch.tensor(fingerprint, dtype=torch.int64, device=device)
+    prints = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(prints, mine, group=group)
+    prints = torch.stack(prints).cpu().tolist()
+    failed = [r for r, p in enumerate(prints) if p[0] == 0]
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(
+            f"group_advantages: rank(s) {failed} of the process group rejected their inputs (see their error)"
+        )
+    for field, name in ((1, "num_groups"), (2, "estimator options / score terms"), (3, "out_dtype")):
+        values = [p[field] for p in prints]
+        if len(set(values)) > 1:
+            shown = values if field == 1 else [f"{v:#010x}" for v in values]
+            raise ValueError(
+                f"group_advantages: {name} differ between the ranks of the process group (rank {rank} of "
+                f"{world}; per rank: {shown}); every rank must pass the same global num_groups and options"
+            )
+    r, sample_valid = _score_column(x)
+    x64 = r.to(torch.float64)
+    ok = torch.isfinite(x64) & (x.group_index >= 0) & (x.group_index < x.num_groups)
+    if sample_valid is not None:
+        ok &= sample_valid
+    weights = _token_weights(x) if opts.estimator == "opo" else None
+    partial = _local_partials(x64, x.group_index, ok, weights, x.num_groups).to(device)
+    gathered = [torch.empty_like(partial) for _ in range(world)]
+    dist.all_gather(gathered, partial, group=group)
+    acc = gathered[0].to(x64.device)
+    for part in gathered[1:]:  # rank order: the batch concatenated rank after rank
+        acc = _merge(acc, part.to(x64.device))
+    stats = _finish(acc, opts)
+    gi = x.group_index.long().clamp(0, max(x.num_groups - 1, 0))
+    b, f = stats["b"][gi], stats["f"][gi]
+    if opts.estimator == "passk":
+        adv = torch.where(x64 > 0, b, f)
+    else:
+        adv = (x64 - b) * f
+    adv = torch.where(ok, adv, torch.zeros((), dtype=torch.float64, device=adv.device))
+    # The kernel rounds A to out_dtype and broadcasts it to tokens, as in one process.
+    a, tok, *_ = _call(x, adv, ok, opts, Baseline.NONE, Scale.NONE, Whiten.OFF, out_dtype, backend)
+    keep = ok & ~stats["degenerate"][gi] if x.num_groups else torch.zeros_like(ok)
+    return GroupAdvantages(
+        a,
+        tok if x.has_layout else None,
+        stats["mean"].to(out_dtype),
+        stats["std"].to(out_dtype),
+        stats["count"],
+        stats["degenerate"],
+        keep,
+    )
+
+
+def _validate_distributed(backend, option_kwargs, tensors, group_size, out_dtype, validate):
+    """The rank-local checks of the data-parallel path (each error is raised on this rank
+    after the fingerprint exchange, and reported to the others)."""
+    _dispatch.check_backend(backend)
+    if backend == "reference":
+        raise ValueError("process_group: the reference backend is single-process; pass backend='auto'")
+    opts = resolve_advantage_options(option_kwargs.pop("preset"), **option_kwargs)
+    if opts.estimator not in _DIST_ESTIMATORS:
+        raise NotImplementedError(
+            f"group_advantages: estimator={opts.estimator!r} with process_group is not supported (its batch "
+            f"whitening after the baseline needs a second collective); supported: {', '.join(_DIST_ESTIMATORS)}"
+        )
+    scores, group_index, num_groups, sample_mask, response_mask, cu_seqlens, lengths, reward_weights = tensors
+    if group_size is not None:
+        raise ValueError("group_size: with process_group, pass global group ids in group_index")
+    if group_index is None:
+        raise ValueError("group_index: required with process_group (global group ids)")
+    if num_groups is None:
+        raise ValueError(
+            "num_groups: required with process_group (the global number of groups, the same on every rank)"
+        )
+    out_dtype = check_out_dtype(out_dtype)
+    x = _validate(
+        scores,
+        group_index,
+        None,
+        num_groups,
+        sample_mask,
+        response_mask,
+        cu_seqlens,
+        lengths,
+        reward_weights,
+        opts,
+        validate,
+    )
+    return x, opts
+
+
+def _collective_device(group, scores) -> torch.device:
+    """Where this group's collectives run: the current CUDA device for NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _token_weights(x: _Inputs) -> Optional[torch.Tensor]:
+    """w_i of OPO in float64: ``lengths``, else the row (span) sums of the token layout."""
+    if x.lengths is not None:
+        return x.lengths.to(torch.float64)
+    if x.cu_seqlens is None:
+        return None if x.response_mask is None else x.response_mask.to(torch.float64).sum(1)
+    cu = x.cu_seqlens.long()
+    if x.response_mask is None:
+        return (cu[1:] - cu[:-1]).to(torch.float64)
+    csum = torch.cat([x.response_mask.new_zeros(1, dtype=torch.float64), x.response_mask.to(torch.float64).cumsum(0)])
+    return csum[cu[1:]] - csum[cu[:-1]]
+
+
+def _local_partials(x64, group_index, ok, weights, G) -> torch.Tensor:
+    """This rank's ``[G, 9]`` float64 partials of its valid samples (the kernel's Acc, shifted
+    by each group's first valid score on this rank)."""
+    dev = x64.device
+    idx = group_index[ok].long()
+    xv = x64[ok]
+    m = xv.shape[0]
+    out = torch.zeros(G, _NUM_PARTIALS, dtype=torch.float64, device=dev)
+    if m == 0 or G == 0:
+        return out
+    ones = torch.ones_like(xv)
+    first_pos = torch.full((G,), m, dtype=torch.int64, device=dev)
+    first_pos.scatter_reduce_(0, idx, torch.arange(m, device=dev), reduce="amin")
+    first = torch.cat([xv, xv.new_zeros(1)])[first_pos]  # 0 for a group with no sample here
+    d = xv - first[idx]
+    cols = [ones, None, d, d * d, (d != 0).to(torch.float64)]
+    if weights is not None:
+        w = weights[ok]
+        cols += [w * xv, w]
+    else:
+        cols += [torch.zeros_like(xv), torch.zeros_like(xv)]
+    cols += [(xv <= 0).to(torch.float64), (xv != 0).to(torch.float64)]
+    for c, col in enumerate(cols):
+        if col is not None:
+            out[:, c].index_add_(0, idx, col)
+    out[:, _FIRST] = first
+    out[:, _DIFFERS] = (out[:, _DIFFERS] > 0).to(torch.float64)
+    return out
+
+
+def _merge(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``Acc::merge`` for every group: b's samples follow a's (re-shifted to a's first score)."""
+    na, nb = a[:, _N], b[:, _N]
+    delta = b[:, _FIRST] - a[:, _FIRST]
+    m = a.clone()
+    m[:, _S2] = a[:, _S2] + (b[:, _S2] + 2.0 * delta * b[:, _S] + nb * delta * delta)
+    m[:, _S] = a[:, _S] + (b[:, _S] + nb * delta)
+    m[:, _N] = na + nb
+    m[:, _DIFFERS] = ((a[:, _DIFFERS] + b[:, _DIFFERS] + (delta != 0).to(torch.float64)) > 0).to(torch.float64)
+    for c in (_WX, _W, _INCORRECT, _NONZERO):
+        m[:, c] = a[:, c] + b[:, c]
+    m = torch.where((nb == 0)[:, None], a, m)
+    return torch.where(((na == 0) & (nb > 0))[:, None], b, m)
+
+
+def _divide(x, sigma, eps: float, eps_in_sqrt: bool):
+    """The kernel's x/(σ + eps) or x/sqrt(σ² + eps), 0 for a zero divisor, elementwise."""
+    d = _sqrt(sigma * sigma + eps) if eps_in_sqrt else sigma + eps
+    return torch.where(d > 0, x / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+
+
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float64 square root of the kernel's ``std::sqrt``: torch's CPU
+    sqrt is not always correctly rounded (seen 1 ulp off), NumPy's is (IEEE sqrt); CUDA's
+    float64 sqrt is IEEE-rounded."""
+    if x.device.type != "cpu":
+        return torch.sqrt(x)
+    return torch.from_numpy(np.asarray(np.sqrt(x.detach().contiguous().numpy())))
+
+
+def _tree_sum(v: torch.Tensor) -> torch.Tensor:
+    """Σ v in a fixed pairwise order of elementwise adds: the same bits on every rank
+    whatever its thread count (a reduction kernel's order may depend on it)."""
+    while v.shape[0] > 1:
+        if v.shape[0] % 2:
+            v = torch.cat([v, v.new_zeros(1)])
+        v = v[0::2] + v[1::2]
+    return v.sum() if v.shape[0] else v.new_zeros(())
+
+
+def _finish(acc: torch.Tensor, opts: AdvantageOptions) -> dict:
+    """The kernel's per-group step (``GroupFinish``) over the merged partials: statistics and
+    the affine map A = (r − b)·f (pass@k: b for r > 0, else f), elementwise in float64."""
+    n = acc[:, _N]
+    s, s2, first = acc[:, _S], acc[:, _S2], acc[:, _FIRST]
+    has = n > 0
+    one = torch.ones_like(n)
+    zero = torch.zeros_like(n)
+    d = s * (1.0 / torch.where(has, n, one))
+    mu = torch.where(has, first + d, zero)
+    denom = n - 1 if opts.std == "unbiased" else n
+    m2 = torch.clamp_min(s2 - s * d, 0.0)
+    sigma = torch.where(denom > 0, _sqrt(m2 * (1.0 / torch.where(denom > 0, denom, one))), zero)
+    degenerate = ~has | (acc[:, _DIFFERS] == 0)
+    eps, in_sqrt = float(opts.eps), bool(opts.eps_in_sqrt)
+    n_valid = _tree_sum(n)
+    alpha = n_valid / torch.clamp_min(_tree_sum(acc[:, _NONZERO]), 1.0)
+    est = opts.estimator
+    if est == "passk":
+        b, f = _passk_values(n, acc[:, _INCORRECT], int(opts.k), eps, in_sqrt)
+    else:
+        b, f = mu, one
+        if est == "grpo" and opts.scale == "group":
+            f = _divide(one, sigma, eps, in_sqrt)
+        elif est == "grpo" and opts.scale == "batch":
+            f = _divide(one, _batch_sigma(n, mu, m2, n_valid, opts), eps, in_sqrt) * one
+        elif est == "rloo":
+            f = n / torch.where(n > 1, n - 1, one)
+        elif est == "opo":
+            b = torch.where(acc[:, _W] > 0, acc[:, _WX] / torch.where(acc[:, _W] > 0, acc[:, _W], one), mu)
+        elif est == "gpg":
+            f = alpha * one
+        # A lone valid sample: A = 0, or verl's loop rule (mean 0, std 1).
+        if est == "grpo" and opts.scale != "none":
+            f1 = _divide(one, one, eps, in_sqrt)
+        else:
+            f1 = alpha * one if est == "gpg" else one
+        single = n == 1
+        b = torch.where(single, zero, b)
+        f = torch.where(single, f1 if opts.singleton == "raw" else zero, f)
+    return dict(mean=mu, std=sigma, count=n.to(torch.int64), degenerate=degenerate, b=b, f=f)
+
+
+def _batch_sigma(n, mu, m2, n_valid, opts) -> torch.Tensor:
+    """σ over all valid scores from the groups' moments (Chan et al.), in a fixed order."""
+    if float(n_valid) <= 0:
+        return torch.zeros((), dtype=torch.float64, device=n.device)
+    mean = _tree_sum(n * mu) / n_valid
+    total = _tree_sum(m2 + n * (mu - mean) * (mu - mean))
+    denom = n_valid - 1 if opts.std == "unbiased" else n_valid
+    return _sqrt(total / denom) if float(denom) > 0 else torch.zeros_like(total)
+
+
+def _passk_values(n, n_neg, k: int, eps: float, eps_in_sqrt: bool):
+    """The kernel's analytic pass@k values (``passk_values``) for every group."""
+    all_neg = torch.ones_like(n)
+    for j in range(k):
+        all_neg = all_neg * (torch.clamp_min(n_neg - j, 0.0) / (n - j))
+    drop = (n_neg >= 1).to(n.dtype)
+    for j in range(k - 1):
+        drop = torch.where(n_neg >= 1, drop * (torch.clamp_min(n_neg - 1 - j, 0.0) / (n - 1 - j)), drop)
+    s = _sqrt(all_neg * (1.0 - all_neg))
+    pos = _divide(all_neg, s, eps, eps_in_sqrt)
+    neg = _divide(all_neg - drop, s, eps, eps_in_sqrt)
+    enough = n >= k
+    return torch.where(enough, pos, torch.zeros_like(pos)), torch.where(enough, neg, torch.zeros_like(neg))
