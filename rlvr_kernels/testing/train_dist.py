@@ -78,16 +78,20 @@ def _batch(step: int) -> Dict[str, torch.Tensor]:
     )
 
 
-def _step(policy, opt, batch: Dict, loss_type: str, agg: str, pg) -> None:
+def _step(policy, opt, batch: Dict, loss_type: str, agg: str, pg) -> float:
+    """One SGD step; returns the fraction of tokens where the clipped branch was active."""
     from .. import group_advantages, policy_loss
 
     adv = group_advantages(batch["rewards"], batch["group_index"], num_groups=B // G, process_group=pg).advantages
     logp = policy(batch["tokens"])
     old = logp.detach() + batch["old_shift"]
-    loss, _ = policy_loss(logp, old, adv, batch["mask"], preset="verl", loss_type=loss_type, agg=agg, process_group=pg)
+    loss, metrics = policy_loss(
+        logp, old, adv, batch["mask"], preset="verl", loss_type=loss_type, agg=agg, process_group=pg
+    )
     opt.zero_grad()
     loss.backward()
     opt.step()
+    return float(metrics.pg_clipfrac)
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -119,7 +123,7 @@ WRAPPERS: Dict[str, Callable] = {"ddp": _wrap_ddp, "fsdp2": _wrap_fsdp2}
 
 def train_worker(rank: int, world: int, port: int, wrapper: str) -> None:
     """For each mode of MODES: 3 steps wrapped (this rank's rows of the step's batch) and 3
-    steps single-process (the whole batch); after every step each parameter must agree,
+    steps single-process (the whole batch), the clip active; after every step each parameter must agree,
     max |p − p_ref| ≤ RTOL · max |p_ref| per tensor; and the 3 steps must have moved every
     parameter by at least 100 · RTOL (relative), so a lost or mis-scaled gradient cannot
     hide under the tolerance."""
@@ -136,9 +140,10 @@ def train_worker(rank: int, world: int, port: int, wrapper: str) -> None:
             dp = WRAPPERS[wrapper](_Policy(seed))
             ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
             dp_opt = torch.optim.SGD(dp.parameters(), lr=LR)
+            clipped = 0.0
             for step in range(STEPS):
                 batch = _batch(step)
-                _step(ref, ref_opt, batch, loss_type, agg, None)
+                clipped += _step(ref, ref_opt, batch, loss_type, agg, None)
                 _step(dp, dp_opt, {k: v[rows] for k, v in batch.items()}, loss_type, agg, pg)
                 ref_params = dict(ref.named_parameters())
                 for name, p in dp.named_parameters():
@@ -148,6 +153,7 @@ def train_worker(rank: int, world: int, port: int, wrapper: str) -> None:
                     worst = max(worst, err)
                     what = f"{wrapper} rank {rank} {loss_type} {agg} step {step} {name}"
                     assert err <= RTOL, f"{what}: relative error {err:.3g} > {RTOL}"
+            assert clipped > 0, f"{loss_type} {agg}: the clip was never active"
             for name, p in ref.named_parameters():
                 moved = float((p.detach() - init[name]).abs().max() / p.detach().abs().max())
                 assert moved >= 100 * RTOL, f"{wrapper} {loss_type} {agg}: {name} moved only {moved:.3g} (relative)"

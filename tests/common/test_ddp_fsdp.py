@@ -4,7 +4,10 @@ LM head) on 2 CPU processes (gloo, started by the test, 60 s collective timeout 
 fails), wrapped in DDP and in FSDP2 (``torch.distributed.fsdp.fully_shard``), every group
 split over the two ranks: after each step every parameter equals the single-process run on
 the full batch (≤ 1e-6 relative), for PPO with token-mean, seq-mean-token-mean and
-seq-mean-token-sum-norm and GSPO. Workers: ``rlvr_kernels/testing/train_dist.py``."""
+seq-mean-token-sum-norm and GSPO (the clip active), and every parameter moves by far more
+than the tolerance. FSDP2 runs on CPU with gloo (torch 2.13): every parameter is a sharded
+DTensor, gathered with ``full_tensor()`` for the comparison. Workers:
+``rlvr_kernels/testing/train_dist.py``."""
 
 import pytest
 import torch.multiprocessing as mp
