@@ -43,7 +43,8 @@ the ranks. Each rank reduces its own valid samples to per-group partials in floa
 reference quality: the kernels emit no partials), exactly the kernel's accumulators ``Acc``
 (n, first valid score x₁, Σ(x − x₁), Σ(x − x₁)², "differs", OPO's Σw·x and Σw, pass@k's
 incorrect count, and the non-zero count of GPG's α); ONE ``all_gather`` of the fixed-size
-``[num_groups, 9]`` partials, merged on every rank in rank order 0..W−1 with the kernel's own
+``[num_groups, k]`` partials (k = 5 columns, 7 for OPO, 6 for pass@k and GPG: only those the
+estimator reads travel; 40–56 bytes per group and rank), merged on every rank in rank order 0..W−1 with the kernel's own
 merge rule (``Acc::merge``), then the kernel's per-group step and affine map. Every rank
 combines the same gathered bits in the same order with elementwise ops only (no reductions
 whose order could depend on threads), so the statistics are bitwise equal on every rank. The
@@ -631,12 +632,17 @@ def _distributed(group, backend, option_kwargs, tensors, group_size, out_dtype, 
     if sample_valid is not None:
         ok &= sample_valid
     weights = _token_weights(x) if opts.estimator == "opo" else None
-    partial = _local_partials(x64, x.group_index, ok, weights, x.num_groups).to(device)
+    cols = _gathered_columns(opts.estimator)
+    partial = _local_partials(x64, x.group_index, ok, weights, x.num_groups)[:, cols].contiguous().to(device)
     gathered = [torch.empty_like(partial) for _ in range(world)]
     dist.all_gather(gathered, partial, group=group)
-    acc = gathered[0].to(x64.device)
+    full = torch.zeros(x.num_groups, _NUM_PARTIALS, dtype=torch.float64, device=x64.device)
+    acc = full.clone()
+    acc[:, cols] = gathered[0].to(x64.device)
     for part in gathered[1:]:  # rank order: the batch concatenated rank after rank
-        acc = _merge(acc, part.to(x64.device))
+        b = full.clone()
+        b[:, cols] = part.to(x64.device)
+        acc = _merge(acc, b)
     stats = _finish(acc, opts)
     gi = x.group_index.long().clamp(0, max(x.num_groups - 1, 0))
     b, f = stats["b"][gi], stats["f"][gi]
@@ -717,6 +723,12 @@ def _token_weights(x: _Inputs) -> Optional[torch.Tensor]:
         return (cu[1:] - cu[:-1]).to(torch.float64)
     csum = torch.cat([x.response_mask.new_zeros(1, dtype=torch.float64), x.response_mask.to(torch.float64).cumsum(0)])
     return csum[cu[1:]] - csum[cu[:-1]]
+
+
+def _gathered_columns(estimator: str) -> List[int]:
+    """The partials an estimator reads (the others stay 0): fewer bytes on the wire."""
+    extra = {"opo": [_WX, _W], "passk": [_INCORRECT], "gpg": [_NONZERO]}.get(estimator, [])
+    return [_N, _FIRST, _S, _S2, _DIFFERS, *extra]
 
 
 def _local_partials(x64, group_index, ok, weights, G) -> torch.Tensor:

@@ -4,13 +4,12 @@ whole batch. Here (not in the test file) so that a spawned process can unpickle 
 
 from __future__ import annotations
 
-import datetime
-import os
 from typing import List
 
 import torch
 
 from ..ops.advantages import group_advantages
+from ._dist import gloo_process
 
 # (name, options, scores kind, layout). Exact kinds (dyadic values of bounded range) make the
 # float64 group sums exact: the data-parallel result then equals one process bitwise.
@@ -195,13 +194,7 @@ def _check_errors(rank: int, world: int) -> None:
 
 def advantages_dist_worker(rank: int, world: int, port: int) -> None:
     """One rank of tests/advantages/test_distributed.py (gloo, bounded collective timeout)."""
-    import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
-        torch.set_num_threads(1)
+    with gloo_process(rank, world, port):
         _check_cases(rank, world)
         _check_errors(rank, world)
-    finally:
-        dist.destroy_process_group()

@@ -223,14 +223,11 @@ def _run_vocab_parallel(inputs, backend, up, weight, bias, group=None):
 def vocab_parallel_worker(rank: int, world: int, port: int, backends) -> None:
     """One rank of tests/logprobs/test_distributed.py: vocab-parallel ``linear_logprobs`` (gloo,
     uneven weight shards) against the unsharded op, log-probs, entropies and gradients."""
-    import os
-
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.set_num_threads(1)
+    from ._dist import gloo_process
+
+    with gloo_process(rank, world, port):
         for backend, dtype in backends:
             gen = torch.Generator().manual_seed(17)  # every rank builds the same batch
             V = 101 if backend == "triton" else 1031
@@ -252,8 +249,6 @@ def vocab_parallel_worker(rank: int, world: int, port: int, backends) -> None:
             tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-6)
             for name, a, b in zip(("logp", "entropy", "grad.hidden", "grad.weight", "grad.bias"), shard, want):
                 torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank} {backend} {name}: {m}")
-    finally:
-        dist.destroy_process_group()
 
 
 def logprobs_check_case_count() -> int:

@@ -5,10 +5,9 @@ package because a spawned process unpickles it by module name (see test_distribu
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ._dist import gloo_process
 from .logprobs import random_logprobs_case
 
 _OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -41,10 +40,7 @@ def _run(inputs, backend, up, weight, bias, group=None):
 def vocab_parallel_options_worker(rank: int, world: int, port: int, backends) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.set_num_threads(1)
+    with gloo_process(rank, world, port):
         for backend, dtype in backends:
             gen = torch.Generator().manual_seed(23)  # every rank builds the same batch
             V = 101 if backend == "triton" else 1031
@@ -73,5 +69,3 @@ def vocab_parallel_options_worker(rank: int, world: int, port: int, backends) ->
                 else:
                     torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank} {backend} {name}: {m}")
             assert bool(shard[4][:4].all()) and not bool(shard[4][4:8].any()), (rank, backend)
-    finally:
-        dist.destroy_process_group()

@@ -4,27 +4,17 @@ full batch. (Here, not in the test file: a spawned process unpickles the worker 
 
 from __future__ import annotations
 
-import datetime
 import itertools
-import os
 from typing import Dict, List, Tuple
 
 import torch
 
+from ._dist import gloo_process
 from .policy_loss import random_policy_case
 
 AGGS = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 LOSS_TYPES = ("ppo", "gspo", "cispo")
 _KEYS = ("logprobs", "old_logprobs", "ref_logprobs", "rollout_logprobs", "entropy", "mask")
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # A bounded timeout: a rank left waiting in a collective fails the test instead of hanging it.
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    torch.set_num_threads(1)
 
 
 def _bounds(B: int, world: int) -> List[int]:
@@ -96,8 +86,7 @@ def dp_equivalence_worker(rank: int, world: int, port: int, combos: List[Tuple[s
 
     from ..distributed import global_counts
 
-    _init(rank, world, port)
-    try:
+    with gloo_process(rank, world, port):
         bounds = _bounds(11, world)
         lo, hi = bounds[rank], bounds[rank + 1]
         mid = (lo + hi) // 2
@@ -138,8 +127,6 @@ def dp_equivalence_worker(rank: int, world: int, port: int, combos: List[Tuple[s
                 sums = torch.stack([m.num_tokens, m.num_seqs]).double()
                 dist.all_reduce(sums)
                 assert (int(g_tok), int(g_seq)) == (int(sums[0]), int(sums[1])), what
-    finally:
-        dist.destroy_process_group()
 
 
 def _expect(fn, exc, text: str, what: str) -> None:
@@ -154,11 +141,8 @@ def _expect(fn, exc, text: str, what: str) -> None:
 def dp_errors_worker(rank: int, world: int, port: int) -> None:
     """Inconsistent calls across ranks: every rank raises a clear error (no hang), and the
     ranks stay in step for the next call."""
-    import torch.distributed as dist
 
-    _init(rank, world, port)
-    pg = dist.group.WORLD
-    try:
+    with gloo_process(rank, world, port) as pg:
         inputs = _case("padded", torch.float64, world, 123)
         bounds = _bounds(11, world)
         local = _slice(inputs, bounds[rank], bounds[rank + 1])
@@ -197,5 +181,3 @@ def dp_errors_worker(rank: int, world: int, port: int) -> None:
         _expect(lambda: call(agg="none"), ValueError, "agg='none'", f"rank {rank} none")
         # Still in step: a consistent call works on every rank.
         call()
-    finally:
-        dist.destroy_process_group()

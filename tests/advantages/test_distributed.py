@@ -5,21 +5,14 @@ batch (bitwise for exact float64 group sums, to float64 rounding otherwise), the
 statistics are bitwise equal on every rank, and a bad input on one rank is an error on every
 rank (a bounded collective timeout turns a hang into a failure)."""
 
-import socket
-
 import pytest
 import torch.multiprocessing as mp
 
+from rlvr_kernels.testing._dist import free_port
 from rlvr_kernels.testing.advantages_dist import advantages_dist_worker
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_data_parallel_equals_one_process(world):
     # The worker lives in rlvr_kernels.testing: a spawned process unpickles it by module name.
-    mp.spawn(advantages_dist_worker, args=(world, _free_port()), nprocs=world, join=True)
+    mp.spawn(advantages_dist_worker, args=(world, free_port()), nprocs=world, join=True)

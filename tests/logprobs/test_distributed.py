@@ -2,20 +2,13 @@
 (gloo, started by the test) holds a shard of the LM head of a different size; the
 log-probs, entropies and gradients equal the unsharded op's."""
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 from _backends import DEVICE, INTERPRETED
 
+from rlvr_kernels.testing._dist import free_port
 from rlvr_kernels.testing.logprobs import vocab_parallel_worker
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -27,4 +20,4 @@ def test_vocab_parallel_equals_unsharded(world):
     # The worker lives in rlvr_kernels.testing: a spawned process unpickles it by module name,
     # and this file's (tests.logprobs.test_distributed under pytest's importlib mode) does not
     # import there (the venv has another top-level `tests` package).
-    mp.spawn(vocab_parallel_worker, args=(world, _free_port(), backends), nprocs=world, join=True)
+    mp.spawn(vocab_parallel_worker, args=(world, free_port(), backends), nprocs=world, join=True)

@@ -2,20 +2,13 @@
 every optional output: 2 and 3 CPU processes (gloo) with uneven shards give the unsharded
 op's values and gradients, an argmax tie across shards included (the first column wins)."""
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 from _backends import DEVICE, INTERPRETED
 
+from rlvr_kernels.testing._dist import free_port
 from rlvr_kernels.testing.logprobs_options import vocab_parallel_options_worker
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -23,4 +16,4 @@ def test_vocab_parallel_options_equal_unsharded(world):
     backends = [("cpu", torch.float64), ("cpu", torch.float32)]
     if world == 2 and DEVICE == "cpu" and INTERPRETED:
         backends.append(("triton", torch.float64))
-    mp.spawn(vocab_parallel_options_worker, args=(world, _free_port(), backends), nprocs=world, join=True)
+    mp.spawn(vocab_parallel_options_worker, args=(world, free_port(), backends), nprocs=world, join=True)

@@ -7,20 +7,14 @@ the step's counts accumulate to the rank's whole batch; inconsistent calls raise
 rank."""
 
 import itertools
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 import rlvr_kernels
+from rlvr_kernels.testing._dist import free_port
 from rlvr_kernels.testing.policy_loss_dist import dp_equivalence_worker, dp_errors_worker
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -29,11 +23,11 @@ def test_data_parallel_equals_full_batch(world):
         combos = list(itertools.product(["cpu", "reference"], ["padded", "packed"], [torch.float64, torch.float32]))
     else:  # (4 processes on a few cores: each layout once, each dtype once)
         combos = [("cpu", "padded", torch.float64), ("cpu", "packed", torch.float32)]
-    mp.spawn(dp_equivalence_worker, args=(world, _free_port(), combos), nprocs=world, join=True)
+    mp.spawn(dp_equivalence_worker, args=(world, free_port(), combos), nprocs=world, join=True)
 
 
 def test_inconsistent_calls_raise_on_every_rank():
-    mp.spawn(dp_errors_worker, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(dp_errors_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 def test_process_group_is_eager_only(monkeypatch):
