@@ -1,6 +1,6 @@
 """rlvr_kernels: fused, exact, drop-in PyTorch ops for RL with verifiable rewards."""
 
-from . import distributed
+from . import distributed, dynamics
 from .ops._cache import cpu_cache_stats, empty_cpu_cache
 from .ops.advantages import group_advantages
 from .ops.groups import uids_to_group_index
@@ -26,6 +26,7 @@ __all__ = [
     "Whitening",
     "cpu_cache_stats",
     "distributed",
+    "dynamics",
     "empty_cpu_cache",
     "group_advantages",
     "linear_logprobs",
