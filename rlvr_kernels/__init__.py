@@ -1,6 +1,6 @@
 """rlvr_kernels: fused, exact, drop-in PyTorch ops for RL with verifiable rewards."""
 
-from . import distributed, dynamics
+from . import async_rollout, distributed, dynamics
 from .ops._cache import cpu_cache_stats, empty_cpu_cache
 from .ops.advantages import group_advantages
 from .ops.groups import uids_to_group_index
@@ -24,6 +24,7 @@ __all__ = [
     "PolicyLossOptions",
     "TokenShaping",
     "Whitening",
+    "async_rollout",
     "cpu_cache_stats",
     "distributed",
     "dynamics",
