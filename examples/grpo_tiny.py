@@ -77,6 +77,10 @@ class Config:
     ppo_epochs: int = 2
     clip_low: float = 0.2
     clip_high: float = 0.28
+    # k1 | k2 | k3 | k3+: policy_loss's per-token KL estimator in the loss. "seq": the
+    # sequence's KL, kl_coef·Σ_t(log π_old − log π_ref), subtracted from its advantage after
+    # the group normalisation: the gradient of E[A] − β·KL(π‖π_ref) over whole sequences.
+    kl: str = "k3"
     kl_coef: float = 0.01
     steps: int = 500
     val_size: int = 256
@@ -171,10 +175,17 @@ def success_rate(model, digits: torch.Tensor, cfg: Config) -> float:
 
 
 # ----------------------------------------------------------------------------- warm-up
+_WARMUP_FIELDS = ("digits", "hidden", "layers", "heads", "val_size", "seed") + tuple(
+    f.name for f in dataclasses.fields(Config) if f.name.startswith("warmup_")
+)
+
+
 def warmup(cfg: Config, val: torch.Tensor, log=print, cache_dir: Optional[str] = None) -> Tuple[object, List[Dict]]:
     """Supervised warm-up on ``warmup_data`` problems until the greedy validation success
     reaches ``warmup_target`` (the checkpoint is cached by config)."""
-    key = hashlib.sha1(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode()).hexdigest()[:12]
+    # Keyed on what the warm-up depends on only: runs that differ in their GRPO settings share it.
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k in _WARMUP_FIELDS}
+    key = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     path = os.path.join(cache_dir or os.path.join(HERE, ".cache"), f"grpo_tiny_warmup_{key}.pt")
     model = make_model(cfg)
     if os.path.exists(path):
@@ -231,6 +242,13 @@ def generate(model, cfg: Config, gen: torch.Generator) -> Rollouts:
 
 def _ops_backend(reference: bool) -> str:
     return "reference" if reference else "auto"
+
+
+def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[B] Σ_t (log π − log π_ref) over each sequence of a packed ``[T]`` layout: the k1
+    estimate of the sequence's KL(π‖π_ref) from the sample itself."""
+    csum = torch.nn.functional.pad((logprobs - ref_logprobs).cumsum(0), (1, 0))
+    return csum[cu_seqlens[1:]] - csum[cu_seqlens[:-1]]
 
 
 def train_step(
@@ -294,6 +312,8 @@ def train_step(
             return logp, entropy[pack.token_index]
 
     ref_logp, _ = logprobs(ref_model, False)
+    if cfg.kl == "seq":  # a per-sequence constant, like a KL folded into the reward
+        advantages = advantages - cfg.kl_coef * sequence_kl(sampled, ref_logp, pack.cu_seqlens)
     rollout = None
     old = sampled
     if correct is not None and bool(correct[chosen].any()):
@@ -311,9 +331,9 @@ def train_step(
             loss_type="ppo",
             clip_low=cfg.clip_low,
             clip_high=cfg.clip_high,
-            kl="k3",
-            kl_coef=cfg.kl_coef,
-            ref_logprobs=ref_logp,
+            kl=None if cfg.kl == "seq" else cfg.kl,
+            kl_coef=0.0 if cfg.kl == "seq" else cfg.kl_coef,
+            ref_logprobs=None if cfg.kl == "seq" else ref_logp,
             entropy=entropy.detach(),
             shaping=shaping,
             agg="token-mean",
@@ -327,9 +347,12 @@ def train_step(
         metrics.setdefault("loss", float(loss.detach()))
         metrics["clipfrac"] = float(m.pg_clipfrac)
         metrics["entropy"] = float(m.entropy_mean)
-        metrics["kl"] = float(m.kl)
+        # "seq": the k1 estimate of the per-token KL of the sampling policy to the reference.
+        metrics["kl"] = float((sampled - ref_logp).mean()) if cfg.kl == "seq" else float(m.kl)
     return dict(stats, **metrics)
 
+
+KL_CHOICES = ("k1", "k2", "k3", "k3+", "seq")
 
 SHAPINGS = {
     "none": None,
@@ -363,6 +386,8 @@ def run(
 ) -> Dict:
     """Warm-up (cached in ``cache_dir``, default ``examples/.cache``), then ``cfg.steps``
     GRPO steps; returns the history (and the trained model with ``keep_model``)."""
+    if cfg.kl not in KL_CHOICES:
+        raise ValueError(f"Config.kl: expected one of {KL_CHOICES}, got {cfg.kl!r}")
     val = make_prompts(cfg.val_size, cfg, torch.Generator().manual_seed(10_000 + cfg.seed))
     model, warm_curve = warmup(cfg, val, log=log, cache_dir=cache_dir)
     ref_model = make_model(cfg)
@@ -473,6 +498,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=Config.seed)
     p.add_argument("--reference", action="store_true", help="the pure-PyTorch reference ops")
     p.add_argument("--shaping", default="none", choices=sorted(SHAPINGS))
+    p.add_argument("--kl", default=Config.kl, choices=KL_CHOICES, help="the KL to the warm-up model (Config.kl)")
+    p.add_argument("--kl-coef", type=float, default=Config.kl_coef)
     p.add_argument("--async-lag", type=int, default=None, help="generate up to K versions ahead")
     p.add_argument("--stale", default="drop", choices=["drop", "correct"])
     p.add_argument("--max-lag", type=int, default=None, help="staleness bound (default: --async-lag)")
@@ -480,7 +507,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    cfg = dataclasses.replace(Config(), steps=args.steps, seed=args.seed)
+    cfg = dataclasses.replace(Config(), steps=args.steps, seed=args.seed, kl=args.kl, kl_coef=args.kl_coef)
     res = run(
         cfg,
         reference=args.reference,

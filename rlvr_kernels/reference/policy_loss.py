@@ -298,7 +298,7 @@ def is_weights(opts: PolicyLossOptions, old, rollout, valid):
     if kind == "decoupled":  # AReaL: tokens whose behaviour weight exceeds the cap are dropped
         rejected = w > C
         return torch.where(rejected, 0.0, w), rejected
-    rejected = (w < opts.mis_low) | (w > C)  # IcePop / Seq-MIS: 1 inside the bounds, masked outside
+    rejected = (w < opts.mis_low) | (w > C)  # rejection sampling: 1 inside the bounds, 0 outside
     return torch.where(rejected, 0.0, 1.0).to(w.dtype), rejected
 
 

@@ -34,13 +34,3 @@ def test_same_grouping_as_verl():
     # Same partition (the numbering may differ): ids map one-to-one.
     pairs = set(zip(ours.tolist(), theirs.tolist()))
     assert len(pairs) == len(set(ours.tolist())) == len(set(theirs.tolist()))
-
-
-def test_seed_learning_task_example_runs():
-    import runpy
-    from pathlib import Path
-
-    out = runpy.run_path(str(Path(__file__).parents[2] / "examples" / "seed_learning_task.py"))
-    # 2 of 8 correct: mean 0.25, unbiased std sqrt(0.25·0.75·8/7).
-    assert abs(float(out["mean_std"].group_mean) - 0.25) < 1e-7
-    assert abs(float(out["mean_only"].advantages[0]) - 0.75) < 1e-7

@@ -3,32 +3,15 @@ on the example's first steps, a short run that learns, and the asynchronous loop
 the synchronous loop; with lag K every trained batch was generated within K versions)."""
 
 import dataclasses
-import importlib.util
-import os
-import sys
 
 import pytest
 import torch
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "grpo_tiny.py")
-
-
-@pytest.fixture(scope="module")
-def ex():
-    spec = importlib.util.spec_from_file_location("grpo_tiny", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["grpo_tiny"] = module  # dataclasses resolve the module's annotations through it
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("warmup"))
-
 
 def _run(ex, cache, steps, **kwargs):
-    cfg = dataclasses.replace(ex.Config(), steps=steps, val_every=10)
+    fields = {f.name for f in dataclasses.fields(ex.Config)}
+    config = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+    cfg = dataclasses.replace(ex.Config(), steps=steps, val_every=10, **config)
     torch.set_num_threads(2)
     return ex.run(cfg, log=lambda *a: None, progress=False, cache_dir=cache, keep_model=True, **kwargs)
 
@@ -79,3 +62,25 @@ def test_async_lag_bounds_the_versions(ex, cache, stale):
     two_old = [h for h in rows if h["update_version"] - h["version_min"] == 2]
     key = "staleness/num_dropped" if stale == "drop" else "staleness/num_stale"
     assert all(h[key] > 0 for h in two_old)
+
+
+def test_sequence_kl_sums_each_sequence(ex):
+    gen = torch.Generator().manual_seed(0)
+    lengths = [3, 1, 5, 2]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    logp, ref = torch.randn(sum(lengths), generator=gen), torch.randn(sum(lengths), generator=gen)
+    want = torch.stack([(logp[a:b] - ref[a:b]).sum() for a, b in zip(cu[:-1], cu[1:])])
+    torch.testing.assert_close(ex.sequence_kl(logp, ref, cu), want)
+
+
+def test_sequence_kl_run_matches_the_reference_ops(ex, cache):
+    fused = _run(ex, cache, 3, kl="seq", kl_coef=0.5)
+    ref = _run(ex, cache, 3, kl="seq", kl_coef=0.5, reference=True)
+    for a, b in zip(_losses(fused), _losses(ref)):
+        assert abs(a - b) <= 1e-5, (_losses(fused), _losses(ref))
+    _params_close(fused["model"], ref["model"], 1e-5)
+
+
+def test_unknown_kl_is_rejected(ex, cache):
+    with pytest.raises(ValueError, match="Config.kl"):
+        _run(ex, cache, 1, kl="k4")
