@@ -215,7 +215,7 @@ class TokenShaping:
       entropy_quantile=ρ  keep the policy-gradient term only on tokens whose entropy is ≥
                           the batch's (1 − ρ) quantile over valid tokens (80/20: ρ = 0.2,
                           torch.quantile's linear interpolation, as TRL); KL and entropy
-                          terms are not masked (TRL's order).
+                          terms are not masked (TRL masks its entropy bonus).
     All weights are constants (no gradient); they multiply the policy-gradient term after
     the loss type's clipping, so clip metrics see the unshaped advantage.
     """
