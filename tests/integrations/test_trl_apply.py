@@ -3,7 +3,8 @@ character tokenizer, a programmatic reward, 4 steps, ``steps_per_generation=2`` 
 ratios are not zero), trained stock and applied in separate processes with the same seed
 (tests/integrations/trl_grpo_runner.py, every configuration in one process per mode).
 
-Per configuration: identical generations; at step 1 every logged metric and every
+Per configuration: identical generations (under bf16 autocast, those before the first
+update); at step 1 every logged metric and every
 micro-batch loss within 1e-6; final parameters within 1e-3 of the total update; the call
 counts show each patched part ran and TRL's chunked log-prob function and ``_compute_loss``
 did not. Plus: strict refusal of an unsupported option, strict=False's one warning and
@@ -89,13 +90,25 @@ def _timing(key: str) -> bool:
     return "time" in key or "per_second" in key
 
 
+def _compared_generations(name: str) -> int:
+    """How many micro-batches' generations must be identical: all of them for the fp32
+    runs; under bf16 autocast only the first generation round's, which precede any update.
+    After that the two runs' parameters differ by rounding (see the tolerance-rule test),
+    and a sampled token whose probabilities are near a tie may come out differently."""
+    kw = {**RUNNER.BASE, **RUNNER.CONFIGS[name][0]}
+    if RUNNER.CONFIGS[name][1].get("autocast"):
+        return kw["steps_per_generation"]
+    return 10**9
+
+
 @pytest.mark.parametrize("name", TRAINED)
 def test_generations_identical(runs, name):
     stock, applied = runs["stock"][name], runs["applied"][name]
+    n = _compared_generations(name)
     assert len(stock["completions"]) == len(applied["completions"]) > 0
-    assert stock["completions"] == applied["completions"]
-    assert stock["masks"] == applied["masks"]
-    for s, a in zip(stock["advantages"], applied["advantages"]):
+    assert stock["completions"][:n] == applied["completions"][:n]
+    assert stock["masks"][:n] == applied["masks"][:n]
+    for s, a in zip(stock["advantages"][:n], applied["advantages"][:n]):
         assert max(abs(x - y) for x, y in zip(s, a)) <= 1e-6
 
 
@@ -171,7 +184,8 @@ def test_bf16_autocast_within_the_tolerance_rule(runs):
     step's metrics and the final parameters."""
     fp32 = runs["stock"]["dapo"]
     stock, applied = runs["stock"]["bf16_autocast"], runs["applied"]["bf16_autocast"]
-    assert stock["completions"] == applied["completions"]  # generation does not run the patched parts
+    n = _compared_generations("bf16_autocast")  # generation does not run the patched parts
+    assert stock["completions"][:n] == applied["completions"][:n]
 
     def dist(theta):
         return math.sqrt(sum(float(((theta[k] - fp32["theta"][k]) ** 2).sum()) for k in theta))
