@@ -5,10 +5,11 @@ ratios are not zero), trained stock and applied in separate processes with the s
 
 Per configuration: identical generations (under bf16 autocast, those before the first
 update); at step 1 every logged metric and every micro-batch loss within 1e-6; final
-parameters within 1e-3 of the total update; the call counts show each patched part ran and TRL's chunked log-prob function and ``_compute_loss``
-did not. Plus: strict refusal of an unsupported option, strict=False's one warning and
-stock numbers, ``unapply()`` restoring the identical objects and a stock run bit for bit,
-PatchError on a changed TRL method, and all-or-nothing patching.
+parameters within 1e-3 of the total update; the call counts show each patched part ran and
+TRL's chunked log-prob function and ``_compute_loss`` did not. Plus: strict refusal of an
+unsupported option, strict=False's one warning and stock numbers, ``unapply()`` restoring
+the identical objects and a stock run bit for bit, PatchError on a changed TRL method, and
+all-or-nothing patching.
 """
 
 from __future__ import annotations
