@@ -180,7 +180,8 @@ def _moments_kernel(
         i = lanes.to(tl.int64) + start
         inside = i < B
         w = tl.load(weight_ptr + i, mask=inside, other=0.0).to(tl.float64)
-        x = tl.load(values_ptr + i, mask=inside, other=0.0).to(tl.float64)
+        # An excluded value may be NaN or inf (an unscorable sample): 0·NaN would poison the sums.
+        x = tl.load(values_ptr + i, mask=inside & (w != 0.0), other=0.0).to(tl.float64)
         sw += w
         swx += w * x
         nz += tl.where(x != 0.0, w, 0.0)
@@ -191,7 +192,7 @@ def _moments_kernel(
         i = lanes.to(tl.int64) + start
         inside = i < B
         w = tl.load(weight_ptr + i, mask=inside, other=0.0).to(tl.float64)
-        x = tl.load(values_ptr + i, mask=inside, other=0.0).to(tl.float64)
+        x = tl.load(values_ptr + i, mask=inside & (w != 0.0), other=0.0).to(tl.float64)
         m2 += w * (x - mean) * (x - mean)
     out_dt = out_ptr.dtype.element_ty
     tl.store(out_ptr + 0, W.to(out_dt))

@@ -114,6 +114,28 @@ def test_triton_matches_reference(args):
 
 
 @pytest.mark.parametrize("backend,device", FAST)
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(estimator="grpo", preset="trl", scale="batch"),
+        dict(estimator="gpg", preset="trl"),
+        dict(estimator="reinforce_pp_baseline", preset="trl"),
+        dict(
+            estimator="reinforce_pp_baseline", whitening=rk.Whitening("samples", 1e-4, False), nan_policy="unscorable"
+        ),
+    ],
+)
+def test_unscorable_samples_stay_out_of_the_batch_moments(backend, device, opts):
+    """A NaN score excluded as unscorable must not reach the batch-wide sums (batch σ, GPG's
+    α, whitening): a weight of 0 times NaN is NaN (found by hypothesis on the Triton path)."""
+    nan = float("nan")
+    for scores in ([0.3643, nan, 0.1642], [nan, 1.0, 0.0, 2.0, nan, 0.5]):
+        n = len(scores)
+        kw = dict(scores=torch.tensor(scores), group_index=torch.arange(n) % 2, num_groups=2)
+        check_against_reference(backend, device, kw, opts)
+
+
+@pytest.mark.parametrize("backend,device", FAST)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_out_dtypes(backend, device, out_dtype):
     gen = torch.Generator().manual_seed(3)
