@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.rlvr-kernels-installed
 SOURCES := pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 
-.PHONY: install test bench check sanitize format clean
+.PHONY: install test explore bench check sanitize format clean
 
 $(PY):
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -31,6 +31,12 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 	$(MAKE) --no-print-directory sanitize
+
+# The property tests with many more examples (EXPLORE_EXAMPLES, default 400) on a fresh
+# seed: run before every commit that touches an op, and turn each failure it prints into
+# an @example regression test. Failures are also kept in .hypothesis/ and replayed first.
+explore: $(STAMP)
+	HYPOTHESIS_PROFILE=explore $(PY) -m pytest -q -m property -p no:cacheprovider $(EXPLORE_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/rlvr-kernels bench

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+import importlib
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -98,14 +99,75 @@ def run_policy_loss(
     return out
 
 
-def compare_policy(fast: Dict, ref64: Dict, same: Dict, out_dtype: torch.dtype = torch.float32) -> List[Comparison]:
+def compare_policy(
+    fast: Dict,
+    ref64: Dict,
+    same: Dict,
+    out_dtype: torch.dtype = torch.float32,
+    reductions: Optional[Dict[str, Tuple[float, int]]] = None,
+) -> List[Comparison]:
     """The tolerance rule on every output of :func:`run_policy_loss`. Gradients are
-    compared in the inputs' dtype scale; ``out_dtype`` is the dtype of the gradients."""
+    compared in the inputs' dtype scale; ``out_dtype`` is the dtype of the gradients.
+    ``reductions`` (from :func:`reduction_magnitudes`) gives the reduced outputs their
+    summation-order allowance."""
+    reductions = reductions or {}
     comps = []
     for key, r in ref64.items():
         dt = out_dtype if key.startswith("grad.") else torch.float32
-        comps.append(compare(key, fast[key], r, same[key], dt))
+        comps.append(compare(key, fast[key], r, same[key], dt, reduction=reductions.get(key)))
     return comps
+
+
+_AGG_KWARGS = ("global_num_tokens", "global_num_seqs", "dp_size", "loss_scale_factor")
+
+
+def reduction_magnitudes(inputs: Dict, options: Dict) -> Dict[str, Tuple[float, int]]:
+    """(S, n) for each output of :func:`run_policy_loss` that sums per-token terms: n the
+    valid tokens, S the output's own aggregation taken over the terms' absolute values
+    (the loss and ``pg_loss``/``kl_loss`` through ``agg``; ``ppo_kl``, ``kl`` as token
+    means). The per-token terms come from the fp64 reference with ``agg="none"``: the loss
+    itself, then with ``kl_coef = entropy_coef = 0`` (the policy-gradient term alone),
+    then with ``entropy_coef = 0`` (adds β·KL)."""
+    from .. import policy_loss
+    from ..options import resolve_policy_loss_options
+
+    ref = importlib.import_module(
+        "rlvr_kernels.reference.policy_loss"
+    )  # the package re-exports a function of that name
+
+    x = as_float64(inputs)
+    option_kw = {k: v for k, v in options.items() if k not in _AGG_KWARGS + ("preset",)}
+    opts = resolve_policy_loss_options(options.get("preset"), **option_kw)
+
+    def per_token(**override):
+        loss, _ = policy_loss(**x, **dict(options, agg="none", **override), backend="reference")
+        return ref.to_padded(loss.detach(), x.get("cu_seqlens"))
+
+    valid = ref._valid_padded(x["logprobs"], x.get("mask"), x.get("cu_seqlens"))
+    m = valid.double()
+    n = int(valid.sum())
+    agg_kw = {k: options[k] for k in _AGG_KWARGS if options.get(k) is not None}
+    agg_kw.setdefault("dp_size", 1)
+
+    def aggregated(t):
+        return float(ref.aggregate(opts, t.abs(), m, **agg_kw).sum())
+
+    def token_mean(t):
+        return float((t.abs() * m).sum()) / max(n, 1)
+
+    loss = per_token()
+    pg = per_token(kl_coef=0.0, entropy_coef=0.0)
+    kl = (per_token(entropy_coef=0.0) - pg) / opts.kl_coef if opts.kl is not None and opts.kl_coef else 0 * pg
+    delta = ref.to_padded(x["logprobs"], x.get("cu_seqlens")) - ref.to_padded(x["old_logprobs"], x.get("cu_seqlens"))
+    out = {
+        "metric.pg_loss": (aggregated(pg), n),
+        "metric.kl_loss": (aggregated(kl), n),
+        "metric.ppo_kl": (token_mean(delta), n),
+        "metric.kl": (token_mean(kl), n),
+    }
+    if opts.agg != "none":
+        out["loss"] = (aggregated(loss), n)
+    return out
 
 
 def upstream_for(inputs: Dict, options: Dict, gen: torch.Generator) -> Optional[torch.Tensor]:
@@ -184,7 +246,11 @@ def check_policy_loss(
                     backend,
                     name,
                     lambda: compare_policy(
-                        run_policy_loss(inputs, opts, backend, up), ref64, same, inputs["logprobs"].dtype
+                        run_policy_loss(inputs, opts, backend, up),
+                        ref64,
+                        same,
+                        inputs["logprobs"].dtype,
+                        reduction_magnitudes(inputs, opts),
                     ),
                 )
             )
