@@ -31,7 +31,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._balancing import DEFAULT_ATTENTION_COEFFICIENTS, RankAssignment, balance_groups
+from .packing.plan import DEFAULT_ATTENTION_COEFFICIENTS, RankAssignment, balance_groups
 from .contracts import sanitized_offsets
 
 __all__ = ["global_counts", "local_counts", "balance_groups", "RankAssignment", "DEFAULT_ATTENTION_COEFFICIENTS"]
