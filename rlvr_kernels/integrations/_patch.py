@@ -309,11 +309,11 @@ class Patcher:
             own = vars(owner).get(attr, _MISSING)
         else:
             own = getattr(owner, attr, _MISSING)
-        self._saved.append((owner, attr, own))
         if isinstance(owner, dict):
             owner[attr] = new
         else:
             setattr(owner, attr, new)
+        self._saved.append((owner, attr, own))  # only once set: a failed set has nothing to undo
 
     def restore(self) -> None:
         """Put back every original, last replaced first (and, with a sweep, in every loaded
