@@ -16,8 +16,8 @@ from verl.trainer.ppo import core_algos
 from verl.workers.config import ActorConfig
 
 from rlvr_kernels.integrations import verl as ours
-from rlvr_kernels.integrations.verl import _config
 from rlvr_kernels.integrations.verl import _advantages as ours_advantages
+from rlvr_kernels.integrations.verl import _config
 from rlvr_kernels.integrations.verl import _losses as ours_losses
 
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
