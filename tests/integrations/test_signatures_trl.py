@@ -118,3 +118,22 @@ def test_chunked_logprob_function_apply_has_trls_signature():
     assert theirs[0][0] == "ctx"
     assert _params(inspect.signature(ChunkedLogProbFunction.apply)) == theirs[1:]
     assert OPTIONAL_OUTPUTS == trl_kernels.chunked_logprob.OPTIONAL_OUTPUTS
+
+
+def test_dropin_modules_hold_only_their_names():
+    """A module of ours named after a TRL module defines, as public names, only TRL's
+    names there (trainer_utils) or the functions for TRL's inline code that it mirrors
+    (grpo_trainer, async_rollout_worker); shared helpers live in private modules."""
+    expected = {"trainer_utils": {n for n in DROPINS}}
+    for name, module in NOT_DROPINS.items():
+        if module:
+            expected.setdefault(module, set()).add(name)
+    for module, names in expected.items():
+        mod = importlib.import_module(f"rlvr_kernels.integrations.trl.{module}")
+        defined = {
+            n
+            for n, v in vars(mod).items()
+            if not n.startswith("_") and callable(v) and getattr(v, "__module__", None) == mod.__name__
+        }
+        assert defined == names, (module, defined ^ names)
+        assert set(mod.__all__) - {"TRL_LOSS_TYPES"} == names

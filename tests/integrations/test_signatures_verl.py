@@ -69,3 +69,19 @@ def test_use_backend_is_the_one_of_every_integration():
     from rlvr_kernels.integrations import _backend
 
     assert ours.use_backend is _backend.use_backend
+
+
+def test_dropin_modules_hold_only_verls_names():
+    """A module of ours named after a verl module defines, as public names, only names of
+    that verl module (with verl's signatures, above); shared helpers live in private
+    modules (``_advantages``, ``_losses``, ``integrations._torch_math``)."""
+    theirs = {"core_algos": verl_core_algos, "torch_functional": verl_F, "kernel": verl_lce}
+    for module, verl_module in theirs.items():
+        mod = importlib.import_module(f"rlvr_kernels.integrations.verl.{module}")
+        defined = {
+            n
+            for n, v in vars(mod).items()
+            if not n.startswith("_") and callable(v) and getattr(v, "__module__", None) == mod.__name__
+        }
+        assert defined and all(hasattr(verl_module, n) for n in defined), (module, defined)
+        assert set(mod.__all__) == defined

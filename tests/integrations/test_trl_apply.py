@@ -309,10 +309,10 @@ def test_all_or_nothing(monkeypatch):
     from rlvr_kernels.integrations import trl as rk_trl
     from rlvr_kernels.integrations.trl import patch
 
-    def fail(patcher, *, strict, loss):
+    def fail(*, strict, loss):
         raise RuntimeError("async part failed")
 
-    monkeypatch.setattr(patch, "install_async", fail)
+    monkeypatch.setattr(patch, "async_targets", fail)
     before = _trl_objects()
     with pytest.raises(RuntimeError, match="async part failed"):
         rk_trl.apply()

@@ -1,8 +1,8 @@
-"""The AsyncGRPOTrainer part of ``integrations.trl.apply()`` (``_async_patch.install``), on
+"""The AsyncGRPOTrainer part of ``integrations.trl.apply()`` (``_async_patch.async_targets``), on
 TRL 1.16's real ``AsyncGRPOTrainer``: built on CPU from a tiny Qwen2 saved from a config
 (no download) with an in-memory word-level tokenizer, a stub rollout worker and a no-op
 weight transfer (TRL's injection points), so no vLLM server is involved. Nothing inside
-TRL is stubbed: its CUDA-only MFU probe is one of the names install() replaces.
+TRL is stubbed: its CUDA-only MFU probe is one of the names async_targets() replaces.
 
 Its compute_loss runs on the micro-batches its own planner (``TokenBudgetBatcher``) and
 collator (``DataCollatorForRollout``) pack from synthetic rollout samples. TRL's own tree
@@ -62,7 +62,7 @@ _ABSENT = object()
 
 
 def _state():
-    """Every object install() may replace, as stored."""
+    """Every object async_targets() may replace, as stored."""
     return {
         "trainer.TreeRow": async_grpo.TreeRow,
         "trainer.register_tree_attention": async_grpo.register_tree_attention,
@@ -102,7 +102,7 @@ def test_install_replaces_every_name_and_restore_puts_back_the_same_objects(regi
         assert (before["attention"] is trl_packing.tree_attention) == registered
 
         patcher = Patcher("trl")
-        AP.install(patcher, strict=True, loss=True)
+        patcher.apply(AP.async_targets(strict=True, loss=True))
         after = _state()
         assert after["trainer.TreeRow"] is after["packing.TreeRow"] is AP.TreeRow
         assert after["packing.tree_attention"] is after["attention"] is AP.tree_attention
@@ -137,7 +137,7 @@ def test_a_moved_name_raises_before_anything_changes(monkeypatch):
     before = _state()
     monkeypatch.delattr(trl_packing, "tree_attention")
     with pytest.raises(_patch.PatchError, match="tree_attention"):
-        AP.install(Patcher("trl"), strict=True, loss=True)
+        Patcher("trl").apply(AP.async_targets(strict=True, loss=True))
     monkeypatch.undo()
     after = _state()
     assert all(after[k] is v for k, v in before.items())
@@ -272,7 +272,7 @@ def _save_model(path):
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    """The applied AsyncGRPOTrainer (install() before construction, as apply() then
+    """The applied AsyncGRPOTrainer (async_targets() applied before construction, as apply() then
     AsyncGRPOTrainer(...)), restored at the end of the module."""
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOConfig
@@ -282,7 +282,7 @@ def env(tmp_path_factory):
     patcher, worker = Patcher("trl"), _Worker()
     try:
         with _counting():
-            AP.install(patcher, strict=True, loss=True)
+            patcher.apply(AP.async_targets(strict=True, loss=True))
             args = AsyncGRPOConfig(
                 output_dir=str(tmp / "out"),
                 bf16=False,

@@ -321,7 +321,7 @@ def test_every_trl_function_runs_on_the_use_backend_one(monkeypatch):
     """The drop-ins take no ``backend`` argument (TRL's signatures): each runs the ops on
     the backend of the innermost ``use_backend`` block; ``grpo_loss_trl(backend=None)``
     too, and its own ``backend=`` wins."""
-    from rlvr_kernels.integrations.trl import async_rollout_worker, grpo_trainer
+    from rlvr_kernels.integrations.trl import _grpo_loss, async_rollout_worker, grpo_trainer
 
     seen = []
 
@@ -334,7 +334,7 @@ def test_every_trl_function_runs_on_the_use_backend_one(monkeypatch):
 
     monkeypatch.setattr(trainer_utils, "logprobs_from_logits", spy(trainer_utils.logprobs_from_logits))
     monkeypatch.setattr(grpo_trainer, "group_advantages", spy(grpo_trainer.group_advantages))
-    monkeypatch.setattr(grpo_trainer, "policy_loss", spy(grpo_trainer.policy_loss))
+    monkeypatch.setattr(_grpo_loss, "policy_loss", spy(_grpo_loss.policy_loss))
     monkeypatch.setattr(async_rollout_worker, "group_advantages", spy(async_rollout_worker.group_advantages))
     calls = [
         lambda: ours.selective_log_softmax(L, IDX),

@@ -16,8 +16,9 @@ from verl.trainer.ppo import core_algos
 from verl.workers.config import ActorConfig
 
 from rlvr_kernels.integrations import verl as ours
+from rlvr_kernels.integrations.verl import _advantages as ours_advantages
 from rlvr_kernels.integrations.verl import _config
-from rlvr_kernels.integrations.verl import core_algos as ours_core
+from rlvr_kernels.integrations.verl import _losses as ours_losses
 
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 FIELDS = dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-mean")
@@ -451,7 +452,7 @@ def test_policy_loss_config_objects_are_not_required_to_be_hashable_or_weakrefab
 
 def test_use_backend_reaches_every_kind_of_dropin(monkeypatch):
     seen = []
-    real_adv, real_pl = ours_core.group_advantages, ours_core.policy_loss
+    real_adv, real_pl = ours_advantages.group_advantages, ours_losses.policy_loss
 
     def adv_spy(*a, backend, **k):
         seen.append(("advantages", backend))
@@ -461,8 +462,8 @@ def test_use_backend_reaches_every_kind_of_dropin(monkeypatch):
         seen.append(("policy_loss", backend))
         return real_pl(*a, backend=backend, **k)
 
-    monkeypatch.setattr(ours_core, "group_advantages", adv_spy)
-    monkeypatch.setattr(ours_core, "policy_loss", pl_spy)
+    monkeypatch.setattr(ours_advantages, "group_advantages", adv_spy)
+    monkeypatch.setattr(ours_losses, "policy_loss", pl_spy)
     b = batch(15)
     idx = np.array(["a", "a", "b", "b", "c"], dtype=object)
     with ours.use_backend("reference"):

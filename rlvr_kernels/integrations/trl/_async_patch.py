@@ -1,8 +1,9 @@
 """The AsyncGRPOTrainer part of ``integrations.trl.apply()`` (TRL 1.16's experimental
 ``trl.experimental.async_grpo``).
 
-:func:`install` replaces, through the caller's :class:`~rlvr_kernels.integrations._patch.Patcher`
-(so ``unapply()`` puts every original back, the identical objects):
+:func:`async_targets` declares what it replaces, as
+:class:`~rlvr_kernels.integrations._patch.Target` entries for the caller's ``Patcher`` (so
+``unapply()`` puts every original back, the identical objects):
 
 - ``TreeRow`` in ``async_grpo_trainer`` and ``packing`` (the names TRL's planners
   ``TokenBudgetBatcher`` / ``FixedCountBatcher`` and its collator ``DataCollatorForRollout``
@@ -46,7 +47,7 @@ import functools
 import math
 import time
 import warnings
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -56,9 +57,9 @@ from ...options import resolve_policy_loss_options
 from ...packing import TreeRowBuilder
 from ...packing.attention import ATTENTION_FUNCTIONS, FLEX, SDPA, VARLEN, _flash_dtype
 from .._backend import current_backend
-from .._patch import Patcher, PatchError, record
+from .._patch import Build, Patcher, PatchError, Target, record
 
-__all__ = ["TreeRow", "install", "register_tree_attention", "tree_attention", "tree_attention_path"]
+__all__ = ["TreeRow", "async_targets", "register_tree_attention", "tree_attention", "tree_attention_path"]
 
 TRAINER_MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
 PACKING_MODULE = "trl.experimental.async_grpo.packing"
@@ -127,33 +128,6 @@ def register_tree_attention() -> None:
     name = Patcher.resolve(PACKING_MODULE).TREE_ATTENTION
     AttentionInterface.register(name, tree_attention)
     AttentionMaskInterface.register(name, _no_mask)
-
-
-_ABSENT = object()
-
-
-class _Entries:
-    """A registry dict seen as attributes, so the Patcher can replace (and restore, or delete
-    again when it was absent) one of its entries: reading a missing key gives ``_ABSENT``,
-    and setting ``_ABSENT`` deletes the key."""
-
-    def __init__(self, mapping: dict, name: str):
-        object.__setattr__(self, "_mapping", mapping)
-        object.__setattr__(self, "__name__", name)
-
-    def __getattr__(self, key: str):
-        if key.startswith("__"):
-            raise AttributeError(key)
-        return self._mapping.get(key, _ABSENT)
-
-    def __setattr__(self, key: str, value) -> None:
-        if value is _ABSENT:
-            self._mapping.pop(key, None)
-        else:
-            self._mapping[key] = value
-
-    def __delattr__(self, key: str) -> None:
-        self._mapping.pop(key, None)
 
 
 # ----------------------------------------------------------------------------- MFU probe
@@ -333,11 +307,10 @@ def _log_trl_metrics(self, log_probs, old_log_probs, advantages, entropy, segmen
 # ----------------------------------------------------------------------------- install
 
 
-def install(patcher: Patcher, *, strict: bool, loss: bool) -> None:
-    """Patch TRL's AsyncGRPOTrainer (see the module docstring). Every name is looked up
-    before anything is replaced, so a moved one raises PatchError with nothing changed."""
-    trainer_module = patcher.resolve(TRAINER_MODULE)
-    packing_module = patcher.resolve(PACKING_MODULE)
+def async_targets(*, strict: bool, loss: bool) -> List[Target]:
+    """What apply() replaces in TRL's AsyncGRPOTrainer (see the module docstring). The
+    attention registries are entries of ``transformers``' dicts (absent until TRL's FA3
+    was registered: then added, and removed again on restore)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -346,35 +319,25 @@ def install(patcher: Patcher, *, strict: bool, loss: bool) -> None:
             "integrations.trl.apply(async_grpo=True): the tree builder needs the C++ extension "
             "rlvr_kernels._C, which is not built"
         )
-    trainer_cls = Patcher.lookup(trainer_module, "AsyncGRPOTrainer")
-    names = [
-        (trainer_module, "TreeRow"),
-        (trainer_module, "register_tree_attention"),
-        (trainer_module, "TREE_ATTENTION"),
-        (trainer_module, "get_peak_flops_per_device"),
-        (packing_module, "TreeRow"),
-        (packing_module, "tree_attention"),
-        (packing_module, "register_tree_attention"),
-        (packing_module, "TREE_ATTENTION"),
-    ] + ([(trainer_cls, "compute_loss")] if loss else [])
-    for owner, attr in names:
-        Patcher.lookup(owner, attr)
-    name = packing_module.TREE_ATTENTION
-    if trainer_module.TREE_ATTENTION != name or not isinstance(name, str):
+    name = Patcher.lookup(PACKING_MODULE, "TREE_ATTENTION")
+    trainer_name = Patcher.lookup(TRAINER_MODULE, "TREE_ATTENTION")
+    if trainer_name != name or not isinstance(name, str):
         raise PatchError(
-            f"{TRAINER_MODULE}.TREE_ATTENTION ({trainer_module.TREE_ATTENTION!r}) is not "
+            f"{TRAINER_MODULE}.TREE_ATTENTION ({trainer_name!r}) is not "
             f"{PACKING_MODULE}.TREE_ATTENTION ({name!r}): the peer changed how it names its tree attention"
         )
-
-    patcher.replace(trainer_module, "TreeRow", TreeRow)
-    patcher.replace(packing_module, "TreeRow", TreeRow)
-    patcher.replace(packing_module, "tree_attention", tree_attention)
-    patcher.replace(packing_module, "register_tree_attention", register_tree_attention)
-    patcher.replace(trainer_module, "register_tree_attention", register_tree_attention)
-    peak_flops = Patcher.lookup(trainer_module, "get_peak_flops_per_device")
-    patcher.replace(trainer_module, "get_peak_flops_per_device", _make_peak_flops(peak_flops))
-    patcher.replace(_Entries(AttentionInterface._global_mapping, "AttentionInterface"), name, tree_attention)
-    patcher.replace(_Entries(AttentionMaskInterface._global_mapping, "AttentionMaskInterface"), name, _no_mask)
+    targets = [
+        Target(TRAINER_MODULE, "TreeRow", TreeRow),
+        Target(PACKING_MODULE, "TreeRow", TreeRow),
+        Target(PACKING_MODULE, "tree_attention", tree_attention),
+        Target(PACKING_MODULE, "register_tree_attention", register_tree_attention),
+        Target(TRAINER_MODULE, "register_tree_attention", register_tree_attention),
+        Target(TRAINER_MODULE, "get_peak_flops_per_device", Build(_make_peak_flops)),
+        Target(AttentionInterface._global_mapping, name, tree_attention, missing_ok=True),
+        Target(AttentionMaskInterface._global_mapping, name, _no_mask, missing_ok=True),
+    ]
     if loss:
-        original = Patcher.lookup(trainer_cls, "compute_loss")
-        patcher.replace(trainer_cls, "compute_loss", _make_compute_loss(original, strict))
+        targets.append(
+            Target(TRAINER_MODULE + ":AsyncGRPOTrainer", "compute_loss", Build(lambda o: _make_compute_loss(o, strict)))
+        )
+    return targets

@@ -1,8 +1,10 @@
 """The ``GRPOTrainer`` parts of :func:`rlvr_kernels.integrations.trl.apply` (TRL 1.16).
 
-Each part has a ``prepare_*`` function that looks up every name it will replace and builds
-the replacement objects, raising :class:`PatchError` before anything is changed; apply()
-then hands the returned ``(owner, attr, new)`` triples to the Patcher.
+Each part has a ``*_targets`` function returning the part's declared
+:class:`~rlvr_kernels.integrations._patch.Target` entries ``(owner, attr, replacement)``
+(a :class:`~rlvr_kernels.integrations._patch.Build` when the replacement is made from the
+original); apply() hands them to its ``Integration``, which looks up every name and builds
+every replacement before anything is changed.
 
 * log-probs: ``trl.trainer.utils._ChunkedLogProbFunction`` (the module global TRL's fused
   LM-head forward reads at call time) becomes :class:`..kernels.ChunkedLogProbFunction`
@@ -39,12 +41,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .._patch import Patcher, PatchError, record
+from .._patch import Build, Needs, Patcher, PatchError, Target, record
 from .grpo_trainer import compute_grpo_advantages, grpo_loss_trl, reduce_trl_metrics, trl_entropy_threshold
 from .kernels import ChunkedLogProbFunction
 
 TRL_GRPO = "trl.trainer.grpo_trainer"
 TRL_UTILS = "trl.trainer.utils"
+TRL_TRAINER = TRL_GRPO + ":GRPOTrainer"
 
 # Stable names under which the patched entry points count their calls (``call_counts()``).
 CALL_LOGPROBS = "trl.kernels.ChunkedLogProbFunction"  # recorded by the adapter itself
@@ -52,20 +55,15 @@ CALL_ADVANTAGES = "trl.GRPOTrainer.advantages"
 CALL_LOSS = "trl.GRPOTrainer._compute_loss"
 CALL_LOSS_FALLBACK = "trl.GRPOTrainer._compute_loss[trl fallback]"
 
-Replacement = Tuple[Any, str, Any]
-
 # ---------------------------------------------------------------------------------------
 # log-probs
 # ---------------------------------------------------------------------------------------
 
 
-def prepare_logprobs(*, compact: bool = True) -> List[Replacement]:
-    utils = Patcher.resolve(TRL_UTILS)
-    Patcher.lookup(utils, "_ChunkedLogProbFunction")
-    out: List[Replacement] = [(utils, "_ChunkedLogProbFunction", ChunkedLogProbFunction)]
+def logprobs_targets(*, compact: bool = True) -> List[Target]:
+    out = [Target(TRL_UTILS, "_ChunkedLogProbFunction", ChunkedLogProbFunction)]
     if compact:
-        original = Patcher.lookup(utils, "_use_triton")
-        out.append((utils, "_use_triton", _compact_on_cpu(original)))
+        out.append(Target(TRL_UTILS, "_use_triton", Build(_compact_on_cpu)))
     return out
 
 
@@ -95,11 +93,11 @@ _ADV_CALL = "advantages, is_std_zero = _rlvr_grpo_advantages(self, rewards_per_f
 _PATCHED_FILENAME = "<rlvr_kernels: trl GRPOTrainer._generate_and_score_completions, advantage block replaced>"
 
 
-def prepare_advantages() -> List[Replacement]:
-    grpo = Patcher.resolve(TRL_GRPO)
-    cls = Patcher.lookup(grpo, "GRPOTrainer")
-    stored = Patcher.lookup(cls, "_generate_and_score_completions")
-    return [(cls, "_generate_and_score_completions", rewrite_generate_and_score(cls, stored, grpo))]
+def advantages_targets() -> List[Target]:
+    def build(stored):
+        return rewrite_generate_and_score(Patcher.resolve(TRL_TRAINER), stored, Patcher.resolve(TRL_GRPO))
+
+    return [Target(TRL_TRAINER, "_generate_and_score_completions", Build(build))]
 
 
 def _block_sha(node: ast.AST) -> str:
@@ -381,35 +379,36 @@ def _refuse_or_warn(trainer: Any, reason: str, strict: bool) -> None:
         )
 
 
-def prepare_loss(*, strict: bool) -> List[Replacement]:
-    grpo = Patcher.resolve(TRL_GRPO)
-    cls = Patcher.lookup(grpo, "GRPOTrainer")
-    original_loss = Patcher.lookup(cls, "_compute_loss")
-    original_init = Patcher.lookup(cls, "__init__")
-    for attr in ("_get_per_token_logps_and_entropies", "get_high_entropy_mask"):
-        Patcher.lookup(cls, attr)
-    utils = Patcher.resolve(TRL_UTILS)
-    for attr in ("nanmin", "nanmax", "nanstd"):
-        Patcher.lookup(utils, attr)
+def loss_targets(*, strict: bool) -> List[Target]:
+    def build_loss(original_loss):
+        @functools.wraps(original_loss)
+        def _compute_loss(self, model, inputs):
+            reason = unsupported(self)
+            if reason is not None:
+                _refuse_or_warn(self, reason, strict)
+                record(CALL_LOSS_FALLBACK)
+                return original_loss(self, model, inputs)
+            record(CALL_LOSS)
+            return _fused_compute_loss(self, model, inputs)
 
-    @functools.wraps(original_loss)
-    def _compute_loss(self, model, inputs):
-        reason = unsupported(self)
-        if reason is not None:
-            _refuse_or_warn(self, reason, strict)
-            record(CALL_LOSS_FALLBACK)
-            return original_loss(self, model, inputs)
-        record(CALL_LOSS)
-        return _fused_compute_loss(self, model, inputs)
+        return _compute_loss
 
-    @functools.wraps(original_init)
-    def __init__(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        reason = unsupported(self)
-        if reason is not None:
-            _refuse_or_warn(self, reason, strict)
+    def build_init(original_init):
+        @functools.wraps(original_init)
+        def __init__(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            reason = unsupported(self)
+            if reason is not None:
+                _refuse_or_warn(self, reason, strict)
 
-    return [(cls, "__init__", __init__), (cls, "_compute_loss", _compute_loss)]
+        return __init__
+
+    return [
+        Needs(TRL_TRAINER, ("_get_per_token_logps_and_entropies", "get_high_entropy_mask")),
+        Needs(TRL_UTILS, ("nanmin", "nanmax", "nanstd")),
+        Target(TRL_TRAINER, "__init__", Build(build_init)),
+        Target(TRL_TRAINER, "_compute_loss", Build(build_loss)),
+    ]
 
 
 def _fused_compute_loss(self, model, inputs):

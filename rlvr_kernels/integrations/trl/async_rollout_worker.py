@@ -11,7 +11,7 @@ from ...ops._validation import FLOAT_DTYPES, check_tensor
 from ...ops.advantages import group_advantages
 from .._backend import current_backend
 from .._errors import caller_names
-from .grpo_trainer import ADV_NAMES
+from ._names import ADV_NAMES
 
 __all__ = ["compute_async_grpo_advantages"]
 

@@ -26,25 +26,22 @@ Semantics of repeated calls: ``apply()`` while applied first undoes the previous
 twice is a no-op in effect). ``unapply()`` when nothing is applied does nothing and
 returns False. Every name is looked up, and every replacement built, before the first one
 is set: a failure (PatchError, version outside the tested range with ``strict``) leaves
-TRL untouched.
+TRL untouched (``integrations._patch.Integration``, the same for every integration).
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Dict, Optional
 
-from .._patch import Patcher, PatchError, check_version, set_counting
-from ._async_patch import install as install_async
-from ._grpo_patch import prepare_advantages, prepare_logprobs, prepare_loss
+from .._patch import Integration
+from ._async_patch import async_targets
+from ._grpo_patch import advantages_targets, logprobs_targets, loss_targets
 
 __all__ = ["apply", "unapply", "is_applied", "applied_options", "TESTED_TRL"]
 
 TESTED_TRL = ("1.16.0", "1.17.0")  # low <= version < high
 
-_lock = threading.Lock()
-_patcher: Optional[Patcher] = None
-_options: Optional[Dict[str, Any]] = None
+_TRL = Integration("trl", TESTED_TRL)
 
 
 def apply(
@@ -68,64 +65,36 @@ def apply(
     ``count_calls``: True/False turns the debug call counting on/off (``call_counts()``);
     None leaves it as it is.
     """
-    global _patcher, _options
-    with _lock:
-        if _patcher is not None:
-            _unapply_locked()
-        try:
-            import trl
-        except ImportError as e:  # pragma: no cover - TRL is a test dependency
-            raise PatchError(f"integrations.trl.apply(): TRL is not installed ({e})") from e
-        check_version("trl", trl.__version__, *TESTED_TRL, strict=strict)
-        replacements = []
-        if logprobs:
-            replacements += prepare_logprobs(compact=compact_logprobs)
-        if advantages:
-            replacements += prepare_advantages()
-        if loss:
-            replacements += prepare_loss(strict=strict)
-        patcher = Patcher("trl")
-        try:
-            for owner, attr, new in replacements:
-                patcher.replace(owner, attr, new)
-            if async_grpo:
-                install_async(patcher, strict=strict, loss=loss)
-        except BaseException:
-            patcher.restore()
-            raise
-        if count_calls is not None:
-            set_counting(count_calls)
-        _patcher = patcher
-        _options = dict(
-            logprobs=logprobs,
-            advantages=advantages,
-            loss=loss,
-            async_grpo=async_grpo,
-            compact_logprobs=compact_logprobs,
-            strict=strict,
+
+    def plan():
+        return (
+            (logprobs_targets(compact=compact_logprobs) if logprobs else [])
+            + (advantages_targets() if advantages else [])
+            + (loss_targets(strict=strict) if loss else [])
+            + (async_targets(strict=strict, loss=loss) if async_grpo else [])
         )
+
+    options = dict(
+        logprobs=logprobs,
+        advantages=advantages,
+        loss=loss,
+        async_grpo=async_grpo,
+        compact_logprobs=compact_logprobs,
+        strict=strict,
+    )
+    _TRL.apply(plan, strict=strict, count_calls=count_calls, options=options)
 
 
 def unapply() -> bool:
     """Restore every object apply() replaced (the identical originals). Returns False when
     nothing was applied."""
-    with _lock:
-        return _unapply_locked()
-
-
-def _unapply_locked() -> bool:
-    global _patcher, _options
-    if _patcher is None:
-        return False
-    _patcher.restore()
-    _patcher, _options = None, None
-    return True
+    return _TRL.unapply()
 
 
 def is_applied() -> bool:
-    return _patcher is not None
+    return _TRL.is_applied()
 
 
 def applied_options() -> Optional[Dict[str, Any]]:
     """The switches of the active apply(), or None."""
-    return None if _options is None else dict(_options)
+    return _TRL.applied_options()

@@ -10,6 +10,9 @@
                             ``entropy_from_logits``
 ``kernel``                  ``verl.utils.kernel.linear_cross_entropy``
 ``_config``                 reading verl's actor config (parsed once per content)
+``_advantages``             the body the advantage drop-ins share
+``_losses``                 what the policy-loss drop-ins, ``losses`` and ``patch`` share
+                            (the loss body, verl's names for the op's arguments)
 ``patch``                   :func:`apply` / :func:`unapply`: the drop-ins inside verl's trainer
                             and workers (registries, ``ppo_loss``, log-probs)
 ==========================  ================================================================

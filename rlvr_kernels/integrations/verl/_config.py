@@ -50,7 +50,6 @@ FIELDS = (
     "kl_loss_type",
 )
 BATCH_INFO_KEYS = ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
-AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 _CACHE_SIZE = 64
 
 # PolicyLossOptions field -> the config field (or argument) a verl caller sets it with.

@@ -18,37 +18,23 @@ from ...ops.policy_loss import policy_loss
 from ...options import PolicyLossOptions
 from .._backend import current_backend
 from .._errors import caller_names
+from .._torch_math import aggregate
 from ._config import ActorLossConfig, batch_info, read_actor_config
-from .core_algos import (
+from ._losses import (
+    KL_FUSED,
+    KL_UNFUSED,
     PG_NAMES,
     agg_kwargs,
-    aggregate,
     any_zero_weight,
     check_agg_mode,
     check_pg_inputs,
     float_metrics,
     fold_is_weights,
-    kl_penalty,
     pg_options,
 )
+from .core_algos import kl_penalty
 
 __all__ = ["policy_loss_verl"]
-
-# verl kl_penalty names → our fused estimators (the same numbers and gradients).
-KL_FUSED = {
-    "kl": "k1",
-    "k1": "k1",
-    "mse": "k2",
-    "k2": "k2",
-    "mse+": "k2",
-    "k2+": "k2",
-    "low_var_kl": "k3",
-    "k3": "k3",
-    "low_var_kl+": "k3+",
-    "k3+": "k3+",
-}
-# what kl_penalty computes unfused (abs, and the straight-through "+" forms of k1 / abs)
-KL_UNFUSED = ("abs", "kl+", "k1+", "abs+")
 
 
 @dataclass(frozen=True)
@@ -193,7 +179,7 @@ def policy_loss_verl(
 
     Rollout correction, either
       * ``rollout_is_weights``: verl's precomputed weights (any non-negative tensor), folded
-        into the advantages (exact; see the note in ``core_algos``), or
+        into the advantages (exact; see the note in ``_losses``), or
       * ``rollout_log_probs`` with ``rollout_is`` = "token" / "sequence" and a float
         ``rollout_is_threshold``: verl's TIS weights, computed inside the kernel from
         ``old_log_prob − rollout_log_probs`` (the numbers of verl's

@@ -40,19 +40,16 @@ the replaced objects (``is``), so a module that imported one by name is patched 
 from __future__ import annotations
 
 import functools
-import sys
-import threading
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
-
-import torch
+from typing import Callable, Dict, List, Optional, Tuple
 
 import rlvr_kernels.integrations.verl.core_algos as _ours_core
 import rlvr_kernels.integrations.verl.kernel as _ours_kernel
 import rlvr_kernels.integrations.verl.torch_functional as _ours_tf
 
-from .._patch import Patcher, PatchError, check_version, record, set_counting
-from .losses import KL_FUSED, KL_UNFUSED, policy_loss_verl
+from .._patch import Build, Integration, Target, record
+from ._losses import KL_FUSED, KL_UNFUSED, LOSS_MODES
+from .losses import policy_loss_verl
 
 __all__ = ["apply", "unapply", "is_applied", "POLICY_LOSSES", "ADV_ESTIMATORS", "TESTED_VERSIONS"]
 
@@ -90,64 +87,54 @@ _CORE = "verl.trainer.ppo.core_algos"
 _TF = "verl.utils.torch_functional"
 _LCE = "verl.utils.kernel.linear_cross_entropy"
 _LOSSES = "verl.workers.utils.losses"
-# Modules that import a patched function by name: (module, required). A required module
-# (where verl defines the function) must import; the others are patched when they import
-# (one that cannot, for want of another engine's or the rollout server's packages, cannot
-# run either; imported later, it takes the patched function by name, and the sweep at
-# unapply() restores it).
-_PPO_LOSS_USERS = (
-    (_LOSSES, True),
-    ("verl.workers.engine_workers", False),
-    ("verl.trainer.distillation.losses", False),
-)
+# Modules that import a patched function by name, besides the one where verl defines it
+# (which must import). These are patched when they import (one that cannot, for want of
+# another engine's or the rollout server's packages, cannot run either; imported later,
+# it takes the patched function by name, and the sweep at unapply() restores it).
+_PPO_LOSS_USERS = ("verl.workers.engine_workers", "verl.trainer.distillation.losses")
 _LOGPROB_USERS = (
-    (_TF, True),
-    ("verl.workers.engine.fsdp.transformer_impl", False),
-    ("verl.trainer.ppo.prefix_grouper_utils", False),
-    ("verl.workers.rollout.naive.naive_rollout", False),
-    ("verl.workers.engine.automodel.transformer_impl", False),
-    ("verl.workers.engine.torchtitan.transformer_impl", False),
+    "verl.workers.engine.fsdp.transformer_impl",
+    "verl.trainer.ppo.prefix_grouper_utils",
+    "verl.workers.rollout.naive.naive_rollout",
+    "verl.workers.engine.automodel.transformer_impl",
+    "verl.workers.engine.torchtitan.transformer_impl",
 )
 
-
-class _State:
-    def __init__(self):
-        self.lock = threading.RLock()
-        self.patcher: Optional[Patcher] = None
-        self.registry_saved: List[Tuple[Dict[str, Any], str, Any]] = []  # (registry, name, original or _ABSENT)
-        self.entries: Dict[int, Tuple[Any, Any]] = {}  # id(entry) -> (entry, original)
-        self.strict = True
-        self.warned: set = set()
-
-
-_ABSENT = object()
-_state = _State()
+# Every loaded verl.* module is swept for by-name imports of the replaced objects.
+_VERL = Integration("verl", TESTED_VERSIONS, sweep=("verl",))
 
 
 # ------------------------------------------------------------------ unsupported options
-def _unsupported(name: str, reason: str, original: Callable, args, kwargs):
-    """strict: raise naming the option; else warn once and run verl's own ``original``."""
-    if _state.strict:
-        raise NotImplementedError(
-            f"rlvr_kernels' {name}: {reason}. apply(strict=False) runs verl's own {name} for such calls "
-            "(with a warning)"
-        )
-    key = (name, reason)
-    if key not in _state.warned:
-        _state.warned.add(key)
-        warnings.warn(
-            f"rlvr_kernels' {name}: {reason}; running verl's own {name} for such calls (apply(strict=False))",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    record(f"{name}[verl]")
-    return original(*args, **kwargs)
+class _Fallback:
+    """What an option the fused path does not support does, for one apply(): strict
+    raises naming the option; else a warning (once per option) and verl's own function."""
+
+    def __init__(self, strict: bool):
+        self.strict = bool(strict)
+        self.warned: set = set()
+
+    def __call__(self, name: str, reason: str, original: Callable, args, kwargs):
+        if self.strict:
+            raise NotImplementedError(
+                f"rlvr_kernels' {name}: {reason}. apply(strict=False) runs verl's own {name} for such calls "
+                "(with a warning)"
+            )
+        key = (name, reason)
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(
+                f"rlvr_kernels' {name}: {reason}; running verl's own {name} for such calls (apply(strict=False))",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        record(f"{name}[verl]")
+        return original(*args, **kwargs)
 
 
-def _entry(name: str, ours: Callable, original: Callable) -> Callable:
+def _entry(name: str, ours: Callable, fallback: _Fallback, original: Callable) -> Callable:
     """``ours`` with the signature of verl's ``original``, counting its calls as ``name``;
     a ``NotImplementedError`` from ours (an option it does not fuse, raised before any
-    work) goes to :func:`_unsupported`."""
+    work) goes to the ``fallback``."""
 
     @functools.wraps(ours)
     def entry(*args, **kwargs):
@@ -155,14 +142,14 @@ def _entry(name: str, ours: Callable, original: Callable) -> Callable:
         try:
             return ours(*args, **kwargs)
         except NotImplementedError as e:
-            return _unsupported(name, str(e), original, args, kwargs)
+            return fallback(name, str(e), original, args, kwargs)
 
     entry.__wrapped_verl__ = original
     return entry
 
 
 # ------------------------------------------------------------------ ppo_loss
-def _make_ppo_loss(original: Callable) -> Callable:
+def _make_ppo_loss(fallback: _Fallback, original: Callable) -> Callable:
     """verl's engine ``ppo_loss`` (same signature, data handling, side effects on
     ``config.global_batch_info`` and metric objects), its arithmetic as one
     :func:`policy_loss_verl` call."""
@@ -173,12 +160,12 @@ def _make_ppo_loss(original: Callable) -> Callable:
         record("verl.ppo_loss")
         loss_mode = config.policy_loss.get("loss_mode", "vanilla")
         reason = None
-        if loss_mode not in _ours_core.LOSS_MODES:
-            reason = f"config.policy_loss.loss_mode={loss_mode!r} is not fused (fused: {tuple(_ours_core.LOSS_MODES)})"
+        if loss_mode not in LOSS_MODES:
+            reason = f"config.policy_loss.loss_mode={loss_mode!r} is not fused (fused: {tuple(LOSS_MODES)})"
         elif config.use_kl_loss and config.kl_loss_type not in KL_FUSED and config.kl_loss_type not in KL_UNFUSED:
             reason = f"config.kl_loss_type={config.kl_loss_type!r} is not supported"
         if reason is not None:
-            return _unsupported("verl.ppo_loss", reason, original, (config, model_output, data, dp_group), {})
+            return fallback("verl.ppo_loss", reason, original, (config, model_output, data, dp_group), {})
 
         # ---- verl's ppo_loss, line for line, up to the arithmetic
         log_prob = no_padding_2_padding(model_output["log_probs"], data)
@@ -235,7 +222,7 @@ def _make_ppo_loss(original: Callable) -> Callable:
 
 # ------------------------------------------------------------------ apply / unapply
 def is_applied() -> bool:
-    return _state.patcher is not None
+    return _VERL.is_applied()
 
 
 def apply(
@@ -255,132 +242,49 @@ def apply(
     or off (None: leave it); the entry points are counted as "verl.<name>" (e.g.
     "verl.ppo_loss", "verl.policy_loss.vanilla", "verl.adv.grpo", "verl.logprobs_from_logits"),
     fallbacks to verl's own code as "verl.<name>[verl]". Calling apply() again first undoes
-    the previous call.
+    the previous call. Every name is looked up, and every replacement built, before the
+    first one is set: a failure leaves verl untouched.
     """
-    import verl
-
-    with _state.lock:
-        check_version("verl", getattr(verl, "__version__", "0"), *TESTED_VERSIONS, strict=strict)
-        if count_calls is not None:
-            set_counting(count_calls)
-        if is_applied():
-            unapply()
-        patcher = Patcher("verl")
-        plan = _plan(advantages, policy_loss, ppo_loss, logprobs)  # every lookup first: PatchError changes nothing
-        _state.strict = bool(strict)
-        _state.warned = set()
-        _state.patcher = patcher
-        try:
-            for kind, owner, attr, new in plan:
-                if kind == "attr":
-                    original = patcher.replace(owner, attr, new)
-                else:  # a registry dict
-                    original = owner.get(attr, _ABSENT)
-                    _state.registry_saved.append((owner, attr, original))
-                    owner[attr] = new
-                if callable(original) and original is not new:
-                    _state.entries.setdefault(id(new), (new, original))
-            _sweep(to_ours=True)
-        except BaseException:
-            unapply()
-            raise
+    options = dict(advantages=advantages, policy_loss=policy_loss, ppo_loss=ppo_loss, logprobs=logprobs, strict=strict)
+    _VERL.apply(
+        lambda: _targets(advantages, policy_loss, ppo_loss, logprobs, _Fallback(strict)),
+        strict=strict,
+        count_calls=count_calls,
+        options=options,
+    )
 
 
 def unapply() -> None:
     """Put back every object apply() replaced (the identical objects) and verl's
     registries as they were; a no-op when not applied."""
-    with _state.lock:
-        if _state.patcher is None:
-            return
-        _sweep(to_ours=False)
-        _state.patcher.restore()
-        while _state.registry_saved:
-            registry, name, original = _state.registry_saved.pop()
-            if original is _ABSENT:
-                registry.pop(name, None)
-            else:
-                registry[name] = original
-        _state.entries.clear()
-        _state.patcher = None
+    _VERL.unapply()
 
 
-def _plan(advantages: bool, policy_loss: bool, ppo_loss: bool, logprobs: bool) -> List[Tuple[str, Any, str, Any]]:
-    """Every replacement, as ("attr", owner, name, new) or ("registry", dict, key, new),
-    after looking up each original (a moved name raises PatchError here)."""
-    plan: List[Tuple[str, Any, str, Any]] = []
-    core = Patcher.resolve(_CORE)
-
-    def registry(name: str) -> Dict[str, Any]:
-        reg = Patcher.lookup(core, name)
-        if not isinstance(reg, dict):
-            raise PatchError(f"{_CORE}.{name} is not a dict: verl changed its registry")
-        return reg
-
-    for switch, reg_name, table, prefix in (
-        (advantages, "ADV_ESTIMATOR_REGISTRY", ADV_ESTIMATORS, "verl.adv."),
-        (policy_loss, "POLICY_LOSS_REGISTRY", POLICY_LOSSES, "verl.policy_loss."),
+def _targets(advantages: bool, policy_loss: bool, ppo_loss: bool, logprobs: bool, fallback: _Fallback) -> List[Target]:
+    """Every replacement. A Build shared by several targets gives them one object, and
+    they must hold the identical original (verl's registry entry is its core_algos
+    function; a module importing a function by name holds verl's)."""
+    out: List[Target] = []
+    for switch, registry, table, prefix in (
+        (advantages, f"{_CORE}:ADV_ESTIMATOR_REGISTRY", ADV_ESTIMATORS, "verl.adv."),
+        (policy_loss, f"{_CORE}:POLICY_LOSS_REGISTRY", POLICY_LOSSES, "verl.policy_loss."),
     ):
-        if not switch:
-            continue
-        reg = registry(reg_name)
-        for key, (fn_name, ours) in table.items():
-            original = Patcher.lookup(core, fn_name)
-            if reg.get(key) is not original:
-                raise PatchError(f"{_CORE}.{reg_name}[{key!r}] is not {fn_name}: verl changed its registry")
-            entry = _entry(prefix + key, ours, original)
-            plan.append(("registry", reg, key, entry))
-            plan.append(("attr", core, fn_name, entry))
+        if switch:
+            for key, (fn_name, ours) in table.items():
+                entry = Build(functools.partial(_entry, prefix + key, ours, fallback))
+                out += [Target(_CORE, fn_name, entry), Target(registry, key, entry)]
     if ppo_loss:
-        new = _make_ppo_loss(Patcher.lookup(_LOSSES, "ppo_loss"))
-        plan += _by_name(_PPO_LOSS_USERS, "ppo_loss", Patcher.lookup(_LOSSES, "ppo_loss"), new)
+        entry = Build(functools.partial(_make_ppo_loss, fallback))
+        out += [Target(_LOSSES, "ppo_loss", entry)]
+        out += [Target(m, "ppo_loss", entry, optional=True) for m in _PPO_LOSS_USERS]
     if logprobs:
-        for attr, ours in (("logprobs_from_logits", _ours_tf.logprobs_from_logits), ("entropy_from_logits", None)):
-            original = Patcher.lookup(_TF, attr)
-            entry = _entry(f"verl.{attr}", ours or _ours_tf.entropy_from_logits, original)
-            users = _LOGPROB_USERS if attr == "logprobs_from_logits" else ((_TF, True),)
-            plan += _by_name(users, attr, original, entry)
-        original = Patcher.lookup(_LCE, "linear_cross_entropy")
-        plan += _by_name(
-            ((_LCE, True),),
-            "linear_cross_entropy",
-            original,
-            _entry("verl.linear_cross_entropy", _ours_kernel.linear_cross_entropy, original),
+        entry = Build(functools.partial(_entry, "verl.logprobs_from_logits", _ours_tf.logprobs_from_logits, fallback))
+        out += [Target(_TF, "logprobs_from_logits", entry)]
+        out += [Target(m, "logprobs_from_logits", entry, optional=True) for m in _LOGPROB_USERS]
+        entry = Build(functools.partial(_entry, "verl.entropy_from_logits", _ours_tf.entropy_from_logits, fallback))
+        out += [Target(_TF, "entropy_from_logits", entry)]
+        entry = Build(
+            functools.partial(_entry, "verl.linear_cross_entropy", _ours_kernel.linear_cross_entropy, fallback)
         )
-    return plan
-
-
-def _by_name(users, attr: str, original: Any, new: Any) -> List[Tuple[str, Any, str, Any]]:
-    out = []
-    for module, required in users:
-        if not required:
-            try:
-                mod = Patcher.resolve(module)
-            except PatchError:
-                continue  # another engine's module, whose extra packages are not installed
-        else:
-            mod = Patcher.resolve(module)
-        if Patcher.lookup(mod, attr) is not original:
-            raise PatchError(f"{module}.{attr} is not verl's {attr}: verl changed how it imports it")
-        out.append(("attr", mod, attr, new))
+        out += [Target(_LCE, "linear_cross_entropy", entry)]
     return out
-
-
-def _sweep(to_ours: bool) -> None:
-    """Every loaded verl module's attribute that is a replaced original (``to_ours``) or
-    one of our entries (restoring) is set to the other; the replacements go through the
-    patcher (restored with the rest), the restorations are direct."""
-    pairs = {id(orig if to_ours else new): (orig, new) for new, orig in _state.entries.values()}
-    if not pairs:
-        return
-    for name, module in list(sys.modules.items()):
-        if module is None or not (name == "verl" or name.startswith("verl.")):
-            continue
-        for attr, value in list(vars(module).items()):
-            pair = pairs.get(id(value))
-            if pair is None or isinstance(value, (int, str, type(None), torch.Tensor)):
-                continue
-            orig, new = pair
-            if to_ours and value is orig:
-                _state.patcher.replace(module, attr, new)
-            elif not to_ours and value is new:
-                setattr(module, attr, orig)

@@ -1,0 +1,281 @@
+"""What the verl policy-loss drop-ins share (``core_algos.compute_policy_loss_*``, the
+actor loss ``losses.policy_loss_verl`` and the patched ``ppo_loss``): verl's names for
+the op's arguments, verl's loss modes and KL estimators as the op's, the config and
+``global_batch_info`` reading, the input checks, the fold of ``rollout_is_weights`` into
+the advantages, and the one body of every ``compute_policy_loss_*``."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from ...ops._validation import FLOAT_DTYPES, MASK_DTYPES, check_tensor, checks_enabled
+from ...ops.policy_loss import policy_loss
+from .._backend import current_backend
+from .._errors import caller_names
+from .._torch_math import AGG_MODES, aggregate, times_mask
+from ._config import ActorLossConfig, batch_info, read_actor_config
+
+# policy_loss' argument names -> verl's.
+PG_NAMES = {
+    "logprobs": "log_prob",
+    "old_logprobs": "old_log_prob",
+    "mask": "response_mask",
+    "ref_logprobs": "ref_log_prob",
+    "rollout_logprobs": "rollout_log_probs",
+    "global_num_tokens": "batch_num_tokens",
+    "global_num_seqs": "global_batch_size",
+}
+
+
+# verl kl_penalty names → our fused estimators (the same numbers and gradients).
+KL_FUSED = {
+    "kl": "k1",
+    "k1": "k1",
+    "mse": "k2",
+    "k2": "k2",
+    "mse+": "k2",
+    "k2+": "k2",
+    "low_var_kl": "k3",
+    "k3": "k3",
+    "low_var_kl+": "k3+",
+    "k3+": "k3+",
+}
+# what kl_penalty computes unfused (abs, and the straight-through "+" forms of k1 / abs)
+KL_UNFUSED = ("abs", "kl+", "k1+", "abs+")
+
+
+# =======================================================================================
+# Policy losses: compute_policy_loss_*
+# =======================================================================================
+#
+# How verl's pieces map onto one ``policy_loss`` call (preset="verl": δ clamped to ±20,
+# dual clip c from the config, k3 clamps, log s_i clamped at 10 for GSPO):
+#   vanilla → loss_type="ppo" (clip_ratio_c = config.get("clip_ratio_c", 3.0)),
+#   gspo → "gspo", cispo → "cispo", sapo → "sapo" (always aggregated seq-mean-token-mean,
+#   as verl does), gpg → "reinforce";
+#   agg_loss(**config.global_batch_info) → agg, dp_size, global_num_tokens
+#   (batch_num_tokens), global_num_seqs (global_batch_size), loss_scale_factor.
+#
+# ``rollout_is_weights`` (a tensor verl computes before the actor) is folded into the
+# advantages: every loss type above is positively homogeneous in A per token —
+# pg(w·A) = w·pg(A) for w >= 0 (the clip and dual-clip branches and SAPO's temperature
+# depend only on the sign of A, CISPO and GPG are linear) — so the loss and its gradient
+# are exact for any non-negative weights (verl's are exp(...) or 0). Negative weights
+# would flip PPO's max/min and SAPO's temperature: they are rejected. The clip-fraction
+# metrics see sign(w·A), which is 0 where w = 0 (IcePop); verl counts those tokens with
+# their own A, so the float-metric drop-ins recompute the clip fractions with the raw
+# advantages (a second, gradient-free call) when some valid weight is 0.
+
+# verl loss_mode → our loss_type.
+LOSS_MODES = {"vanilla": "ppo", "gspo": "gspo", "cispo": "cispo", "sapo": "sapo", "gpg": "reinforce"}
+
+
+def pg_options(cfg: ActorLossConfig, loss_mode: str, agg: str, **extra):
+    """The ``PolicyLossOptions`` of verl's ``loss_mode`` with the config's clip ratios /
+    temperatures (memoised per config content)."""
+    if loss_mode not in LOSS_MODES:
+        raise NotImplementedError(
+            f"config.policy_loss.loss_mode: rlvr_kernels fuses verl's {tuple(LOSS_MODES)}, got {loss_mode!r}"
+        )
+    return cfg.options(LOSS_MODES[loss_mode], agg, **extra)
+
+
+def check_agg_mode(loss_agg_mode, name: str = "loss_agg_mode") -> str:
+    if loss_agg_mode not in AGG_MODES:
+        # verl's own message (its callers match on it), naming the argument.
+        raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode} ({name}: expected one of {AGG_MODES})")
+    return loss_agg_mode
+
+
+def _count(name: str, value):
+    """A global count of verl's ``global_batch_info``: None, a number >= 0 or a 1-element tensor."""
+    if value is None or (isinstance(value, torch.Tensor) and value.numel() == 1):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < float("inf")):
+        raise ValueError(f"{name}: expected a finite count >= 0 (or a 1-element tensor), got {value!r}")
+    return value
+
+
+def agg_kwargs(
+    loss_agg_mode,
+    dp_size=1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+    *,
+    prefix: str = "",
+) -> Dict[str, Any]:
+    """verl ``agg_loss`` arguments → ``policy_loss`` keyword arguments (verl's errors
+    included); ``prefix`` is where the caller put them (e.g. "config.global_batch_info.")."""
+    check_agg_mode(loss_agg_mode)
+    dp = 1 if dp_size is None else dp_size
+    if isinstance(dp, torch.Tensor) and dp.numel() == 1:
+        dp = int(dp)
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"{prefix}dp_size: expected an int >= 1, got {dp_size!r}")
+    seq = loss_agg_mode.startswith("seq-mean")
+    if loss_agg_mode == "token-mean" and batch_num_tokens is None and dp > 1:
+        raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
+    if seq and global_batch_size is None and dp > 1:
+        raise ValueError("global_batch_size is required when dp_size > 1")
+    norm = loss_agg_mode == "seq-mean-token-sum-norm"
+    lsf = loss_scale_factor if norm else None  # verl divides by it only in this mode
+    if lsf is not None and (isinstance(lsf, bool) or not isinstance(lsf, (int, float)) or not 0 < lsf < float("inf")):
+        raise ValueError(f"{prefix}loss_scale_factor: expected a finite number > 0, got {lsf!r}")
+    token_mean = loss_agg_mode == "token-mean"
+    return dict(
+        dp_size=dp,
+        global_num_tokens=_count(f"{prefix}batch_num_tokens", batch_num_tokens) if token_mean else None,
+        global_num_seqs=_count(f"{prefix}global_batch_size", global_batch_size) if seq else None,
+        loss_scale_factor=lsf,
+    )
+
+
+def out_dtype(*tensors) -> torch.dtype:
+    """The floating dtype verl's arithmetic on these tensors would produce."""
+    dt = None
+    for t in tensors:
+        if t is not None and t.dtype.is_floating_point:
+            dt = t.dtype if dt is None else torch.promote_types(dt, t.dtype)
+    return dt or torch.float32
+
+
+def check_pg_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights=None) -> None:
+    """The tensors a policy loss touches before the op does, checked under the caller's names."""
+    check_tensor("log_prob", log_prob, dtypes=FLOAT_DTYPES, ndim=(2,))
+    check_tensor("old_log_prob", old_log_prob, dtypes=FLOAT_DTYPES)
+    check_tensor("advantages", advantages, dtypes=FLOAT_DTYPES)
+    check_tensor("response_mask", response_mask, dtypes=MASK_DTYPES)
+    if rollout_is_weights is not None:
+        check_tensor("rollout_is_weights", rollout_is_weights, dtypes=FLOAT_DTYPES, like=log_prob, like_name="log_prob")
+
+
+def fold_is_weights(advantages, weights, mask, shape, validate=True):
+    """A·w: the loss and gradient of every verl loss type times w (see the section note)."""
+    if weights is None:
+        return advantages
+    try:
+        full = torch.broadcast_shapes(weights.shape, shape)
+    except RuntimeError:
+        full = None
+    if full != tuple(shape):
+        raise ValueError(
+            f"rollout_is_weights: expected a shape broadcastable to {tuple(shape)}, got {tuple(weights.shape)}"
+        )
+    if checks_enabled(validate, weights):
+        bad = ~(weights.detach() >= 0) & (mask != 0)  # negative or NaN on a valid token
+        if bool(bad.any()):
+            idx = tuple(int(v) for v in bad.nonzero()[0])
+            raise ValueError(
+                f"rollout_is_weights: expected weights >= 0 on valid tokens, got "
+                f"{float(weights.detach().expand(shape)[idx])} at {idx}"
+            )
+    return advantages * weights.detach()
+
+
+def any_zero_weight(weights, mask) -> bool:
+    return weights is not None and bool(((weights.detach() == 0) & (mask != 0)).any())
+
+
+def float_metrics(pairs) -> Dict[str, float]:
+    """One host sync for all the metrics (verl calls .item() per metric)."""
+    if not pairs:
+        return {}
+    values = torch.stack([v.float() for _, v in pairs]).tolist()
+    return {k: v for (k, _), v in zip(pairs, values)}
+
+
+def policy_loss_body(
+    loss_mode: str, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+):
+    """The one body of every ``compute_policy_loss_*`` drop-in."""
+    cfg = read_actor_config(config)
+    agg = "seq-mean-token-mean" if loss_mode == "sapo" else check_agg_mode(loss_agg_mode)  # verl's SAPO ignores it
+    opts = pg_options(cfg, loss_mode, agg)
+    agg_kw = agg_kwargs(agg, **batch_info(config), prefix="config.global_batch_info.")
+    check_pg_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    if loss_mode == "gpg":
+        return _gpg_loss(log_prob, advantages, response_mask, agg, rollout_is_weights, agg_kw), {}
+    backend = current_backend()
+    with caller_names(PG_NAMES):
+        adv = fold_is_weights(advantages, rollout_is_weights, response_mask, log_prob.shape)
+        loss, m = policy_loss(log_prob, old_log_prob, adv, response_mask, options=opts, backend=backend, **agg_kw)
+        loss = loss.to(out_dtype(log_prob, old_log_prob, advantages, rollout_is_weights))
+        clip = m
+        if loss_mode != "sapo" and any_zero_weight(rollout_is_weights, response_mask):
+            with torch.no_grad():  # verl's clip fractions count zero-weight tokens with their own A
+                _, clip = policy_loss(
+                    log_prob.detach(), old_log_prob, advantages, response_mask, options=opts, backend=backend, **agg_kw
+                )
+    return loss, float_metrics(
+        [
+            ("actor/pg_clipfrac", clip.pg_clipfrac),
+            ("actor/ppo_kl", m.ppo_kl),
+            ("actor/pg_clipfrac_lower", clip.pg_clipfrac_lower),
+        ]
+    )
+
+
+class _NegLogpTimesAdv(torch.autograd.Function):
+    """verl's ``-log_prob * advantages`` (the same number: negation is exact) for constant
+    advantages, with a backward of one multiply (autograd's: a multiply and a negation)."""
+
+    @staticmethod
+    def forward(ctx, log_prob: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(advantages)
+        ctx.shape = log_prob.shape
+        return torch.mul(log_prob, advantages).neg_()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (advantages,) = ctx.saved_tensors
+        g = torch.mul(grad, advantages).neg_()
+        return (g if tuple(g.shape) == tuple(ctx.shape) else g.sum_to_size(ctx.shape)), None
+
+
+def _broadcasts_to(t: torch.Tensor, shape) -> bool:
+    try:
+        return torch.broadcast_shapes(t.shape, shape) == tuple(shape)
+    except RuntimeError:
+        return False
+
+
+def _gpg_loss(log_prob, advantages, response_mask, agg, rollout_is_weights, agg_kw) -> torch.Tensor:
+    """GPG, −logπ·A (·w), aggregated: no ratio, no clip and no metrics, so elementwise
+    work and one masked reduction, run as verl writes it (the same bits) with the lean
+    aggregation below; like verl it reads neither old_log_prob nor the sign of w."""
+    for name, t in (
+        ("advantages", advantages),
+        ("response_mask", response_mask),
+        ("rollout_is_weights", rollout_is_weights),
+    ):
+        if t is not None and not _broadcasts_to(t, log_prob.shape):
+            raise ValueError(
+                f"{name}: expected a shape broadcastable to log_prob's {tuple(log_prob.shape)}, got {tuple(t.shape)}"
+            )
+    agg_args = (agg_kw["dp_size"], agg_kw["global_num_tokens"], agg_kw["global_num_seqs"], agg_kw["loss_scale_factor"])
+    if (
+        log_prob.device.type == "cpu"
+        and response_mask.dtype == torch.bool
+        and response_mask.shape == log_prob.shape == advantages.shape
+        and rollout_is_weights is None
+        and not advantages.requires_grad
+    ):
+        # The mask folded into the advantages first, c = A·m (A or 0: the same numbers as
+        # verl's masked products), so the per-token losses −logπ·c are already masked and
+        # are summed as they are: three fresh [B, L] buffers in all, forward and backward.
+        # A non-finite result (maybe a NaN on padding, which verl's where zeroes) is redone
+        # verl's way below.
+        c = times_mask(advantages.detach(), response_mask.view(torch.uint8))
+        loss = aggregate(_NegLogpTimesAdv.apply(log_prob, c), response_mask, agg, *agg_args, masked=True)
+        if bool(torch.isfinite(loss)):
+            return loss
+    if advantages.requires_grad:
+        pg_losses = -log_prob * advantages
+    else:
+        pg_losses = _NegLogpTimesAdv.apply(log_prob, advantages)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    return aggregate(pg_losses, response_mask, agg, *agg_args)
