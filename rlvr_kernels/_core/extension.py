@@ -193,7 +193,12 @@ def build(variant: str = "release", verbose: bool = False) -> Path:
     problem = toolchain_problem()
     if problem:
         raise ExtensionUnavailable(problem)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RuntimeError(
+            f"rlvr_kernels: cannot create the C++ kernels' cache {out} ({exc}): set {ENV_CACHE} to a writable directory"
+        ) from exc
     from filelock import FileLock  # a torch dependency; the lock is released if the holder dies
 
     with FileLock(str(out) + ".lock"):
