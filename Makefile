@@ -1,6 +1,8 @@
 # The README's two commands. Each bootstraps .venv on a machine with only Python and a
-# C++ compiler: torch (kept if the environment already has one), the package with its
-# C++ extension built against that torch, the test/bench extras and the peer libraries.
+# C++ compiler: torch (kept if the environment already has one), the package (pure Python,
+# editable) with the test/bench extras and the peer libraries, then `rlvr-kernels build`,
+# which compiles the C++ kernels against that torch into the cache ($RLVR_KERNELS_CACHE,
+# default ~/.cache/rlvr_kernels) so the first test does not pay the compile.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +10,7 @@ PIP := $(PY) -m pip
 # On these machines torch==2.13.0 is the CPU wheel on local disk; elsewhere pip fetches it.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.rlvr-kernels-installed
-SOURCES := pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
+SOURCES := pyproject.toml $(wildcard rlvr_kernels/csrc/*.cpp rlvr_kernels/csrc/*.h)
 
 .PHONY: install test explore bench check sanitize format clean
 
@@ -18,8 +20,8 @@ $(PY):
 $(STAMP): $(PY) $(SOURCES)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q setuptools wheel ninja pybind11
-	$(PIP) install -q --no-build-isolation -e ".[test,bench,peers]"
+	$(PIP) install -q -e ".[test,bench,peers]"
+	$(VENV)/bin/rlvr-kernels build
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -44,19 +46,21 @@ bench: $(STAMP)
 check: $(STAMP)
 	$(VENV)/bin/rlvr-kernels check
 
-SAN_DIR := sanitize-build
+# The sanitizer build has its own cache key; `rlvr-kernels build` prints its path, and
+# RLVR_KERNELS_EXTENSION makes the tests load it instead of the release build.
 sanitize: $(STAMP)
-	rm -rf $(SAN_DIR)
-	RLVR_KERNELS_SANITIZE=1 $(PY) setup.py -q build_ext --build-lib $(SAN_DIR) --build-temp $(SAN_DIR)/tmp
+	lib="$$($(VENV)/bin/rlvr-kernels build --sanitize)" && \
 	LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:abort_on_error=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	RLVR_KERNELS_EXTENSION="$$(ls $(SAN_DIR)/rlvr_kernels/_C*.so)" \
+	RLVR_KERNELS_EXTENSION="$$lib" \
 	$(PY) -m pytest -q -m cpu_kernel -p no:cacheprovider --capture=sys
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# The compiled kernels live in the cache (see above), not in the tree: `rlvr-kernels info`
+# names the directory.
 clean:
-	rm -rf build $(SAN_DIR) *.egg-info rlvr_kernels/*.so
+	rm -rf build dist *.egg-info

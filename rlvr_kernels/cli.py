@@ -1,4 +1,4 @@
-"""``rlvr-kernels info | check | bench`` (also ``python -m rlvr_kernels``)."""
+"""``rlvr-kernels info | build | check | bench`` (also ``python -m rlvr_kernels``)."""
 
 from __future__ import annotations
 
@@ -37,18 +37,46 @@ def _triton_mode() -> str:
     return f"{triton.__version__}, no GPU (set TRITON_INTERPRET=1 to interpret on CPU)"
 
 
+def _extension_state() -> str:
+    """Where the C++ kernels are loaded from, without compiling them (``info`` stays fast)."""
+    from ._core import extension
+
+    env = os.environ.get(extension.ENV_EXTENSION)
+    if env:
+        state = "present" if os.path.isfile(env) else "MISSING"
+        return f"{env} ({extension.ENV_EXTENSION}, {state})"
+    lib = extension.library_path()
+    if lib.is_file():
+        return f"{lib} (built)"
+    return f"not built yet: compiled on first use or by `rlvr-kernels build`, into {lib.parent}"
+
+
+def cmd_build(args) -> int:
+    from ._core import extension
+
+    variant = "sanitize" if args.sanitize else "release"
+    try:
+        lib = extension.build(variant, verbose=args.verbose)
+    except RuntimeError as exc:
+        print(f"rlvr-kernels build: {exc}", file=sys.stderr)
+        return 1
+    print(lib)  # stdout carries the path only (make sanitize reads it)
+    return 0
+
+
 def cmd_info(_args) -> int:
     import torch
 
     from . import __version__, cpu_cache_stats
+    from ._core import extension
     from ._platform import cpu_name
-    from .ops import _dispatch
 
     rows = [
         ("rlvr_kernels", __version__),
         ("python", platform.python_version()),
         ("torch", torch.__version__),
-        ("compiled extension (rlvr_kernels._C)", "present" if _dispatch.load_extension() else "MISSING"),
+        ("C++ kernels", _extension_state()),
+        ("C++ toolchain", extension.toolchain_problem() or "c++ compiler and ninja found"),
         ("triton", _triton_mode()),
         ("cpu", f"{cpu_name()}, {torch.get_num_threads()} torch threads"),
         ("cuda", torch.cuda.get_device_name() if torch.cuda.is_available() else "not available"),
@@ -100,7 +128,10 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="rlvr-kernels", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions, compiled extension, Triton mode, device")
+    sub.add_parser("info", help="versions, where the C++ kernels are built, Triton mode, device")
+    p = sub.add_parser("build", help="compile the C++ CPU kernels now (else on first use); prints the library's path")
+    p.add_argument("--sanitize", action="store_true", help="the AddressSanitizer + UBSan build (for make sanitize)")
+    p.add_argument("--verbose", action="store_true", help="show the compiler commands")
     p = sub.add_parser("check", help="every op x backend against the fp64 reference")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--backend", action="append", choices=list(BACKENDS), default=None)
@@ -117,7 +148,7 @@ def main(argv=None) -> int:
         help="only these op families (repeatable); the result files are then named <date>-<device>-<ops>",
     )
     args = parser.parse_args(argv)
-    return {"info": cmd_info, "check": cmd_check, "bench": cmd_bench}[args.command](args)
+    return {"info": cmd_info, "build": cmd_build, "check": cmd_check, "bench": cmd_bench}[args.command](args)
 
 
 if __name__ == "__main__":

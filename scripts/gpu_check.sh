@@ -26,10 +26,13 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     > "$LOGS/wheels.log" 2>&1 || { stamp "wheel install failed"; tail -20 "$LOGS/wheels.log"; }
   # ray (imported by verl at module level, never used by the functions we call) is stubbed.
   export PYTHONPATH=/tmp/site:$PWD/scripts/gpu_stubs${PYTHONPATH:+:$PYTHONPATH}
+  # ninja's binary (from its wheel), which compiles the C++ kernels.
+  export PATH=/tmp/site/bin:$PATH
 fi
 
 stamp "build"
-if ! $PY -m pip install -q --no-build-isolation --no-deps -e . > "$LOGS/build.log" 2>&1; then
+# The package is pure Python; `build` compiles the C++ kernels against the machine's torch.
+if ! { $PY -m pip install -q --no-build-isolation --no-deps -e . && $PY -m rlvr_kernels build; } > "$LOGS/build.log" 2>&1; then
   tail -40 "$LOGS/build.log"; exit 1
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$LOGS/gpu.txt" 2>&1

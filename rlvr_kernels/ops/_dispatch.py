@@ -65,15 +65,14 @@ _C_PREFIX = "torch.ops.rlvr_kernels_C:"
 
 @functools.cache
 def load_extension() -> bool:
-    """Load the compiled CPU kernels (``rlvr_kernels._C``), or a build named by
-    ``RLVR_KERNELS_EXTENSION`` (the sanitizer build of ``make sanitize``)."""
-    path = os.environ.get("RLVR_KERNELS_EXTENSION")
-    if path:
-        torch.ops.load_library(path)
-        return True
+    """Load the C++ CPU kernels (compiled on first use and cached, ``rlvr_kernels._core.extension``),
+    or a build named by ``RLVR_KERNELS_EXTENSION`` (the sanitizer build of ``make sanitize``).
+    False when no C++ compiler or ninja is here to compile them."""
+    from .._core import extension
+
     try:
-        from .. import _C  # noqa: F401
-    except ImportError:
+        extension.load()
+    except extension.ExtensionUnavailable:
         return False
     return True
 
@@ -106,8 +105,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             raise ValueError(f"backend: 'cpu' runs on CPU tensors, got tensors on {device}")
         if not load_extension():
             raise RuntimeError(
-                "rlvr_kernels._C is not built: reinstall with `pip install --no-build-isolation -e .` "
-                "(or pass backend='reference')"
+                "backend: 'cpu' needs the C++ kernels, compiled on first use, which needs a C++ compiler "
+                "and ninja (e.g. `apt install g++`, `pip install ninja`; `rlvr-kernels info` shows what is "
+                "missing), then `rlvr-kernels build`. The Triton (GPU) kernels and backend='reference' need neither."
             )
     elif backend == "triton":
         if not triton_available():

@@ -1,4 +1,4 @@
-"""The `rlvr-kernels` command: info, check and a quick bench."""
+"""The `rlvr-kernels` command: info, build, check and a quick bench."""
 
 import json
 import os
@@ -14,10 +14,21 @@ def run_cli(*args, cwd=None):
 
 
 def test_info():
+    from rlvr_kernels._core import extension
+
     res = run_cli("info")
     assert res.returncode == 0, res.stderr
-    assert "compiled extension (rlvr_kernels._C)  present" in res.stdout
+    assert f"{extension.build()} (built)" in res.stdout  # where the C++ kernels are
     assert "triton" in res.stdout and "torch" in res.stdout
+
+
+def test_build_prints_the_cached_library():
+    from rlvr_kernels._core import extension
+
+    lib = extension.build()
+    res = run_cli("build")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == str(lib)  # stdout is the path only, for scripts
 
 
 def test_check_passes_for_every_backend():

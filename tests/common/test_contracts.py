@@ -20,7 +20,7 @@ import rlvr_kernels.contracts as contracts
 from rlvr_kernels.contracts import KernelParams
 from rlvr_kernels.ops import _dispatch
 
-CSRC = pathlib.Path(__file__).resolve().parents[2] / "csrc"
+CSRC = pathlib.Path(__file__).resolve().parents[2] / "rlvr_kernels" / "csrc"
 
 
 def _headers() -> str:

@@ -1,0 +1,1 @@
+"""Ground-floor machinery shared by every op: loading the compiled C++ kernels."""
