@@ -13,9 +13,15 @@
 //     on the thread count. Every output slot is written exactly once (0 on padding, masked
 //     tokens and tokens outside every packed span); runs of masked slots are skipped 8 at a time.
 //
-// The stages of a tile read, function by function, like rlvr_kernels/reference/policy_loss.py:
-//   log_ratio → pg term (ppo_term, gspo_term, cispo_term, sapo_term, reinforce_term) →
-//   shaping_weight → is_weight → kl_term → token loss and partial sums;
+// The stages of a tile read, function by function, like rlvr_kernels/reference/policy_loss.py
+// (and triton/policy_loss.py, whose helpers carry the same names with a leading underscore):
+//   input_stage →
+//   pg_stage: log_ratio → ppo_term | gspo_term | cispo_term | sapo_term | reinforce_term
+//             (clipped_objective, then dual_clip for ppo / gspo; clip_sides) →
+//   shaping_stage: shaping_weights (polarity_weight, probability_weight, a3po_scale, entropy keep) →
+//   is_weight_stage: is_weights (corrected_weight) →
+//   kl_stage: kl_term = kl_estimate (k1, k2, k3, k3+) × importance_ratio (kl_ratio_correction) →
+//   output_stage: token_loss (ℓ = pg·w·is_w + β·kl − c_H·H), then aggregate (the a_t weights);
 // each helper's comment names the reference function it mirrors. Names: `adv` is the
 // advantage A, `agg_w` the aggregation weight a_t (m_t / n_i for seq-mean-token-mean, else m_t).
 //
@@ -250,6 +256,16 @@ RLVR_INLINE void zero_slots(const Ctx<in_t, T>& c, int64_t t0, int64_t t1) {
 }
 
 // ------------------------------------------------------------------ stages
+// Mirrors reference aggregate, the kernel's share of it (the last stage, defined first: every
+// stage's sums go through it): x times the aggregation weight a_t for the sums and the gradient.
+// a_t = 1/n_i for seq-mean-token-mean, constant over a tile, so a tile sum is weighted once
+// (Σ a·x = a·Σ x); else a_t = m_t, which the callers apply as the valid selection. The scalar
+// normalisation (1/N_tok, 1/N_seq, dp_size, loss_scale_factor) is the op layer's _aggregate.
+template <typename V, typename T>
+RLVR_INLINE V aggregate(const Options& o, const SeqConst<T>& sc, V x) {
+  return o.seq_mean ? x * sc.agg_w : x;
+}
+
 // Inputs of a tile in the compute dtype (reference.policy_loss rounds them the same way), the
 // valid count and the value check (Sum::NONFINITE): x·0 is ±0 for finite x and NaN for NaN/±inf,
 // so a sum of them is NaN exactly when an input of the lane is not finite (no overflow is
@@ -309,9 +325,8 @@ RLVR_INLINE V log_ratio(bool lrc_on, const K& k, V lp, V old, M& pass) {
   return vclamp(delta_raw, -k.lrc, k.lrc);
 }
 
-// max(l1, l2) with l1 = −A·x, l2 = −A·clamp(x, lo, hi), the clipped objective of ppo_term and
-// gspo_term; coef = ∂/∂x divided by −A: torch.maximum sends a tie half to each side, clamp
-// passes [lo, hi].
+// Mirrors reference clipped_objective: max(l1, l2) with l1 = −A·x, l2 = −A·clamp(x, lo, hi);
+// coef = ∂/∂x divided by −A: torch.maximum sends a tie half to each side, clamp passes [lo, hi].
 template <typename V, typename M, typename K>
 RLVR_INLINE V clipped_objective(const K& k, V neg_adv, V x, V& coef, M& clipped) {
   const V l1 = neg_adv * x;
@@ -332,8 +347,8 @@ struct PgSums {
   typename Lanes<T, VB>::M clip, clip_lower, low, high;
 };
 
-// The clip sides of the ratio x the loss type clips (CLIP_LOW / CLIP_HIGH): x below 1 − ε_low
-// with A < 0, above 1 + ε_high with A > 0, on valid tokens.
+// Mirrors reference clip_sides: the clip sides of the ratio x the loss type clips (CLIP_LOW /
+// CLIP_HIGH): x below 1 − ε_low with A < 0, above 1 + ε_high with A > 0, on valid tokens.
 template <int VB, typename T>
 RLVR_INLINE void clip_sides(const VConst<T, VB>& k, const Tile<T, VB>& tl, int g, typename Lanes<T, VB>::V x,
                             PgSums<T, VB>& s) {
@@ -341,8 +356,23 @@ RLVR_INLINE void clip_sides(const VConst<T, VB>& k, const Tile<T, VB>& tl, int g
   s.high -= tl.valid[g] & (x > k.ratio_high) & (tl.adv[g] > k.zero);
 }
 
-// Mirrors reference ppo_term: the clipped ratio objective, and for A < 0 the dual clip
-// min(·, −A·c) (torch.minimum: a tie passes half the gradient).
+// Mirrors reference dual_clip: for A < 0, p = min(p, −A·c) (torch.minimum: a tie passes half
+// the gradient, so coef, ∂p/∂x divided by −A, is scaled by 1, ½ or 0); CLIP_LOWER counts the
+// valid A < 0 tokens it bounds. Shared by ppo_term and gspo_term (gspo_dual_clip).
+template <int VB, typename T>
+RLVR_INLINE void dual_clip(const VConst<T, VB>& k, const Tile<T, VB>& tl, int g, typename Lanes<T, VB>::V neg_adv,
+                           typename Lanes<T, VB>::V& p, typename Lanes<T, VB>::V& coef, PgSums<T, VB>& s) {
+  using V = typename Lanes<T, VB>::V;
+  using M = typename Lanes<T, VB>::M;
+  const V l3 = neg_adv * k.clip_c;
+  const M neg = tl.adv[g] < k.zero;
+  const V gm = sel(p < l3, k.one, sel(p == l3, k.half, k.zero));
+  s.clip_lower -= tl.valid[g] & neg & (p > l3);
+  coef = sel(neg, coef * gm, coef);
+  p = sel(neg, vmin_nan(p, l3), p);
+}
+
+// Mirrors reference ppo_term: the clipped ratio objective, then dual_clip.
 template <int VB, typename T>
 RLVR_INLINE void ppo_term(const Options& o, const VConst<T, VB>& k, Tile<T, VB>& tl, int g, PgSums<T, VB>& s) {
   using V = typename Lanes<T, VB>::V;
@@ -354,14 +384,7 @@ RLVR_INLINE void ppo_term(const Options& o, const VConst<T, VB>& k, Tile<T, VB>&
   V coef;
   M clipped;
   V p = clipped_objective(k, neg_adv, ratio, coef, clipped);
-  if (o.dual_clip) {
-    const V l3 = neg_adv * k.clip_c;
-    const M neg = tl.adv[g] < k.zero;
-    const V gm = sel(p < l3, k.one, sel(p == l3, k.half, k.zero));
-    s.clip_lower -= tl.valid[g] & neg & (p > l3);
-    coef = sel(neg, coef * gm, coef);
-    p = sel(neg, vmin_nan(p, l3), p);
-  }
+  if (o.dual_clip) dual_clip(k, tl, g, neg_adv, p, coef, s);
   tl.pg[g] = p;
   tl.dpg[g] = sel(pass, neg_adv * coef * ratio, k.zero);
   s.clip -= tl.valid[g] & clipped;
@@ -371,7 +394,7 @@ RLVR_INLINE void ppo_term(const Options& o, const VConst<T, VB>& k, Tile<T, VB>&
 
 // Mirrors reference gspo_term: log s_{i,t} = logp − sg(logp) + sg(log s_i), so the value is the
 // sequence's s (from the pre-pass) and the derivative w.r.t. its own logp is s while log s_i is
-// under the clamp; the dual clip (gspo_dual_clip) as ppo_term's.
+// under the clamp; then dual_clip (gspo_dual_clip).
 template <int VB, typename T>
 RLVR_INLINE void gspo_term(const Options& o, const VConst<T, VB>& k, const SeqConst<T>& sc,
                            typename Lanes<T, VB>::V s_vec, Tile<T, VB>& tl, int g, PgSums<T, VB>& s) {
@@ -381,14 +404,7 @@ RLVR_INLINE void gspo_term(const Options& o, const VConst<T, VB>& k, const SeqCo
   V coef;
   M clipped;
   V p = clipped_objective(k, neg_adv, s_vec, coef, clipped);
-  if (o.dual_clip) {
-    const V l3 = neg_adv * k.clip_c;
-    const M neg = tl.adv[g] < k.zero;
-    const V gm = sel(p < l3, k.one, sel(p == l3, k.half, k.zero));
-    s.clip_lower -= tl.valid[g] & neg & (p > l3);
-    coef = sel(neg, coef * gm, coef);
-    p = sel(neg, vmin_nan(p, l3), p);
-  }
+  if (o.dual_clip) dual_clip(k, tl, g, neg_adv, p, coef, s);
   tl.pg[g] = p;
   tl.dpg[g] = sc.gspo_pass ? neg_adv * coef * s_vec : k.zero;
   s.clip -= tl.valid[g] & clipped;
@@ -568,10 +584,10 @@ RLVR_INLINE void is_weight_stage(const Options& o, const VConst<T, VB>& k, const
   acc.reject += reject;
 }
 
-// Mirrors reference kl_term: the KL estimate to the reference policy and its ∂/∂logp (k3+: the
-// value of k3 with the gradient of k2).
+// Mirrors reference kl_estimate, the one home of the KL estimators: the per-token estimate to
+// the reference policy and its ∂/∂logp (k3+: the value of k3 with the gradient of k2).
 template <typename V, typename M, typename K>
-RLVR_INLINE V kl_term(const Options& o, const K& k, V lp, V ref, V& d) {
+RLVR_INLINE V kl_estimate(const Options& o, const K& k, V lp, V ref, V& d) {
   const V x = lp - ref;
   if (o.kl == KlEstimator::K1) {
     d = k.one;
@@ -597,6 +613,36 @@ RLVR_INLINE V kl_term(const Options& o, const K& k, V lp, V ref, V& d) {
   return v;
 }
 
+// Mirrors reference importance_ratio: the ratio r the loss type is built on and its own-token
+// derivative dr: exp(δ) (δ through log_ratio), GSPO's s_{i,t} (value s_i from the pre-pass,
+// derivative s_i while log s_i is under the clamp).
+template <typename V, typename M, typename K, typename T>
+RLVR_INLINE V importance_ratio(const Options& o, const K& k, const SeqConst<T>& sc, V lp, V old, V& dr) {
+  if (o.loss == LossType::GSPO) {
+    const V r = splat<V>(sc.gspo_s);
+    dr = sc.gspo_pass ? r : k.zero;
+    return r;
+  }
+  M pass;
+  const V r = vexp(log_ratio(o.lrc_on, k, lp, old, pass));
+  dr = sel(pass, r, k.zero);
+  return r;
+}
+
+// Mirrors reference kl_term: kl_estimate, times importance_ratio with kl_ratio_correction
+// (d(kl·r) = dkl·r + kl·dr).
+template <typename V, typename M, typename K, typename T>
+RLVR_INLINE V kl_term(const Options& o, const K& k, const SeqConst<T>& sc, V lp, V old, V ref, V& d) {
+  V kl = kl_estimate<V, M>(o, k, lp, ref, d);
+  if (o.kl_ratio) {
+    V dr;
+    const V r = importance_ratio<V, M>(o, k, sc, lp, old, dr);
+    d = d * r + kl * dr;
+    kl = kl * r;
+  }
+  return kl;
+}
+
 template <int VB, typename T>
 RLVR_INLINE void kl_stage(const Options& o, const VConst<T, VB>& k, const SeqConst<T>& sc, Tile<T, VB>& tl,
                           Acc<T, VB>& acc) {
@@ -604,26 +650,11 @@ RLVR_INLINE void kl_stage(const Options& o, const VConst<T, VB>& k, const SeqCon
   using M = typename Lanes<T, VB>::M;
   V kl_sum = k.zero;
   for (int g = 0; g < tl.ng; ++g) {
-    tl.kl[g] = kl_term<V, M>(o, k, tl.lp[g], tl.ref[g], tl.dkl[g]);
-    if (o.kl_ratio) {
-      // kl·r with r the loss type's ratio and its own-token derivative dr: exp(δ) (δ through
-      // log_ratio), GSPO's s_{i,t}; d(kl·r) = dkl·r + kl·dr (reference policy_loss).
-      V r, dr;
-      if (o.loss == LossType::GSPO) {
-        r = splat<V>(sc.gspo_s);
-        dr = sc.gspo_pass ? r : k.zero;
-      } else {
-        M pass;
-        r = vexp(log_ratio(o.lrc_on, k, tl.lp[g], tl.old[g], pass));
-        dr = sel(pass, r, k.zero);
-      }
-      tl.dkl[g] = tl.dkl[g] * r + tl.kl[g] * dr;
-      tl.kl[g] = tl.kl[g] * r;
-    }
+    tl.kl[g] = kl_term<V, M>(o, k, sc, tl.lp[g], tl.old[g], tl.ref[g], tl.dkl[g]);
     kl_sum += sel(tl.valid[g], tl.kl[g], k.zero);
   }
   acc.add(Acc<T, VB>::kKlRaw, kl_sum);
-  acc.add(Acc<T, VB>::kKl, o.seq_mean ? kl_sum * sc.agg_w : kl_sum);
+  acc.add(Acc<T, VB>::kKl, aggregate(o, sc, kl_sum));
 }
 
 // Mirrors reference token_loss and aggregate: ℓ = pg·w·is_w + β·kl − c_H·H, the token outputs
@@ -655,7 +686,7 @@ RLVR_INLINE void output_stage(const Ctx<in_t, T>& c, const VConst<T, VB>& k, con
       d = d + k.beta * tl.dkl[g];
     }
     if (o.ent_term) loss = loss - k.ent_coef * tl.ent[g];
-    if (o.seq_mean) d = d * sc.agg_w;
+    d = aggregate(o, sc, d);
     store<T>(c.grad + t, sel(valid, d, k.zero), n);
     if (c.grad_ent != nullptr) store<T>(c.grad_ent + t, sel(valid, grad_ent, k.zero), n);
     if (o.token_out == TokenOut::LOSS) {
@@ -666,9 +697,8 @@ RLVR_INLINE void output_stage(const Ctx<in_t, T>& c, const VConst<T, VB>& k, con
     total += sel(valid, loss, k.zero);
     pg_sum += sel(valid, p, k.zero);
   }
-  // seq-mean-token-mean: agg_w = 1/n_i is constant over the tile, so Σ agg_w·x = agg_w·Σ x.
-  acc.add(Acc<T, VB>::kTotal, o.seq_mean ? total * sc.agg_w : total);
-  acc.add(Acc<T, VB>::kPg, o.seq_mean ? pg_sum * sc.agg_w : pg_sum);
+  acc.add(Acc<T, VB>::kTotal, aggregate(o, sc, total));
+  acc.add(Acc<T, VB>::kPg, aggregate(o, sc, pg_sum));
   if (o.has_entropy) {
     V ent_sum = k.zero;
     for (int g = 0; g < tl.ng; ++g) ent_sum += sel(tl.valid[g], tl.ent[g], k.zero);

@@ -491,9 +491,7 @@ def _group_reduce(process_group, call: Optional[_GroupCall], like, validate: boo
     else:
         x, opts = call.x, call.opts
         ntok, nseq = local_counts(x.mask, x.cu_seqlens, x.logprobs.shape[0])
-        lsf = 0.0
-        if opts.agg == "seq-mean-token-sum-norm":
-            lsf = call.loss_scale_factor if call.loss_scale_factor is not None else max(x.logprobs.shape[-1], 1)
+        lsf = _loss_scale_factor(call.loss_scale_factor, x.logprobs) if opts.agg == "seq-mean-token-sum-norm" else 0.0
         # crc32 of the options' repr: the same on every process (unlike hash()), exact in fp64.
         fingerprint = zlib.crc32(repr((opts, call.dp_size)).encode())
         values = [_OK, ntok, nseq, fingerprint, lsf, call.global_num_tokens, call.global_num_seqs]
@@ -722,12 +720,7 @@ def policy_loss(
     need_entropy_grad = x.entropy is not None and opts.entropy_coef != 0 and entropy.requires_grad
     sums, _, _, tok = _run_fwd(x, opts, token_out, need_entropy_grad, backend)
     _check_finite(sums, x, validate)
-    if opts.agg == "none":
-        loss = tok
-        norm = torch.ones((), dtype=sums.dtype, device=sums.device)
-    else:
-        norm = _norm(opts, sums, logprobs, **agg_kw)
-        loss = sums[S.TOTAL] * norm
+    loss, norm = _aggregate(opts, sums, tok, logprobs, **agg_kw)
     return loss, _metrics(sums.detach(), norm.detach())
 
 
@@ -893,21 +886,33 @@ def _as_count(value, like: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _norm(opts, sums, logprobs, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor) -> torch.Tensor:
-    """The scalar d loss / d sums[TOTAL] for the aggregation (0 when the count is 0)."""
+def _loss_scale_factor(loss_scale_factor: Optional[float], logprobs: torch.Tensor) -> float:
+    """The divisor of ``seq-mean-token-sum-norm``: the given one, else L. With L = 0 there is
+    no token and the loss is 0, so any non-zero divisor gives that 0 (L itself would give 0/0)."""
+    return loss_scale_factor if loss_scale_factor is not None else max(logprobs.shape[-1], 1)
+
+
+def _aggregate(
+    opts, sums, tok, logprobs, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The op layer's share of reference ``aggregate`` (the kernels weight and sum the tokens
+    by a_t): ``(loss, norm)``, norm the scalar d loss / d sums[TOTAL] (0 when the count is 0),
+    by which the pg / kl metric sums are scaled too. ``agg="none"``: the kernel's per-token
+    loss ``tok`` with norm 1."""
     one = torch.ones((), dtype=sums.dtype, device=sums.device)
+    if opts.agg == "none":
+        return tok, one
     if opts.agg == "token-sum":
-        return one * dp_size
-    if opts.agg == "token-mean":
-        den = sums[S.NTOK] if global_num_tokens is None else _as_count(global_num_tokens, sums)
+        norm = one * dp_size
     else:
-        den = sums[S.NSEQ] if global_num_seqs is None else _as_count(global_num_seqs, sums)
-    norm = _safe_div(one * dp_size, den)
-    if opts.agg == "seq-mean-token-sum-norm":
-        # Default L; with L = 0 there is no token and the loss is 0, so any non-zero divisor
-        # gives that 0 (L itself would give 0/0).
-        norm = norm / (loss_scale_factor if loss_scale_factor is not None else max(logprobs.shape[-1], 1))
-    return norm
+        if opts.agg == "token-mean":
+            den = sums[S.NTOK] if global_num_tokens is None else _as_count(global_num_tokens, sums)
+        else:
+            den = sums[S.NSEQ] if global_num_seqs is None else _as_count(global_num_seqs, sums)
+        norm = _safe_div(one * dp_size, den)
+        if opts.agg == "seq-mean-token-sum-norm":
+            norm = norm / _loss_scale_factor(loss_scale_factor, logprobs)
+    return sums[S.TOTAL] * norm, norm
 
 
 def _metrics(sums: torch.Tensor, norm: torch.Tensor) -> PolicyLossMetrics:

@@ -7,11 +7,22 @@ into it and the results gathered back, so both layouts share one definition.
 Gradients flow to ``logprobs`` and ``entropy`` only: old, reference and rollout log-probs
 and the advantages are constants of the loss (every trainer detaches them).
 
-The stages, in order: ``pg_term`` (``log_ratio`` and one ``*_term`` per loss type) →
-``shaping_weights`` → ``is_weights`` → ``kl_term`` → ``token_loss`` → ``aggregate``. The C++
-(``csrc/policy_loss.cpp``) and Triton (``triton/policy_loss.py``) kernels have one helper per
-stage, named after these, so each can be read against this file function by function. The
-entropy-quantile threshold and the packed layout's validity are the kernel contract's own
+The stages, in order (the C++ ``csrc/policy_loss.cpp`` and Triton ``triton/policy_loss.py``
+kernels have one helper per stage, named after these, so each can be read against this file
+function by function):
+
+- ``pg_term``: the ratio (``log_ratio``; ``gspo_ratio``) and one ``*_term`` per loss type
+  (``ppo_term``, ``gspo_term``, ``cispo_term``, ``sapo_term``, ``reinforce_term``); ppo and
+  gspo take ``clipped_objective`` then ``dual_clip``; ``clip_sides`` for the metrics;
+- ``shaping_weights`` (``polarity_weights`` × ``probability_weights`` × ``a3po_scales`` ×
+  ``entropy_keep``);
+- ``is_weights``;
+- ``kl_term``: ``kl_estimate`` (k1, k2, k3, k3+), times ``importance_ratio`` with
+  ``kl_ratio_correction``;
+- ``token_loss``: ℓ = pg·w·is_w + β·kl − c_H·H;
+- ``aggregate``: the per-token loss (and the pg / kl metrics) over the valid tokens, by ``agg``.
+
+The entropy-quantile threshold and the packed layout's validity are the kernel contract's own
 definitions (:mod:`rlvr_kernels.contracts.policy_loss`), shared with the op layer.
 """
 
@@ -175,41 +186,49 @@ def _clip_range(opts: PolicyLossOptions):
     return 1 - opts.clip_low, 1 + opts.clip_high
 
 
-def ppo_term(opts: PolicyLossOptions, logp, old, adv):
-    """max(−A·ρ, −A·clip(ρ)), and for A < 0 with dual clip c: min(·, −A·c)."""
-    delta = log_ratio(opts, logp, old)
+def gspo_ratio(opts: PolicyLossOptions, logp, old, valid):
+    """GSPO's token ratio s_{i,t} = exp(log s_{i,t}), log s_{i,t} = logp − sg(logp) + sg(log s_i):
+    the value of the sequence ratio s_i = exp(mean δ) (verl: the sequence mean of the
+    unclamped δ), the gradient of the token's own log-prob; log s_{i,t} clamped above."""
+    n = valid.sum(-1).clamp(min=1)
+    log_s = ((logp - old) * valid).sum(-1) / n
+    log_st = logp - logp.detach() + log_s.detach()[:, None]
+    return torch.exp(torch.clamp(log_st, max=opts.gspo_log_clamp) if opts.gspo_log_clamp is not None else log_st)
+
+
+def clipped_objective(opts: PolicyLossOptions, x, adv):
+    """max(−A·x, −A·clip(x)) of the ratio x, and the clipped flag −A·clip(x) > −A·x."""
     lo, hi = _clip_range(opts)
-    ratio = torch.exp(delta)
-    l1 = -adv * ratio
-    l2 = -adv * torch.clamp(ratio, lo, hi)
-    pg1 = torch.maximum(l1, l2)
-    clipped = l2 > l1
+    l1 = -adv * x
+    l2 = -adv * torch.clamp(x, lo, hi)
+    return torch.maximum(l1, l2), l2 > l1
+
+
+def dual_clip(opts: PolicyLossOptions, pg, adv):
+    """For A < 0 with the dual clip c: min(pg, −A·c); returns (pg, clip_lower), clip_lower the
+    A < 0 tokens it bounds (all False without ``clip_ratio_c``)."""
     if opts.clip_ratio_c is None:
-        return pg1, clipped, torch.zeros_like(clipped), delta
+        return pg, torch.zeros_like(pg, dtype=torch.bool)
     l3 = -adv * opts.clip_ratio_c
-    pg = torch.where(adv < 0, torch.minimum(pg1, l3), pg1)
-    return pg, clipped, (pg1 > l3) & (adv < 0), delta
+    return torch.where(adv < 0, torch.minimum(pg, l3), pg), (pg > l3) & (adv < 0)
+
+
+def ppo_term(opts: PolicyLossOptions, logp, old, adv):
+    """clipped_objective of ρ = exp(δ), then dual_clip."""
+    delta = log_ratio(opts, logp, old)
+    pg, clipped = clipped_objective(opts, torch.exp(delta), adv)
+    pg, clip_lower = dual_clip(opts, pg, adv)
+    return pg, clipped, clip_lower, delta
 
 
 def gspo_term(opts: PolicyLossOptions, logp, old, adv, valid):
-    """The clipped objective of the sequence ratio s_i = exp(mean δ) with the token's own
-    gradient: log s_{i,t} = logp − sg(logp) + sg(log s_i), log s_i clamped above; with
-    ``gspo_dual_clip``, ppo_term's dual clip for A < 0."""
-    delta_raw = logp - old
-    lo, hi = _clip_range(opts)
-    n = valid.sum(-1).clamp(min=1)
-    log_s = (delta_raw * valid).sum(-1) / n  # verl: the sequence mean of the unclamped δ
-    log_st = logp - logp.detach() + log_s.detach()[:, None]
-    s = torch.exp(torch.clamp(log_st, max=opts.gspo_log_clamp) if opts.gspo_log_clamp is not None else log_st)
-    l1 = -adv * s
-    l2 = -adv * torch.clamp(s, lo, hi)
-    clipped = l2 > l1
-    pg1 = torch.maximum(l1, l2)
-    if opts.clip_ratio_c is None or not opts.gspo_dual_clip:
-        return pg1, clipped, torch.zeros_like(clipped), delta_raw
-    l3 = -adv * opts.clip_ratio_c  # the dual clip (gspo_dual_clip), as ppo_term
-    pg = torch.where(adv < 0, torch.minimum(pg1, l3), pg1)
-    return pg, clipped, (pg1 > l3) & (adv < 0), delta_raw
+    """clipped_objective of gspo_ratio; with ``gspo_dual_clip``, then dual_clip."""
+    pg, clipped = clipped_objective(opts, gspo_ratio(opts, logp, old, valid), adv)
+    if opts.gspo_dual_clip:
+        pg, clip_lower = dual_clip(opts, pg, adv)
+    else:
+        clip_lower = torch.zeros_like(clipped)
+    return pg, clipped, clip_lower, logp - old
 
 
 def cispo_term(opts: PolicyLossOptions, logp, old, adv):
@@ -257,10 +276,7 @@ def importance_ratio(opts: PolicyLossOptions, logp, old, valid):
     ``log_ratio``), GSPO's s_{i,t} (value s_i, gradient through the token's own log-prob).
     Used by the clip-side metrics and by ``kl_ratio_correction``."""
     if opts.loss_type == "gspo":
-        n = valid.sum(-1).clamp(min=1)
-        log_s = ((logp - old) * valid).sum(-1) / n
-        log_st = logp - logp.detach() + log_s.detach()[:, None]
-        return torch.exp(torch.clamp(log_st, max=opts.gspo_log_clamp) if opts.gspo_log_clamp is not None else log_st)
+        return gspo_ratio(opts, logp, old, valid)
     return torch.exp(log_ratio(opts, logp, old))
 
 
@@ -302,9 +318,10 @@ def is_weights(opts: PolicyLossOptions, old, rollout, valid):
     return torch.where(rejected, 0.0, 1.0).to(w.dtype), rejected
 
 
-def kl_term(opts: PolicyLossOptions, logp, ref):
-    """The per-token KL estimate to the reference policy (k3+: the value of k3 with the
-    gradient of k2)."""
+def kl_estimate(opts: PolicyLossOptions, logp, ref):
+    """The per-token KL estimate to the reference policy, ``opts.kl`` of k1 = x, k2 = x²/2,
+    k3 = e^{−x} + x − 1 (x = logp − ref; ``kl_clamp``: −x to ±20, k3 to ±10) and k3+ (the
+    value of k3 with the gradient of k2)."""
     x = logp - ref
     if opts.kl == "k1":
         return x
@@ -320,6 +337,15 @@ def kl_term(opts: PolicyLossOptions, logp, ref):
         return k3
     k2 = 0.5 * x.square()
     return k2 - k2.detach() + k3.detach()
+
+
+def kl_term(opts: PolicyLossOptions, logp, old, ref, valid):
+    """The KL term: kl_estimate, times the loss type's importance_ratio (with its token-form
+    gradient) when ``kl_ratio_correction``."""
+    kl = kl_estimate(opts, logp, ref)
+    if opts.kl_ratio_correction:
+        kl = kl * importance_ratio(opts, logp, old, valid)
+    return kl
 
 
 def token_loss(opts: PolicyLossOptions, pg, shape_w, is_w, kl, entropy):
@@ -421,9 +447,7 @@ def policy_loss(
     is_w, rejected = torch.ones_like(lp), torch.zeros_like(valid)
     if opts.rollout_correction is not None:
         is_w, rejected = is_weights(opts, old, roll.to(dtype), m)
-    kl_tok = kl_term(opts, lp, ref.to(dtype)) if opts.kl is not None else None
-    if kl_tok is not None and opts.kl_ratio_correction:
-        kl_tok = kl_tok * importance_ratio(opts, lp, old, valid)
+    kl_tok = kl_term(opts, lp, old, ref.to(dtype), valid) if opts.kl is not None else None
     low, high = clip_sides(opts, lp, old, adv, valid)
     f_low, f_high = seq_fractions(low, valid), seq_fractions(high, valid)
     loss_tok, pg_tok = token_loss(opts, pg, shape_w, is_w if opts.rollout_correction is not None else None, kl_tok, ent)

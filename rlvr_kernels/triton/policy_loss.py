@@ -17,11 +17,15 @@ Design:
 - ``_token_kernel``: the single pass of the common case (ppo + k3 + token_tis + token
   mean, [B] advantages): every input read once, the gradient written once, and one row
   of per-program partial sums. Options are constexpr, so unused features compile away.
-  Its stages are inlined helpers that mirror the functions of the reference, one by one:
-  ``_log_ratio`` → ``_pg_term`` (``_ppo_term``, ``_gspo_term``, ``_cispo_term``,
-  ``_sapo_term``, ``_reinforce_term``) → ``_shaping_weight`` → ``_is_weight`` →
-  ``_kl_term`` → ``_token_loss`` → ``_partial_sums``. Names: ``adv`` is the advantage A,
-  ``agg_w`` the aggregation weight (1/n_i for seq-mean-token-mean).
+  Its stages are inlined helpers that mirror the functions of the reference, one by one,
+  under the same names with a leading underscore (the C++ kernel's helpers carry them too):
+  ``_pg_term``: ``_log_ratio`` (``_gspo_ratio``) and ``_ppo_term`` | ``_gspo_term`` |
+  ``_cispo_term`` | ``_sapo_term`` | ``_reinforce_term`` (ppo and gspo:
+  ``_clipped_objective`` then ``_dual_clip``; ``_clip_sides``) → ``_shaping_weights`` →
+  ``_is_weights`` → ``_kl_term`` (``_kl_estimate`` × ``_importance_ratio``) →
+  ``_token_loss`` → ``_aggregate`` → ``_partial_sums`` (the metrics' sums). Names:
+  ``adv`` is the advantage A, ``agg_w`` the aggregation weight (1/n_i for
+  seq-mean-token-mean).
 - ``_seq_stats_kernel`` (one program per sequence), only when needed: n_i
   (seq-mean-token-mean), Σ δ·m (GSPO), Σ log w·m (seq_tis / seq_mis) and the A3PO
   selection (``_a3po_select``): the k-th highest / lowest metric by bisection on an
@@ -462,9 +466,9 @@ def _log_ratio(lp, old, lr_clamp, CDT: tl.constexpr, LR_CLAMP: tl.constexpr, BLO
 
 @triton.jit
 def _clipped_objective(adv, x, dl1, lo, hi):
-    """max(l1, l2) with l1 = −A·x, l2 = −A·clamp(x, lo, hi) (ppo_term, gspo_term), its
-    derivative from dl1 = ∂l1/∂logp (torch.maximum: the larger branch's gradient, half to each
-    on a tie; clamp passes [lo, hi]), and the clip flag."""
+    """Mirrors reference clipped_objective: max(l1, l2) with l1 = −A·x, l2 = −A·clamp(x, lo,
+    hi), its derivative from dl1 = ∂l1/∂logp (torch.maximum: the larger branch's gradient, half
+    to each on a tie; clamp passes [lo, hi]), and the clip flag."""
     l1 = -adv * x
     l2 = -adv * tl.minimum(tl.maximum(x, lo), hi)
     pg = tl.maximum(l1, l2)
@@ -475,9 +479,31 @@ def _clipped_objective(adv, x, dl1, lo, hi):
 
 @triton.jit
 def _clip_sides(x, adv, valid, lo, hi):
-    """The clip sides of the ratio x (PolicyLossSum.CLIP_LOW / CLIP_HIGH): below lo with
-    A < 0, above hi with A > 0, on valid tokens."""
+    """Mirrors reference clip_sides: the clip sides of the ratio x (PolicyLossSum.CLIP_LOW /
+    CLIP_HIGH): below lo with A < 0, above hi with A > 0, on valid tokens."""
     return valid & (x < lo) & (adv < 0.0), valid & (x > hi) & (adv > 0.0)
+
+
+@triton.jit
+def _dual_clip(pg, dpg, adv, clip_c, CDT: tl.constexpr):
+    """Mirrors reference dual_clip: for A < 0, min(pg, −A·c) (torch.minimum passes half the
+    gradient on a tie); returns (pg, ∂pg/∂logp, clip_lower), clip_lower the A < 0 tokens it
+    bounds. Shared by _ppo_term and _gspo_term (gspo_dual_clip)."""
+    l3 = -adv * _param(clip_c, CDT)
+    neg = adv < 0.0
+    clip_lower = neg & (pg > l3)
+    dpg = tl.where(neg, tl.where(pg < l3, dpg, tl.where(pg == l3, 0.5 * dpg, 0.0)), dpg)
+    pg = tl.where(neg, tl.minimum(pg, l3), pg)
+    return pg, dpg, clip_lower
+
+
+@triton.jit
+def _gspo_ratio(log_s, gspo_clamp, CDT: tl.constexpr):
+    """Mirrors reference gspo_ratio: s = exp(min(log s_i, clamp)) from the stats pass, and
+    ∂s_{i,t}/∂logp_t = s while log s_i is under the clamp (else 0)."""
+    g = _param(gspo_clamp, CDT)
+    s = tl.exp(tl.minimum(log_s, g))
+    return s, tl.where(log_s <= g, s, 0.0)
 
 
 @triton.jit
@@ -495,36 +521,27 @@ def _ppo_term(
     DUAL_CLIP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Mirrors reference ppo_term: (pg, ∂pg/∂logp, clipped, clip_lower, δ, low, high)."""
+    """Mirrors reference ppo_term: _clipped_objective of exp(δ), then _dual_clip; returns
+    (pg, ∂pg/∂logp, clipped, clip_lower, δ, low, high)."""
     delta, d_delta = _log_ratio(lp, old, lr_clamp, CDT, LR_CLAMP, BLOCK)
     ratio = tl.exp(delta)
     pg, dpg, clipped = _clipped_objective(adv, ratio, -adv * ratio * d_delta, lo, hi)
     clip_lower = valid & False
-    if DUAL_CLIP:  # A < 0: min(pg, −A·c); torch.minimum passes half the gradient on a tie
-        l3 = -adv * _param(clip_c, CDT)
-        neg = adv < 0.0
-        clip_lower = neg & (pg > l3)
-        dpg = tl.where(neg, tl.where(pg < l3, dpg, tl.where(pg == l3, 0.5 * dpg, 0.0)), dpg)
-        pg = tl.where(neg, tl.minimum(pg, l3), pg)
+    if DUAL_CLIP:
+        pg, dpg, clip_lower = _dual_clip(pg, dpg, adv, clip_c, CDT)
     low, high = _clip_sides(ratio, adv, valid, lo, hi)
     return pg, dpg, clipped, clip_lower, delta, low, high
 
 
 @triton.jit
 def _gspo_term(lp, old, adv, valid, log_s, lo, hi, clip_c, gspo_clamp, CDT: tl.constexpr, DUAL_CLIP: tl.constexpr):
-    """Mirrors reference gspo_term: s = exp(min(log s_i, clamp)) from the stats pass, and
-    ∂ log s_{i,t} / ∂logp_t = 1 while log s_i is under the clamp; the dual clip as _ppo_term."""
-    g = _param(gspo_clamp, CDT)
-    s = tl.exp(tl.minimum(log_s, g))
-    ds = tl.where(log_s <= g, s, 0.0)
+    """Mirrors reference gspo_term: _clipped_objective of _gspo_ratio, then _dual_clip
+    (gspo_dual_clip)."""
+    s, ds = _gspo_ratio(log_s, gspo_clamp, CDT)
     pg, dpg, clipped = _clipped_objective(adv, s, -adv * ds, lo, hi)
     clip_lower = valid & False
     if DUAL_CLIP:
-        l3 = -adv * _param(clip_c, CDT)
-        neg = adv < 0.0
-        clip_lower = neg & (pg > l3)
-        dpg = tl.where(neg, tl.where(pg < l3, dpg, tl.where(pg == l3, 0.5 * dpg, 0.0)), dpg)
-        pg = tl.where(neg, tl.minimum(pg, l3), pg)
+        pg, dpg, clip_lower = _dual_clip(pg, dpg, adv, clip_c, CDT)
     low, high = _clip_sides(s, adv, valid, lo, hi)
     return pg, dpg, clipped, clip_lower, lp - old, low, high
 
@@ -609,7 +626,7 @@ def _a3po_scale(cand, key, t, pol, k_h, cut_h, k_l, cut_l, s_pos_high, s_pos_low
 
 
 @triton.jit
-def _shaping_weight(
+def _shaping_weights(
     adv,
     old,
     ent,
@@ -660,7 +677,7 @@ def _shaping_weight(
 
 
 @triton.jit
-def _is_weight(old, roll, seq_logw, rc_low, rc_high, valid, CDT: tl.constexpr, RC: tl.constexpr, BLOCK: tl.constexpr):
+def _is_weights(old, roll, seq_logw, rc_low, rc_high, valid, CDT: tl.constexpr, RC: tl.constexpr, BLOCK: tl.constexpr):
     """Mirrors reference is_weights: the detached rollout-correction weight and the rejected
     flag. Token level from old − rollout; sequence level from Σ log w·m (stats pass); both
     clamped to ±20 before exp."""
@@ -682,9 +699,9 @@ def _is_weight(old, roll, seq_logw, rc_low, rc_high, valid, CDT: tl.constexpr, R
 
 
 @triton.jit
-def _kl_term(lp, ref, KL: tl.constexpr, KL_CLAMP: tl.constexpr, CDT: tl.constexpr, BLOCK: tl.constexpr):
-    """Mirrors reference kl_term: the KL estimate and its ∂/∂logp (k3+: the value of k3, the
-    gradient of k2)."""
+def _kl_estimate(lp, ref, KL: tl.constexpr, KL_CLAMP: tl.constexpr, CDT: tl.constexpr, BLOCK: tl.constexpr):
+    """Mirrors reference kl_estimate, the one home of the KL estimators: the estimate and its
+    ∂/∂logp (k3+: the value of k3, the gradient of k2)."""
     x = lp - ref
     if KL == K1:
         kl = x
@@ -707,6 +724,55 @@ def _kl_term(lp, ref, KL: tl.constexpr, KL_CLAMP: tl.constexpr, CDT: tl.constexp
             dkl = (1.0 - ey) * d3
         else:  # K3_PLUS
             dkl = x
+    return kl, dkl
+
+
+@triton.jit
+def _importance_ratio(
+    lp,
+    old,
+    log_s,
+    lr_clamp,
+    gspo_clamp,
+    CDT: tl.constexpr,
+    LOSS: tl.constexpr,
+    LR_CLAMP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Mirrors reference importance_ratio: the ratio r the loss type is built on and its
+    own-token derivative dr: exp(δ) through _log_ratio, GSPO's _gspo_ratio."""
+    if LOSS == GSPO:
+        r, dr = _gspo_ratio(log_s, gspo_clamp, CDT)
+    else:
+        delta, d_delta = _log_ratio(lp, old, lr_clamp, CDT, LR_CLAMP, BLOCK)
+        r = tl.exp(delta)
+        dr = r * d_delta
+    return r, dr
+
+
+@triton.jit
+def _kl_term(
+    lp,
+    old,
+    ref,
+    log_s,
+    lr_clamp,
+    gspo_clamp,
+    CDT: tl.constexpr,
+    LOSS: tl.constexpr,
+    KL: tl.constexpr,
+    KL_CLAMP: tl.constexpr,
+    KL_RATIO: tl.constexpr,
+    LR_CLAMP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Mirrors reference kl_term: _kl_estimate, times _importance_ratio with KL_RATIO
+    (kl_ratio_correction: d(kl·r) = dkl·r + kl·dr)."""
+    kl, dkl = _kl_estimate(lp, ref, KL, KL_CLAMP, CDT, BLOCK)
+    if KL_RATIO:
+        r, dr = _importance_ratio(lp, old, log_s, lr_clamp, gspo_clamp, CDT, LOSS, LR_CLAMP, BLOCK)
+        dkl = dkl * r + kl * dr
+        kl = kl * r
     return kl, dkl
 
 
@@ -745,6 +811,41 @@ def _token_loss(
 
 
 @triton.jit
+def _aggregate(
+    ell,
+    pgw,
+    kl,
+    dlp,
+    ec,
+    seqf_ptr,
+    row,
+    is_seq,
+    seq_len,
+    CDT: tl.constexpr,
+    SEQ_MEAN: tl.constexpr,
+    N_FROM_STATS: tl.constexpr,
+):
+    """Mirrors reference aggregate, the kernel's share of it: ℓ, pg·w·is_w, kl, ∂ℓ/∂logp and
+    ∂ℓ/∂H = −c_H times the aggregation weight agg_w (1/n_i for seq-mean-token-mean, else 1;
+    the valid selection is _partial_sums' and the stores'). The scalar normalisation (1/N_tok,
+    1/N_seq, dp_size, loss_scale_factor) is the op layer's _aggregate."""
+    if SEQ_MEAN:
+        if N_FROM_STATS:
+            n_i = tl.load(seqf_ptr + row * _NSTAT, mask=is_seq, other=0.0)
+        else:  # packed without a mask: every token of the sequence is valid
+            n_i = seq_len.to(CDT)
+        agg_w = 1.0 / tl.maximum(n_i, 1.0)
+        ell = ell * agg_w
+        pgw = pgw * agg_w
+        kl = kl * agg_w
+        dlp = dlp * agg_w
+        grad_ent = -ec * agg_w
+    else:
+        grad_ent = -ec
+    return ell, pgw, kl, dlp, grad_ent
+
+
+@triton.jit
 def _partial_sums(
     valid,
     ell_a,  # agg_w·ℓ
@@ -770,8 +871,8 @@ def _partial_sums(
     HAS_ENT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Mirrors reference aggregate and the metrics: one row of the program's partial sums
-    (PolicyLossSum columns; fixed-order tree sums inside the block)."""
+    """The sums of _aggregate's outputs and of the metrics: one row of the program's partial
+    sums (PolicyLossSum columns; fixed-order tree sums inside the block)."""
     zero = tl.zeros([BLOCK], CDT)
     one = tl.full([BLOCK], 1.0, CDT)
     cols = tl.arange(0, _NP)
@@ -872,10 +973,10 @@ def _token_kernel(
     SEARCH_STEPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One block of one sequence through every stage: inputs → _pg_term → _shaping_weight →
-    _is_weight → _kl_term → _token_loss → the token outputs and _partial_sums. (Long for its
-    signature — every pointer, hyper-parameter and constexpr of the fused pass — and the
-    argument lists of the stage calls; the body is the stage sequence.)"""
+    """One block of one sequence through every stage: inputs → _pg_term → _shaping_weights →
+    _is_weights → _kl_term → _token_loss → _aggregate → the token outputs and _partial_sums.
+    (Long for its signature — every pointer, hyper-parameter and constexpr of the fused pass —
+    and the argument lists of the stage calls; the body is the stage sequence.)"""
     p = tl.program_id(0).to(tl.int64)
     row, begin, end, is_seq, seq_len = _program_span(p, cu_ptr, boff_ptr, B, L, T, NBL, PACKED, SEARCH_STEPS, BLOCK)
     t = begin + tl.arange(0, BLOCK)
@@ -923,7 +1024,7 @@ def _token_kernel(
         BLOCK,
     )
     SHAPING: tl.constexpr = SHAPE_POL or SHAPE_PROB or A3PO or ENT_Q
-    adv64, w64 = _shaping_weight(
+    adv64, w64 = _shaping_weights(
         adv,
         old,
         ent,
@@ -954,42 +1055,21 @@ def _token_kernel(
         seq_logw = 0.0
         if (RC == SEQ_TIS) or (RC == SEQ_MIS):
             seq_logw = tl.load(seqf_ptr + row * _NSTAT + 2, mask=is_seq, other=0.0)
-        is_w, rejected = _is_weight(old, roll, seq_logw, rc_low, rc_high, valid, CDT, RC, BLOCK)
+        is_w, rejected = _is_weights(old, roll, seq_logw, rc_low, rc_high, valid, CDT, RC, BLOCK)
     kl = tl.zeros([BLOCK], CDT)
     dkl = tl.zeros([BLOCK], CDT)
     if KL != KL_NONE:
-        kl, dkl = _kl_term(lp, ref, KL, KL_CLAMP, CDT, BLOCK)
-        if KL_RATIO:  # kl·r, r the loss type's ratio (reference importance_ratio): d = dkl·r + kl·dr
-            if LOSS == GSPO:
-                g = _param(gspo_clamp, CDT)
-                r = tl.exp(tl.minimum(log_s, g))
-                dr = tl.where(log_s <= g, r, 0.0)
-            else:
-                d_r, dd_r = _log_ratio(lp, old, lr_clamp, CDT, LR_CLAMP, BLOCK)
-                r = tl.exp(d_r)
-                dr = r * dd_r
-            dkl = dkl * r + kl * dr
-            kl = kl * r
+        kl, dkl = _kl_term(
+            lp, old, ref, log_s, lr_clamp, gspo_clamp, CDT, LOSS, KL, KL_CLAMP, KL_RATIO, LR_CLAMP, BLOCK
+        )
     ec = _param(ent_coef, CDT)
     ell, pgw, dlp = _token_loss(pg, dpg, w, is_w, kl, dkl, ent, _param(kl_coef, CDT), ec, SHAPING, RC, KL, ENT_TERM)
 
-    # ---- the aggregation weight agg_w (1/n_i for seq-mean-token-mean, else 1) and the outputs
-    if SEQ_MEAN:
-        if N_FROM_STATS:
-            n_i = tl.load(seqf_ptr + row * _NSTAT, mask=is_seq, other=0.0)
-        else:  # packed without a mask: every token of the sequence is valid
-            n_i = seq_len.to(CDT)
-        agg_w = 1.0 / tl.maximum(n_i, 1.0)
-        ell_a = ell * agg_w
-        pgw_a = pgw * agg_w
-        kl_a = kl * agg_w
-        dlp = dlp * agg_w
-        grad_ent = -ec * agg_w
-    else:
-        ell_a = ell
-        pgw_a = pgw
-        kl_a = kl
-        grad_ent = -ec
+    ell_a, pgw_a, kl_a, dlp, grad_ent = _aggregate(
+        ell, pgw, kl, dlp, ec, seqf_ptr, row, is_seq, seq_len, CDT, SEQ_MEAN, N_FROM_STATS
+    )
+
+    # ---- the outputs
     zero = tl.zeros([BLOCK], CDT)
     tl.store(grad_ptr + t, tl.where(valid, dlp, zero), mask=inside)
     if ENT_GRAD:
