@@ -5,7 +5,7 @@ tests rather than disappearing from the list."""
 import pytest
 import torch
 
-from rlvr_kernels.ops._dispatch import BACKENDS
+from rlvr_kernels._core.dispatch import BACKENDS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
-from ..ops._validation import check_int
+from .._core.validation import check_int
 from ._builder import TreeRowBuilder
 from ._tree import _flatten, _key
 

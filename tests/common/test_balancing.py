@@ -19,8 +19,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions, karmarkar_karp
 
-from rlvr_kernels._balancing import TREE_KEYS
 from rlvr_kernels.distributed import DEFAULT_ATTENTION_COEFFICIENTS, RankAssignment, balance_groups
+from rlvr_kernels.packing.balancing import TREE_KEYS
 
 A, B = DEFAULT_ATTENTION_COEFFICIENTS
 

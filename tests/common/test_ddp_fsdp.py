@@ -11,9 +11,9 @@ DTensor, gathered with ``full_tensor()`` for the comparison. Workers:
 
 import pytest
 import torch.multiprocessing as mp
+from _workers.train_dist import train_worker
 
-from rlvr_kernels.testing._dist import free_port
-from rlvr_kernels.testing.train_dist import train_worker
+from rlvr_kernels.testing.dist import free_port
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])

@@ -19,8 +19,7 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from ...contracts.policy_loss import entropy_quantile_threshold
-from ...ops._validation import (
+from ..._core.validation import (
     FLOAT_DTYPES,
     MASK_DTYPES,
     check_int,
@@ -29,6 +28,7 @@ from ...ops._validation import (
     check_tensor,
     checks_enabled,
 )
+from ...contracts.policy_loss import entropy_quantile_threshold
 from ...ops.advantages import group_advantages
 from ...ops.policy_loss import policy_loss
 from ...options import PolicyLossMetrics, TokenShaping, resolve_policy_loss_options

@@ -23,7 +23,8 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from ...ops._validation import FLOAT_DTYPES, MASK_DTYPES, check_tensor, checks_enabled
+from ..._core.layout import safe_div as _safe_div  # 0 where verl's divisor is 0 (verl gives NaN)
+from ..._core.validation import FLOAT_DTYPES, MASK_DTYPES, check_tensor, checks_enabled
 from ...ops.advantages import group_advantages
 from ...ops.groups import uids_to_group_index
 from ...ops.policy_loss import policy_loss
@@ -719,14 +720,6 @@ def _counts(mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return torch.count_nonzero(mask) if dim is None else torch.count_nonzero(mask, dim)
     return mask.sum() if dim is None else mask.sum(dim)
-
-
-def _safe_div(num: torch.Tensor, den) -> torch.Tensor:
-    """num / den, and 0 where den == 0 (verl gives NaN there); the gradient stays finite."""
-    if not isinstance(den, torch.Tensor):
-        return num / den if den != 0 else num * 0.0
-    nonzero = den != 0
-    return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), 0.0)
 
 
 def _times(loss: torch.Tensor, dp: int) -> torch.Tensor:

@@ -40,7 +40,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from .ops._validation import MAX_COUNT, check_int
+from .._core.validation import MAX_COUNT, check_int
 
 METHODS = ("kk", "lpt")
 COST_MODELS = ("attention", "tokens", "tree", "given")
@@ -352,7 +352,7 @@ def _sample_costs(cost, lens: torch.Tensor, coef: Tuple[Any, Any]) -> List[Any]:
 
 def _tree_costs(tokens: torch.Tensor, lens: torch.Tensor, members, key: str, coef) -> List[Any]:
     """a·N + b·P per group, from the group's own trie (the C++ builder's statistics)."""
-    from .packing._builder import TreeRowBuilder
+    from ._builder import TreeRowBuilder
 
     a, b = coef
     cu = [0] + torch.cumsum(lens, 0).tolist()
@@ -410,7 +410,7 @@ def _sample_inputs(lengths, cost, samples) -> _Samples:
         return _Samples(_int_vector("lengths", lengths, "lengths"))
     if samples is None:
         raise ValueError("samples: cost='tree' prices each group's prefix tree, so it needs the token ids")
-    from .packing._tree import _flat_samples
+    from ._tree import _flat_samples
 
     padded = isinstance(samples, torch.Tensor) and samples.dim() == 2
     tokens, tree_lens = _flat_samples(samples, lengths if padded else None)
