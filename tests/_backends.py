@@ -1,5 +1,5 @@
 """Which backends the tests run, and on which device: every concrete backend of the
-dispatch table (rlvr_kernels/ops/_dispatch.py). A backend that cannot run here fails its
+dispatch table (rlvr_kernels/_core/dispatch.py). A backend that cannot run here fails its
 tests rather than disappearing from the list."""
 
 import pytest

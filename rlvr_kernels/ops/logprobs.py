@@ -1,7 +1,7 @@
 """``linear_logprobs`` and ``logprobs_from_logits`` (SPEC §3): validation, the
 ``rlvr_kernels::linear_logprobs`` / ``rlvr_kernels::logprobs_from_logits`` custom ops with
 their autograd, the vocab-parallel (``process_group``) path, and dispatch to the C++ (CPU)
-and Triton (CUDA) kernels through the dispatch table (``ops/_dispatch.py``).
+and Triton (CUDA) kernels through the dispatch table (``_core/dispatch.py``).
 
 Why the kernels return raw per-row statistics instead of log-probs: the vocab-parallel path
 has to all-reduce them between the kernel and the final combine, and a shard only sees its
