@@ -1,7 +1,7 @@
 """rlvr_kernels: fused, exact, drop-in PyTorch ops for RL with verifiable rewards."""
 
 from . import async_rollout, distributed, dynamics
-from .ops._cache import cpu_cache_stats, empty_cpu_cache
+from ._core.cache import cpu_cache_stats, empty_cpu_cache
 from .ops.advantages import group_advantages
 from .ops.groups import uids_to_group_index
 from .ops.logprobs import OPTIONAL_OUTPUTS, LinearLogprobs, linear_logprobs, logprobs_from_logits

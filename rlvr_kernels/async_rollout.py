@@ -54,7 +54,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from .ops._validation import INDEX_DTYPES, check_int, check_like, check_tensor, checks_enabled
+from ._core.validation import INDEX_DTYPES, check_int, check_like, check_tensor, checks_enabled
 
 __all__ = [
     "ProducerClosed",

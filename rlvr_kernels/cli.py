@@ -24,7 +24,7 @@ def _reexec_with_triton_interpreter(argv) -> None:
 def _triton_mode() -> str:
     import torch
 
-    from .ops import _dispatch
+    from ._core import dispatch as _dispatch
 
     if not _dispatch.triton_available():
         return "not installed"
@@ -69,7 +69,7 @@ def cmd_info(_args) -> int:
 
     from . import __version__, cpu_cache_stats
     from ._core import extension
-    from ._platform import cpu_name
+    from ._core.platform import cpu_name
 
     rows = [
         ("rlvr_kernels", __version__),
@@ -91,7 +91,7 @@ def cmd_info(_args) -> int:
 def cmd_check(args) -> int:
     import torch
 
-    from .ops import _dispatch
+    from ._core import dispatch as _dispatch
     from .testing import CHECK_SUITES, run_checks
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -124,7 +124,7 @@ def cmd_bench(args) -> int:
 
 def main(argv=None) -> int:
     _reexec_with_triton_interpreter(argv)
-    from .ops._dispatch import BACKENDS
+    from ._core.dispatch import BACKENDS
 
     parser = argparse.ArgumentParser(prog="rlvr-kernels", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

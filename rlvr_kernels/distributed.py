@@ -31,41 +31,14 @@ from typing import Optional, Tuple
 
 import torch
 
+from ._core import collectives
+from ._core.layout import local_counts
 from .packing.plan import DEFAULT_ATTENTION_COEFFICIENTS, RankAssignment, balance_groups
-from .contracts import sanitized_offsets
 
 __all__ = ["global_counts", "local_counts", "balance_groups", "RankAssignment", "DEFAULT_ATTENTION_COEFFICIENTS"]
 
 
 # ------------------------------------------------------------------ global counts
-def local_counts(
-    mask: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor] = None, num_tokens: Optional[int] = None
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """This process's ``(valid tokens, sequences with a valid token)`` as 0-d int64 tensors
-    (no host sync), counted as the ``policy_loss`` kernels count them (``PolicyLossSum.NTOK``
-    and ``NSEQ``): padded ``[B, L]`` mask rows, or the packed ``[T]`` spans of ``cu_seqlens``
-    under the one cu_seqlens rule (``mask`` None: every token of a span is valid).
-    ``num_tokens``: T when the packed mask is None."""
-    if cu_seqlens is None:
-        if mask is None or mask.dim() != 2:
-            raise ValueError("mask: the padded layout needs a [B, L] token mask")
-        per_seq = (mask != 0).sum(-1)
-    else:
-        if mask is not None:
-            if mask.dim() != 1:
-                raise ValueError(f"mask: with cu_seqlens expected a packed 1-D [T] mask, got shape {tuple(mask.shape)}")
-            num_tokens = mask.shape[0]
-        elif num_tokens is None:
-            raise ValueError("num_tokens: needed with cu_seqlens and no mask")
-        cu = sanitized_offsets(cu_seqlens, num_tokens)
-        if mask is None:
-            per_seq = cu[1:] - cu[:-1]
-        else:
-            csum = torch.nn.functional.pad((mask != 0).long().cumsum(0), (1, 0))
-            per_seq = csum[cu[1:]] - csum[cu[:-1]]
-    return per_seq.sum(), (per_seq > 0).sum()
-
-
 def global_counts(
     mask: Optional[torch.Tensor],
     *,
@@ -82,8 +55,8 @@ def global_counts(
     verl's ``batch_num_tokens`` / ``global_batch_size``): compute them over the whole optimizer
     step (all micro-batches) to accumulate micro-batch gradients. Eager only (the collective is
     not traced by torch.compile)."""
-    if torch.compiler.is_compiling() and process_group is not None:
-        raise RuntimeError("global_counts(process_group=...): eager only (the all-reduce is not traced)")
+    if process_group is not None:
+        collectives.check_eager("global_counts")
     if cu_seqlens is not None and mask is None:
         T = int(cu_seqlens[-1].clamp(min=0)) if cu_seqlens.numel() else 0
         ntok, nseq = local_counts(None, cu_seqlens, T)
@@ -91,8 +64,5 @@ def global_counts(
         ntok, nseq = local_counts(mask, cu_seqlens)
     if process_group is None:
         return ntok, nseq
-    import torch.distributed as dist
-
-    both = torch.stack([ntok, nseq])
-    dist.all_reduce(both, op=dist.ReduceOp.SUM, group=process_group)
+    both = collectives.all_reduce(torch.stack([ntok, nseq]), process_group, "sum")
     return both[0], both[1]

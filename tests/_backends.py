@@ -1,11 +1,11 @@
 """Which backends the tests run, and on which device: every concrete backend of the
-dispatch table (rlvr_kernels/ops/_dispatch.py). A backend that cannot run here fails its
+dispatch table (rlvr_kernels/_core/dispatch.py). A backend that cannot run here fails its
 tests rather than disappearing from the list."""
 
 import pytest
 import torch
 
-from rlvr_kernels.ops._dispatch import BACKENDS
+from rlvr_kernels._core.dispatch import BACKENDS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -30,7 +30,7 @@ SUITES = {
 
 def machine_info(device: str) -> Dict:
     from .. import __version__
-    from .._platform import cpu_name
+    from .._core.platform import cpu_name
 
     info = {
         "date": datetime.date.today().isoformat(),

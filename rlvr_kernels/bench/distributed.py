@@ -152,7 +152,7 @@ def _measure(rank: int, world: int, scale: float) -> List[Dict]:
 
 
 def _worker(rank: int, world: int, port: int, scale: float, path: str) -> None:
-    from ..testing._dist import gloo_process
+    from ..testing.dist import gloo_process
 
     with gloo_process(rank, world, port):
         rows = _measure(rank, world, scale)
@@ -167,7 +167,7 @@ def measure(worlds=(2, 4), scale: float = 1.0) -> List[Dict]:
 
     import torch.multiprocessing as mp
 
-    from ..testing._dist import free_port
+    from ..testing.dist import free_port
 
     rows: List[Dict] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,7 +2,7 @@
 Triton launchers, the tests and (through X-macro lists in ``csrc/<op>.h``) the C++ kernels.
 See :mod:`rlvr_kernels.contracts._base` for how the lists are packed."""
 
-from ._base import KernelParams, sanitized_offsets
+from ._base import KernelParams
 from .advantages import CPP_CODES as _ADVANTAGES_CODES
 from .advantages import Baseline, GroupAdvantagesParams, Scale, Whiten
 from .logprobs import CPP_CODES as _LOGPROBS_CODES
@@ -10,7 +10,7 @@ from .logprobs import LinearLogprobsBwdParams, LinearLogprobsStatsParams, Logpro
 from .policy_loss import CPP_CODES as _POLICY_LOSS_CODES
 from .policy_loss import PolicyLossParams
 
-__all__ = ["KernelParams", "sanitized_offsets"]
+__all__ = ["KernelParams"]
 __all__ += ["Baseline", "GroupAdvantagesParams", "Scale", "Whiten"]
 __all__ += ["LinearLogprobsBwdParams", "LinearLogprobsStatsParams", "LogprobsStatsParams", "LogprobsStat"]
 __all__ += ["PolicyLossParams"]

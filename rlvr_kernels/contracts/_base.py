@@ -82,13 +82,3 @@ class KernelParams:
             kind = hints[name]
             values[name] = bool(v) if kind is bool else kind(int(v))
         return cls(**values)
-
-
-def sanitized_offsets(cu_seqlens, num_tokens: int):
-    """The rule every kernel applies to ``cu_seqlens`` (``csrc/spans.h``), as torch ops with
-    no host sync: c'[0] = clamp(cu[0], 0, T), c'[i+1] = clamp(cu[i+1], c'[i], T). Sequence i
-    covers [c'[i], c'[i+1]): in bounds, in order and disjoint whatever the input; equal to
-    ``cu_seqlens`` when it is valid. Returns int64."""
-    import torch
-
-    return torch.cummax(cu_seqlens.long().clamp(0, num_tokens), dim=0).values

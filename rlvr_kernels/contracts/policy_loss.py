@@ -7,16 +7,17 @@ tensors and what the kernels compute from them are described in
 
 Two inputs of the kernels are computed outside them, by torch ops every layer shares (the
 op layer, the reference and the drop-ins): the validity of the packed layout
-(:func:`packed_mask`) and the entropy-quantile threshold (:func:`entropy_quantile_threshold`).
-They live here, beside the parameters, so that the fast path never imports the reference
-and the reference never imports a backend.
+(``rlvr_kernels._core.layout.packed_mask``, with the other packed-layout rules) and the
+entropy-quantile threshold (:func:`entropy_quantile_threshold`), which lives here, beside
+the parameters, so that the fast path never imports the reference and the reference never
+imports a backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import torch
 
@@ -157,13 +158,6 @@ CPP_CODES = {
 
 
 # ------------------------------------------------------------------ inputs computed outside the kernels
-def packed_mask(mask: Optional[torch.Tensor], cu_seqlens: torch.Tensor, num_tokens: int, device) -> torch.Tensor:
-    """The ``[T]`` validity of the packed layout: tokens inside a sequence (before
-    ``cu_seqlens[-1]``), and where the mask, if given, is set."""
-    inside = torch.arange(num_tokens, device=device) < cu_seqlens[-1]
-    return inside if mask is None else inside & (mask != 0)
-
-
 def entropy_quantile_threshold(entropy: torch.Tensor, valid: torch.Tensor, rho: float) -> torch.Tensor:
     """The (1 − ρ) quantile of ``entropy`` over ``valid`` tokens, linear interpolation
     (``torch.quantile``'s rule), as a 0-d fp32 tensor; +inf when no token is valid. The

@@ -48,7 +48,7 @@ namespace rlvr {
 namespace {
 
 constexpr const char* kOp = "group_advantages";
-// The largest count (samples, groups, tokens) a call may use: rlvr_kernels.ops._validation.MAX_COUNT.
+// The largest count (samples, groups, tokens) a call may use: rlvr_kernels._core.validation.MAX_COUNT.
 constexpr int64_t kMaxCount = (int64_t(1) << 31) - 1;
 constexpr int64_t kChunk = 4096;  // samples per partial sum of a batch scalar
 

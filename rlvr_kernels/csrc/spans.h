@@ -7,7 +7,7 @@
 // and sequence i covers [c'[i], c'[i+1]): always inside [0, T), in order and disjoint, so parallel
 // workers that each own a sequence never write the same token. On valid offsets (cu[0] = 0,
 // non-decreasing, cu[B] <= T) c' == cu. A decreasing pair is an empty sequence. The Triton launchers
-// apply the same rule (rlvr_kernels.contracts.sanitized_offsets).
+// apply the same rule (rlvr_kernels._core.layout.sanitized_offsets).
 #pragma once
 
 #include <torch/types.h>

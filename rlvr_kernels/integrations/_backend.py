@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional
 
-from ..ops._dispatch import check_backend
+from .._core.dispatch import check_backend
 
 _BACKEND: str = "auto"
 

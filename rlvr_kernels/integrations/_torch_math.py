@@ -37,6 +37,8 @@ from typing import Optional
 
 import torch
 
+from .._core.layout import safe_div as _safe_div  # 0 where verl's divisor is 0 (verl gives NaN)
+
 __all__ = ["AGG_MODES", "KL_KINDS", "aggregate", "kl_estimate", "times_mask"]
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -192,14 +194,6 @@ def _counts(mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return torch.count_nonzero(mask) if dim is None else torch.count_nonzero(mask, dim)
     return mask.sum() if dim is None else mask.sum(dim)
-
-
-def _safe_div(num: torch.Tensor, den) -> torch.Tensor:
-    """num / den, and 0 where den == 0 (verl gives NaN there); the gradient stays finite."""
-    if not isinstance(den, torch.Tensor):
-        return num / den if den != 0 else num * 0.0
-    nonzero = den != 0
-    return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), 0.0)
 
 
 def _times(loss: torch.Tensor, dp: int) -> torch.Tensor:

@@ -49,24 +49,23 @@ merge rule (``Acc::merge``), then the kernel's per-group step and affine map. Ev
 combines the same gathered bits in the same order with elementwise ops only (no reductions
 whose order could depend on threads), so the statistics are bitwise equal on every rank. The
 per-sample advantages are ``(r − b_g)·f_g`` in float64, rounded and broadcast to tokens by the
-kernel itself (a ``Baseline.NONE`` plan over them), as in one process. Before it, a small
-``all_gather`` of each rank's validation outcome and option fingerprint makes a bad input an
-error on every rank rather than a hang.
+kernel itself (a ``Baseline.NONE`` plan over them), as in one process. Before it, the
+handshake of ``_core.collectives`` (one small all-reduce of each rank's validation outcome,
+``num_groups`` and option fingerprints) makes a bad input an error on every rank rather than
+a hang.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from ..contracts.advantages import Baseline, GroupAdvantagesParams, Scale, Whiten
-from ..options import AdvantageOptions, GroupAdvantages, Whitening, resolve_advantage_options
-from . import _dispatch
-from ._validation import (
+from .._core import collectives
+from .._core import dispatch as _dispatch
+from .._core.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     INT_DTYPES,
@@ -80,6 +79,8 @@ from ._validation import (
     checks_enabled,
     fail_if,
 )
+from ..contracts.advantages import Baseline, GroupAdvantagesParams, Scale, Whiten
+from ..options import AdvantageOptions, GroupAdvantages, Whitening, resolve_advantage_options
 
 _Out = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -337,8 +338,8 @@ def group_advantages(
             ``group_index`` then holds GLOBAL group ids and ``num_groups`` (the global count)
             is required (``group_size`` is refused: contiguous rows are a per-rank notion).
             Statistics are over the whole batch: per-group float64 partials, one
-            ``all_gather`` (plus a small one of each rank's validation outcome and options
-            first: a bad input on any rank raises on every rank, never hangs), merged in
+            ``all_gather`` (after a small all-reduce of each rank's validation outcome and
+            options: a bad input on any rank raises on every rank, never hangs), merged in
             rank order. Guarantees: (1) every rank gets bitwise-equal ``group_mean``,
             ``group_std``, ``group_count``, ``group_degenerate`` (the global ones); (2) each
             rank's advantages, token advantages and keep flags are computed with the CPU
@@ -588,44 +589,33 @@ _NUM_PARTIALS = 9
 _DIST_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "opo", "gpg", "passk")
 
 
+_HANDSHAKE_HINT = "every rank must pass the same global num_groups and options"
+_FIELDS = (
+    collectives.Field("num_groups", hint=_HANDSHAKE_HINT),
+    collectives.Field("estimator options / score terms", show=False, hint=_HANDSHAKE_HINT),
+    collectives.Field("out_dtype", show=False, hint=_HANDSHAKE_HINT),
+)
+
+
 def _distributed(group, backend, option_kwargs, tensors, group_size, out_dtype, validate) -> GroupAdvantages:
-    """``group_advantages(..., process_group=group)``: validate locally, agree on the inputs
-    (one small all_gather: every rank raises if any rank failed or the ranks disagree), one
+    """``group_advantages(..., process_group=group)``: validate locally, the handshake of
+    ``_core.collectives`` (every rank raises if any rank failed or the ranks disagree), one
     all_gather of the per-group partials, merged in rank order; the module docstring and the
     public docstring's ``process_group`` entry say what is guaranteed."""
-    import torch.distributed as dist
-
-    if torch.compiler.is_compiling():
-        raise RuntimeError("group_advantages: process_group is eager only (its collectives are not traced)")
+    collectives.check_eager("group_advantages")
     scores, group_index, num_groups = tensors[:3]
-    error, fingerprint = None, [0, 0, 0, 0]
+    error, values = None, None
     try:
         x, opts = _validate_distributed(backend, option_kwargs, tensors, group_size, out_dtype, validate)
-        options = repr((opts, scores.dim(), scores.shape[1] if scores.dim() == 2 else 0)).encode()
-        fingerprint = [1, num_groups, zlib.crc32(options), zlib.crc32(repr(out_dtype).encode())]
+        options = (opts, scores.dim(), scores.shape[1] if scores.dim() == 2 else 0)
+        values = [num_groups, collectives.fingerprint(*options), collectives.fingerprint(out_dtype)]
     except Exception as exc:  # raised below, after every rank has learnt that this one failed
         error = exc
-    device = _collective_device(group, scores)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    mine = torch.tensor(fingerprint, dtype=torch.int64, device=device)
-    prints = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(prints, mine, group=group)
-    prints = torch.stack(prints).cpu().tolist()
-    failed = [r for r, p in enumerate(prints) if p[0] == 0]
+    device = collectives.group_device(group)
+    # Always checked on the host: the all_gather below must not wait for a rank that failed.
+    collectives.handshake("group_advantages", group, _FIELDS, values, device=device, check=True)
     if error is not None:
         raise error
-    if failed:
-        raise ValueError(
-            f"group_advantages: rank(s) {failed} of the process group rejected their inputs (see their error)"
-        )
-    for field, name in ((1, "num_groups"), (2, "estimator options / score terms"), (3, "out_dtype")):
-        values = [p[field] for p in prints]
-        if len(set(values)) > 1:
-            shown = values if field == 1 else [f"{v:#010x}" for v in values]
-            raise ValueError(
-                f"group_advantages: {name} differ between the ranks of the process group (rank {rank} of "
-                f"{world}; per rank: {shown}); every rank must pass the same global num_groups and options"
-            )
     r, sample_valid = _score_column(x)
     x64 = r.to(torch.float64)
     ok = torch.isfinite(x64) & (x.group_index >= 0) & (x.group_index < x.num_groups)
@@ -634,8 +624,7 @@ def _distributed(group, backend, option_kwargs, tensors, group_size, out_dtype, 
     weights = _token_weights(x) if opts.estimator == "opo" else None
     cols = _gathered_columns(opts.estimator)
     partial = _local_partials(x64, x.group_index, ok, weights, x.num_groups)[:, cols].contiguous().to(device)
-    gathered = [torch.empty_like(partial) for _ in range(world)]
-    dist.all_gather(gathered, partial, group=group)
+    gathered = collectives.all_gather(partial, group)
     full = torch.zeros(x.num_groups, _NUM_PARTIALS, dtype=torch.float64, device=x64.device)
     acc = full.clone()
     acc[:, cols] = gathered[0].to(x64.device)
@@ -701,15 +690,6 @@ def _validate_distributed(backend, option_kwargs, tensors, group_size, out_dtype
         validate,
     )
     return x, opts
-
-
-def _collective_device(group, scores) -> torch.device:
-    """Where this group's collectives run: the current CUDA device for NCCL, else the CPU."""
-    import torch.distributed as dist
-
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _token_weights(x: _Inputs) -> Optional[torch.Tensor]:

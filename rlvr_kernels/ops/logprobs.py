@@ -1,7 +1,7 @@
 """``linear_logprobs`` and ``logprobs_from_logits`` (SPEC §3): validation, the
 ``rlvr_kernels::linear_logprobs`` / ``rlvr_kernels::logprobs_from_logits`` custom ops with
 their autograd, the vocab-parallel (``process_group``) path, and dispatch to the C++ (CPU)
-and Triton (CUDA) kernels through the dispatch table (``ops/_dispatch.py``).
+and Triton (CUDA) kernels through the dispatch table (``_core/dispatch.py``).
 
 Why the kernels return raw per-row statistics instead of log-probs: the vocab-parallel path
 has to all-reduce them between the kernel and the final combine, and a shard only sees its
@@ -81,15 +81,10 @@ from typing import NamedTuple, Optional, Sequence, Tuple, Union
 import einops
 import torch
 
-from ..contracts.logprobs import (
-    NUM_STATS,
-    LinearLogprobsBwdParams,
-    LinearLogprobsStatsParams,
-    LogprobsStat,
-    LogprobsStatsParams,
-)
-from . import _dispatch
-from ._validation import (
+from .._core import collectives
+from .._core import dispatch as _dispatch
+from .._core.layout import compute_dtype as _compute_dtype
+from .._core.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     MAX_COUNT,
@@ -98,6 +93,13 @@ from ._validation import (
     check_temperature,
     check_tensor,
     checks_enabled,
+)
+from ..contracts.logprobs import (
+    NUM_STATS,
+    LinearLogprobsBwdParams,
+    LinearLogprobsStatsParams,
+    LogprobsStat,
+    LogprobsStatsParams,
 )
 
 _Triple = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -459,8 +461,6 @@ class _VocabParallelLinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy, *_no_grad):
-        import torch.distributed as dist
-
         *saved, local = ctx.saved_tensors
         s = _LinearSaved(*saved)
         need = _LinearArgs(*ctx.needs_input_grad[:-1])
@@ -484,7 +484,7 @@ class _VocabParallelLinearLogprobs(torch.autograd.Function):
             need.bias and s.bias is not None,
             ctx.backend,
         )
-        dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=ctx.group)
+        collectives.all_reduce(gh, ctx.group, "sum")
         grads = _grads_by_name(
             _LinearArgs,
             hidden=gh if need.hidden else None,
@@ -804,6 +804,8 @@ def linear_logprobs(
             the same hidden/targets and its own weight shard; the result equals the
             unsharded op (soft-cap, logit scale and every output included; is_top1's
             tie goes to the first column of the whole vocabulary). Eager only (collectives run in the op).
+            A bad input on one rank, or shapes or options that differ between the ranks,
+            raise on every rank (a handshake before the first collective), never hang.
         validate: check target / row_index ranges and temperatures (a host sync on
             CUDA); skipped under torch.compile and on meta tensors (kernels never go out
             of bounds anyway).
@@ -815,24 +817,31 @@ def linear_logprobs(
         log_sum_sq_probs, mean_logits, is_top1), None for those not requested
         (``return_entropy=True`` requests the entropy).
     """
-    _dispatch.check_backend(backend)
-    x = _validate_linear(
-        hidden,
-        weight,
-        targets,
-        row_index,
-        temperature,
-        bias,
-        ignore_index,
-        validate,
-        logit_scale,
-        softcap,
-        outputs,
-        return_entropy,
-    )
-    if process_group is not None and backend == "reference":
-        raise ValueError("process_group: the reference backend is single-process; pass backend='auto'")
-    vocab_start, vocab_size = (0, x.vocab) if process_group is None else _vocab_layout(x.weight, process_group)
+    if process_group is not None:
+        collectives.check_eager("linear_logprobs")
+    try:
+        _dispatch.check_backend(backend)
+        x = _validate_linear(
+            hidden,
+            weight,
+            targets,
+            row_index,
+            temperature,
+            bias,
+            ignore_index,
+            validate,
+            logit_scale,
+            softcap,
+            outputs,
+            return_entropy,
+        )
+        if process_group is not None and backend == "reference":
+            raise ValueError("process_group: the reference backend is single-process; pass backend='auto'")
+    except Exception:
+        if process_group is not None and collectives.is_initialized():
+            _vocab_layout(None, ignore_index, process_group)  # joins the handshake, then raises here
+        raise
+    vocab_start, vocab_size = (0, x.vocab) if process_group is None else _vocab_layout(x, ignore_index, process_group)
     if "is_top1" in x.outputs and vocab_size > _MAX_TOP1_VOCAB:
         raise ValueError(f"outputs: 'is_top1' supports vocabularies of at most {_MAX_TOP1_VOCAB}, got {vocab_size}")
     _check_values(x.targets, x.row_index, vocab_size, x.num_rows, ignore_index, validate)
@@ -952,10 +961,6 @@ def _unsaved(entropy: torch.Tensor) -> torch.Tensor:
     return entropy.clone() if entropy.requires_grad else entropy
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _grads_by_name(args_cls, **grads) -> tuple:
     """One gradient per input of a custom op, in schema order: those named, None for the rest."""
     return tuple(grads.get(name) for name in args_cls._fields)
@@ -1065,11 +1070,9 @@ def _all_reduce_stats(
     requested, the rescaled Σexp² and the Σz; with ``need_argmax`` one MIN all-reduce of the
     global ids of the shards' argmax that reach the global max (the first one wins, as in
     one shard). Columns not requested stay as the kernel left them (0)."""
-    import torch.distributed as dist
-
     m, s, u, q, zs, am = stats.unbind(-1)  # the columns, in LogprobsStat order
     m_all = m.clone()
-    dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=group)
+    collectives.all_reduce(m_all, group, "max")
     # Σ exp(z−M)(z−M) = e^{m−M} Σ exp(z−m)((z−m) + (m−M)), with M the global max.
     scale = torch.exp(m - m_all)
     n = m.shape[0]
@@ -1079,7 +1082,7 @@ def _all_reduce_stats(
     if need_sum_z:
         parts.append(zs)
     packed = torch.cat([*parts, target_logits])
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    collectives.all_reduce(packed, group, "sum")
     summed = list(packed[: len(parts) * n].split(n))
     s, u = summed[0], summed[1]
     q = summed[2] if need_sum_sq else q
@@ -1087,18 +1090,45 @@ def _all_reduce_stats(
     if need_argmax:
         big = torch.full_like(am, float(_MAX_TOP1_VOCAB))
         am = torch.where(m == m_all, am + vocab_start, big)
-        dist.all_reduce(am, op=dist.ReduceOp.MIN, group=group)
+        collectives.all_reduce(am, group, "min")
     return torch.stack([m_all, s, u, q, zs, am], dim=-1), packed[len(parts) * n :]
 
 
-def _vocab_layout(weight: torch.Tensor, group) -> Tuple[int, int]:
-    """(first vocabulary id of this rank's shard, whole vocabulary size): shards are laid
-    out in rank order and may differ in size."""
-    import torch.distributed as dist
+_VOCAB_HINT = "every rank passes the same hidden states, targets and options, and its own weight shard"
+_VOCAB_FIELDS = (
+    collectives.Field("weight.shape[0] (this rank's vocabulary shard)", agree=False),
+    collectives.Field("hidden.shape[0]", hint=_VOCAB_HINT),
+    collectives.Field("hidden.shape[1]", hint=_VOCAB_HINT),
+    collectives.Field("targets.shape[0]", hint=_VOCAB_HINT),
+    collectives.Field(
+        "the options (dtype, bias, temperature, logit_scale, softcap, outputs, ignore_index)",
+        show=False,
+        hint=_VOCAB_HINT,
+    ),
+)
 
-    size = torch.tensor([weight.shape[0]], dtype=torch.int64, device=weight.device)
-    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, size, group=group)
-    sizes = [int(t) for t in sizes]
-    rank = dist.get_rank(group)
+
+def _vocab_layout(x: Optional[_LinearInputs], ignore_index, group) -> Tuple[int, int]:
+    """The handshake of the vocab-parallel path; returns (first vocabulary id of this rank's
+    shard, whole vocabulary size): shards are laid out in rank order and may differ in size.
+    ``x`` None: this rank failed its own checks (it joins; the caller raises its error)."""
+    values = None
+    if x is not None:
+        temperature = "per-row" if isinstance(x.temperature, torch.Tensor) else x.temperature
+        options = (
+            x.hidden.dtype,
+            x.bias is not None,
+            temperature,
+            x.logit_scale,
+            x.softcap,
+            sorted(x.outputs),
+            int(ignore_index),
+        )
+        values = [x.vocab, x.num_rows, x.hidden.shape[1], x.targets.shape[0], collectives.fingerprint(*options)]
+    device = collectives.group_device(group, None if x is None else x.weight)
+    table = collectives.handshake("linear_logprobs", group, _VOCAB_FIELDS, values, device=device, check=True)
+    if table is None:
+        return 0, 0
+    sizes = [int(v) for v in table[:, 0].tolist()]
+    rank = collectives.rank(group)
     return sum(sizes[:rank]), sum(sizes)

@@ -49,11 +49,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import zlib
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
+from .._core import collectives
+from .._core import dispatch as _dispatch
+from .._core.layout import compute_dtype as _compute_dtype
+from .._core.layout import local_counts, packed_mask
+from .._core.layout import safe_div as _safe_div
+from .._core.validation import (
+    FLOAT_DTYPES,
+    MASK_DTYPES,
+    check_cu_seqlens,
+    check_finite,
+    check_like,
+    check_tensor,
+    checks_enabled,
+)
 from ..contracts.policy_loss import (
     NUM_SUMS,
     A3poMetric,
@@ -64,19 +77,8 @@ from ..contracts.policy_loss import (
     RolloutCorrection,
     TokenOut,
     entropy_quantile_threshold,
-    packed_mask,
 )
 from ..options import PolicyLossMetrics, PolicyLossOptions, TokenShaping, resolve_policy_loss_options
-from . import _dispatch
-from ._validation import (
-    FLOAT_DTYPES,
-    MASK_DTYPES,
-    check_cu_seqlens,
-    check_finite,
-    check_like,
-    check_tensor,
-    checks_enabled,
-)
 
 S = PolicyLossSum
 _Out = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -422,20 +424,35 @@ def _check_finite(sums: Optional[torch.Tensor], x: _Inputs, validate: bool) -> N
 
 
 # ------------------------------------------------------------------ data parallel (process_group)
-# With ``process_group``, ``policy_loss`` runs exactly one collective: an all-reduce (SUM) of a
-# [world, _SLOTS] fp64 table where each rank fills only its own row. Summing zeros and one
-# value is exact, so every rank gets every rank's row bitwise: the global counts (summed in
-# rank order: the same bits on every rank) and what the cross-rank checks compare (options
-# fingerprint, the effective loss_scale_factor, the given global counts). A rank whose own
-# checks failed still joins the collective with a failure status and then raises its own
-# error, so the other ranks raise too instead of waiting in a collective it never reaches.
-_OK, _FAILED = 1.0, 2.0
-_STATUS, _NTOK, _NSEQ, _FINGERPRINT, _LSF, _GIVEN_TOK, _GIVEN_SEQ = range(7)
-_SLOTS = 7
+# With ``process_group``, ``policy_loss`` runs exactly one collective: the handshake of
+# ``_core.collectives`` (an all-reduce of a [world, 7] fp64 table where each rank fills only
+# its own row), which carries the counts too: every rank gets every rank's row bitwise, so
+# the global counts (summed in rank order) are the same bits on every rank, and the
+# cross-rank checks compare the options fingerprint, the effective loss_scale_factor and the
+# given global counts. A rank whose own checks failed still joins with a failure status and
+# then raises its own error, so the other ranks raise too instead of waiting.
+_NTOK, _NSEQ = 0, 1
+_GIVEN_TOK, _GIVEN_SEQ = 4, 5
+_GIVEN_HINT = "with process_group it is the count of the whole step over every rank, the same on each"
+_FIELDS = (
+    collectives.Field("num_tokens", agree=False),
+    collectives.Field("num_seqs", agree=False),
+    collectives.Field(
+        "the loss options (loss type, agg, clipping, KL, shaping, dp_size, ...)",
+        show=False,
+        hint="every rank must pass the same options",
+    ),
+    collectives.Field(
+        "loss_scale_factor",
+        hint="the padded default is each rank's length L: pass the same loss_scale_factor on every rank",
+    ),
+    collectives.Field("global_num_tokens", hint=_GIVEN_HINT),
+    collectives.Field("global_num_seqs", hint=_GIVEN_HINT),
+)
 
 
 class _GroupCall(NamedTuple):
-    """What one rank contributes to the all-reduce (:func:`_group_reduce`)."""
+    """What one rank contributes to the handshake (:func:`_group_reduce`)."""
 
     x: _Inputs
     opts: PolicyLossOptions
@@ -449,64 +466,35 @@ def _group_size(process_group) -> Optional[int]:
     """The group's size (None without a group); refuses torch.compile before any collective."""
     if process_group is None:
         return None
-    if torch.compiler.is_compiling():
-        raise RuntimeError(
-            "policy_loss(process_group=...): eager only (the all-reduce of the counts is not traced by "
-            "torch.compile); compute the counts outside the compiled region with "
-            "rlvr_kernels.distributed.global_counts and pass global_num_tokens / global_num_seqs / dp_size"
-        )
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("process_group: torch.distributed is not initialized")
-    return dist.get_world_size(process_group)
-
-
-def _group_device(process_group, like) -> torch.device:
-    import torch.distributed as dist
-
-    if isinstance(like, torch.Tensor) and like.device.type != "meta":
-        return like.device
-    if dist.get_backend(process_group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    collectives.check_eager(
+        "policy_loss",
+        "; compute the counts outside the compiled region with rlvr_kernels.distributed.global_counts "
+        "and pass global_num_tokens / global_num_seqs / dp_size",
+    )
+    return collectives.world_size(process_group)
 
 
 def _group_reduce(process_group, call: Optional[_GroupCall], like, validate: bool):
-    """The one all-reduce; returns ``(global_num_tokens, global_num_seqs)`` for the
+    """The handshake; returns ``(global_num_tokens, global_num_seqs)`` for the
     normalisation: the given ones if the caller passed them (the whole step's counts, for
     micro-batches), else the sums of the ranks' counts (0-d fp64 tensors, no host sync).
     ``call`` None: this rank failed its checks (it joins, the caller re-raises). With
     ``validate``, the table is read on the host (a sync on CUDA) and every rank raises the
     same error for inconsistent options or counts or a failed rank."""
-    import torch.distributed as dist
-
-    from ..distributed import local_counts
-
-    world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-    device = _group_device(process_group, like)
-    table = torch.zeros((world, _SLOTS), dtype=torch.float64, device=device)
-    if call is None:
-        table[rank, _STATUS] = _FAILED
-    else:
+    device = collectives.group_device(process_group, like)
+    values = None
+    if call is not None:
         x, opts = call.x, call.opts
         ntok, nseq = local_counts(x.mask, x.cu_seqlens, x.logprobs.shape[0])
         lsf = _loss_scale_factor(call.loss_scale_factor, x.logprobs) if opts.agg == "seq-mean-token-sum-norm" else 0.0
-        # crc32 of the options' repr: the same on every process (unlike hash()), exact in fp64.
-        fingerprint = zlib.crc32(repr((opts, call.dp_size)).encode())
-        values = [_OK, ntok, nseq, fingerprint, lsf, call.global_num_tokens, call.global_num_seqs]
-        # Host values in one copy; the tensors (the counts, given tensor counts) on the device.
-        host = [-1.0 if v is None else v for v in values]
-        host = [0.0 if isinstance(v, torch.Tensor) else float(v) for v in host]
-        table[rank] = torch.tensor(host, dtype=torch.float64).to(device)
-        for slot, v in enumerate(values):
-            if isinstance(v, torch.Tensor):
-                table[rank, slot] = v.detach().reshape(()).to(device, torch.float64)
-    dist.all_reduce(table, op=dist.ReduceOp.SUM, group=process_group)
+        given = [-1.0 if v is None else v for v in (call.global_num_tokens, call.global_num_seqs)]
+        values = [ntok, nseq, collectives.fingerprint(opts, call.dp_size), lsf, *given]
+    check = checks_enabled(validate)
+    table = collectives.handshake("policy_loss", process_group, _FIELDS, values, device=device, check=check)
     if call is None:
         return None, None  # the caller raises its own error
-    if checks_enabled(validate, table):
-        _check_group_table(table.tolist())
+    if check:
+        _check_given_counts(table.tolist())
     ntok, nseq = table[:, _NTOK].sum(), table[:, _NSEQ].sum()
     return (
         ntok if call.global_num_tokens is None else call.global_num_tokens,
@@ -514,38 +502,10 @@ def _group_reduce(process_group, call: Optional[_GroupCall], like, validate: boo
     )
 
 
-def _check_group_table(rows) -> None:
-    """The cross-rank checks on the gathered table (every rank runs them on the same rows, so
-    every rank raises the same error)."""
-    failed = [r for r, row in enumerate(rows) if row[_STATUS] != _OK]
-    if failed:
-        raise RuntimeError(
-            f"policy_loss(process_group): rank(s) {failed} of the process group failed their own argument checks "
-            f"(see the error raised there); every rank stops here"
-        )
-
-    def differ(slot):
-        return next((r for r, row in enumerate(rows) if row[slot] != rows[0][slot]), None)
-
-    r = differ(_FINGERPRINT)
-    if r is not None:
-        raise ValueError(
-            f"policy_loss(process_group): the loss options (loss type, agg, clipping, KL, shaping, dp_size, ...) "
-            f"differ between rank 0 and rank {r}; every rank must pass the same options"
-        )
-    r = differ(_LSF)
-    if r is not None:
-        raise ValueError(
-            f"loss_scale_factor: differs between rank 0 ({rows[0][_LSF]:g}) and rank {r} ({rows[r][_LSF]:g}) under "
-            f"process_group (the padded default is each rank's length L); pass the same loss_scale_factor on every rank"
-        )
+def _check_given_counts(rows) -> None:
+    """Given global counts cover at least this call's counts over the group (every rank
+    runs this on the same rows)."""
     for slot, name, count in ((_GIVEN_TOK, "global_num_tokens", _NTOK), (_GIVEN_SEQ, "global_num_seqs", _NSEQ)):
-        r = differ(slot)
-        if r is not None:
-            raise ValueError(
-                f"{name}: differs between rank 0 ({rows[0][slot]:g}) and rank {r} ({rows[r][slot]:g}); with "
-                f"process_group it is the count of the whole step over every rank, the same on each"
-            )
         total = sum(row[count] for row in rows)
         if rows[0][slot] >= 0 and rows[0][slot] < total:
             raise ValueError(
@@ -770,10 +730,6 @@ def shape_token_advantages(
 
 
 # ------------------------------------------------------------------ helpers
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 _LOSS_TYPES = {
     "ppo": LossType.PPO,
     "gspo": LossType.GSPO,
@@ -872,10 +828,6 @@ def _run_fwd(x: _Inputs, opts: PolicyLossOptions, token_out: TokenOut, need_entr
         need_entropy_grad,
         backend,
     )
-
-
-def _safe_div(num, den):
-    return torch.where(den != 0, num / torch.where(den != 0, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
 def _as_count(value, like: torch.Tensor) -> torch.Tensor:

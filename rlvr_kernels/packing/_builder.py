@@ -8,7 +8,7 @@ from typing import Any, Dict, List
 import numpy as np
 import torch
 
-from ..ops import _dispatch
+from .._core import dispatch as _dispatch
 from ._tree import TreePack, _key, packs_from_layout
 
 

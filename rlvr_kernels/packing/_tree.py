@@ -13,8 +13,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from ..ops import _dispatch
-from ..ops._validation import MAX_COUNT
+from .._core import dispatch as _dispatch
+from .._core.validation import MAX_COUNT
 
 KEYS = ("token+next", "token")
 

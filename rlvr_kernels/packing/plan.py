@@ -58,7 +58,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 import numpy as np
 import torch
 
-from ..ops._validation import MAX_COUNT, check_int
+from .._core.validation import MAX_COUNT, check_int
 from ._builder import TreeRowBuilder
 from ._tree import KEYS, _flatten, _key
 

@@ -9,12 +9,10 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
+from .._core.layout import compute_dtype as _compute_dtype
+
 # The optional per-row / per-target statistics of ``linear_logprobs`` (``outputs=``).
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _per_row(temperature, n: int, like: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..contracts.policy_loss import entropy_quantile_threshold, packed_mask
+from .._core.layout import packed_mask
+from .._core.layout import safe_div as _safe_div
+from ..contracts.policy_loss import entropy_quantile_threshold
 from ..options import PolicyLossMetrics, PolicyLossOptions, TokenShaping
 
 
@@ -382,13 +384,17 @@ def aggregate(
     if opts.agg == "token-sum":
         return (x * m).sum() * dp_size
     if opts.agg == "token-mean":
-        den = m.sum() if global_num_tokens is None else torch.as_tensor(global_num_tokens, dtype=dtype)
+        den = m.sum() if global_num_tokens is None else torch.as_tensor(global_num_tokens, dtype=dtype, device=m.device)
         return _safe_div((x * m).sum(), den) * dp_size
     if opts.agg == "seq-mean-token-mean":
         per_seq = torch.where(n_i > 0, (x * m).sum(-1) / n_i.clamp(min=1), 0.0)
     else:
         per_seq = (x * m).sum(-1)
-    den = (n_i > 0).to(dtype).sum() if global_num_seqs is None else torch.as_tensor(global_num_seqs, dtype=dtype)
+    den = (
+        (n_i > 0).to(dtype).sum()
+        if global_num_seqs is None
+        else torch.as_tensor(global_num_seqs, dtype=dtype, device=m.device)
+    )
     out = _safe_div(per_seq.sum(), den) * dp_size
     if opts.agg == "seq-mean-token-sum-norm":
         out = out / (loss_scale_factor if loss_scale_factor is not None else max(m.shape[-1], 1))
@@ -503,8 +509,3 @@ def _seq_stat(f, how):
     if f.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=f.device)
     return getattr(f, how)().float()
-
-
-def _safe_div(num, den):
-    den = torch.as_tensor(den, dtype=num.dtype, device=num.device)
-    return torch.where(den != 0, num / torch.where(den != 0, den, 1.0), torch.zeros_like(num))

@@ -199,58 +199,6 @@ def check_logprobs(
     return rows
 
 
-def _run_vocab_parallel(inputs, backend, up, weight, bias, group=None):
-    from .. import linear_logprobs
-
-    hidden = inputs["hidden"].clone().requires_grad_(True)
-    w = weight.clone().requires_grad_(True)
-    b = bias.clone().requires_grad_(True)
-    logp, ent = linear_logprobs(
-        hidden,
-        w,
-        inputs["targets"],
-        row_index=inputs["row_index"],
-        bias=b,
-        temperature=inputs["temperature"],
-        return_entropy=True,
-        process_group=group,
-        backend=backend,
-    )
-    ((logp * up[0]).sum() + (ent * up[1]).sum()).backward()
-    return logp.detach(), ent.detach(), hidden.grad, w.grad, b.grad
-
-
-def vocab_parallel_worker(rank: int, world: int, port: int, backends) -> None:
-    """One rank of tests/logprobs/test_distributed.py: vocab-parallel ``linear_logprobs`` (gloo,
-    uneven weight shards) against the unsharded op, log-probs, entropies and gradients."""
-    import torch.distributed as dist
-
-    from ._dist import gloo_process
-
-    with gloo_process(rank, world, port):
-        for backend, dtype in backends:
-            gen = torch.Generator().manual_seed(17)  # every rank builds the same batch
-            V = 101 if backend == "triton" else 1031
-            inputs = random_logprobs_case(
-                gen, N=13, H=24, V=V, dtype=dtype, bias=True, branching=True, ignore_fraction=0.1, temperature="rows"
-            )
-            up = (
-                torch.randn(inputs["targets"].shape[0], generator=gen).to(dtype),
-                torch.randn(13, generator=gen).to(dtype),
-            )
-            # Uneven shards: rank r holds rows [bounds[r], bounds[r+1]).
-            bounds = [0] + [V * (k + 1) // world + (3 if k + 1 < world else 0) for k in range(world)]
-            lo, hi = bounds[rank], bounds[rank + 1]
-            full = _run_vocab_parallel(inputs, backend, up, inputs["weight"], inputs["bias"])
-            shard = _run_vocab_parallel(
-                inputs, backend, up, inputs["weight"][lo:hi], inputs["bias"][lo:hi], dist.group.WORLD
-            )
-            want = full[:3] + (full[3][lo:hi], full[4][lo:hi])
-            tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-6)
-            for name, a, b in zip(("logp", "entropy", "grad.hidden", "grad.weight", "grad.bias"), shard, want):
-                torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank} {backend} {name}: {m}")
-
-
 def logprobs_check_case_count() -> int:
     return len(check_cases())
 

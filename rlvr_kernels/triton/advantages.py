@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contracts import sanitized_offsets
+from .._core.layout import sanitized_offsets
 from ..contracts.advantages import Baseline, GroupAdvantagesParams, Scale, Whiten
 
 # The branch codes as constexprs the kernels compare against (contracts.advantages).

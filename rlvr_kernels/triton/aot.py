@@ -24,7 +24,7 @@ import sys
 import tempfile
 from typing import Dict, Iterator, List, Tuple
 
-ARCHS = (80, 90)
+from . import AOT_ARCHS as ARCHS
 
 
 def kernel_specs() -> Iterator[Tuple]:

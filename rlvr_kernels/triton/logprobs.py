@@ -71,6 +71,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._core import layout
 from ..contracts.logprobs import (
     NUM_STATS,
     LinearLogprobsBwdParams,
@@ -154,8 +155,9 @@ def device_arch(device: torch.device):
 
 
 def compute_dtype(dtype: torch.dtype):
-    """(torch, triton) compute dtype: fp64 for fp64 inputs, else fp32."""
-    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
+    """(torch, triton) compute dtype: fp64 for fp64 inputs, else fp32 (``layout.compute_dtype``)."""
+    dt = layout.compute_dtype(dtype)
+    return dt, (tl.float64 if dt == torch.float64 else tl.float32)
 
 
 def operand_dtype(dtype: torch.dtype, interpret: bool = _INTERPRET):
@@ -1019,9 +1021,9 @@ def aot_specs():
     dot) and fp64 (DMMA), with / without bias, entropy and its gradient. H and the row
     strides carry the ``:16`` hint, as for real model sizes (another H runs unvectorised tile
     loads: correct, slower, not checked here)."""
-    from .aot import ARCHS
+    from . import AOT_ARCHS
 
-    for arch in ARCHS:
+    for arch in AOT_ARCHS:
         yield _aot_linear_fwd("bf16", True, True, arch)
         yield _aot_linear_fwd("bf16", False, False, arch)
         yield _aot_linear_fwd("fp32", True, True, arch)

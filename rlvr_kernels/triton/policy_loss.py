@@ -8,7 +8,7 @@ Design:
   per-sequence value (a [B] advantage, GSPO's log s_i, the sequence IS weight, A3PO
   thresholds, n_i) is a scalar load per program, and B = 64 × L = 8192 gives 512
   programs. Padded [B, L]: program p is block p % NBL of row p // NBL. Packed [T]: the
-  launcher sanitises ``cu_seqlens`` (``contracts.sanitized_offsets``: in bounds, in order,
+  launcher sanitises ``cu_seqlens`` (``_core.layout.sanitized_offsets``: in bounds, in order,
   disjoint whatever the input); the B sequences plus a head [0, cu[0]) and a tail [cu[B], T)
   segment (written as zeros) are cut into blocks by ``_block_offsets_kernel`` (a
   device-side cumsum of per-segment block counts, no host sync); the launch is the bound
@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contracts import sanitized_offsets
+from .._core.layout import sanitized_offsets
 from ..contracts.policy_loss import (
     NUM_SUMS,
     A3poMetric,

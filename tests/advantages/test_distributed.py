@@ -7,9 +7,9 @@ rank (a bounded collective timeout turns a hang into a failure)."""
 
 import pytest
 import torch.multiprocessing as mp
+from _workers.advantages_dist import advantages_dist_worker
 
-from rlvr_kernels.testing._dist import free_port
-from rlvr_kernels.testing.advantages_dist import advantages_dist_worker
+from rlvr_kernels.testing.dist import free_port
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -18,8 +18,9 @@ import torch
 from _backends import DEVICE
 
 from rlvr_kernels import reference
-from rlvr_kernels.contracts import Baseline, GroupAdvantagesParams, Scale, Whiten, sanitized_offsets
-from rlvr_kernels.ops._dispatch import load_extension
+from rlvr_kernels._core.dispatch import load_extension
+from rlvr_kernels._core.layout import sanitized_offsets
+from rlvr_kernels.contracts import Baseline, GroupAdvantagesParams, Scale, Whiten
 from rlvr_kernels.options import AdvantageOptions, GroupAdvantages, Whitening
 from rlvr_kernels.testing import compare_advantages
 from rlvr_kernels.triton import advantages as triton_advantages

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import rlvr_kernels.contracts as contracts
+from rlvr_kernels._core import dispatch as _dispatch
+from rlvr_kernels._core import layout
 from rlvr_kernels.contracts import KernelParams
-from rlvr_kernels.ops import _dispatch
 
 CSRC = pathlib.Path(__file__).resolve().parents[2] / "rlvr_kernels" / "csrc"
 
@@ -130,6 +131,6 @@ def test_dispatch_refuses_what_it_lacks():
 
 def test_sanitized_offsets():
     cu = torch.tensor([3, 1, 9, 4, 100, -5])
-    assert contracts.sanitized_offsets(cu, 10).tolist() == [3, 3, 9, 9, 10, 10]
+    assert layout.sanitized_offsets(cu, 10).tolist() == [3, 3, 9, 9, 10, 10]
     good = torch.tensor([0, 2, 2, 7], dtype=torch.int32)
-    assert torch.equal(contracts.sanitized_offsets(good, 7), good.long())
+    assert torch.equal(layout.sanitized_offsets(good, 7), good.long())

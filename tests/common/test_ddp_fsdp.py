@@ -7,13 +7,13 @@ the full batch (≤ 1e-6 relative), for PPO with token-mean, seq-mean-token-mean
 seq-mean-token-sum-norm and GSPO (the clip active), and every parameter moves by far more
 than the tolerance. FSDP2 runs on CPU with gloo (torch 2.13): every parameter is a sharded
 DTensor, gathered with ``full_tensor()`` for the comparison. Workers:
-``rlvr_kernels/testing/train_dist.py``."""
+``tests/_workers/train_dist.py``."""
 
 import pytest
 import torch.multiprocessing as mp
+from _workers.train_dist import train_worker
 
-from rlvr_kernels.testing._dist import free_port
-from rlvr_kernels.testing.train_dist import train_worker
+from rlvr_kernels.testing.dist import free_port
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from _backends import DEVICE, INTERPRETED
+from _workers.logprobs_dist import vocab_parallel_worker
 
-from rlvr_kernels.testing._dist import free_port
-from rlvr_kernels.testing.logprobs import vocab_parallel_worker
+from rlvr_kernels.testing.dist import free_port
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -17,7 +17,5 @@ def test_vocab_parallel_equals_unsharded(world):
     backends = [("cpu", torch.float64), ("cpu", torch.float32)]
     if world == 2 and DEVICE == "cpu" and INTERPRETED:
         backends.append(("triton", torch.float64))  # the interpreter on CPU tensors; tiny vocabulary
-    # The worker lives in rlvr_kernels.testing: a spawned process unpickles it by module name,
-    # and this file's (tests.logprobs.test_distributed under pytest's importlib mode) does not
-    # import there (the venv has another top-level `tests` package).
+    # The worker lives in tests/_workers: a spawned process unpickles it by module name.
     mp.spawn(vocab_parallel_worker, args=(world, free_port(), backends), nprocs=world, join=True)

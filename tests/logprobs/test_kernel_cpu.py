@@ -10,13 +10,14 @@ import sys
 import pytest
 import torch
 
+from rlvr_kernels._core.dispatch import load_extension
+from rlvr_kernels._core.layout import compute_dtype
 from rlvr_kernels.contracts.logprobs import (
     NUM_STATS,
     LinearLogprobsBwdParams,
     LinearLogprobsStatsParams,
     LogprobsStatsParams,
 )
-from rlvr_kernels.ops._dispatch import load_extension
 
 pytestmark = pytest.mark.cpu_kernel
 
@@ -39,10 +40,6 @@ GRAD_TOL = {
     torch.float16: 2**-10,
     torch.float64: 1e-12,
 }
-
-
-def compute_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # ------------------------------------------------------------------ fp64 contract

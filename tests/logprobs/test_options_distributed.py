@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from _backends import DEVICE, INTERPRETED
+from _workers.logprobs_options import vocab_parallel_options_worker
 
-from rlvr_kernels.testing._dist import free_port
-from rlvr_kernels.testing.logprobs_options import vocab_parallel_options_worker
+from rlvr_kernels.testing.dist import free_port
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -261,7 +261,7 @@ def test_to_trl_needs_trl_semantics():
 
 def test_kernel_rejects_inconsistent_inputs():
     """The registered op is reachable without the Python checks: it must refuse, not read out of bounds."""
-    from rlvr_kernels.ops._dispatch import kernel
+    from rlvr_kernels._core.dispatch import kernel
 
     build = kernel("prefix_tree_build", "cpu")
     tok = torch.tensor([1, 2, 3])

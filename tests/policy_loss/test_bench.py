@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rlvr_kernels.bench.policy_loss as bench
-from rlvr_kernels.ops import _dispatch
+from rlvr_kernels._core import dispatch as _dispatch
 
 
 def test_broken_kernel_fails_the_benchmark(monkeypatch):

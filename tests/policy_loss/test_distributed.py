@@ -11,10 +11,10 @@ import itertools
 import pytest
 import torch
 import torch.multiprocessing as mp
+from _workers.policy_loss_dist import dp_equivalence_worker, dp_errors_worker
 
 import rlvr_kernels
-from rlvr_kernels.testing._dist import free_port
-from rlvr_kernels.testing.policy_loss_dist import dp_equivalence_worker, dp_errors_worker
+from rlvr_kernels.testing.dist import free_port
 
 
 @pytest.mark.parametrize("world", [2, 4])

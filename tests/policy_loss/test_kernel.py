@@ -18,7 +18,8 @@ from _backends import DEVICE
 
 import rlvr_kernels as rk
 from rlvr_kernels import TokenShaping
-from rlvr_kernels.contracts import sanitized_offsets
+from rlvr_kernels._core.dispatch import load_extension
+from rlvr_kernels._core.layout import sanitized_offsets
 from rlvr_kernels.contracts.policy_loss import (
     NUM_SUMS,
     KlEstimator,
@@ -28,7 +29,6 @@ from rlvr_kernels.contracts.policy_loss import (
     RolloutCorrection,
     TokenOut,
 )
-from rlvr_kernels.ops._dispatch import load_extension
 from rlvr_kernels.testing import as_float64, random_policy_case
 from rlvr_kernels.triton import policy_loss as triton_policy_loss
 

@@ -51,7 +51,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ...ops import _dispatch
+from ..._core import dispatch as _dispatch
 from ...ops.policy_loss import policy_loss
 from ...options import resolve_policy_loss_options
 from ...packing import TreeRowBuilder

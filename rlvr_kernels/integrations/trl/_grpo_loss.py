@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ...ops._validation import (
+from ..._core.validation import (
     FLOAT_DTYPES,
     MASK_DTYPES,
     check_int,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ...ops._validation import FLOAT_DTYPES, check_tensor
+from ..._core.validation import FLOAT_DTYPES, check_tensor
 from ...ops.advantages import group_advantages
 from .._backend import current_backend
 from .._errors import caller_names

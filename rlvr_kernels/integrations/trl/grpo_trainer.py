@@ -18,8 +18,8 @@ from typing import Any, Dict, NamedTuple, Optional
 
 import torch
 
+from ..._core.validation import FLOAT_DTYPES, check_tensor
 from ...contracts.policy_loss import entropy_quantile_threshold
-from ...ops._validation import FLOAT_DTYPES, check_tensor
 from ...ops.advantages import group_advantages
 from ...options import PolicyLossMetrics
 from .._backend import current_backend

@@ -30,7 +30,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ...ops._validation import FLOAT_DTYPES, INDEX_DTYPES, MASK_DTYPES, check_tensor, checks_enabled
+from ..._core.validation import FLOAT_DTYPES, INDEX_DTYPES, MASK_DTYPES, check_tensor, checks_enabled
 from ...ops.logprobs import logprobs_from_logits
 from .._backend import current_backend
 from .._errors import caller_names

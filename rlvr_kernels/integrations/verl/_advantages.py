@@ -8,7 +8,7 @@ from typing import Tuple
 import numpy as np
 import torch
 
-from ...ops._validation import FLOAT_DTYPES, MASK_DTYPES, check_tensor, checks_enabled
+from ..._core.validation import FLOAT_DTYPES, MASK_DTYPES, check_tensor, checks_enabled
 from ...ops.advantages import group_advantages
 from ...ops.groups import uids_to_group_index
 from .._backend import current_backend

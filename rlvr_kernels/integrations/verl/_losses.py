@@ -10,7 +10,7 @@ from typing import Any, Dict
 
 import torch
 
-from ...ops._validation import FLOAT_DTYPES, MASK_DTYPES, check_tensor, checks_enabled
+from ..._core.validation import FLOAT_DTYPES, MASK_DTYPES, check_tensor, checks_enabled
 from ...ops.policy_loss import policy_loss
 from .._backend import current_backend
 from .._errors import caller_names

@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from ...ops._validation import FLOAT_DTYPES, MASK_DTYPES, check_tensor
+from ..._core.validation import FLOAT_DTYPES, MASK_DTYPES, check_tensor
 from .._torch_math import aggregate, kl_estimate
 from ._advantages import gdpo_outcome, outcome
 from ._losses import agg_kwargs, policy_loss_body

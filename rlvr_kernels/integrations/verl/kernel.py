@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ...ops._validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from ..._core.validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from ...ops.logprobs import linear_logprobs
 from .._backend import current_backend
 from .._errors import caller_names

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ...ops._validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from ..._core.validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from ...ops.logprobs import logprobs_from_logits as _logprobs_from_logits
 from .._backend import current_backend
 from .._errors import caller_names

@@ -6,7 +6,7 @@ from typing import Dict
 
 import torch
 
-from ._dispatch import load_extension
+from .dispatch import load_extension
 
 
 def cpu_cache_stats() -> Dict[str, int]:

@@ -68,7 +68,7 @@ def load_extension() -> bool:
     """Load the C++ CPU kernels (compiled on first use and cached, ``rlvr_kernels._core.extension``),
     or a build named by ``RLVR_KERNELS_EXTENSION`` (the sanitizer build of ``make sanitize``).
     False when no C++ compiler or ninja is here to compile them."""
-    from .._core import extension
+    from . import extension
 
     try:
         extension.load()

@@ -19,7 +19,7 @@ from typing import Callable, Dict
 
 import torch
 
-from ._dist import gloo_process
+from rlvr_kernels.testing.dist import gloo_process
 
 B, G, L, P, V = 12, 4, 11, 3, 64  # sequences, group size, tokens (prompt P + response), vocabulary
 STEPS = 3
@@ -42,7 +42,7 @@ class _Policy(torch.nn.Module):
         super().__init__()
         from transformers import Qwen2ForCausalLM
 
-        from ..bench.trainer import qwen2_config  # the benchmark's config builder: hidden 32, 2 layers
+        from rlvr_kernels.bench.trainer import qwen2_config  # the benchmark's config builder: hidden 32, 2 layers
 
         config = qwen2_config(dict(V=V, H=32, layers=2, P=P, C=L - P))
         torch.manual_seed(seed)
@@ -54,7 +54,7 @@ class _Policy(torch.nn.Module):
         self.model, self.lm_head = lm.model, lm.lm_head
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        from .. import linear_logprobs
+        from rlvr_kernels import linear_logprobs
 
         hidden = self.model(input_ids=tokens).last_hidden_state[:, P - 1 : -1]  # predicts tokens[:, P:]
         targets = tokens[:, P:]
@@ -80,7 +80,7 @@ def _batch(step: int) -> Dict[str, torch.Tensor]:
 
 def _step(policy, opt, batch: Dict, loss_type: str, agg: str, pg) -> float:
     """One SGD step; returns the fraction of tokens where the clipped branch was active."""
-    from .. import group_advantages, policy_loss
+    from rlvr_kernels import group_advantages, policy_loss
 
     adv = group_advantages(batch["rewards"], batch["group_index"], num_groups=B // G, process_group=pg).advantages
     logp = policy(batch["tokens"])

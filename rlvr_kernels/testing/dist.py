@@ -1,5 +1,6 @@
-"""Process-group plumbing shared by the multi-process tests (gloo on CPU, started by the tests
-themselves with ``torch.multiprocessing.spawn``)."""
+"""Process-group plumbing shared by the multi-process tests (``tests/_workers``) and the
+data-parallel benchmark (``rlvr_kernels.bench.distributed``): gloo on CPU, started with
+``torch.multiprocessing.spawn``."""
 
 from __future__ import annotations
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from ._dist import gloo_process
-from .logprobs import random_logprobs_case
+from rlvr_kernels.testing.dist import gloo_process
+from rlvr_kernels.testing.logprobs import random_logprobs_case
 
 _OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
 def _run(inputs, backend, up, weight, bias, group=None):
-    from .. import linear_logprobs
+    from rlvr_kernels import linear_logprobs
 
     hidden = inputs["hidden"].clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)

@@ -9,8 +9,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from ._dist import gloo_process
-from .policy_loss import random_policy_case
+from rlvr_kernels.testing.dist import gloo_process
+from rlvr_kernels.testing.policy_loss import random_policy_case
 
 AGGS = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 LOSS_TYPES = ("ppo", "gspo", "cispo")
@@ -62,7 +62,7 @@ def _token_range(inputs: Dict, lo: int, hi: int) -> Tuple[slice, ...]:
 
 def _run(inputs: Dict, options: Dict, **kw):
     """(loss, d loss / d logprobs, metrics) of one call on a fresh leaf."""
-    from .. import policy_loss
+    from rlvr_kernels import policy_loss
 
     args = dict(inputs)
     lp = args.pop("logprobs").detach().clone().requires_grad_(True)
@@ -84,7 +84,7 @@ def dp_equivalence_worker(rank: int, world: int, port: int, combos: List[Tuple[s
     step's counts (``global_counts``) accumulate to the rank's whole-batch gradient and loss."""
     import torch.distributed as dist
 
-    from ..distributed import global_counts
+    from rlvr_kernels.distributed import global_counts
 
     with gloo_process(rank, world, port):
         bounds = _bounds(11, world)

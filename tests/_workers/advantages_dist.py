@@ -8,8 +8,8 @@ from typing import List
 
 import torch
 
-from ..ops.advantages import group_advantages
-from ._dist import gloo_process
+from rlvr_kernels import group_advantages
+from rlvr_kernels.testing.dist import gloo_process
 
 # (name, options, scores kind, layout). Exact kinds (dyadic values of bounded range) make the
 # float64 group sums exact: the data-parallel result then equals one process bitwise.
@@ -167,7 +167,7 @@ def _check_errors(rank: int, world: int) -> None:
     last = world - 1
     run = lambda **kw: group_advantages(**{**mine, **kw}, process_group=group)  # noqa: E731
     # A rank with another global group count: every rank gets the same clear error.
-    _expect_error(ValueError, "num_groups differ between the ranks", lambda: run(num_groups=31 if rank == last else 30))
+    _expect_error(ValueError, "num_groups: differs between rank 0", lambda: run(num_groups=31 if rank == last else 30))
     # Other options on one rank.
     _expect_error(ValueError, "estimator options", lambda: run(eps=1e-3 if rank == 1 else 1e-6))
     # One rank's own bad input: its own error there, a pointer to it everywhere else.
@@ -176,15 +176,15 @@ def _check_errors(rank: int, world: int) -> None:
     if rank == 0:
         _expect_error(ValueError, "group_index: expected ids", lambda: run(group_index=bad_ids))
     else:
-        _expect_error(ValueError, "rank(s) [0]", lambda: run())
+        _expect_error(RuntimeError, "rank(s) [0]", lambda: run())
     if rank == 1:
         _expect_error(ValueError, "group_index", lambda: run(group_index=mine["group_index"][:-1]))
     else:
-        _expect_error(ValueError, "rank(s) [1]", lambda: run())
+        _expect_error(RuntimeError, "rank(s) [1]", lambda: run())
     if rank == last:
         _expect_error(ValueError, "num_groups: required", lambda: run(num_groups=None))
     else:
-        _expect_error(ValueError, f"rank(s) [{last}]", lambda: run())
+        _expect_error(RuntimeError, f"rank(s) [{last}]", lambda: run())
     for est in ("gdpo", "reinforce_pp_baseline"):
         _expect_error(NotImplementedError, f"estimator={est!r}", lambda: run(estimator=est))
     # The group is still in step after the errors.
