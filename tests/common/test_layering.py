@@ -6,7 +6,7 @@ The floors, lowest first (a layer is the first name under ``rlvr_kernels``; laye
 floor are independent of each other):
 
  0. ``_core`` (validation, dispatch table, CPU cache, packed-layout rules, collectives,
-    platform) and the compiled kernels ``_C``;
+    platform, the build of the C++ kernels);
  1. ``contracts`` (kernel parameter lists and branch codes), ``options`` (option
     dataclasses and presets);
  2. ``reference`` (the spec, pure torch);
@@ -57,10 +57,10 @@ FLOORS = (
 )
 # Top-level modules that belong to another layer: the compiled kernels to the ground floor,
 # ``python -m rlvr_kernels`` to the CLI.
-MEMBERS = {"_C": "_core", "__main__": "cli"}
+MEMBERS = {"__main__": "cli"}
 FLOOR = {layer: i for i, layers in enumerate(FLOORS) for layer in layers}
 # Compiled extension modules: there is no .py file to find (nor a .so before a build).
-EXTENSIONS = {f"{ROOT}._C"}
+EXTENSIONS: set = set()  # compiled modules imported by name (the C++ kernels load by path)
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -197,7 +197,7 @@ def test_the_graph_sees_both_kinds_of_import():
     graph = _graph()
     assert f"{ROOT}.ops.advantages" in graph[ROOT]  # module level, relative
     assert f"{ROOT}.testing.verl_engine" in graph[f"{ROOT}.bench.verl_step"]  # inside a function
-    assert f"{ROOT}._C" in graph[f"{ROOT}._core.dispatch"]  # the compiled extension
+    assert f"{ROOT}._core.extension" in graph[f"{ROOT}._core.dispatch"]  # inside a function, relative
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
