@@ -8,7 +8,7 @@ formula written out here:
               (std with Bessel's correction, ε = 1e-6, the package's GRPO defaults)
   2. token advantages A_i·m_{i,t} for responses of different lengths (``response_mask``);
   3. per-token shaping of one correct and one wrong response from the old policy's token
-     probabilities p_{i,t} (``shape_token_advantages``, SPEC §2): the seed's probability
+     probabilities p_{i,t} (``shape_token_advantages``, docs/token-shaping.md): the seed's probability
      weights (λ = 1: Ã = A·(1 − p) for A > 0, A·p for A < 0) and A3PO's rank selection.
 
     .venv/bin/python examples/advantage_normalisation.py [--rewards 1,0,0,1,0,0,0,0] [--lengths 5,3,6,4,2,7,3,4]

@@ -1,7 +1,7 @@
 """Plot the GRPO success recursion p_n for several p_ref and β, with each fixed point dashed.
 
 Binary rewards, mean+std normalisation, KL of strength β to a fixed reference with success
-probability p_ref (SPEC §7, :mod:`rlvr_kernels.dynamics`). A fixed point at 1.0 means the
+probability p_ref (docs/dynamics.md, :mod:`rlvr_kernels.dynamics`). A fixed point at 1.0 means the
 map never crosses the diagonal below 1: the policy is driven to (numerically) certain success.
 
     .venv/bin/python examples/dynamics_plot.py [--out examples/figures/dynamics.png] [--steps 25]

@@ -1,4 +1,4 @@
-"""Asynchronous rollouts with policy versions (SPEC §6): version stamps, staleness, drop or
+"""Asynchronous rollouts with policy versions (docs/async-rollouts.md): version stamps, staleness, drop or
 correct masks and per-batch staleness statistics as tensors, plus a bounded-lag producer
 that generates in a background thread.
 
@@ -17,7 +17,7 @@ Two knobs bound it, and they are separate on purpose:
   training.
 - :func:`staleness_mask` with :class:`StalenessOptions` ``max_lag``: what the loss accepts.
   With ``stale="drop"`` samples staler than it are masked out; with ``stale="correct"`` they
-  are kept and flagged for ``policy_loss``'s rollout correction (SPEC §4). Equal to the
+  are kept and flagged for ``policy_loss``'s rollout correction (docs/policy-loss.md). Equal to the
   producer's K it is a guard that never fires; a smaller value trades samples (drop) or
   variance (correct) for freshness.
 

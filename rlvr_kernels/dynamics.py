@@ -1,4 +1,4 @@
-"""Success-probability dynamics of RL with binary verifiable rewards (SPEC §7).
+"""Success-probability dynamics of RL with binary verifiable rewards (docs/dynamics.md).
 
 Plain torch helpers (no custom ops, no kernels): every function takes Python numbers or
 tensors, broadcasts ``p``/``p_ref``/``beta`` against each other and returns a tensor of the

@@ -54,7 +54,7 @@ class Whitening:
 
 @dataclass(frozen=True)
 class AdvantageOptions:
-    """Everything that decides the numbers ``group_advantages`` returns (SPEC §1).
+    """Everything that decides the numbers ``group_advantages`` returns (docs/advantages.md).
 
     ``scale`` applies to ``grpo`` and to ``gdpo``'s per-term normalisation;
     ``singleton`` applies to the mean-baseline estimators (all but ``passk``);
@@ -148,7 +148,7 @@ def resolve_advantage_options(preset: Optional[str] = None, **overrides) -> Adva
 
 
 class GroupAdvantages(NamedTuple):
-    """What ``group_advantages`` returns (SPEC §1). Gn = num_groups, K = reward terms (gdpo).
+    """What ``group_advantages`` returns (docs/advantages.md). Gn = num_groups, K = reward terms (gdpo).
 
     advantages        [B]        per-sample advantage (0 for excluded samples)
     token_advantages  [B, L]/[T] A_i · m_{i,t}, or None when no token layout was given
@@ -169,7 +169,7 @@ class GroupAdvantages(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------
-# policy_loss and shape_token_advantages (SPEC §2, §4)
+# policy_loss and shape_token_advantages (docs/token-shaping.md, docs/policy-loss.md)
 
 LOSS_TYPES = ("ppo", "gspo", "cispo", "sapo", "reinforce", "gpg")
 KL_TYPES = ("k1", "k2", "k3", "k3+")
@@ -199,7 +199,7 @@ def _check_knob(name, knob):
 
 @dataclass(frozen=True)
 class TokenShaping:
-    """Token-level asymmetric advantage shaping (SPEC §2); the defaults change nothing.
+    """Token-level asymmetric advantage shaping (docs/token-shaping.md); the defaults change nothing.
 
     Per token, with A the (sequence or token) advantage and p = exp(old_logprobs):
       w_pos, w_neg        polarity weights: Ã = w_pos·A for A > 0, w_neg·A for A < 0
@@ -256,7 +256,7 @@ class TokenShaping:
 
 @dataclass(frozen=True)
 class PolicyLossOptions:
-    """Everything that decides the numbers ``policy_loss`` returns (SPEC §4).
+    """Everything that decides the numbers ``policy_loss`` returns (docs/policy-loss.md).
 
     loss_type         ppo | gspo | cispo | sapo | reinforce | gpg (gpg is reinforce: the
                       field reads "reinforce" after construction)

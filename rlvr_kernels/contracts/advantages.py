@@ -16,7 +16,7 @@ from ._base import KernelParams
 
 
 class Baseline(enum.IntEnum):
-    """What is subtracted from a score, or how its advantage is formed (SPEC §1)."""
+    """What is subtracted from a score, or how its advantage is formed (docs/advantages.md)."""
 
     NONE = 0  # A = r (gdpo's final whitening plan over the weighted sum)
     MEAN = 1  # A = (r − μ_g)·f, f from ``Scale``

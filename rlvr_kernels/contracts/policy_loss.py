@@ -25,7 +25,7 @@ from ._base import KernelParams
 
 
 class LossType(enum.IntEnum):
-    """The policy-gradient term (SPEC §4); ``gpg`` is ``REINFORCE``."""
+    """The policy-gradient term (docs/policy-loss.md); ``gpg`` is ``REINFORCE``."""
 
     PPO = 0
     GSPO = 1

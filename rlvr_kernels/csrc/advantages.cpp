@@ -1,4 +1,4 @@
-// Masked group-relative advantages on the CPU (SPEC §1), one score column per call. The
+// Masked group-relative advantages on the CPU (docs/advantages.md), one score column per call. The
 // contract (tensors, parameters, outputs) is written down in rlvr_kernels/ops/advantages.py;
 // the parameters are GroupAdvantagesParams (advantages.h).
 //

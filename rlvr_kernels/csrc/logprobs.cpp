@@ -1,4 +1,4 @@
-// Log-probabilities (and entropy) of a linear head or of given logits on the CPU (SPEC §3). The
+// Log-probabilities (and entropy) of a linear head or of given logits on the CPU (docs/logprobs.md). The
 // contract is the module docstring of rlvr_kernels/ops/logprobs.py: the kernels return raw
 // per-row statistics (max, Σ exp(z − max), Σ exp(z − max)·(z − max)) and target logits, and
 // the backward turns the global lse / entropy back into dz.

@@ -1,4 +1,4 @@
-// The GRPO-family policy loss on the CPU (SPEC §2, §4): one forward pass that writes the loss
+// The GRPO-family policy loss on the CPU (docs/token-shaping.md, docs/policy-loss.md): one forward pass that writes the loss
 // sums, the metrics and the per-token derivative grad_logprobs = agg_w · ∂ℓ/∂logp, so the
 // backward is a scalar multiply (rlvr_kernels/ops/policy_loss.py holds the contract, the
 // parameters are PolicyLossParams of policy_loss.h).

@@ -1,4 +1,4 @@
-"""``group_advantages`` (SPEC §1): masked group-relative advantages, group statistics and
+"""``group_advantages`` (docs/advantages.md): masked group-relative advantages, group statistics and
 dynamic-sampling flags, as the ``rlvr_kernels::group_advantages`` custom op over the C++
 (CPU) and Triton (CUDA) kernels.
 
@@ -6,7 +6,7 @@ Every estimator is one or more *plans* over one score column:
   baseline  NONE | MEAN | RLOO | OPO | GPG | PASSK   (what is subtracted / how A is formed)
   scale     NONE | GROUP | BATCH                     (the σ that divides a MEAN baseline)
   whiten    OFF | TOKENS | SAMPLES                   (batch whitening after the baseline)
-(:mod:`rlvr_kernels.contracts.advantages`). Every estimator of SPEC §1 is one plan, except
+(:mod:`rlvr_kernels.contracts.advantages`). Every estimator of docs/advantages.md is one plan, except
 ``gdpo``, which runs one MEAN plan per reward term and a final NONE + whitening plan over
 their weighted sum. ``[B, K]`` reward terms of the other estimators are summed first.
 
@@ -27,7 +27,7 @@ Kernel contract (C++ ``csrc/advantages.cpp``, Triton ``triton/advantages.py``; b
   - Statistics over each group's valid samples: n, μ, σ (``std_unbiased``: Bessel), in
     float64 on the CPU; in the scores' precision (fp32, fp64 for fp64 scores) in Triton.
     Empty groups: n = 0, μ = σ = 0, degenerate. Degenerate: all valid scores equal.
-  - A per plan (SPEC §1), then whitening, in the kernel's compute precision; the outputs are
+  - A per plan (docs/advantages.md), then whitening, in the kernel's compute precision; the outputs are
     rounded once to ``out_dtype`` (token values as ``A.to(float32) · mask`` for sub-fp64 outputs).
   - Token weights w_i (OPO, TOKENS whitening): ``lengths``, else the row sums of the token
     layout (span lengths for a packed layout without a mask, T = ``num_tokens``).
@@ -297,7 +297,7 @@ def group_advantages(
     backend: str = "auto",
     process_group=None,
 ) -> GroupAdvantages:
-    """Masked group-relative advantages, group statistics and dynamic-sampling flags (SPEC §1).
+    """Masked group-relative advantages, group statistics and dynamic-sampling flags (docs/advantages.md).
 
     Args:
         scores: ``[B]`` rewards, or ``[B, K]`` reward terms (combined with ``reward_weights``;

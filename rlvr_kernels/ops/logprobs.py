@@ -1,4 +1,4 @@
-"""``linear_logprobs`` and ``logprobs_from_logits`` (SPEC §3): validation, the
+"""``linear_logprobs`` and ``logprobs_from_logits`` (docs/logprobs.md): validation, the
 ``rlvr_kernels::linear_logprobs`` / ``rlvr_kernels::logprobs_from_logits`` custom ops with
 their autograd, the vocab-parallel (``process_group``) path, and dispatch to the C++ (CPU)
 and Triton (CUDA) kernels through the dispatch table (``_core/dispatch.py``).
@@ -771,7 +771,7 @@ def linear_logprobs(
     backend: str = "auto",
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], LinearLogprobs]:
     """Log-probs of ``targets`` (and per-row statistics) straight from hidden states and the
-    LM head, never materialising the ``[N, V]`` logits (SPEC §3.1).
+    LM head, never materialising the ``[N, V]`` logits (docs/logprobs.md).
 
     y_n = hidden_n · Wᵀ + b,  z_n = softcap · tanh(logit_scale · y_n / softcap) / T_n
     (without ``softcap``: logit_scale · y_n / T_n; the order of TRL's and Gemma's heads:
@@ -907,7 +907,7 @@ def logprobs_from_logits(
     validate: bool = True,
     backend: str = "auto",
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """Log-probs of ``targets`` (and entropy) from logits that already exist (SPEC §3.2):
+    """Log-probs of ``targets`` (and entropy) from logits that already exist (docs/logprobs.md):
     one pass over each row, no ``[N, V]`` temporaries (the backward writes the logits'
     gradient and nothing else of that size).
 

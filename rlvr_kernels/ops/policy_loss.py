@@ -1,5 +1,5 @@
-"""``policy_loss`` and ``shape_token_advantages`` (SPEC §2, §4): the GRPO-family policy loss
-with token shaping, as the ``rlvr_kernels::policy_loss_fwd`` custom op (with its autograd)
+"""``policy_loss`` and ``shape_token_advantages`` (docs/token-shaping.md, docs/policy-loss.md):
+the GRPO-family policy loss with token shaping, as the ``rlvr_kernels::policy_loss_fwd`` custom op (with its autograd)
 over the C++ (CPU) and Triton (CUDA) kernels.
 
 Why one forward pass is enough for the backward: every per-token term of the loss depends
@@ -549,7 +549,7 @@ def policy_loss(
     validate: bool = True,
     backend: str = "auto",
 ) -> Tuple[torch.Tensor, PolicyLossMetrics]:
-    """The GRPO-family policy loss (SPEC §4), forward and backward in one fused pass.
+    """The GRPO-family policy loss (docs/policy-loss.md), forward and backward in one fused pass.
 
     (Long for its keyword options and their documentation; the body is resolve → validate →
     kernel → aggregate.)
@@ -695,7 +695,7 @@ def shape_token_advantages(
     validate: bool = True,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Token advantages Ã = A · w (SPEC §2), the shaping ``policy_loss`` fuses, as a tensor
+    """Token advantages Ã = A · w (docs/token-shaping.md), the shaping ``policy_loss`` fuses, as a tensor
     shaped like ``old_logprobs`` (fp32; fp64 for fp64 inputs); 0 on invalid tokens and
     on tokens the entropy quantile drops. Arguments as in :func:`policy_loss`."""
     _dispatch.check_backend(backend)

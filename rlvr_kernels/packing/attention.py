@@ -1,7 +1,7 @@
 """Tree attention over a ``TreePack``: masks, three attention paths, and their registration
 with ``transformers``' attention interface.
 
-Visibility in a packed row (SPEC §5): query q sees key k iff k is q or an ancestor of q in
+Visibility in a packed row (docs/packing.md): query q sees key k iff k is q or an ancestor of q in
 the trie, i.e. ``enter[k] <= enter[q] < leave[k]``. Equivalently, each segment's queries
 attend causally, bottom-right aligned, to the K/V of the segment's root-to-segment path
 (``tree_kv_index[tree_cu_seqlens_k[s]:tree_cu_seqlens_k[s+1]]``), which is TRL's varlen form.

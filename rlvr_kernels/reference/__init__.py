@@ -1,4 +1,4 @@
-"""Pure-PyTorch references: the SPEC in code, fp64-capable, never fast."""
+"""Pure-PyTorch references: the docs in code, fp64-capable, never fast."""
 
 from .advantages import group_advantages
 from .logprobs import linear_logprobs, logprobs_from_logits

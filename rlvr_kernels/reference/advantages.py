@@ -1,4 +1,4 @@
-"""Reference masked group advantages: SPEC §1 as readable PyTorch.
+"""Reference masked group advantages: docs/advantages.md as readable PyTorch.
 
 Slow on purpose (a Python loop over groups) and computed in the dtype of ``scores``, so
 float64 inputs give the ground truth every fast backend is diffed against. Inputs are
@@ -231,7 +231,7 @@ def _passk(rg, k, eps, eps_in_sqrt):
 
 
 def _whiten(s, valid, n_tok, opts):
-    """Batch whitening with weights w_i (tokens or 1), unbiased variance (SPEC §1)."""
+    """Batch whitening with weights w_i (tokens or 1), unbiased variance (docs/advantages.md)."""
     wh = opts.whitening
     if wh.over == "tokens" and n_tok is not None:
         weight = torch.where(valid, n_tok, torch.zeros((), dtype=s.dtype))

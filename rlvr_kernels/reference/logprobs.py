@@ -1,4 +1,4 @@
-"""Reference for SPEC §3: log-probs and entropy from hidden states and the LM head, or
+"""Reference for docs/logprobs.md: log-probs and entropy from hidden states and the LM head, or
 from logits. It materialises the ``[N, V]`` logits (small sizes only) and leaves the
 gradients to autograd, so it is the formula and nothing else. Everything is computed in
 fp64 when the inputs are fp64, else in fp32 from the inputs upcast."""

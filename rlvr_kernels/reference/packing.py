@@ -1,4 +1,4 @@
-"""Reference prefix-tree packing: SPEC §5 as a readable Python trie.
+"""Reference prefix-tree packing: docs/packing.md as a readable Python trie.
 
 Slow on purpose (a dict per node, one token at a time). ``prefix_tree_build`` takes and
 returns exactly what the C++ builder (``csrc/packing.cpp``) takes and returns, so the two are

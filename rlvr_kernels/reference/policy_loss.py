@@ -1,4 +1,4 @@
-"""Reference ``policy_loss`` and ``shape_token_advantages`` (SPEC §2, §4): plain PyTorch,
+"""Reference ``policy_loss`` and ``shape_token_advantages`` (docs/token-shaping.md, docs/policy-loss.md): plain PyTorch,
 autograd through ordinary ops, fp64-capable, written for reading, not for speed.
 
 Everything works on the padded ``[B, L]`` layout; the packed ``[T]`` layout is scattered
@@ -64,7 +64,7 @@ def from_padded(y: torch.Tensor, cu_seqlens: Optional[torch.Tensor], num_tokens:
     return torch.cat(parts + [tail])
 
 
-# ------------------------------------------------------------------ shaping (SPEC §2)
+# ------------------------------------------------------------------ shaping (docs/token-shaping.md)
 # The shaping weight w multiplies the policy-gradient term; it is a constant (no gradient),
 # formed in fp64: polarity_weights × probability_weights × a3po_scales × entropy_keep.
 def polarity_weights(adv: torch.Tensor, shaping: TokenShaping) -> torch.Tensor:
@@ -172,7 +172,7 @@ def _adv_padded(advantages, logprobs, cu_seqlens):
     return advantages[:, None].expand(advantages.shape[0], Lmax)
 
 
-# ------------------------------------------------------------------ the policy-gradient term (SPEC §4)
+# ------------------------------------------------------------------ the policy-gradient term (docs/policy-loss.md)
 # Each loss type returns (pg, clipped, clip_lower, δ): the per-token policy-gradient loss
 # (before shaping and IS weights), the clip flags and δ for the ppo_kl metric.
 def log_ratio(opts: PolicyLossOptions, logp, old):
@@ -418,7 +418,7 @@ def policy_loss(
     loss_scale_factor: Optional[float] = None,
     entropy_threshold: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, PolicyLossMetrics]:
-    """The GRPO-family policy loss, per SPEC §4, and its metrics: pg_term → shaping_weights →
+    """The GRPO-family policy loss, per docs/policy-loss.md, and its metrics: pg_term → shaping_weights →
     is_weights → kl_term → token_loss → aggregate.
 
     Computes in the dtype of ``logprobs`` promoted to at least fp32 (fp64 stays fp64).

@@ -36,7 +36,7 @@ _ULPS = 8
 
 def default_atol(ref64: torch.Tensor, out_dtype: torch.dtype) -> float:
     """A few ulps at the result's magnitude, of the output dtype or of fp32 (the
-    accumulation precision SPEC §0 promises), whichever is coarser."""
+    accumulation precision docs/behaviour.md promises), whichever is coarser."""
     scale = max(1.0, float(ref64.abs().max())) if ref64.numel() else 1.0
     eps = max(torch.finfo(out_dtype).eps, torch.finfo(torch.float32).eps)
     return _ULPS * eps * scale

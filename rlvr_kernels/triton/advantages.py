@@ -1,4 +1,4 @@
-"""Masked group advantages in Triton (SPEC §1): the CUDA backend of ``group_advantages``
+"""Masked group advantages in Triton (docs/advantages.md): the CUDA backend of ``group_advantages``
 (contract: :mod:`rlvr_kernels.ops.advantages`; parameters:
 :class:`rlvr_kernels.contracts.GroupAdvantagesParams`).
 

@@ -1,4 +1,4 @@
-"""``linear_logprobs`` and ``logprobs_from_logits`` in Triton (SPEC §3): the CUDA backend of
+"""``linear_logprobs`` and ``logprobs_from_logits`` in Triton (docs/logprobs.md): the CUDA backend of
 ``rlvr_kernels.ops.logprobs``, whose module docstring is the kernel contract (z, the
 per-row statistics, the CSR of targets, dz); the scalar parameters and the stats columns
 are ``rlvr_kernels.contracts.logprobs``. The exact math is ``rlvr_kernels.reference.logprobs``.

@@ -1,4 +1,4 @@
-"""Fused GRPO-family policy loss in Triton (SPEC §2, §4): the CUDA backend of
+"""Fused GRPO-family policy loss in Triton (docs/token-shaping.md, docs/policy-loss.md): the CUDA backend of
 ``rlvr_kernels.ops.policy_loss`` (the kernel contract is that module's docstring and
 :mod:`rlvr_kernels.contracts.policy_loss`; the exact math is
 ``rlvr_kernels.reference.policy_loss``).

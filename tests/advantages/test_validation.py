@@ -1,5 +1,5 @@
 """Bad input: a clear TypeError/ValueError naming the argument, raised before any kernel
-runs, with the inputs left untouched (SPEC §0)."""
+runs, with the inputs left untouched (docs/behaviour.md)."""
 
 import numpy as np
 import pytest

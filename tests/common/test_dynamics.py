@@ -20,7 +20,7 @@ def _seed_tilt(p, beta):
 
 
 def _map(p, p_ref, beta, eps=1e-6):
-    """F(p) of the recursion exactly as SPEC §7 writes it (no logit/sigmoid rewriting)."""
+    """F(p) of the recursion exactly as docs/dynamics.md writes it (no logit/sigmoid rewriting)."""
     return 1 / (1 + ((1 - p_ref) / p_ref) * torch.exp(-(1 / beta) / torch.sqrt(p * (1 - p) + eps)))
 
 

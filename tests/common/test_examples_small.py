@@ -88,4 +88,4 @@ def test_dynamics_plot_writes_a_png(tmp_path, capsys):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     text = capsys.readouterr().out
     row = re.search(r"^\s*0\.2\s+1\s+(\d\.\d{4})\s+(\d\.\d{4})$", text, re.M)
-    assert row and row[1] == "0.6813"  # SPEC §7's p_ref = 0.2, β = 1 fixed point
+    assert row and row[1] == "0.6813"  # docs/dynamics.md's p_ref = 0.2, β = 1 fixed point

@@ -55,7 +55,7 @@ FLOORS = (
     ("bench",),
     ("cli",),
 )
-# Top-level modules that belong to another layer: the compiled kernels to the ground floor,
+# Top-level modules that belong to another layer:
 # ``python -m rlvr_kernels`` to the CLI.
 MEMBERS = {"__main__": "cli"}
 FLOOR = {layer: i for i, layers in enumerate(FLOORS) for layer in layers}

@@ -1,4 +1,4 @@
-"""policy_loss and shape_token_advantages against hand-computed values (SPEC §2, §4), on
+"""policy_loss and shape_token_advantages against hand-computed values (docs/token-shaping.md, docs/policy-loss.md), on
 every backend: the seed's teaching values, each loss type with clipping active on each
 side, KL estimators, rollout corrections, aggregations and the empty cases."""
 
