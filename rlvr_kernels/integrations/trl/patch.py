@@ -57,9 +57,11 @@ def apply(
     """Put the fused ops into TRL's trainers (see the module docstring for each switch).
 
     ``strict=True``: TRL outside the tested range (1.16.x) raises PatchError, and a
-    ``GRPOTrainer`` whose settings the fused loss does not support (e.g. ``beta`` > 0 with
-    TRL's default ``use_bias_correction_kl=True``, ``loss_type="vespo"``) raises
-    NotImplementedError naming the option when it is built (or at its first loss call).
+    ``GRPOTrainer`` whose settings the fused loss does not support (``delta`` < 1, or
+    ``delta`` <= 1 + ``epsilon_high`` with ``epsilon_high`` = 0: see ``grpo_loss_trl``)
+    raises NotImplementedError naming the option when it is built (or at its first loss
+    call). Every loss type, the bias-corrected KL and ``top_entropy_quantile`` across
+    processes (the patched loss passes the process group) run fused.
     ``strict=False``: a warning instead, and such a trainer runs TRL's own ``_compute_loss``
     (warned once per trainer; never silently different).
     ``count_calls``: True/False turns the debug call counting on/off (``call_counts()``);
