@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Everything a lent GPU runs, in one call, within 8 minutes (DEVELOPERS.md).
+# The GPU check: everything a CUDA machine runs, in one call, within 8 minutes (docs/development.md).
 #
-# Here first:  bash scripts/fetch_gpu_wheels.sh        (peer wheels into .whl/, ~6 MB)
-# Then:        device run  command="bash scripts/gpu_check.sh"  carry=[".whl"]  timeout_s=600
+# Where there is network:  bash scripts/fetch_gpu_wheels.sh   (peer wheels into .whl/, ~6 MB)
+# Then, on the GPU machine with .whl/ alongside:  bash scripts/gpu_check.sh
 #
 # It builds the package against the machine's own torch, runs the test suite with the
 # Triton kernels compiled for the GPU (CUDA tensors, checked against the fp64 reference),
-# `rlvr-kernels check` and `rlvr-kernels bench` on CUDA. Only a few files come back from
-# the device (8), so $OUT receives at most seven: logs.tar.gz (every log and plot), and
-# the three bench runs' .json/.md (commit them as benchmarks/results/<date>-h200*.*). The
-# tarball is written on any exit, a timeout included.
+# `rlvr-kernels check` and `rlvr-kernels bench` on CUDA. $OUT receives at most seven
+# files: logs.tar.gz (every log and plot), and the three bench runs' .json/.md (commit them
+# as benchmarks/results/<date>-h200*.*). The tarball is written on any exit, a timeout
+# included.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/rlvr-gpu-out}
