@@ -27,7 +27,7 @@ def test_kernel_returning_garbage_fails_the_benchmark(monkeypatch):
 
 
 def test_missing_extension_fails_the_benchmark(monkeypatch):
-    """As if rlvr_kernels._C were not built: the dispatch raises, and so does the benchmark."""
+    """As if the C++ kernels could not be built: the dispatch raises, and so does the benchmark."""
     monkeypatch.setattr(_dispatch, "load_extension", lambda: False)
     with pytest.raises(RuntimeError, match="not built"):
         bench.workload("cpu", quick=True)
