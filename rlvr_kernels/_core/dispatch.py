@@ -134,10 +134,12 @@ def kernel(op: str, backend: str) -> Callable:
         raise NotImplementedError(f"backend: {op!r} has no {backend!r} kernel (it has: {', '.join(have)})") from None
     if provider.startswith(_C_PREFIX):
         if not load_extension():
-            raise RuntimeError(f"rlvr_kernels._C is not built, so the C++ kernel {op!r} is missing")
+            raise RuntimeError(
+                f"the C++ kernels are not built (see `rlvr-kernels info`), so the C++ kernel {op!r} is missing"
+            )
         name = provider[len(_C_PREFIX) :]
         if not hasattr(torch.ops.rlvr_kernels_C, name):
-            raise RuntimeError(f"rlvr_kernels._C lacks the C++ op {name!r}: rebuild the extension")
+            raise RuntimeError(f"the loaded C++ kernels lack the op {name!r}: rebuild them (`rlvr-kernels build`)")
         return getattr(torch.ops.rlvr_kernels_C, name)
     module, attr = provider.split(":")
     return getattr(importlib.import_module(module), attr)

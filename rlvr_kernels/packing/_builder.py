@@ -28,7 +28,7 @@ class TreeRowBuilder:
         if not isinstance(separate_groups, bool):
             raise TypeError(f"separate_groups: expected a bool, got {type(separate_groups).__name__}")
         if not _dispatch.load_extension():
-            raise RuntimeError("TreeRowBuilder needs the C++ extension rlvr_kernels._C: it is not built")
+            raise RuntimeError("TreeRowBuilder needs the C++ kernels, which are not built (see `rlvr-kernels info`)")
         self.key = key
         self._trie = torch.classes.rlvr_kernels_C.PrefixTrie(next_key)
         self.samples: List[Dict[str, Any]] = []

@@ -26,7 +26,7 @@ from rlvr_kernels.testing import compare_advantages
 from rlvr_kernels.triton import advantages as triton_advantages
 
 # No skip: a missing build is a failure (`make test` builds it).
-assert load_extension(), "rlvr_kernels._C is not built: pip install --no-build-isolation -e ."
+assert load_extension(), "the C++ kernels are not built: see `rlvr-kernels info` and `rlvr-kernels build`"
 
 CPP = torch.ops.rlvr_kernels_C.group_advantages
 MAX_COUNT = 2**31 - 1

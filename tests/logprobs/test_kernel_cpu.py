@@ -22,7 +22,7 @@ from rlvr_kernels.contracts.logprobs import (
 pytestmark = pytest.mark.cpu_kernel
 
 # No skip: a missing build is a failure (`make test` builds it).
-assert load_extension(), "rlvr_kernels._C is not built: pip install --no-build-isolation -e ."
+assert load_extension(), "the C++ kernels are not built: see `rlvr-kernels info` and `rlvr-kernels build`"
 
 K = torch.ops.rlvr_kernels_C
 

@@ -36,7 +36,7 @@ ops = importlib.import_module("rlvr_kernels.ops.policy_loss")
 S = PolicyLossSum
 
 # No skip: a missing build is a failure (`make test` builds it).
-assert load_extension(), "rlvr_kernels._C is not built: pip install --no-build-isolation -e ."
+assert load_extension(), "the C++ kernels are not built: see `rlvr-kernels info` and `rlvr-kernels build`"
 K = torch.ops.rlvr_kernels_C
 
 CPP = pytest.param("cpp", "cpu", id="cpp", marks=pytest.mark.cpu_kernel)

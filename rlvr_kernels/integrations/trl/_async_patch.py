@@ -316,8 +316,8 @@ def async_targets(*, strict: bool, loss: bool) -> List[Target]:
 
     if not _dispatch.load_extension():
         raise RuntimeError(
-            "integrations.trl.apply(async_grpo=True): the tree builder needs the C++ extension "
-            "rlvr_kernels._C, which is not built"
+            "integrations.trl.apply(async_grpo=True): the tree builder needs the "
+            "C++ kernels, which are not built (see `rlvr-kernels info`)"
         )
     name = Patcher.lookup(PACKING_MODULE, "TREE_ATTENTION")
     trainer_name = Patcher.lookup(TRAINER_MODULE, "TREE_ATTENTION")
