@@ -200,8 +200,4 @@ def check_logprobs(
     return rows
 
 
-def logprobs_check_case_count() -> int:
-    return len(check_cases())
-
-
 SUITE = CheckSuite("linear_logprobs", check_cases, check_logprobs)
