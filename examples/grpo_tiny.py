@@ -298,7 +298,7 @@ def train_step(
     def logprobs(m, grad: bool):
         with torch.set_grad_enabled(grad):
             hidden = forward_packed(m, pack, attn_implementation="rk_tree_sdpa")
-            logp, entropy = rk.linear_logprobs(
+            out = rk.linear_logprobs(
                 hidden,
                 m.get_output_embeddings().weight,
                 pack.target_ids,
@@ -309,7 +309,7 @@ def train_step(
             )
             # Entropy is per forwarded position; a shared branch position predicts several
             # targets, so it is read per target.
-            return logp, entropy[pack.token_index]
+            return out.logp, out.entropy[pack.token_index]
 
     ref_logp, _ = logprobs(ref_model, False)
     if cfg.kl == "seq":  # a per-sequence constant, like a KL folded into the reward

@@ -4,7 +4,13 @@ from . import async_rollout, distributed, dynamics
 from ._core.cache import cpu_cache_stats, empty_cpu_cache
 from .ops.advantages import group_advantages
 from .ops.groups import uids_to_group_index
-from .ops.logprobs import OPTIONAL_OUTPUTS, LinearLogprobs, linear_logprobs, logprobs_from_logits
+from .ops.logprobs import (
+    OPTIONAL_OUTPUTS,
+    LinearLogprobs,
+    LogprobsFromLogits,
+    linear_logprobs,
+    logprobs_from_logits,
+)
 from .ops.policy_loss import policy_loss, shape_token_advantages
 from .options import (
     AdvantageOptions,
@@ -33,6 +39,7 @@ __all__ = [
     "linear_logprobs",
     "logprobs_from_logits",
     "LinearLogprobs",
+    "LogprobsFromLogits",
     "OPTIONAL_OUTPUTS",
     "policy_loss",
     "shape_token_advantages",

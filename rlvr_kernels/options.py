@@ -90,6 +90,20 @@ class AdvantageOptions:
             raise ValueError(f"k: only used by estimator='passk', got k={self.k!r} with estimator={self.estimator!r}")
 
 
+def options_or_resolve(cls, resolve, preset: Optional[str], options, **overrides):
+    """``options`` itself when given (an instance of ``cls``, and then neither ``preset`` nor
+    any keyword option may be given), else ``resolve(preset, **overrides)``: the one rule of
+    the ``options=`` argument of ``group_advantages`` and ``policy_loss``."""
+    if options is None:
+        return resolve(preset, **overrides)
+    if not isinstance(options, cls):
+        raise TypeError(f"options: expected a rlvr_kernels.{cls.__name__}, got {type(options).__name__}")
+    given = [k for k, v in overrides.items() if v is not None]
+    if given or preset is not None:
+        raise ValueError(f"options: give either options= or preset/keyword options, not both (got {given or preset})")
+    return options
+
+
 # What each preset fixes; explicit keyword arguments still override it.
 _PRESET_FIELDS = {
     None: {},

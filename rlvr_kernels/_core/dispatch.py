@@ -150,11 +150,6 @@ def run(op: str, backend: str, device: torch.device, *args):
     return kernel(op, resolve_backend(backend, device))(*args)
 
 
-def kernel_backends(op: str) -> Tuple[str, ...]:
-    """The backends with a row for ``op``, in :data:`BACKENDS` order."""
-    return tuple(b for b in BACKENDS if (op, b) in KERNELS)
-
-
 def available_backends(device: str) -> List[str]:
     """The backends that can run on ``device`` here ("cpu" or "cuda"): the reference always,
     the C++ kernels on CPU when built, Triton on CUDA or when interpreted. The CLI's and the

@@ -139,11 +139,11 @@ def _measure(rank: int, world: int, scale: float) -> List[Dict]:
     targets = torch.randint(0, vocab, (tokens,), generator=gen)
     linear_logprobs(hidden, weight, targets, return_entropy=True, process_group=pg)
     with count_collectives(world) as calls:
-        logp_v, ent = linear_logprobs(hidden, weight, targets, return_entropy=True, process_group=pg)
+        out = linear_logprobs(hidden, weight, targets, return_entropy=True, process_group=pg)
     shard_logits = tokens * (bounds[rank + 1] - bounds[rank]) * 4
     rows.append(_row("linear_logprobs forward", world, calls, shard_logits, "logit shards [N, V/W] fp32", needed=2))
     with count_collectives(world) as calls:
-        (logp_v.sum() + ent.sum()).backward()
+        (out.logp.sum() + out.entropy.sum()).backward()
     grad = tokens * HIDDEN * 4  # both designs all-reduce the hidden-state gradient
     rows.append(_row("linear_logprobs backward", world, calls, 0, "(the same all-reduce)", needed=1))
     rows[-1]["naive_local_bytes"] = grad

@@ -128,7 +128,8 @@ def _trl_chunked(hidden, weight, targets):
 
 
 def _fused(hidden, weight, targets):
-    return linear_logprobs(hidden, weight, targets, return_entropy=True)
+    out = linear_logprobs(hidden, weight, targets, return_entropy=True)
+    return out.logp, out.entropy
 
 
 METHODS = {

@@ -177,9 +177,9 @@ def _forward_step(x: Dict, packed: bool, attention: str = "rk_tree_sdpa") -> Cal
         else:
             model.set_attn_implementation("sdpa")
             hidden = model.base_model(input_ids=batch, position_ids=positions, use_cache=False).last_hidden_state
-            logp, _ = linear_logprobs(
+            logp = linear_logprobs(
                 hidden.reshape(-1, hidden.shape[-1]), head, targets, row_index=index, return_entropy=True
-            )
+            ).logp
         logp.sum().backward()
         return logp.detach()
 

@@ -334,9 +334,6 @@ class Patcher:
         self._pairs.clear()
         self._sweep = ()
 
-    def originals(self) -> Dict[str, Any]:
-        return {f"{getattr(o, '__name__', o)}.{a}": orig for o, a, orig in self._saved}
-
     def _sweep_modules(self, *, to_ours: bool) -> None:
         """Every loaded module of the swept packages whose attribute is a replaced original
         (``to_ours``) or one of the replacements (restoring) gets the other; replacements

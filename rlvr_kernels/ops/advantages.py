@@ -80,7 +80,7 @@ from .._core.validation import (
     fail_if,
 )
 from ..contracts.advantages import Baseline, GroupAdvantagesParams, Scale, Whiten
-from ..options import AdvantageOptions, GroupAdvantages, Whitening, resolve_advantage_options
+from ..options import AdvantageOptions, GroupAdvantages, Whitening, options_or_resolve, resolve_advantage_options
 
 _Out = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -270,6 +270,10 @@ def _check_values(scores, group_index, num_groups, sample_mask, opts) -> None:
             )
 
 
+def _resolve(preset, options, **overrides) -> AdvantageOptions:
+    return options_or_resolve(AdvantageOptions, resolve_advantage_options, preset, options, **overrides)
+
+
 # ------------------------------------------------------------------ public function
 def group_advantages(
     scores: torch.Tensor,
@@ -279,6 +283,7 @@ def group_advantages(
     num_groups: Optional[int] = None,
     estimator: Optional[str] = None,
     preset: Optional[str] = None,
+    options: Optional[AdvantageOptions] = None,
     sample_mask: Optional[torch.Tensor] = None,
     response_mask: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None,
@@ -311,6 +316,9 @@ def group_advantages(
             ``reinforce_pp_baseline``, ``gdpo``.
         preset: ``"verl"``, ``"trl"`` or ``"trl_async"``: the peer's exact conventions;
             explicit keyword arguments override the preset.
+        options: a full :class:`AdvantageOptions` (then neither ``preset`` nor any of
+            ``estimator``, ``std``, ``eps``, ``eps_in_sqrt``, ``scale``, ``singleton``,
+            ``nan_policy``, ``k``, ``whitening`` may be given); those keywords are its fields.
         sample_mask: ``[B]``, False excludes a sample from the statistics and gives it A = 0.
         response_mask: padded ``[B, L]`` token mask, or packed ``[T]`` with ``cu_seqlens``:
             token advantages A_i · m_{i,t} are written in the same pass.
@@ -367,6 +375,7 @@ def group_advantages(
             backend,
             dict(
                 preset=preset,
+                options=options,
                 estimator=estimator,
                 std=std,
                 eps=eps,
@@ -383,8 +392,9 @@ def group_advantages(
             validate,
         )
     _dispatch.check_backend(backend)
-    opts = resolve_advantage_options(
+    opts = _resolve(
         preset,
+        options,
         estimator=estimator,
         std=std,
         eps=eps,
@@ -660,7 +670,7 @@ def _validate_distributed(backend, option_kwargs, tensors, group_size, out_dtype
     _dispatch.check_backend(backend)
     if backend == "reference":
         raise ValueError("process_group: the reference backend is single-process; pass backend='auto'")
-    opts = resolve_advantage_options(option_kwargs.pop("preset"), **option_kwargs)
+    opts = _resolve(option_kwargs.pop("preset"), option_kwargs.pop("options"), **option_kwargs)
     if opts.estimator not in _DIST_ESTIMATORS:
         raise NotImplementedError(
             f"group_advantages: estimator={opts.estimator!r} with process_group is not supported (its batch "

@@ -113,14 +113,22 @@ _MAX_TOP1_VOCAB = 2**24
 
 
 class LinearLogprobs(NamedTuple):
-    """What ``linear_logprobs(..., outputs=...)`` returns; None for an output not requested.
-    ``entropy`` carries a gradient; the others do not."""
+    """What ``linear_logprobs`` returns, whatever is asked: None for an output not requested
+    (``entropy`` is requested by ``return_entropy=True`` or ``outputs``). ``entropy``
+    carries a gradient; the others do not."""
 
     logp: torch.Tensor  # [M]: log-prob of each target (0 for ignored ones)
     entropy: Optional[torch.Tensor]  # [N]: entropy of each row's distribution
     log_sum_sq_probs: Optional[torch.Tensor]  # [N]: log Σ_v p_v² (no gradient)
     mean_logits: Optional[torch.Tensor]  # [N]: mean over the vocabulary of z (no gradient)
     is_top1: Optional[torch.Tensor]  # [M] bool: the target is the row's first argmax (no gradient)
+
+
+class LogprobsFromLogits(NamedTuple):
+    """What ``logprobs_from_logits`` returns, whatever is asked; both shaped like the targets."""
+
+    logp: torch.Tensor  # log-prob of each target (0 for ignored ones)
+    entropy: Optional[torch.Tensor]  # entropy of each row's distribution; None without return_entropy
 
 
 # ------------------------------------------------------------------ custom ops: the kernels
@@ -769,7 +777,7 @@ def linear_logprobs(
     process_group=None,
     validate: bool = True,
     backend: str = "auto",
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], LinearLogprobs]:
+) -> LinearLogprobs:
     """Log-probs of ``targets`` (and per-row statistics) straight from hidden states and the
     LM head, never materialising the ``[N, V]`` logits (docs/logprobs.md).
 
@@ -812,10 +820,10 @@ def linear_logprobs(
         backend: ``"auto"``, or ``"reference"``, ``"cpu"``, ``"triton"``.
 
     Returns:
-        ``logp [M]`` (fp32; fp64 for fp64 inputs), or ``(logp, entropy [N])`` with
-        ``return_entropy``; with ``outputs``, a :class:`LinearLogprobs` (logp, entropy,
-        log_sum_sq_probs, mean_logits, is_top1), None for those not requested
-        (``return_entropy=True`` requests the entropy).
+        A :class:`LinearLogprobs` (logp [M], entropy [N], log_sum_sq_probs [N],
+        mean_logits [N], is_top1 [M]) in fp32 (fp64 for fp64 inputs; is_top1 bool), None
+        for those not requested (``return_entropy=True`` requests the entropy), whatever
+        is asked.
     """
     if process_group is not None:
         collectives.check_eager("linear_logprobs")
@@ -845,8 +853,8 @@ def linear_logprobs(
     if "is_top1" in x.outputs and vocab_size > _MAX_TOP1_VOCAB:
         raise ValueError(f"outputs: 'is_top1' supports vocabularies of at most {_MAX_TOP1_VOCAB}, got {vocab_size}")
     _check_values(x.targets, x.row_index, vocab_size, x.num_rows, ignore_index, validate)
-    named = bool(outputs)  # the return form: a LinearLogprobs when outputs were named
     if backend == "reference":
+        wanted = tuple(o for o in OPTIONAL_OUTPUTS if o in x.outputs)
         out = _dispatch.kernel("linear_logprobs", "reference")(
             x.hidden,
             x.weight,
@@ -858,9 +866,10 @@ def linear_logprobs(
             ignore_index=ignore_index,
             logit_scale=x.logit_scale,
             softcap=x.softcap,
-            outputs=tuple(o for o in OPTIONAL_OUTPUTS if o in x.outputs) if named else (),
+            outputs=wanted,
         )
-        return LinearLogprobs(*out) if named else out
+        # The reference gives the bare log-probs when nothing else is asked.
+        return LinearLogprobs(*out) if wanted else LinearLogprobs(out, None, None, None, None)
     n = x.num_rows
     row_ptr, order = _csr(x.row_index, n, x.hidden.device)
     out_scale, tanh_scale = _transform_scales(x.logit_scale, x.softcap)
@@ -886,8 +895,6 @@ def linear_logprobs(
     else:
         shard = _VocabShard(group=process_group, vocab_start=vocab_start, vocab_size=vocab_size)
         logp, entropy, _, log_sum_sq, mean_logits, is_top1 = _VocabParallelLinearLogprobs.apply(*args, shard)
-    if not named:
-        return (logp, _unsaved(entropy)) if return_entropy else logp
     return LinearLogprobs(
         logp,
         _unsaved(entropy) if args.return_entropy else None,
@@ -906,7 +913,7 @@ def logprobs_from_logits(
     ignore_index: int = -100,
     validate: bool = True,
     backend: str = "auto",
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+) -> LogprobsFromLogits:
     """Log-probs of ``targets`` (and entropy) from logits that already exist (docs/logprobs.md):
     one pass over each row, no ``[N, V]`` temporaries (the backward writes the logits'
     gradient and nothing else of that size).
@@ -924,7 +931,8 @@ def logprobs_from_logits(
         validate, backend: as in :func:`linear_logprobs`.
 
     Returns:
-        ``logp`` shaped like ``targets`` (fp32; fp64 for fp64 logits), or ``(logp, entropy)``.
+        A :class:`LogprobsFromLogits` (logp, entropy), both shaped like ``targets`` (fp32;
+        fp64 for fp64 logits); entropy is None without ``return_entropy``.
     """
     _dispatch.check_backend(backend)
     x = _validate_from_logits(logits, targets, temperature, ignore_index, validate)
@@ -932,7 +940,8 @@ def logprobs_from_logits(
     _check_values(flat_targets, None, x.vocab, x.num_rows, ignore_index, validate)
     if backend == "reference":
         ref = _dispatch.kernel("logprobs_from_logits", "reference")
-        return ref(logits, targets, x.temperature, return_entropy, ignore_index=ignore_index)
+        out = ref(logits, targets, x.temperature, return_entropy, ignore_index=ignore_index)
+        return LogprobsFromLogits(*out) if return_entropy else LogprobsFromLogits(out, None)
     # One row per leading index: a view whenever the leading dimensions share one stride.
     rows = einops.rearrange(logits, "... v -> (...) v")
     if rows.stride(1) != 1:
@@ -948,7 +957,7 @@ def logprobs_from_logits(
     )
     logp, entropy, _ = _from_logits(*args)
     logp = logp.reshape(x.lead)
-    return (logp, _unsaved(entropy.reshape(x.lead))) if return_entropy else logp
+    return LogprobsFromLogits(logp, _unsaved(entropy.reshape(x.lead)) if return_entropy else None)
 
 
 # ------------------------------------------------------------------ helpers

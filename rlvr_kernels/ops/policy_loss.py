@@ -78,7 +78,13 @@ from ..contracts.policy_loss import (
     TokenOut,
     entropy_quantile_threshold,
 )
-from ..options import PolicyLossMetrics, PolicyLossOptions, TokenShaping, resolve_policy_loss_options
+from ..options import (
+    PolicyLossMetrics,
+    PolicyLossOptions,
+    TokenShaping,
+    options_or_resolve,
+    resolve_policy_loss_options,
+)
 
 S = PolicyLossSum
 _Out = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -392,16 +398,7 @@ def _check_agg_args(
 
 
 def _resolve(preset, options, **overrides) -> PolicyLossOptions:
-    if options is not None:
-        if not isinstance(options, PolicyLossOptions):
-            raise TypeError(f"options: expected a rlvr_kernels.PolicyLossOptions, got {type(options).__name__}")
-        given = [k for k, v in overrides.items() if v is not None]
-        if given or preset is not None:
-            raise ValueError(
-                f"options: give either options= or preset/keyword options, not both (got {given or preset})"
-            )
-        return options
-    return resolve_policy_loss_options(preset, **overrides)
+    return options_or_resolve(PolicyLossOptions, resolve_policy_loss_options, preset, options, **overrides)
 
 
 def _check_finite(sums: Optional[torch.Tensor], x: _Inputs, validate: bool) -> None:

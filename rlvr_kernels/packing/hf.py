@@ -91,7 +91,7 @@ def packed_logprobs(
         raise TypeError(f"model: {type(model).__name__} has no output embeddings (lm_head); pass a ...ForCausalLM")
     softcap, logit_scale = logit_transform(model)
     hidden = forward_packed(model, pack, attn_implementation=attn_implementation, **attention_kwargs)
-    logp, entropy = linear_logprobs(
+    out = linear_logprobs(
         hidden,
         head.weight,
         pack.target_ids,
@@ -102,7 +102,7 @@ def packed_logprobs(
         logit_scale=logit_scale,
         softcap=softcap,
     )
-    return (logp, entropy[pack.token_index]) if return_entropy else logp
+    return (out.logp, out.entropy[pack.token_index]) if return_entropy else out.logp
 
 
 def _check_model(model) -> None:

@@ -143,8 +143,4 @@ def check_group_advantages(
     return rows
 
 
-def check_case_count() -> int:
-    return len(check_cases())
-
-
 SUITE = CheckSuite("group_advantages", check_cases, check_group_advantages)

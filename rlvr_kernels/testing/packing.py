@@ -12,9 +12,6 @@ import torch
 from ._checks import CheckRow, CheckSuite, check_row
 from ._compare import Comparison
 
-# The builder runs on the host: a C++ kernel and the reference, no Triton kernel.
-PACKING_BACKENDS = ("reference", "cpu")
-
 
 def random_forest(gen: torch.Generator, *, groups: int, group_size: int, vocab: int, multi_turn: bool):
     """Samples of ``groups`` prompts (with a common system prompt), completions of varied

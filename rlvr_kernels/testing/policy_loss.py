@@ -259,8 +259,4 @@ def check_policy_loss(
     return rows
 
 
-def policy_check_case_count() -> int:
-    return len(check_cases())
-
-
 SUITE = CheckSuite("policy_loss", check_cases, check_policy_loss)

@@ -86,7 +86,6 @@ SEQ_TIS = tl.constexpr(int(RolloutCorrection.SEQ_TIS))
 TOKEN_MIS = tl.constexpr(int(RolloutCorrection.TOKEN_MIS))
 SEQ_MIS = tl.constexpr(int(RolloutCorrection.SEQ_MIS))
 DECOUPLED = tl.constexpr(int(RolloutCorrection.DECOUPLED))
-TOKEN_OUT_NONE = tl.constexpr(int(TokenOut.NONE))
 TOKEN_OUT_LOSS = tl.constexpr(int(TokenOut.LOSS))
 TOKEN_OUT_SHAPED = tl.constexpr(int(TokenOut.SHAPED_ADVANTAGES))
 # Columns of a partial-sums row (PolicyLossSum), padded to a power of two.

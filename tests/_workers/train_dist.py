@@ -58,7 +58,7 @@ class _Policy(torch.nn.Module):
 
         hidden = self.model(input_ids=tokens).last_hidden_state[:, P - 1 : -1]  # predicts tokens[:, P:]
         targets = tokens[:, P:]
-        logp = linear_logprobs(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, targets.reshape(-1))
+        logp = linear_logprobs(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, targets.reshape(-1)).logp
         return logp.view(targets.shape)
 
 

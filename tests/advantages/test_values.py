@@ -182,3 +182,29 @@ def test_empty_and_all_masked_inputs_give_zeros(backend, device):
             assert torch.isfinite(t).all() and (t == 0).all(), (est, name, t)
         assert out.group_count.tolist() == [0, 0, 0, 0]
         assert out.group_degenerate.all() and not out.sample_keep.any()
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_options_argument_equals_the_keywords(backend, device):
+    # options= takes the resolved fields; the result equals the preset/keyword call bitwise.
+    gen = torch.Generator().manual_seed(3)
+    data = dict(
+        scores=torch.rand(12, generator=gen),
+        group_index=torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]),
+        response_mask=(torch.rand(12, 5, generator=gen) > 0.3).float(),
+    )
+    calls = [
+        (None, dict(estimator="rloo")),
+        ("verl", dict(eps=1e-3)),
+        ("trl", dict(scale="batch")),
+        (None, dict(estimator="passk", k=2)),
+        ("verl", dict(estimator="reinforce_pp_baseline")),
+    ]
+    for preset, kw in calls:
+        by_keywords = run(backend, device, **data, preset=preset, **kw)
+        options = rk.options.resolve_advantage_options(preset, **kw)
+        assert isinstance(options, rk.AdvantageOptions)
+        by_options = run(backend, device, **data, options=options)
+        for name, want in by_keywords._asdict().items():
+            got = getattr(by_options, name)
+            assert torch.equal(got, want), (preset, kw, name)

@@ -367,7 +367,8 @@ def test_compiled_drop_in_follows_use_backend(monkeypatch):
     mark = {"cpu": 0.0, "auto": 100.0}
 
     def spy(*args, backend="auto", **kw):
-        return real(*args, backend=backend, **kw) + mark[backend]  # (log-probs only: no entropy asked)
+        out = real(*args, backend=backend, **kw)
+        return out._replace(logp=out.logp + mark[backend])  # (log-probs only: no entropy asked)
 
     monkeypatch.setattr(trainer_utils, "logprobs_from_logits", spy)
     torch._dynamo.reset()

@@ -95,7 +95,7 @@ def test_peaked_rows_exact(backend, device):
     z = inputs["hidden"].double() @ inputs["weight"].double().T
     top2 = z.topk(2, dim=-1).values
     assert bool((top2[:, 0] - top2[:, 1] > 30).all())
-    logp, entropy = rk.linear_logprobs(**inputs, backend=backend)
+    logp, entropy = rk.linear_logprobs(**inputs, backend=backend)[:2]
     assert bool((logp <= 0).all()) and float(logp.min()) > -1e-6
     assert float(entropy.max()) < 1e-6
 
@@ -109,14 +109,14 @@ def test_flat_rows_entropy_is_log_v(backend, device):
         targets=torch.arange(5, device=device),
         return_entropy=True,
     )
-    logp, entropy = rk.linear_logprobs(**inputs, backend=backend)
+    logp, entropy = rk.linear_logprobs(**inputs, backend=backend)[:2]
     torch.testing.assert_close(logp, torch.full_like(logp, -math.log(V)), rtol=0, atol=1e-6)
     torch.testing.assert_close(entropy, torch.full_like(entropy, math.log(V)), rtol=0, atol=1e-6)
 
 
 def _row_results(backend, hidden, weight, targets, rows):
-    logp, ent = rk.linear_logprobs(hidden, weight, targets, temperature=0.7, return_entropy=True, backend=backend)
-    return logp[rows], ent[rows]
+    out = rk.linear_logprobs(hidden, weight, targets, temperature=0.7, return_entropy=True, backend=backend)
+    return out.logp[rows], out.entropy[rows]
 
 
 @pytest.mark.parametrize("backend,device", FAST)
@@ -186,7 +186,7 @@ def test_log_probs_only(backend, device):
 
     def run(inp, be):
         leaves = {k: inp[k].detach().clone().requires_grad_(True) for k in ("hidden", "weight", "bias")}
-        logp = rk.linear_logprobs(**dict(inp, **leaves), backend=be)
+        logp = rk.linear_logprobs(**dict(inp, **leaves), backend=be).logp
         (logp * g.to(logp)).sum().backward()
         return [logp.detach()] + [leaves[k].grad for k in ("hidden", "weight", "bias")]
 
@@ -204,21 +204,21 @@ def test_empty_and_all_ignored(backend, device):
     h = torch.zeros(0, H, device=device, requires_grad=True)
     logp, ent = rk.linear_logprobs(
         h, w, torch.zeros(0, dtype=torch.int64, device=device), return_entropy=True, backend=backend
-    )
+    )[:2]
     assert logp.shape == (0,) and ent.shape == (0,)
     (logp.sum() + ent.sum()).backward()
     assert h.grad.shape == (0, H) and bool((w.grad == 0).all())
     # M = 0 (rows predict nothing): entropies only
     h = torch.randn(4, H, device=device, requires_grad=True)
     empty = torch.zeros(0, dtype=torch.int64, device=device)
-    logp, ent = rk.linear_logprobs(h, w, empty, row_index=empty, return_entropy=True, backend=backend)
+    logp, ent = rk.linear_logprobs(h, w, empty, row_index=empty, return_entropy=True, backend=backend)[:2]
     ref = rk.linear_logprobs(h.double(), w.double(), empty, row_index=empty, return_entropy=True, backend="reference")
     assert logp.shape == (0,)
-    torch.testing.assert_close(ent.double(), ref[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ent.double(), ref.entropy, rtol=1e-5, atol=1e-6)
     # every target ignored: log-probs 0 and no gradient from them
     w.grad = None
     t = torch.full((4,), -100, dtype=torch.int64, device=device)
-    logp = rk.linear_logprobs(h, w, t, backend=backend)
+    logp = rk.linear_logprobs(h, w, t, backend=backend).logp
     assert bool((logp == 0).all())
     logp.sum().backward()
     assert bool((w.grad == 0).all())
@@ -249,8 +249,8 @@ def test_from_logits_expanded_logits(backend, device, entropy):
             logits = expand(leaf)
             if materialise:
                 logits = logits.contiguous()
-            out = rk.logprobs_from_logits(logits, targets, 0.8, entropy, backend=backend)
-            logp, ent = out if entropy else (out, torch.zeros_like(out))
+            logp, ent = rk.logprobs_from_logits(logits, targets, 0.8, entropy, backend=backend)
+            ent = torch.zeros_like(logp) if ent is None else ent
             ((logp * up.to(logp)).sum() + (ent * up.flip(-1).to(ent)).sum()).backward()
             return logp.detach(), ent.detach(), leaf.grad
 

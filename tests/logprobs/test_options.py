@@ -121,9 +121,8 @@ def test_defaults_are_unchanged_by_the_new_options(backend, device):
     kw = dict(x)
     a = rk.linear_logprobs(**kw, return_entropy=True, backend=backend)
     b = rk.linear_logprobs(**kw, return_entropy=True, backend=backend, logit_scale=1.0, softcap=None, outputs=())
-    assert isinstance(b, tuple) and not isinstance(b, LinearLogprobs)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    assert isinstance(rk.linear_logprobs(**kw, backend=backend, outputs=()), torch.Tensor)
+    assert torch.equal(a.logp, b.logp) and torch.equal(a.entropy, b.entropy)
+    assert torch.equal(rk.linear_logprobs(**kw, backend=backend, outputs=()).logp, a.logp)
     plain = _run_plain(x, backend, up)
     full = _run(x, backend, up)
     for k in ("logp", "entropy", "grad.hidden", "grad.weight", "grad.bias"):
@@ -134,7 +133,7 @@ def _run_plain(x, backend, up):
     x = dict(x)
     leaves = {n: x[n].detach().clone().requires_grad_(True) for n in ("hidden", "weight", "bias")}
     x.update(leaves)
-    logp, ent = rk.linear_logprobs(**x, return_entropy=True, backend=backend)
+    logp, ent = rk.linear_logprobs(**x, return_entropy=True, backend=backend)[:2]
     ((logp * up[0].to(logp)).sum() + (ent * up[1].to(ent)).sum()).backward()
     out = {"logp": logp.detach(), "entropy": ent.detach()}
     out.update({f"grad.{n}": leaf.grad for n, leaf in leaves.items()})
@@ -192,6 +191,29 @@ def test_outputs_subsets_and_return_forms(backend, device):
     r = rk.linear_logprobs(**{**x, **leaves}, outputs=OPTIONAL_OUTPUTS, backend=backend)
     assert r.logp.requires_grad and r.entropy.requires_grad
     assert not r.log_sum_sq_probs.requires_grad and not r.mean_logits.requires_grad and not r.is_top1.requires_grad
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_one_return_type_whatever_is_asked(backend, device):
+    """linear_logprobs returns a LinearLogprobs and logprobs_from_logits a
+    LogprobsFromLogits for every request, None in the fields not asked for."""
+    x, _ = _case("return type", F32, device)
+    asks = [dict(), dict(return_entropy=True), dict(outputs=("mean_logits",)), dict(outputs=OPTIONAL_OUTPUTS)]
+    for ask in asks:
+        r = rk.linear_logprobs(**x, backend=backend, **ask)
+        assert type(r) is LinearLogprobs and len(r) == 5, ask
+        wanted = set(ask.get("outputs", ())) | ({"entropy"} if ask.get("return_entropy") else set())
+        for name in OPTIONAL_OUTPUTS:
+            assert (getattr(r, name) is None) == (name not in wanted), (ask, name)
+        assert r.logp.shape == x["targets"].shape
+    logits = torch.randn(2, 3, 11, device=device)
+    targets = torch.randint(0, 11, (2, 3), device=device)
+    for entropy in (False, True):
+        r = rk.logprobs_from_logits(logits, targets, return_entropy=entropy, backend=backend)
+        assert type(r) is rk.LogprobsFromLogits and len(r) == 2
+        assert r.logp.shape == (2, 3) and (r.entropy is None) == (not entropy)
+        if entropy:
+            assert r.entropy.shape == (2, 3)
 
 
 @pytest.mark.parametrize("backend,device", ALL)

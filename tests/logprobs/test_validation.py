@@ -80,9 +80,9 @@ def test_linear_logprobs_errors(backend, over, exc, match):
 
 def test_ignore_index_is_exempt_from_the_range_check():
     t = torch.tensor([0, -100, 3, -100, 4])
-    logp = rk.linear_logprobs(**args(targets=t), backend="cpu")
+    logp = rk.linear_logprobs(**args(targets=t), backend="cpu").logp
     assert bool((logp[t == -100] == 0).all())
-    logp = rk.linear_logprobs(**args(targets=torch.tensor([0, 7, 3, 7, 4])), ignore_index=7, backend="cpu")
+    logp = rk.linear_logprobs(**args(targets=torch.tensor([0, 7, 3, 7, 4])), ignore_index=7, backend="cpu").logp
     assert float(logp[1]) == 0.0 and float(logp[0]) < 0
 
 
@@ -90,7 +90,7 @@ def test_validate_false_skips_value_checks_but_stays_in_bounds():
     """Out-of-range ids with validate=False: no error, no out-of-bounds access (the
     sanitizer run checks the latter); such a target matches no column."""
     kw = args(targets=torch.tensor([0, V + 5, -7, 2, 3]), row_index=torch.tensor([0, 1, 2, 2, 4]))
-    logp = rk.linear_logprobs(**kw, validate=False, backend="cpu")
+    logp = rk.linear_logprobs(**kw, validate=False, backend="cpu").logp
     assert logp.shape == (N,) and bool(torch.isfinite(logp[[0, 3, 4]]).all())
 
 
@@ -235,7 +235,8 @@ def test_meta_in_meta_out(entropy):
     out = rk.linear_logprobs(
         hidden, weight, targets, row_index=row_index, bias=bias, temperature=temp, return_entropy=entropy
     )
-    logp, ent = out if entropy else (out, None)
+    logp, ent = out.logp, out.entropy
+    assert (ent is None) == (not entropy)
     assert logp.device.type == "meta" and logp.shape == (N + 2,) and logp.dtype == torch.float32
     loss = logp.sum() + (ent.sum() if entropy else 0)
     if entropy:
@@ -246,8 +247,7 @@ def test_meta_in_meta_out(entropy):
 
     logits = torch.empty(2, 3, V, dtype=torch.bfloat16, **meta, requires_grad=True)
     lt = torch.empty(2, 3, dtype=torch.long, **meta)
-    out = rk.logprobs_from_logits(logits, lt, torch.empty((), **meta), entropy)
-    logp, ent = out if entropy else (out, None)
+    logp, ent = rk.logprobs_from_logits(logits, lt, torch.empty((), **meta), entropy)
     assert logp.device.type == "meta" and logp.shape == (2, 3) and logp.dtype == torch.float32
     (logp.sum() + (ent.sum() if entropy else 0)).backward()
     assert logits.grad.device.type == "meta" and logits.grad.shape == logits.shape
@@ -261,12 +261,11 @@ def test_temperature_tensor_broadcasts(backend):
     per_row = rk.linear_logprobs(**kw, temperature=torch.full((N,), 0.7), return_entropy=True, backend=backend)
     for t in (torch.tensor(0.7), torch.tensor([0.7])):
         got = rk.linear_logprobs(**kw, temperature=t, return_entropy=True, backend=backend)
-        for a, b in zip(got, per_row):
-            assert torch.equal(a, b)
+        assert torch.equal(got.logp, per_row.logp) and torch.equal(got.entropy, per_row.entropy)
     logits, lt = torch.randn(2, 3, V), torch.randint(0, V, (2, 3))
-    want = rk.logprobs_from_logits(logits, lt, torch.full((2, 3), 0.7), backend=backend)
+    want = rk.logprobs_from_logits(logits, lt, torch.full((2, 3), 0.7), backend=backend).logp
     for t in (torch.tensor(0.7), torch.tensor([0.7]), torch.full((2, 1), 0.7)):
-        assert torch.equal(rk.logprobs_from_logits(logits, lt, t, backend=backend), want)
+        assert torch.equal(rk.logprobs_from_logits(logits, lt, t, backend=backend).logp, want)
 
 
 def test_validate_false_skips_temperature_values_only():
@@ -274,6 +273,6 @@ def test_validate_false_skips_temperature_values_only():
     static ones (a float temperature)."""
     kw = args()
     out = rk.linear_logprobs(**kw, temperature=torch.full((N,), 1e-40), validate=False, backend="cpu")
-    assert out.shape == (N,)
+    assert out.logp.shape == (N,)
     with pytest.raises(ValueError, match=TEMP_RANGE):
         rk.linear_logprobs(**kw, temperature=1e-39, validate=False, backend="cpu")

@@ -186,13 +186,13 @@ def run_ours(batch, kwargs, dtype):
     bias = batch["bias"].to(dtype, copy=True).requires_grad_(True) if batch["bias"] is not None else None
     mask = batch["mask"].bool()
     targets = torch.where(mask, batch["ids"], -100).reshape(-1)  # padding: ignore_index
-    logp = rk.linear_logprobs(hidden, weight, targets, temperature=TEMPERATURE, bias=bias).view(B, T)
+    logp = rk.linear_logprobs(hidden, weight, targets, temperature=TEMPERATURE, bias=bias).logp.view(B, T)
     ref = None
     if kwargs["options"].kl is not None:
         with torch.no_grad():
             ref_hidden = batch["ref_hidden"].to(dtype).reshape(B * T, H)
             ref = rk.linear_logprobs(ref_hidden, batch["ref_weight"].to(dtype), targets, temperature=TEMPERATURE)
-            ref = ref.view(B, T)
+            ref = ref.logp.view(B, T)
     loss, metrics = rk.policy_loss(
         logp, batch["old"].to(dtype), batch["advantages"].to(dtype), mask, ref_logprobs=ref, **kwargs
     )

@@ -28,7 +28,6 @@ from .._torch_math import aggregate, kl_estimate
 
 TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-_ITEMS_NORMALISED = ("dapo", "cispo", "vespo")  # TRL divides these by num_items_in_batch
 # GSPO's log s_i clamp (10 in verl) is off for TRL: a bound no finite mean log-ratio reaches.
 _NO_GSPO_CLAMP = 1e30
 # Off-policy / zero-ratio tokens are dropped through the op's token_mis weight (see _keep_logprobs):

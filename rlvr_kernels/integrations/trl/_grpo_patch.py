@@ -50,7 +50,6 @@ TRL_UTILS = "trl.trainer.utils"
 TRL_TRAINER = TRL_GRPO + ":GRPOTrainer"
 
 # Stable names under which the patched entry points count their calls (``call_counts()``).
-CALL_LOGPROBS = "trl.kernels.ChunkedLogProbFunction"  # recorded by the adapter itself
 CALL_ADVANTAGES = "trl.GRPOTrainer.advantages"
 CALL_LOSS = "trl.GRPOTrainer._compute_loss"
 CALL_LOSS_FALLBACK = "trl.GRPOTrainer._compute_loss[trl fallback]"

@@ -68,8 +68,6 @@ class ChunkedLogProbFunction:
             softcap=softcap,
             backend=current_backend(),
         )
-        if not wanted:
-            return _fp32(linear_logprobs(hidden, weight, targets, **kwargs)), None, None, None, None
         out = linear_logprobs(hidden, weight, targets, outputs=wanted, **kwargs)
         return (
             _fp32(out.logp),

@@ -68,7 +68,7 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Te
         raise ValueError("logits: expected a [..., V] tensor, got a 0-d tensor")
     ignored = torch.full(logits.shape[:-1], _IGNORE, dtype=torch.int64, device=logits.device)
     with caller_names(_NAMES):
-        _, entropy = logprobs_from_logits(logits, ignored, return_entropy=True, backend=current_backend())
+        entropy = logprobs_from_logits(logits, ignored, return_entropy=True, backend=current_backend()).entropy
     return entropy.to(torch.float32 if _trl_kernel_runs(logits) else logits.dtype)
 
 
@@ -105,10 +105,9 @@ def _select(logits, index, temperature, row_mask, need_entropy: bool):
     else:
         targets = torch.full(lead, _IGNORE, dtype=index.dtype, device=index.device)
     with caller_names(_NAMES):
-        out = logprobs_from_logits(
+        logp, entropy = logprobs_from_logits(
             logits, targets, temperature, return_entropy=need_entropy, validate=False, backend=current_backend()
         )
-    logp, entropy = out if need_entropy else (out, None)
     if multi:
         # The row's normaliser is in logp_0 = z_0 − lse: logp_k = logp_0 + (z_k − z_0) / T.
         # The ids were checked (_validate); the clamp keeps an unchecked call (torch.compile) in bounds.

@@ -40,7 +40,7 @@ def linear_cross_entropy(
     if hidden.dim() < 1:
         raise ValueError("hidden: expected a [..., H] tensor, got a 0-d tensor")
     with caller_names(_NAMES):
-        return linear_logprobs(
+        out = linear_logprobs(
             hidden.reshape(-1, hidden.shape[-1]),
             weight,
             labels.reshape(-1),
@@ -49,3 +49,4 @@ def linear_cross_entropy(
             process_group=dist_process_group,
             backend=current_backend(),
         )
+    return out.logp, out.entropy

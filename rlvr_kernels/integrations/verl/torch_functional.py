@@ -39,7 +39,7 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_bac
             )
         labels = labels.reshape(lead)
     with caller_names(_NAMES):
-        logp = _logprobs_from_logits(logits, labels, backend=current_backend())
+        logp = _logprobs_from_logits(logits, labels, backend=current_backend()).logp
     return logp.to(logits.dtype)
 
 
@@ -53,5 +53,5 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
         raise ValueError("logits: expected a [..., V] tensor, got a 0-d tensor")
     ignored = torch.full(logits.shape[:-1], -100, dtype=torch.int64, device=logits.device)
     with caller_names(_NAMES):
-        _, entropy = _logprobs_from_logits(logits, ignored, return_entropy=True, backend=current_backend())
+        entropy = _logprobs_from_logits(logits, ignored, return_entropy=True, backend=current_backend()).entropy
     return entropy.to(logits.dtype)
