@@ -25,7 +25,7 @@ samples: switch back with ``model.set_attn_implementation("sdpa")`` (or the prev
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -70,6 +70,13 @@ def forward_packed(model, pack, *, attn_implementation: str = SDPA, **attention_
     return out.last_hidden_state[0]
 
 
+class PackedLogprobs(NamedTuple):
+    """What :func:`packed_logprobs` returns: ``[M]`` each, sample-major (``pack.cu_seqlens``)."""
+
+    logp: torch.Tensor  # log-prob of each target
+    entropy: Optional[torch.Tensor]  # entropy of the distribution each target was drawn from; None unless asked
+
+
 def packed_logprobs(
     model,
     pack,
@@ -78,10 +85,11 @@ def packed_logprobs(
     return_entropy: bool = True,
     attn_implementation: str = SDPA,
     **attention_kwargs,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+) -> PackedLogprobs:
     """Per-target log-probs ``[M]`` (sample-major, ``pack.cu_seqlens``), and with
     ``return_entropy`` the entropy ``[M]`` of the distribution each target was drawn from,
-    both at ``temperature``. fp32 (fp64 for an fp64 model); differentiable.
+    both at ``temperature``, as a :class:`PackedLogprobs` (``entropy`` None without
+    ``return_entropy``). fp32 (fp64 for an fp64 model); differentiable.
 
     logp_m = log softmax(lm_head(hidden[token_index[m]]) / T)[target_ids[m]].
     """
@@ -98,11 +106,12 @@ def packed_logprobs(
         row_index=pack.token_index,
         temperature=temperature,
         bias=getattr(head, "bias", None),
-        return_entropy=True,
+        return_entropy=return_entropy,
         logit_scale=logit_scale,
         softcap=softcap,
     )
-    return (out.logp, out.entropy[pack.token_index]) if return_entropy else out.logp
+    # The entropy is per hidden row; each target reads the row that predicts it.
+    return PackedLogprobs(out.logp, out.entropy[pack.token_index] if return_entropy else None)
 
 
 def _check_model(model) -> None:

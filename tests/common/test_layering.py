@@ -59,8 +59,6 @@ FLOORS = (
 # ``python -m rlvr_kernels`` to the CLI.
 MEMBERS = {"__main__": "cli"}
 FLOOR = {layer: i for i, layers in enumerate(FLOORS) for layer in layers}
-# Compiled extension modules: there is no .py file to find (nor a .so before a build).
-EXTENSIONS: set = set()  # compiled modules imported by name (the C++ kernels load by path)
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -99,7 +97,7 @@ def _imports(module: str, path: pathlib.Path, known: Set[str]) -> Set[str]:
 
 def _graph() -> Dict[str, Set[str]]:
     modules = _modules()
-    known = set(modules) | EXTENSIONS
+    known = set(modules)
     return {m: _imports(m, p, known) for m, p in modules.items()}
 
 
@@ -135,13 +133,13 @@ def _find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
 
 
 def test_every_module_has_a_floor():
-    layers = {_layer(m) for m in _graph()} | {_layer(m) for m in EXTENSIONS}
+    layers = {_layer(m) for m in _graph()}
     assert layers <= set(FLOOR), f"modules outside every floor (add their layer to FLOORS): {layers - set(FLOOR)}"
 
 
 def test_every_import_resolves_to_a_module():
     graph = _graph()
-    known = set(graph) | EXTENSIONS
+    known = set(graph)
     bad = sorted(f"{m} imports {d}" for m, deps in graph.items() for d in deps if d not in known)
     assert not bad, bad
 

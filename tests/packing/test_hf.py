@@ -263,5 +263,7 @@ def test_empty_pack_and_out_of_vocabulary_ids():
     logp, entropy = packed_logprobs(model, pack_prefix_tree([], completion_start=0))
     assert logp.shape == (0,) and entropy.shape == (0,)
     logp.sum().backward()  # an empty rank still takes part in the backward
+    only = packed_logprobs(model, pack_prefix_tree([[1, 2, 3]], completion_start=1), return_entropy=False)
+    assert only.entropy is None and only.logp.shape == (2,) and torch.isfinite(only.logp).all()
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         packed_logprobs(model, pack_prefix_tree([[1, 2, VOCAB]], completion_start=0))
