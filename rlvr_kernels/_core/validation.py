@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -32,6 +33,15 @@ MAX_COUNT = 2**31 - 1
 # (fp32's max 3.4e38 / 1e30), far beyond any real model's logits.
 MIN_TEMPERATURE = 1e-30
 MAX_TEMPERATURE = 1e30
+
+# linear_logprobs' logit_scale (its magnitude, unless 0) and softcap: the kernels read them
+# folded with the temperature into fp32 factors, logit_scale/T or softcap/T per row and the
+# tanh's scale logit_scale/softcap (where 0 means "no soft-cap"). With both in this range
+# and T in [MIN_TEMPERATURE, MAX_TEMPERATURE] every factor, and the backward's product
+# (logit_scale/softcap)·(softcap/T), lies in [1e-36, 1e36]: a normal fp32 number, never 0
+# or inf, whatever the logits; far beyond real heads' values (about 0.06 to 50).
+MIN_LOGIT_FACTOR = 1e-6
+MAX_LOGIT_FACTOR = 1e6
 
 
 def _dtype_names(dtypes) -> str:
@@ -108,6 +118,23 @@ def check_number(
         bracket = "(" if open_low else "["
         raise ValueError(f"{name}: expected a finite number in {bracket}{minimum}, {maximum}], got {value!r}")
     return float(value)
+
+
+def check_has_data(name: str, x: torch.Tensor) -> torch.Tensor:
+    """``x`` holds data to read: a meta tensor (a shape without values) is refused, for the
+    host-side code that copies its values (packing)."""
+    if x.device.type == "meta":
+        raise ValueError(f"{name}: expected a tensor with data, got a meta tensor (it holds no values to read)")
+    return x
+
+
+def numpy_to_tensor(name: str, x: np.ndarray, what: str = "numbers") -> torch.Tensor:
+    """A numpy array of numbers as a CPU tensor (sharing its memory when contiguous); an array
+    torch cannot hold (object, str, datetime dtypes) raises TypeError naming ``name``."""
+    try:
+        return torch.from_numpy(np.ascontiguousarray(x))
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected {what}, got a numpy array of dtype {x.dtype}") from None
 
 
 def check_out_dtype(out_dtype) -> torch.dtype:
@@ -195,7 +222,9 @@ def check_temperature(temperature, rows_shape: Sequence[int], like: torch.Tensor
             ) from None
         if checks_enabled(validate, temperature) and temperature.numel():
             t = temperature.detach().double()
-            bad = ~((t >= MIN_TEMPERATURE) & (t <= MAX_TEMPERATURE))
+            # The bounds as the tensor's dtype rounds them (fp32's nearest to 1e30 is above it).
+            slack = torch.finfo(temperature.dtype).eps
+            bad = ~((t >= MIN_TEMPERATURE * (1 - slack)) & (t <= MAX_TEMPERATURE * (1 + slack)))
             if bool(bad.any()):
                 idx = tuple(int(v) for v in bad.nonzero()[0])
                 raise ValueError(

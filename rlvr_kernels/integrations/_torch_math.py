@@ -271,9 +271,13 @@ def aggregate(
 
 def _aggregate_trl(per_token, mask, mode, global_num_tokens, loss_scale_factor) -> torch.Tensor:
     """TRL's normalisers (``GRPOTrainer._compute_loss``): x = per_token·m broadcast to
-    the mask's [B, T]; n_i and Σ m clamped at 1; sequence means over all B rows."""
+    the mask's [B, T]; n_i and Σ m clamped at 1; sequence means over all B rows. An empty
+    batch (B = 0) gives 0 with zero gradient, where TRL's mean over no rows (and dr_grpo's
+    Σ / (0·L)) is NaN."""
     m = mask.to(per_token.dtype) if mask.dtype == torch.bool else mask
     x = per_token.expand(mask.shape) * m
+    if x.shape[0] == 0:
+        return x.sum()
     if mode == "seq-mean-token-mean":
         return (x.sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
     if mode == "token-mean":

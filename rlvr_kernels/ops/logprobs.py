@@ -88,6 +88,8 @@ from .._core.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     MAX_COUNT,
+    MAX_LOGIT_FACTOR,
+    MIN_LOGIT_FACTOR,
     check_int,
     check_number,
     check_temperature,
@@ -647,6 +649,21 @@ def _check_outputs(outputs) -> frozenset:
     return frozenset(outputs)
 
 
+def _check_logit_transform(logit_scale, softcap) -> Tuple[float, Optional[float]]:
+    """logit_scale: 0 or a magnitude in [MIN_LOGIT_FACTOR, MAX_LOGIT_FACTOR]; softcap: None
+    or in that range. The kernels' fp32 factors built from them and the temperature stay
+    normal numbers there (``_core/validation.py``), so the tanh's scale logit_scale/softcap
+    is never the kernels' "no soft-cap" 0 and no factor overflows."""
+    logit_scale = check_number("logit_scale", logit_scale)
+    if logit_scale != 0.0 and not MIN_LOGIT_FACTOR <= abs(logit_scale) <= MAX_LOGIT_FACTOR:
+        raise ValueError(
+            f"logit_scale: expected 0 or a magnitude in [{MIN_LOGIT_FACTOR}, {MAX_LOGIT_FACTOR}], got {logit_scale!r}"
+        )
+    if softcap is not None:
+        softcap = check_number("softcap", softcap, minimum=MIN_LOGIT_FACTOR, maximum=MAX_LOGIT_FACTOR)
+    return logit_scale, softcap
+
+
 def _validate_linear(
     hidden,
     weight,
@@ -694,9 +711,7 @@ def _validate_linear(
         if row_index.shape[0] != m:
             raise ValueError(f"row_index: expected shape ({m},) (one per target), got {tuple(row_index.shape)}")
     _check_ignore_index(ignore_index)
-    logit_scale = check_number("logit_scale", logit_scale)
-    if softcap is not None:
-        softcap = check_number("softcap", softcap, minimum=0.0, open_low=True)
+    logit_scale, softcap = _check_logit_transform(logit_scale, softcap)
     wanted = _check_outputs(outputs) | ({"entropy"} if return_entropy else set())
     temp = check_temperature(temperature, (n,), hidden, "hidden", validate)
     return _LinearInputs(
@@ -799,9 +814,9 @@ def linear_logprobs(
         bias: ``[V]`` optional LM-head bias (gets a gradient).
         return_entropy: also return the ``[N]`` entropies (with their gradient).
         ignore_index: the target id that is skipped.
-        logit_scale: a finite multiplier of the logits before the soft-cap (Cohere, Granite:
-            ``1 / logits_scaling``, ...).
-        softcap: ``final_logit_softcapping`` (Gemma 2/3): a finite number > 0, or None.
+        logit_scale: a multiplier of the logits before the soft-cap (Cohere, Granite:
+            ``1 / logits_scaling``, ...): 0, or of magnitude in [1e-6, 1e6].
+        softcap: ``final_logit_softcapping`` (Gemma 2/3): a number in [1e-6, 1e6], or None.
         outputs: optional statistics, names from :data:`OPTIONAL_OUTPUTS`: ``"entropy"``
             ([N], with its gradient), ``"log_sum_sq_probs"`` ([N], log Σ_v p_v²),
             ``"mean_logits"`` ([N], the mean over the vocabulary of z, so after the
@@ -987,7 +1002,8 @@ def _transform_scales(logit_scale: float, softcap: Optional[float]) -> Tuple[flo
     """(the per-row factor's numerator, tanh_scale) of the kernel contract for z =
     softcap·tanh(logit_scale·y/softcap)/T: (softcap, logit_scale/softcap) with a soft-cap,
     (logit_scale, 0) without. logit_scale = 0 makes z = 0 either way (tanh(0) = 0), so it
-    takes the uncapped form (tanh_scale = 0 means no cap)."""
+    takes the uncapped form (tanh_scale = 0 means no cap). Any other accepted pair gives
+    |tanh_scale| >= 1e-12 (``_check_logit_transform``): never 0 in fp32."""
     if softcap is None or logit_scale == 0.0:
         return logit_scale, 0.0
     return softcap, logit_scale / softcap

@@ -3,13 +3,14 @@ TRL's planners (``TokenBudgetBatcher``, ``FixedCountBatcher``) and collator use 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Mapping, Tuple
 
 import numpy as np
 import torch
 
 from .._core import dispatch as _dispatch
-from ._tree import TreePack, _key, packs_from_layout
+from .._core.validation import check_has_data, check_int, numpy_to_tensor
+from ._tree import TreePack, _key, _numbers, packs_from_layout
 
 
 class TreeRowBuilder:
@@ -59,24 +60,24 @@ class TreeRowBuilder:
 
     def shared_prefix(self, sample: Dict[str, Any]) -> int:
         """How many leading tokens of ``sample`` the row already holds (adding it costs the rest)."""
-        ids = _ids(sample)
+        return self._match(sample, _ids(sample))
+
+    def _match(self, sample: Dict[str, Any], ids: torch.Tensor) -> int:
         return self._trie.match(ids, self._group_code(sample, create=False))
 
     def fits(self, sample: Dict[str, Any], budget: int) -> bool:
         """Whether the row stays within ``budget`` unique tokens and ``budget`` trained tokens
         with ``sample`` added."""
-        novel = sample["input_ids"].shape[0] - self.shared_prefix(sample)
-        trained = int(sample["completion_mask"].sum())
+        ids, mask = _checked(sample)
+        budget = check_int("budget", budget, minimum=0, maximum=torch.iinfo(torch.int64).max)
+        novel = ids.shape[0] - self._match(sample, ids)
+        trained = int(torch.count_nonzero(mask))  # the trie's count: the tokens with mask != 0
         return self._trie.num_nodes() + novel <= budget and self._trie.trained() + trained <= budget
 
     def add(self, sample: Dict[str, Any]) -> None:
-        ids = _ids(sample)
-        mask = _tensor(sample["completion_mask"])
-        if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
-            raise ValueError(f"sample['completion_mask']: expected a tensor of shape {tuple(ids.shape)}")
+        ids, mask = _checked(sample)
         if "old_log_probs" in sample:  # a short one would shift every later sample's values
-            old = sample["old_log_probs"]
-            n = old.numel() if isinstance(old, torch.Tensor) else len(old)
+            n = _numbers("sample['old_log_probs']", sample["old_log_probs"]).numel()
             if n != ids.shape[0]:
                 raise ValueError(f"sample['old_log_probs']: expected {ids.shape[0]} values (one per token), got {n}")
         self._trie.add(ids, mask, self._group_code(sample, create=True))
@@ -116,17 +117,43 @@ class TreeRowBuilder:
         return self.tree_pack().to_trl()
 
 
-def _tensor(x: Any) -> Any:
-    """A numpy array as a tensor (TRL's ``RolloutSample`` fields are numpy); anything else as is."""
-    return torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
+def _field(sample: Dict[str, Any], key: str) -> torch.Tensor:
+    """``sample[key]``: a 1-D tensor with data, or a numpy array (TRL's ``RolloutSample``
+    fields are numpy) as one."""
+    name = f"sample[{key!r}]"
+    if not isinstance(sample, Mapping):
+        raise TypeError(f"sample: expected a dict of the sample's fields, got {type(sample).__name__}")
+    if key not in sample:
+        raise ValueError(f"{name}: missing (a sample needs 'input_ids' and 'completion_mask')")
+    x = sample[key]
+    x = numpy_to_tensor(name, x) if isinstance(x, np.ndarray) else x
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a 1-D tensor or numpy array, got {type(x).__name__}")
+    if x.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(x.shape)}")
+    return check_has_data(name, x)
 
 
 def _ids(sample: Dict[str, Any]) -> torch.Tensor:
-    ids = _tensor(sample["input_ids"])
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
-        raise ValueError("sample['input_ids']: expected a 1-D integer tensor")
+    ids = _field(sample, "input_ids")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"sample['input_ids']: token ids must be integers, got dtype {ids.dtype}")
     if ids.numel() and int(ids.min()) < 0:
         raise ValueError(f"sample['input_ids']: token ids must be non-negative, got {int(ids.min())}")
     return ids
+
+
+def _checked(sample: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, completion_mask) of a sample, the check :meth:`TreeRowBuilder.fits` and
+    :meth:`TreeRowBuilder.add` share: integer ids >= 0 and a 0/1 mask of the same length."""
+    ids = _ids(sample)
+    mask = _field(sample, "completion_mask")
+    if mask.shape != ids.shape:
+        raise ValueError(
+            f"sample['completion_mask']: expected shape {tuple(ids.shape)} (like input_ids), got {tuple(mask.shape)}"
+        )
+    if mask.dtype.is_complex:
+        raise TypeError(f"sample['completion_mask']: expected a bool, integer or float mask, got dtype {mask.dtype}")
+    if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("sample['completion_mask']: expected 0/1 values")
+    return ids, mask

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .._core import dispatch as _dispatch
-from .._core.validation import MAX_COUNT
+from .._core.validation import MAX_COUNT, check_has_data, numpy_to_tensor
 
 KEYS = ("token+next", "token")
 
@@ -156,11 +156,11 @@ class TreePack:
 def _as_int_tensor(name: str, x, what: str = "token ids") -> torch.Tensor:
     """``x`` (a list, 1-D tensor or numpy array of integers) as a CPU int64 tensor."""
     if isinstance(x, torch.Tensor):
-        t = x
+        t = check_has_data(name, x)
     elif isinstance(x, np.ndarray):
         if x.dtype == np.uint64 and x.size and int(x.max()) > np.iinfo(np.int64).max:
             raise ValueError(f"{name}: {what} must fit in int64, got {int(x.max())}")
-        t = torch.from_numpy(np.ascontiguousarray(x))
+        t = numpy_to_tensor(name, x, f"integer {what}")
     elif isinstance(x, (list, tuple)):
         try:
             # No dtype= here: torch would truncate 1.5 to 1 silently; the inferred dtype is checked below.
@@ -179,6 +179,7 @@ def _as_int_tensor(name: str, x, what: str = "token ids") -> torch.Tensor:
 def _flat_samples(samples, lengths):
     """(tokens [T] int64, cu_tokens [B+1] int64, per-sample lengths list) from either input form."""
     if isinstance(samples, torch.Tensor) and samples.dim() == 2:
+        check_has_data("samples", samples)
         if lengths is None:
             raise ValueError("lengths: a padded [B, L] samples tensor needs lengths= (the tokens of each row)")
         if samples.dtype.is_floating_point or samples.dtype.is_complex or samples.dtype == torch.bool:
@@ -211,6 +212,7 @@ def _per_token(name: str, x, lengths: List[int], dtype=None) -> torch.Tensor:
     """A per-token value given per sample (list of sequences) or padded [B, L], flattened to [T]."""
     B = len(lengths)
     if isinstance(x, torch.Tensor) and x.dim() == 2:
+        check_has_data(name, x)
         if x.shape[0] != B or (B and x.shape[1] < max(lengths)):
             raise ValueError(
                 f"{name}: a padded tensor must be [B, L] with B = {B} and L >= the longest sample "
@@ -219,18 +221,32 @@ def _per_token(name: str, x, lengths: List[int], dtype=None) -> torch.Tensor:
         keep = torch.arange(x.shape[1]).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
         out = x.to("cpu")[keep]
     else:
-        if isinstance(x, torch.Tensor) or not isinstance(x, Sequence):
+        if isinstance(x, (torch.Tensor, str, bytes)) or not isinstance(x, Sequence):
             raise TypeError(f"{name}: expected a padded [B, L] tensor or a list of B per-sample sequences")
         if len(x) != B:
             raise ValueError(f"{name}: expected {B} per-sample sequences (one per sample), got {len(x)}")
         parts = []
         for i, (v, n) in enumerate(zip(x, lengths)):
-            t = torch.as_tensor(np.asarray(v) if not isinstance(v, torch.Tensor) else v).to("cpu").reshape(-1)
+            t = _numbers(f"{name}[{i}]", v).to("cpu").reshape(-1)
             if t.shape[0] != n:
                 raise ValueError(f"{name}[{i}]: expected {n} values (the sample's length), got {t.shape[0]}")
             parts.append(t)
         out = torch.cat(parts) if parts else torch.zeros(0)
     return out if dtype is None else out.to(dtype)
+
+
+def _numbers(name: str, v) -> torch.Tensor:
+    """A per-sample sequence of numbers (tensor, numpy array, list) as a tensor."""
+    if isinstance(v, torch.Tensor):
+        return check_has_data(name, v)
+    if not isinstance(v, np.ndarray):
+        try:
+            v = np.asarray(v)
+        except (TypeError, ValueError):  # ragged nesting
+            raise TypeError(f"{name}: expected a sequence of numbers, got {type(v).__name__}") from None
+        if v.dtype.kind not in "biufc":  # (strings, objects; complex is the callers' to refuse)
+            raise TypeError(f"{name}: expected a sequence of numbers, got {v.dtype} values")
+    return numpy_to_tensor(name, v)
 
 
 def _trained_mask(completion_mask, completion_start, lengths: List[int], T: int) -> torch.Tensor:
@@ -276,7 +292,7 @@ def _advantages(advantages, lengths: List[int]):
     """(values, per_sample): one value per sample ([B]) or per token ([T])."""
     B = len(lengths)
     if isinstance(advantages, torch.Tensor) and advantages.dim() <= 1 or isinstance(advantages, np.ndarray):
-        a = torch.as_tensor(advantages).reshape(-1).to("cpu")
+        a = _numbers("advantages", advantages).reshape(-1).to("cpu")
         if a.shape[0] != B:
             raise ValueError(f"advantages: expected {B} values (one per sample), got {a.shape[0]}")
         if not a.dtype.is_floating_point:
@@ -289,6 +305,9 @@ def _advantages(advantages, lengths: List[int]):
     if isinstance(advantages, Sequence) and len(advantages) and all(scalar(v) for v in advantages):
         if len(advantages) != B:
             raise ValueError(f"advantages: expected {B} values (one per sample), got {len(advantages)}")
+        for i, v in enumerate(advantages):
+            if isinstance(v, torch.Tensor):
+                check_has_data(f"advantages[{i}]", v)
         return torch.tensor([float(v) for v in advantages], dtype=torch.float64), True
     a = _per_token("advantages", advantages, lengths)
     if not a.dtype.is_floating_point:

@@ -274,6 +274,69 @@ def test_wrongly_shaped_ratio_is_a_shape_error_even_when_it_broadcasts():
 
 
 # ---------------------------------------------------------------------------------------
+# A loss over zero tokens
+# ---------------------------------------------------------------------------------------
+
+ZERO_TOKEN_OPTIONS = {
+    "plain": {},
+    "beta": dict(beta=0.04, use_bias_correction_kl=True),
+    "beta, plain KL": dict(beta=0.04, use_bias_correction_kl=False),
+    "entropy_coef": dict(entropy_coef=0.1),
+    "top_entropy_quantile": dict(top_entropy_quantile=0.5),
+    "importance_sampling_ratio": dict(importance_sampling_ratio="ones"),
+    "off_policy_mask_threshold": dict(off_policy_mask_threshold=0.1),
+    "token advantages": dict(advantages="tokens"),
+}
+
+
+@pytest.mark.parametrize("batch", [0, 3], ids=["empty batch", "all masked"])
+@pytest.mark.parametrize("options", list(ZERO_TOKEN_OPTIONS))
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ours.TRL_LOSS_TYPES)
+def test_a_loss_over_zero_tokens_is_zero_with_zero_gradient(loss_type, level, options, batch):
+    """No valid token (an empty batch, or every token masked): the loss is 0 with a zero
+    gradient and every metric is a number, at both importance-sampling levels (TRL's own
+    mean over no sequence is NaN). Only the nanmin / nanmax TRL metrics may be NaN, where
+    this process has no value to take an extremum over (the cross-process reduction skips
+    it)."""
+    B, T = batch, 5
+    logps = torch.randn(B, T).requires_grad_(True)
+    entropies = torch.rand(B, T).requires_grad_(True)
+    kw = dict(ZERO_TOKEN_OPTIONS[options])
+    advantages = torch.randn(B, T) if kw.pop("advantages", None) == "tokens" else torch.randn(B)
+    if kw.get("importance_sampling_ratio") == "ones":
+        kw["importance_sampling_ratio"] = torch.ones(B, T)
+    if "beta" in kw:
+        kw["ref_per_token_logps"] = torch.randn(B, T)
+    loss, metrics, trl_metrics = ours.grpo_loss_trl(
+        logps,
+        logps.detach() + 0.1,
+        advantages,
+        torch.zeros(B, T),
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        entropies=entropies,
+        max_completion_length=T,
+        num_items_in_batch=0,
+        return_trl_metrics=True,
+        **kw,
+    )
+    assert float(loss.detach()) == 0.0
+    loss.backward()
+    for leaf in (logps, entropies):
+        assert leaf.grad is None or bool((leaf.grad == 0).all())
+    for name, value in metrics._asdict().items():
+        assert value is None or bool(torch.isfinite(value).all()), name
+    # (At sequence level TRL has a ratio per sequence, empty ones included: 1, never clipped.)
+    has_extremum = batch > 0 and level == "sequence" and advantages.dim() == 1
+    for name, metric in trl_metrics.items():
+        if metric.reduce in ("nanmin", "nanmax") and not has_extremum:
+            assert bool(torch.isnan(metric.value)), name
+        else:
+            assert bool(torch.isfinite(metric.value).all()), name
+
+
+# ---------------------------------------------------------------------------------------
 # Options that are not fused raise; nothing is ignored
 # ---------------------------------------------------------------------------------------
 

@@ -275,6 +275,16 @@ def test_cpu_kernel_statistics_across_blocks_and_chunks(dtype):
         (dict(logit_scale=math.inf), ValueError, "logit_scale"),
         (dict(logit_scale=math.nan), ValueError, "logit_scale"),
         (dict(logit_scale=None), TypeError, "logit_scale"),
+        # Outside [1e-6, 1e6] (logit_scale's magnitude, unless 0) a kernel factor would leave
+        # the normal fp32 numbers: 0 (read as "no soft-cap"), a subnormal, or an overflow.
+        (dict(logit_scale=1e-44, softcap=30.0), ValueError, r"logit_scale: expected 0 or a magnitude in \[1e-06"),
+        (dict(logit_scale=9e-7), ValueError, "logit_scale"),
+        (dict(logit_scale=-1.1e6), ValueError, "logit_scale"),
+        (dict(logit_scale=1e39), ValueError, "logit_scale"),
+        (dict(softcap=1e-39), ValueError, r"softcap: expected a finite number in \[1e-06, 1000000.0\]"),
+        (dict(softcap=9e-7), ValueError, "softcap"),
+        (dict(softcap=1.1e6), ValueError, "softcap"),
+        (dict(softcap=1e300), ValueError, "softcap"),
         (dict(outputs="entropy"), TypeError, "outputs"),
         (dict(outputs=("entropy", "logits")), ValueError, "outputs"),
         (dict(outputs=None), TypeError, "outputs"),
@@ -285,6 +295,63 @@ def test_validation_names_the_argument(kwargs, error, match, backend):
     x, _ = _case("validation", F32, "cpu", N=3, H=4, V=7)
     with pytest.raises(error, match=match):
         rk.linear_logprobs(**x, backend=backend, **kwargs)
+
+
+# Every fp32 factor the kernels read at an end of its range: logit_scale/T or softcap/T per
+# row (1e-36 to 1e36), the tanh's scale logit_scale/softcap (1e-12 to 1e12) and their product.
+EDGES = {
+    "scale 1e-6, T 1e30": (dict(logit_scale=1e-6), 1e30),
+    "scale 1e6, T 1e-30": (dict(logit_scale=1e6), 1e-30),
+    "scale -1e6, T 1e-30": (dict(logit_scale=-1e6), 1e-30),
+    "scale 1e-6, cap 1e6, T 1e30": (dict(logit_scale=1e-6, softcap=1e6), 1e30),
+    "scale 1e6, cap 1e-6, T 1e-30": (dict(logit_scale=1e6, softcap=1e-6), 1e-30),
+    "scale 1e-6, cap 1e-6, T 1e30": (dict(logit_scale=1e-6, softcap=1e-6), 1e30),
+    "scale 1e6, cap 1e6, T 1e-30": (dict(logit_scale=1e6, softcap=1e6), 1e-30),
+    "scale 0, cap 30, T 1e-30": (dict(logit_scale=0.0, softcap=30.0), 1e-30),
+}
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+@pytest.mark.parametrize("per_row", [False, True], ids=["T float", "T per row"])
+@pytest.mark.parametrize("edge", list(EDGES))
+def test_range_edges_match_the_reference(backend, device, per_row, edge):
+    """At the ends of the accepted logit_scale / softcap / temperature ranges every backend
+    gives the fp64 reference's log-probs, statistics and gradients (compared relative to
+    each output's magnitude), none NaN, a row of zero logits (y = 0) included. The hidden
+    states are scaled so that z spans O(1) where the transform allows it."""
+    kw, T = EDGES[edge]
+    scale, cap = abs(kw["logit_scale"]), kw.get("softcap")
+    # y = width·(h·w) puts z ≈ h·w in the unsaturated tanh (width kept in [1e-30, 1e30]).
+    width = 1.0 if scale == 0 else min(max(min(T, cap or T) / scale, 1e-30), 1e30)
+    gen = torch.Generator().manual_seed(zlib.crc32(edge.encode()))
+    N, H, V = 6, 8, 13
+    hidden = torch.randn(N, H, generator=gen, dtype=F64) * width
+    hidden[0] = 0.0  # a row of zero logits: uniform, the soft-cap's derivative at its steepest
+    x = dict(
+        hidden=hidden.float().to(device),
+        weight=torch.randn(V, H, generator=gen).to(device),
+        bias=torch.zeros(V, device=device),
+        targets=torch.randint(0, V, (N,), generator=gen).to(device),
+        temperature=torch.full((N,), T, device=device) if per_row else T,
+    )
+    up = (torch.randn(N, generator=gen, dtype=F64), torch.randn(N, generator=gen, dtype=F64))
+    # (fp32's nearest to 1e30 is above it: the reference gets T itself.)
+    x64 = {**as_float64(x), "temperature": torch.full((N,), T, dtype=F64, device=device) if per_row else T}
+    ref64 = _run(x64, "reference", up, **kw)
+    same = _run(x, "reference", up, **kw)
+    fast = _run(x, backend, up, **kw)
+    cpu64 = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in x64.items()}
+    z = _z64({**cpu64, "temperature": torch.full((N,), T, dtype=F64)}, **kw)
+    z_scale = max(1.0, float(z.abs().max()))
+    for k in ref64:
+        if k == "is_top1":
+            continue
+        assert bool(torch.isfinite(fast[k]).all()), (edge, k)
+        size = float(ref64[k].abs().max()) or 1.0
+        cmp = compare(k, fast[k] / size, ref64[k] / size, same[k] / size, F32, z_scale)
+        assert cmp.ok, (edge, cmp)
+    V_log = math.log(V)
+    assert abs(float(fast["logp"][0]) + V_log) < 1e-5 and abs(float(fast["entropy"][0]) - V_log) < 1e-5
 
 
 def test_is_top1_refuses_vocabularies_beyond_exact_indices():

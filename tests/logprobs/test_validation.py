@@ -53,6 +53,9 @@ def args(**over):
         ),
         (dict(temperature=torch.full((N,), 1e-40)), ValueError, TEMP_VALUES + r", got 9\.99\d*e-41 at \(0,\)"),
         (dict(temperature=torch.tensor(float("nan"))), ValueError, TEMP_VALUES + ", got nan"),
+        # A tensor's bounds are the range's ends as its dtype rounds them, no further.
+        (dict(temperature=torch.full((N,), 1.001e30)), ValueError, TEMP_VALUES + r", got 1\.00\d*e\+30 at \(0,\)"),
+        (dict(temperature=torch.full((N,), 0.999e-30)), ValueError, TEMP_VALUES + r", got 9\.98\d*e-31 at \(0,\)"),
         (dict(temperature=torch.ones(N).long()), TypeError, "temperature: expected dtype"),
         (
             dict(temperature=torch.ones(N, device="meta")),
@@ -266,6 +269,19 @@ def test_temperature_tensor_broadcasts(backend):
     want = rk.logprobs_from_logits(logits, lt, torch.full((2, 3), 0.7), backend=backend).logp
     for t in (torch.tensor(0.7), torch.tensor([0.7]), torch.full((2, 1), 0.7)):
         assert torch.equal(rk.logprobs_from_logits(logits, lt, t, backend=backend).logp, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_temperature_tensor_takes_the_range_ends_as_its_dtype_rounds_them(dtype):
+    """torch.full(N, 1e30) in fp32 holds 1.0000000150e30, above 1e30 as a float64: accepted,
+    as is each dtype's nearest to 1e-30."""
+    kw = args()
+    for t in (1e-30, 1e30):
+        temperature = torch.full((N,), t, dtype=dtype)
+        out = rk.linear_logprobs(**kw, temperature=temperature, return_entropy=True, backend="cpu")
+        ref = rk.linear_logprobs(**kw, temperature=temperature, return_entropy=True, backend="reference")
+        torch.testing.assert_close(out.logp, ref.logp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.entropy, ref.entropy, rtol=1e-5, atol=1e-5)
 
 
 def test_validate_false_skips_temperature_values_only():

@@ -218,6 +218,15 @@ def test_empty_inputs():
     assert p.num_targets == 0 and p.shift_labels.tolist() == [-100, -100]
 
 
+def _meta(*shape, dtype=torch.float32):
+    return torch.zeros(shape, dtype=dtype, device="meta")
+
+
+def _ab(**kw):
+    """pack_prefix_tree's arguments for the sample [1, 2] trained from position 0, with ``kw``."""
+    return dict(samples=[[1, 2]], completion_start=0, **kw)
+
+
 @pytest.mark.parametrize(
     "kwargs, err, match",
     [
@@ -242,6 +251,32 @@ def test_empty_inputs():
         (dict(samples=[[1, 2]], completion_start=0, advantages=[1.0, 2.0]), ValueError, "advantages: expected 1"),
         (dict(samples=[[1, 2]], completion_start=0, key="tok"), ValueError, "key: expected one of"),
         (dict(samples=[[1, 2]], completion_start=0, backend="triton"), ValueError, "backend"),
+        # Meta tensors hold no values to read.
+        (dict(samples=[_meta(2, dtype=torch.long)], completion_start=0), ValueError, "samples\\[0\\]: .*meta"),
+        (
+            dict(samples=_meta(2, 3, dtype=torch.long), lengths=[3, 3], completion_start=0),
+            ValueError,
+            "samples: .*meta",
+        ),
+        (dict(samples=[[1, 2]], completion_mask=[_meta(2)]), ValueError, "completion_mask\\[0\\]: .*meta"),
+        (dict(samples=[[1, 2]], completion_start=_meta(1, dtype=torch.long)), ValueError, "completion_start: .*meta"),
+        (_ab(group_index=_meta(1, dtype=torch.long)), ValueError, "group_index: .*meta"),
+        (_ab(old_log_probs=[_meta(2)]), ValueError, "old_log_probs\\[0\\]: .*meta"),
+        (_ab(old_log_probs=_meta(1, 2)), ValueError, "old_log_probs: .*meta"),
+        (_ab(advantages=_meta(1)), ValueError, "advantages: .*meta"),
+        (_ab(advantages=[_meta()]), ValueError, "advantages\\[0\\]: .*meta"),
+        # Arrays and values torch cannot hold as numbers.
+        (dict(samples=[np.array([1, 2], dtype=object)], completion_start=0), TypeError, "samples\\[0\\]: expected"),
+        (dict(samples=[[1, 2]], completion_start=np.array([0], dtype=object)), TypeError, "completion_start"),
+        (dict(samples=[[1, 2]], completion_mask=[np.array([0, 1], dtype=object)]), TypeError, "completion_mask\\[0\\]"),
+        (_ab(old_log_probs=["ab"]), TypeError, "old_log_probs\\[0\\]: expected"),
+        (_ab(old_log_probs=[["a", "b"]]), TypeError, "old_log_probs\\[0\\]: expected"),
+        (_ab(old_log_probs=[[0.1, [0.2]]]), TypeError, "old_log_probs\\[0\\]: expected"),
+        (_ab(old_log_probs="ab"), TypeError, "old_log_probs: expected"),
+        (_ab(advantages=["a"]), TypeError, "advantages\\[0\\]: expected"),
+        (_ab(advantages="a"), TypeError, "advantages: expected"),
+        (_ab(advantages=np.array(["a"])), TypeError, "advantages: expected"),
+        (_ab(advantages=np.array([1.0], dtype=object)), TypeError, "advantages: expected"),
     ],
 )
 def test_bad_input_names_the_argument(kwargs, err, match):
@@ -346,6 +381,57 @@ def test_builder_refuses_misaligned_or_bad_samples():
         row.add(dict(input_ids=torch.tensor([-1]), completion_mask=torch.tensor([1])))
     with pytest.raises(TypeError, match="rows"):
         pack_rows([[1, 2]], [0], completion_start=0)
+
+
+def _rollout(**over):
+    sample = dict(input_ids=torch.tensor([1, 2, 3]), completion_mask=torch.tensor([0, 1, 1]))
+    sample.update(over)
+    return {k: v for k, v in sample.items() if v is not None}
+
+
+MALFORMED_SAMPLES = [
+    (_rollout(input_ids=[1, 2, 3]), TypeError, "sample\\['input_ids'\\]: expected a 1-D tensor or numpy array"),
+    (_rollout(completion_mask=[0, 1, 1]), TypeError, "sample\\['completion_mask'\\]: expected a 1-D tensor"),
+    (_rollout(completion_mask=None), ValueError, "sample\\['completion_mask'\\]: missing"),
+    (_rollout(input_ids=None), ValueError, "sample\\['input_ids'\\]: missing"),
+    (_rollout(input_ids=torch.tensor([[1, 2, 3]])), ValueError, "sample\\['input_ids'\\]: expected a 1-D"),
+    (_rollout(input_ids=torch.tensor([1.0, 2.0, 3.0])), TypeError, "sample\\['input_ids'\\]: token ids must be"),
+    (_rollout(input_ids=torch.tensor([1, -2, 3])), ValueError, "sample\\['input_ids'\\]: token ids must be non"),
+    (_rollout(input_ids=np.array([1, 2, 3], dtype=object)), TypeError, "sample\\['input_ids'\\]: expected"),
+    (_rollout(input_ids=torch.tensor([1, 2, 3], device="meta")), ValueError, "sample\\['input_ids'\\]: .*meta"),
+    (_rollout(completion_mask=torch.tensor([0, 1])), ValueError, "sample\\['completion_mask'\\]: expected shape"),
+    (_rollout(completion_mask=torch.tensor([0, 2, 1])), ValueError, "sample\\['completion_mask'\\]: expected 0/1"),
+    (_rollout(completion_mask=torch.ones(3, device="meta")), ValueError, "sample\\['completion_mask'\\]: .*meta"),
+    ("input_ids", TypeError, "sample: expected a dict"),
+]
+
+
+@pytest.mark.parametrize("k", range(len(MALFORMED_SAMPLES)))
+def test_builder_fits_and_add_check_a_sample_alike(k):
+    """fits() and add() share one check of a sample (the error names the field), and fits()
+    checks its budget; a refused sample leaves the row as it was."""
+    sample, err, match = MALFORMED_SAMPLES[k]
+    row = TreeRowBuilder()
+    row.add(_rollout())
+    with pytest.raises(err, match=match):
+        row.fits(sample, 10)
+    with pytest.raises(err, match=match):
+        row.add(sample)
+    assert (row.num_tokens, row.trained, len(row.samples)) == (3, 2, 1)
+
+
+def test_builder_fits_checks_its_budget_and_counts_as_add():
+    row = TreeRowBuilder()
+    row.add(_rollout())
+    for budget, err in (("10", TypeError), (10.0, TypeError), (-1, ValueError), (True, TypeError)):
+        with pytest.raises(err, match="^budget: expected an int"):
+            row.fits(_rollout(), budget)
+    # numpy fields, and a float 0/1 mask: trained tokens counted as the trie counts them.
+    # The row's sample again: no new token, 2 + 2 trained ones (the binding budget).
+    sample = dict(input_ids=np.array([1, 2, 3]), completion_mask=np.array([0.0, 1.0, 1.0]))
+    assert row.fits(sample, 4) and not row.fits(sample, 3)
+    row.add(sample)
+    assert (row.num_tokens, row.trained) == (3, 4)
 
 
 def test_builder_separate_groups_matches_group_index():
