@@ -81,6 +81,24 @@ def rank(group) -> int:
     return _dist().get_rank(group)
 
 
+def group_name(group) -> str:
+    """The name under which ``group`` is registered, for a custom op that runs collectives
+    (a process group is not a schema type; the op takes the name, a str, and finds the
+    group again with :func:`resolve_group`)."""
+    name = getattr(group, "group_name", None)
+    if not isinstance(name, str):
+        raise TypeError(f"process_group: expected a torch.distributed ProcessGroup, got {type(group).__name__}")
+    return name
+
+
+def resolve_group(name: str):
+    """The process group registered under ``name`` (:func:`group_name`)."""
+    _dist()
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
 def group_device(group, like: Optional[torch.Tensor] = None) -> torch.device:
     """Where this group's collectives run: ``like``'s device when given (and not meta), else
     the current CUDA device for NCCL and the CPU otherwise."""

@@ -1,7 +1,9 @@
 """``linear_logprobs`` and ``logprobs_from_logits`` (docs/logprobs.md): validation, the
 ``rlvr_kernels::linear_logprobs`` / ``rlvr_kernels::logprobs_from_logits`` custom ops with
-their autograd, the vocab-parallel (``process_group``) path, and dispatch to the C++ (CPU)
-and Triton (CUDA) kernels through the dispatch table (``_core/dispatch.py``).
+their autograd, the vocab-parallel (``process_group``) path (the custom op
+``rlvr_kernels::linear_logprobs_vocab_parallel``, sharing the forward and the autograd of
+``rlvr_kernels::linear_logprobs``), and dispatch to the C++ (CPU) and Triton (CUDA)
+kernels through the dispatch table (``_core/dispatch.py``).
 
 Why the kernels return raw per-row statistics instead of log-probs: the vocab-parallel path
 has to all-reduce them between the kernel and the final combine, and a shard only sees its
@@ -236,8 +238,9 @@ def _(
 
 # ------------------------------------------------------------------ custom ops: linear_logprobs
 class _LinearArgs(NamedTuple):
-    """The inputs of ``rlvr_kernels::linear_logprobs``, in its schema's order (a test checks
-    it): how its autograd reads them and returns their gradients, by name."""
+    """The inputs of ``rlvr_kernels::linear_logprobs`` (and the first ones of
+    ``rlvr_kernels::linear_logprobs_vocab_parallel``), in its schema's order (a test checks
+    it): how their autograd reads them and returns their gradients, by name."""
 
     hidden: torch.Tensor
     weight: torch.Tensor
@@ -257,7 +260,7 @@ class _LinearArgs(NamedTuple):
 
 
 class _LinearSaved(NamedTuple):
-    """What the backward of ``linear_logprobs`` keeps (``ctx.saved_tensors``)."""
+    """What the backward of both linear ops keeps (``ctx.saved_tensors``)."""
 
     hidden: torch.Tensor
     weight: torch.Tensor
@@ -268,6 +271,47 @@ class _LinearSaved(NamedTuple):
     inv_temperature: torch.Tensor
     lse: torch.Tensor
     entropy: torch.Tensor
+
+
+class _VocabShard(NamedTuple):
+    """The inputs that ``rlvr_kernels::linear_logprobs_vocab_parallel`` takes after those of
+    :class:`_LinearArgs`, in its schema's order (a test checks it): this rank's part of the
+    call."""
+
+    group_name: str  # the process group, by the name it is registered under (collectives.group_name)
+    vocab_start: int  # the first vocabulary id of this rank's weight shard
+    vocab_size: int  # the whole vocabulary
+
+
+def _linear_forward(a: _LinearArgs, shard: Optional[_VocabShard]) -> _Six:
+    """The forward of both linear ops (outputs as in ``_linear_logprobs``): the kernel on the
+    local columns; with a shard, the all-reduce of the statistics before the combine."""
+    vocab_start, vocab_size = (0, a.weight.shape[0]) if shard is None else (shard.vocab_start, shard.vocab_size)
+    local = _local_sorted_targets(a.targets, a.order, a.ignore_index, vocab_start)
+    stats, tlog = _linear_stats(
+        a.hidden,
+        a.weight,
+        a.bias,
+        a.inv_temperature,
+        a.row_ptr,
+        local,
+        a.tanh_scale,
+        a.return_entropy,
+        a.need_sum_sq,
+        a.need_sum_z,
+        a.need_top1,
+        a.backend,
+    )
+    if shard is not None:
+        group = collectives.resolve_group(shard.group_name)
+        stats, tlog = _all_reduce_stats(stats, tlog, group, vocab_start, a.need_sum_sq, a.need_sum_z, a.need_top1)
+    lse, entropy = _row_statistics(stats, vocab_size, a.return_entropy)
+    logp = _target_logprobs(tlog, lse, a.row_index, a.order, a.targets == a.ignore_index)
+    # (after the all-reduce ARGMAX is a global vocabulary id)
+    extras = _optional_statistics(
+        stats, vocab_size, a.targets, a.row_index, a.ignore_index, a.need_sum_sq, a.need_sum_z, a.need_top1
+    )
+    return (logp, entropy, lse, *extras)
 
 
 @torch.library.custom_op("rlvr_kernels::linear_logprobs", mutates_args=())
@@ -291,61 +335,62 @@ def _linear_logprobs(
     """(logp [M], entropy [N], lse [N], log_sum_sq_probs [N], mean_logits [N], is_top1 [M] bool)
     in the compute dtype; entropy is 0 unless ``return_entropy``, an optional output not
     requested is an empty [0] tensor. lse is returned for the backward only."""
-    local = _local_sorted_targets(targets, order, ignore_index, 0)
-    stats, tlog = _linear_stats(
-        hidden,
-        weight,
-        bias,
-        inv_temperature,
-        row_ptr,
-        local,
-        tanh_scale,
-        return_entropy,
-        need_sum_sq,
-        need_sum_z,
-        need_top1,
-        backend,
-    )
-    lse, entropy = _row_statistics(stats, weight.shape[0], return_entropy)
-    logp = _target_logprobs(tlog, lse, row_index, order, targets == ignore_index)
-    extras = _optional_statistics(
-        stats, weight.shape[0], targets, row_index, ignore_index, need_sum_sq, need_sum_z, need_top1
-    )
-    return (logp, entropy, lse, *extras)
+    return _linear_forward(_LinearArgs(**locals()), None)  # (locals(): the parameters, by name)
 
 
-@_linear_logprobs.register_fake
-def _(
-    hidden,
-    weight,
-    bias,
-    targets,
-    row_index,
-    row_ptr,
-    order,
-    inv_temperature,
-    ignore_index,
-    return_entropy,
-    tanh_scale,
-    need_sum_sq,
-    need_sum_z,
-    need_top1,
-    backend,
-):
-    dt = _compute_dtype(hidden.dtype)
-    n = hidden.shape[0]
+@torch.library.custom_op("rlvr_kernels::linear_logprobs_vocab_parallel", mutates_args=())
+def _linear_logprobs_vocab_parallel(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,
+    row_index: Optional[torch.Tensor],
+    row_ptr: torch.Tensor,
+    order: Optional[torch.Tensor],
+    inv_temperature: torch.Tensor,
+    ignore_index: int,
+    return_entropy: bool,
+    tanh_scale: float,
+    need_sum_sq: bool,
+    need_sum_z: bool,
+    need_top1: bool,
+    backend: str,
+    group_name: str,
+    vocab_start: int,
+    vocab_size: int,
+) -> _Six:
+    """``rlvr_kernels::linear_logprobs`` (same outputs, the unsharded op's) with the
+    vocabulary sharded over the process group registered as ``group_name``: ``weight`` and
+    ``bias`` hold the ids [vocab_start, vocab_start + weight.shape[0]) of a ``vocab_size``
+    vocabulary, every rank passes the same other inputs. The per-row statistics are
+    all-reduced between the kernel and the combine, the backward all-reduces grad hidden.
+    Eager only: the collectives run inside (the caller checks, ``collectives.check_eager``)."""
+    inputs = locals()  # the parameters, by name
+    a = _LinearArgs(**{name: inputs[name] for name in _LinearArgs._fields})
+    return _linear_forward(a, _VocabShard(**{name: inputs[name] for name in _VocabShard._fields}))
+
+
+def _linear_fake(*inputs):
+    """The fake kernel of both linear ops (the shard's inputs change no shape)."""
+    a = _LinearArgs(*inputs[: len(_LinearArgs._fields)])
+    dt = _compute_dtype(a.hidden.dtype)
+    n = a.hidden.shape[0]
     return (
-        hidden.new_empty(targets.shape, dtype=dt),
-        hidden.new_empty((n,), dtype=dt),
-        hidden.new_empty((n,), dtype=dt),
-        hidden.new_empty((n if need_sum_sq else 0,), dtype=dt),
-        hidden.new_empty((n if need_sum_z else 0,), dtype=dt),
-        hidden.new_empty(targets.shape if need_top1 else (0,), dtype=torch.bool),
+        a.hidden.new_empty(a.targets.shape, dtype=dt),
+        a.hidden.new_empty((n,), dtype=dt),
+        a.hidden.new_empty((n,), dtype=dt),
+        a.hidden.new_empty((n if a.need_sum_sq else 0,), dtype=dt),
+        a.hidden.new_empty((n if a.need_sum_z else 0,), dtype=dt),
+        a.hidden.new_empty(a.targets.shape if a.need_top1 else (0,), dtype=torch.bool),
     )
 
 
 def _linear_setup_context(ctx, inputs, output):
-    a = _LinearArgs(*inputs)
+    """Both linear ops: ``inputs`` are those of :class:`_LinearArgs`, then those of
+    :class:`_VocabShard` for the vocab-parallel op (``ctx.shard``; None without)."""
+    k = len(_LinearArgs._fields)
+    a = _LinearArgs(*inputs[:k])
+    ctx.shard = _VocabShard(*inputs[k:]) if len(inputs) > k else None
     _, entropy, lse, log_sum_sq, mean_logits, _ = output
     ctx.mark_non_differentiable(lse, log_sum_sq, mean_logits)
     saved = _LinearSaved(
@@ -366,11 +411,14 @@ def _linear_setup_context(ctx, inputs, output):
 
 def _linear_backward(ctx, g_logp, g_entropy, *_no_grad):
     s = _LinearSaved(*ctx.saved_tensors)
-    need = _LinearArgs(*ctx.needs_input_grad)
-    if not (need.hidden or need.weight or need.bias):
+    need = _LinearArgs(*ctx.needs_input_grad[: len(_LinearArgs._fields)])
+    shard: Optional[_VocabShard] = ctx.shard
+    no_grads = () if shard is None else _grads_by_name(_VocabShard)
+    # With a shard every rank runs the backward's all-reduce, whatever its own inputs need.
+    if shard is None and not (need.hidden or need.weight or need.bias):
         return _grads_by_name(_LinearArgs)
     g, grad_entropy = _upstream(ctx, g_logp, g_entropy, s.targets, s.order, s.lse)
-    local = _local_sorted_targets(s.targets, s.order, ctx.ignore_index, 0)
+    local = _local_sorted_targets(s.targets, s.order, ctx.ignore_index, 0 if shard is None else shard.vocab_start)
     gh, gw, gb = _linear_bwd(
         s.hidden,
         s.weight,
@@ -383,125 +431,28 @@ def _linear_backward(ctx, g_logp, g_entropy, *_no_grad):
         s.entropy,
         grad_entropy,
         ctx.tanh_scale,
-        need.hidden,
+        need.hidden or shard is not None,
         need.weight,
         need.bias and s.bias is not None,
         ctx.backend,
     )
-    return _grads_by_name(
+    if shard is not None:
+        # Every rank holds the same hidden rows, so each rank's dz·W_shard is a partial sum
+        # of d hidden over the vocabulary: the matching reduction is an all-reduce.
+        collectives.all_reduce(gh, collectives.resolve_group(shard.group_name), "sum")
+    grads = _grads_by_name(
         _LinearArgs,
         hidden=gh if need.hidden else None,
         weight=gw if need.weight else None,
         bias=gb if need.bias else None,
     )
+    return grads + no_grads
 
 
+_linear_logprobs.register_fake(_linear_fake)
 _linear_logprobs.register_autograd(_linear_backward, setup_context=_linear_setup_context)
-
-
-# ------------------------------------------------------------------ vocab-parallel linear_logprobs
-class _VocabShard(NamedTuple):
-    """This rank's part of a vocab-parallel call."""
-
-    group: object  # the torch.distributed process group
-    vocab_start: int  # the first vocabulary id of this rank's weight shard
-    vocab_size: int  # the whole vocabulary
-
-
-class _VocabParallelLinearLogprobs(torch.autograd.Function):
-    """``linear_logprobs`` with the vocabulary sharded over a process group: the kernels run
-    on the local shard, the per-row statistics are all-reduced before the combine. Eager
-    only (collectives run inside). Inputs: the fields of :class:`_LinearArgs`, then a
-    :class:`_VocabShard`."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        a, shard = _LinearArgs(*inputs[:-1]), inputs[-1]
-        local = _local_sorted_targets(a.targets, a.order, a.ignore_index, shard.vocab_start)
-        stats, tlog = _linear_stats(
-            a.hidden,
-            a.weight,
-            a.bias,
-            a.inv_temperature,
-            a.row_ptr,
-            local,
-            a.tanh_scale,
-            a.return_entropy,
-            a.need_sum_sq,
-            a.need_sum_z,
-            a.need_top1,
-            a.backend,
-        )
-        stats, tlog = _all_reduce_stats(
-            stats, tlog, shard.group, shard.vocab_start, a.need_sum_sq, a.need_sum_z, a.need_top1
-        )
-        lse, entropy = _row_statistics(stats, shard.vocab_size, a.return_entropy)
-        logp = _target_logprobs(tlog, lse, a.row_index, a.order, a.targets == a.ignore_index)
-        extras = _optional_statistics(
-            stats,
-            shard.vocab_size,  # (the all-reduce made ARGMAX a global vocabulary id)
-            a.targets,
-            a.row_index,
-            a.ignore_index,
-            a.need_sum_sq,
-            a.need_sum_z,
-            a.need_top1,
-        )
-        saved = _LinearSaved(
-            hidden=a.hidden,
-            weight=a.weight,
-            bias=a.bias,
-            targets=a.targets,
-            row_ptr=a.row_ptr,
-            order=a.order,
-            inv_temperature=a.inv_temperature,
-            lse=lse,
-            entropy=entropy,
-        )
-        ctx.save_for_backward(*saved, local)
-        ctx.ignore_index, ctx.return_entropy, ctx.backend, ctx.group = (
-            a.ignore_index,
-            a.return_entropy,
-            a.backend,
-            shard.group,
-        )
-        ctx.tanh_scale = a.tanh_scale
-        ctx.mark_non_differentiable(lse, *extras)
-        return (logp, entropy, lse, *extras)
-
-    @staticmethod
-    def backward(ctx, g_logp, g_entropy, *_no_grad):
-        *saved, local = ctx.saved_tensors
-        s = _LinearSaved(*saved)
-        need = _LinearArgs(*ctx.needs_input_grad[:-1])
-        g, grad_entropy = _upstream(ctx, g_logp, g_entropy, s.targets, s.order, s.lse)
-        # Every rank holds the same hidden rows, so each rank's dz·W_shard is a partial sum
-        # of d hidden over the vocabulary: the matching reduction is an all-reduce.
-        gh, gw, gb = _linear_bwd(
-            s.hidden,
-            s.weight,
-            s.bias,
-            s.inv_temperature,
-            s.row_ptr,
-            local,
-            g,
-            s.lse,
-            s.entropy,
-            grad_entropy,
-            ctx.tanh_scale,
-            True,
-            need.weight,
-            need.bias and s.bias is not None,
-            ctx.backend,
-        )
-        collectives.all_reduce(gh, ctx.group, "sum")
-        grads = _grads_by_name(
-            _LinearArgs,
-            hidden=gh if need.hidden else None,
-            weight=gw if need.weight else None,
-            bias=gb if need.bias else None,
-        )
-        return grads + (None,)  # the shard
+_linear_logprobs_vocab_parallel.register_fake(_linear_fake)
+_linear_logprobs_vocab_parallel.register_autograd(_linear_backward, setup_context=_linear_setup_context)
 
 
 # ------------------------------------------------------------------ custom ops: logprobs_from_logits
@@ -908,8 +859,8 @@ def linear_logprobs(
     if process_group is None:
         logp, entropy, _, log_sum_sq, mean_logits, is_top1 = _linear_logprobs(*args)
     else:
-        shard = _VocabShard(group=process_group, vocab_start=vocab_start, vocab_size=vocab_size)
-        logp, entropy, _, log_sum_sq, mean_logits, is_top1 = _VocabParallelLinearLogprobs.apply(*args, shard)
+        shard = _VocabShard(collectives.group_name(process_group), vocab_start, vocab_size)
+        logp, entropy, _, log_sum_sq, mean_logits, is_top1 = _linear_logprobs_vocab_parallel(*args, *shard)
     return LinearLogprobs(
         logp,
         _unsaved(entropy) if args.return_entropy else None,

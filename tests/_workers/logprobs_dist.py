@@ -96,3 +96,40 @@ def _check_errors(rank: int, world: int, group) -> None:
     _expect(lambda: call(logit_scale=scale), ValueError, "differ between rank 0 and rank 1", f"rank {rank} options")
     want = linear_logprobs(inputs["hidden"], inputs["weight"], inputs["targets"], backend="cpu").logp
     torch.testing.assert_close(call(), want, rtol=1e-12, atol=1e-12)
+
+
+# opcheck's test_aot_dispatch_dynamic traces the backward, whose all-reduce is eager only.
+_OPCHECK_EAGER = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+def vocab_parallel_opcheck_worker(rank: int, world: int, port: int, cases) -> None:
+    """One rank of tests/logprobs/test_library.py's check of
+    ``rlvr_kernels::linear_logprobs_vocab_parallel``: ``cases`` are inputs of
+    ``rlvr_kernels::linear_logprobs``; this rank takes its shard of the weight and bias, the
+    op passes opcheck and its forward and gradients equal the unsharded op's."""
+    import importlib
+
+    ops = importlib.import_module("rlvr_kernels.ops.logprobs")
+    with gloo_process(rank, world, port) as group:
+        for case in cases:
+            full = ops._LinearArgs(*case)
+            vocab = full.weight.shape[0]
+            lo, hi = rank * vocab // world, (rank + 1) * vocab // world
+            mine = full._replace(
+                hidden=full.hidden.detach().clone().requires_grad_(True),
+                weight=full.weight.detach()[lo:hi].clone().requires_grad_(True),
+                bias=full.bias.detach()[lo:hi].clone().requires_grad_(True),
+            )
+            args = (*mine, group.group_name, lo, vocab)
+            torch.library.opcheck(ops._linear_logprobs_vocab_parallel, args, test_utils=_OPCHECK_EAGER)
+            want, got = ops._linear_logprobs(*full), ops._linear_logprobs_vocab_parallel(*args)
+            for name, a, b in zip(("logp", "entropy", "lse", "log_sum_sq", "mean_logits", "is_top1"), got, want):
+                torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6, msg=lambda m: f"rank {rank} {name}: {m}")
+            up = torch.randn(want[0].shape, generator=torch.Generator().manual_seed(8))
+            want_grads = torch.autograd.grad(
+                (want[0] * up).sum() + want[1].sum(), (full.hidden, full.weight, full.bias)
+            )
+            got_grads = torch.autograd.grad((got[0] * up).sum() + got[1].sum(), (mine.hidden, mine.weight, mine.bias))
+            want_grads = (want_grads[0], want_grads[1][lo:hi], want_grads[2][lo:hi])
+            for name, a, b in zip(("hidden", "weight", "bias"), got_grads, want_grads):
+                torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6, msg=lambda m: f"rank {rank} grad.{name}: {m}")

@@ -6,10 +6,13 @@ import importlib
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from _backends import ALL, FAST, HEAVY
+from _workers.logprobs_dist import vocab_parallel_opcheck_worker
 
 import rlvr_kernels as rk
 from rlvr_kernels.testing import random_logprobs_case
+from rlvr_kernels.testing.dist import free_port
 
 ops = importlib.import_module("rlvr_kernels.ops.logprobs")  # (the package re-exports functions of its names)
 
@@ -58,6 +61,17 @@ def test_opcheck_linear(backend, device, branching, extras):
     torch.library.opcheck(ops._linear_logprobs, linear_op_args(device, backend, branching, extras=extras))
 
 
+def test_opcheck_linear_vocab_parallel():
+    """``rlvr_kernels::linear_logprobs_vocab_parallel`` on 2 gloo processes (each a shard of
+    the vocabulary): opcheck's schema, autograd-registration and fake-kernel checks (not its
+    AOT trace: the backward's all-reduce is eager only), and the unsharded op's outputs and
+    gradients."""
+    cases = [
+        linear_op_args("cpu", "cpu", branching, extras=extras) for branching, extras in ((False, False), (True, True))
+    ]
+    mp.spawn(vocab_parallel_opcheck_worker, args=(2, free_port(), cases), nprocs=2, join=True)
+
+
 @pytest.mark.parametrize("backend,device", FAST)
 def test_opcheck_from_logits(backend, device):
     gen = torch.Generator().manual_seed(1)
@@ -82,11 +96,12 @@ def test_opcheck_from_logits_expanded(backend, device):
 def test_autograd_reads_inputs_by_schema_name():
     """The NamedTuples through which the autograd formulas read the ops' inputs (and return
     their gradients) list the schema's arguments, in order."""
-    for op, args in (
-        (torch.ops.rlvr_kernels.linear_logprobs, ops._LinearArgs),
-        (torch.ops.rlvr_kernels.logprobs_from_logits, ops._LogitsArgs),
+    for op, names in (
+        (torch.ops.rlvr_kernels.linear_logprobs, ops._LinearArgs._fields),
+        (torch.ops.rlvr_kernels.linear_logprobs_vocab_parallel, ops._LinearArgs._fields + ops._VocabShard._fields),
+        (torch.ops.rlvr_kernels.logprobs_from_logits, ops._LogitsArgs._fields),
     ):
-        assert [a.name for a in op.default._schema.arguments] == list(args._fields)
+        assert [a.name for a in op.default._schema.arguments] == list(names)
 
 
 @pytest.mark.cpu_kernel
