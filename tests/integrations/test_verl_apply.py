@@ -170,6 +170,9 @@ TRAIN_CASES = [
     ("cispo", "token-mean", dict(entropy_coeff=0.02), True, False),
     ("sapo", "token-mean", dict(tau_pos=1.0, tau_neg=1.05, use_kl_loss=True, kl_loss_coef=0.1), False, False),
     ("gpg", "seq-mean-token-sum-norm", {}, False, False),
+    # (thresholds small enough that the moved policy of step 2 leaves the trust region)
+    ("dppo_tv", "token-mean", dict(clip_ratio_low=1e-4, clip_ratio_high=2e-4, clip_ratio_c=1.001), True, True),
+    ("dppo_kl", "seq-mean-token-mean", dict(clip_ratio_low=1e-7, clip_ratio_high=1e-6, use_kl_loss=True), False, False),
 ]
 
 
