@@ -192,6 +192,9 @@ def test_engine_update_matches_stock(monkeypatch, model_dir, loss_mode, agg, ext
     assert counts["verl.logprobs_from_logits"] == micro
     assert counts.get("verl.entropy_from_logits", 0) == (micro if entropy else 0)
     assert not any(k.endswith("[verl]") for k in counts), counts
+    if loss_mode.startswith("dppo"):  # the moved policy of step 2 leaves the trust region somewhere
+        clipfrac = stock[0][1][1]["actor/pg_clipfrac"]
+        assert max(torch.as_tensor(clipfrac, dtype=torch.float64).reshape(-1).tolist()) > 0, clipfrac
     _same_training(ours, stock)
 
 
