@@ -185,7 +185,7 @@ class GroupAdvantages(NamedTuple):
 # ---------------------------------------------------------------------------------------
 # policy_loss and shape_token_advantages (docs/token-shaping.md, docs/policy-loss.md)
 
-LOSS_TYPES = ("ppo", "gspo", "cispo", "sapo", "reinforce", "gpg")
+LOSS_TYPES = ("ppo", "gspo", "cispo", "sapo", "reinforce", "gpg", "dppo_tv", "dppo_kl")
 KL_TYPES = ("k1", "k2", "k3", "k3+")
 ROLLOUT_CORRECTIONS = ("token_tis", "seq_tis", "token_mis", "seq_mis", "decoupled")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "none")
@@ -272,13 +272,16 @@ class TokenShaping:
 class PolicyLossOptions:
     """Everything that decides the numbers ``policy_loss`` returns (docs/policy-loss.md).
 
-    loss_type         ppo | gspo | cispo | sapo | reinforce | gpg (gpg is reinforce: the
-                      field reads "reinforce" after construction)
-    clip_low/high     ε_low, ε_high of the ratio clip (ppo, gspo, cispo)
-    clip_ratio_c      dual-clip bound c > 1 for A < 0 (ppo); None = off
+    loss_type         ppo | gspo | cispo | sapo | reinforce | gpg | dppo_tv | dppo_kl (gpg is
+                      reinforce: the field reads "reinforce" after construction)
+    clip_low/high     ε_low, ε_high of the ratio clip (ppo, gspo, cispo); for dppo_tv /
+                      dppo_kl the divergence thresholds δ_low, δ_high (>= 0) of the trust
+                      region: p − p_old (TV) or the binary KL (KL)
+    clip_ratio_c      dual-clip bound c > 1 for A < 0 (ppo); dppo: the truncation cap of
+                      the (constant) ratio, > 0; None = off
     gspo_dual_clip    apply clip_ratio_c to GSPO's sequence ratio too (TRL's ``delta`` at
                       sequence level); verl's GSPO has no dual clip, hence off by default
-    log_ratio_clamp   δ clamped to ±this before exp (ppo, cispo, sapo); None = off. The
+    log_ratio_clamp   δ clamped to ±this before exp (ppo, cispo, sapo, dppo); None = off. The
                       rollout-correction log-weights are always clamped to ±20 (verl)
     gspo_log_clamp    upper clamp of log s_i (gspo); None = off (TRL)
     tau_pos/tau_neg   SAPO temperatures
@@ -296,7 +299,7 @@ class PolicyLossOptions:
                       seq-mean-token-sum-norm | none (per-token loss, no reduction)
     """
 
-    loss_type: Literal["ppo", "gspo", "cispo", "sapo", "reinforce", "gpg"] = "ppo"
+    loss_type: Literal["ppo", "gspo", "cispo", "sapo", "reinforce", "gpg", "dppo_tv", "dppo_kl"] = "ppo"
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_ratio_c: Optional[float] = None
@@ -321,11 +324,15 @@ class PolicyLossOptions:
         _check_choice("loss_type", self.loss_type, LOSS_TYPES)
         if self.loss_type == "gpg":  # one name per loss: the kernels and the reference know "reinforce"
             object.__setattr__(self, "loss_type", "reinforce")
-        _check_float("clip_low", self.clip_low, 0.0, 1.0)
+        dppo = self.loss_type in ("dppo_tv", "dppo_kl")
+        # (a ratio clip needs 1 − ε_low >= 0; DPPO's thresholds are divergences, any >= 0)
+        _check_float("clip_low", self.clip_low, 0.0, None if dppo else 1.0)
         _check_float("clip_high", self.clip_high, 0.0)
         if self.clip_ratio_c is not None:
             _check_float("clip_ratio_c", self.clip_ratio_c)
-            if not self.clip_ratio_c > 1.0:
+            if dppo and not self.clip_ratio_c > 0.0:
+                raise ValueError(f"clip_ratio_c: the truncation cap must be > 0, got {self.clip_ratio_c!r}")
+            if not dppo and not self.clip_ratio_c > 1.0:
                 raise ValueError(f"clip_ratio_c: the dual-clip bound must be > 1, got {self.clip_ratio_c!r}")
         _check_float("log_ratio_clamp", self.log_ratio_clamp, 0.0, lo_open=True, allow_none=True)
         _check_float("gspo_log_clamp", self.gspo_log_clamp, allow_none=True)
@@ -386,11 +393,13 @@ class PolicyLossMetrics(NamedTuple):
     Means are over the valid tokens of this call (micro-batch); an empty call gives zeros,
     never NaN.
 
-    The clip sides (ppo, gspo, cispo; 0 for sapo / reinforce): ρ is the ratio the loss type
+    The clip sides (ppo, gspo, cispo; 0 for sapo / reinforce / dppo): ρ is the ratio the loss type
     clips (exp(δ) after ``log_ratio_clamp``; GSPO's sequence ratio s_i), A the unshaped
     advantage; low_t = [ρ < 1 − clip_low and A < 0], high_t = [ρ > 1 + clip_high and A > 0].
     For ppo / gspo, ``pg_clipfrac`` (the clipped branch active) = low + high; for cispo
-    it counts ρ outside the range whatever the sign of A. f_low_i, f_high_i: the mean of
+    it counts ρ outside the range whatever the sign of A; for dppo_tv / dppo_kl the tokens
+    outside the trust region (masked out), and ``pg_clipfrac_lower`` the kept tokens whose
+    ratio exceeds the truncation cap. f_low_i, f_high_i: the mean of
     low_t / high_t over the valid tokens of sequence i; the ``seq_*`` metrics are over the
     sequences with a valid token (0 when there is none)."""
 

@@ -32,6 +32,8 @@ class LossType(enum.IntEnum):
     CISPO = 2
     SAPO = 3
     REINFORCE = 4
+    DPPO_TV = 5  # DPPO-Binary-TV: trust region on p − p_old
+    DPPO_KL = 6  # DPPO-Binary-KL: trust region on the binary KL of (p_old, p)
 
 
 class KlEstimator(enum.IntEnum):
@@ -79,8 +81,8 @@ class PolicyLossSum(enum.IntEnum):
     KL = 2  # Σ a·kl
     NTOK = 3  # Σ m
     NSEQ = 4  # sequences with n_i > 0
-    CLIP = 5  # Σ m·clipped
-    CLIP_LOWER = 6  # Σ m·dual-clip active
+    CLIP = 5  # Σ m·clipped (dppo: outside the trust region)
+    CLIP_LOWER = 6  # Σ m·dual-clip active (dppo: kept with the ratio above the cap)
     NEG_DELTA = 7  # Σ m·(−δ)
     KL_RAW = 8  # Σ m·kl
     IS = 9  # Σ m·is_w
@@ -111,9 +113,9 @@ class PolicyLossParams(KernelParams):
 
     CPP_NAME: ClassVar[str] = "POLICY_LOSS"
 
-    ratio_low: float  # 1 − ε_low: the clip range in ratio space
-    ratio_high: float  # 1 + ε_high
-    clip_ratio_c: float  # dual-clip bound c (> 1) of ppo and gspo, or 0 = off
+    ratio_low: float  # 1 − ε_low: the clip range in ratio space (dppo: the threshold δ_low itself)
+    ratio_high: float  # 1 + ε_high (dppo: the threshold δ_high itself)
+    clip_ratio_c: float  # dual-clip bound c (> 1) of ppo and gspo, dppo's truncation cap, or 0 = off
     log_ratio_clamp: float  # δ clamped to ±this before exp (> 0), or 0 = off
     gspo_log_clamp: float  # upper clamp of log s_i (+inf = off)
     tau_pos: float  # SAPO temperatures

@@ -16,8 +16,9 @@
 // The stages of a tile read, function by function, like rlvr_kernels/reference/policy_loss.py
 // (and triton/policy_loss.py, whose helpers carry the same names with a leading underscore):
 //   input_stage →
-//   pg_stage: log_ratio → ppo_term | gspo_term | cispo_term | sapo_term | reinforce_term
-//             (clipped_objective, then dual_clip for ppo / gspo; clip_sides) →
+//   pg_stage: log_ratio → ppo_term | gspo_term | cispo_term | sapo_term | reinforce_term |
+//             dppo_term (clipped_objective, then dual_clip for ppo / gspo; dppo_keep for
+//             dppo_tv / dppo_kl; clip_sides) →
 //   shaping_stage: shaping_weights (polarity_weight, probability_weight, a3po_scale, entropy keep) →
 //   is_weight_stage: is_weights (corrected_weight) →
 //   kl_stage: kl_term = kl_estimate (k1, k2, k3, k3+) × importance_ratio (kl_ratio_correction) →
@@ -84,6 +85,7 @@ struct Options {
   bool lrc_on, dual_clip, has_entropy, ent_term, shaping, seq_rc, prepass;
   bool kl_ratio;    // the KL term times the ratio (kl_ratio_correction)
   bool clip_sides;  // the loss type clips (ppo, gspo, cispo): per-side and per-sequence clip counts
+  bool dppo_cap;    // dppo with a truncation cap c
   double w_pos, w_neg, lambda;
   double a3po_knobs[8];  // (ratio, scale) of pos-high, pos-low, neg-high, neg-low
 };
@@ -453,6 +455,51 @@ RLVR_INLINE void reinforce_term(const VConst<T, VB>& k, Tile<T, VB>& tl, int g, 
   s.neg_delta += sel(tl.valid[g], tl.old[g] - tl.lp[g], k.zero);
 }
 
+// Mirrors reference dppo_keep: the trust-region mask, p = exp(logp), p_old = exp(old), the
+// thresholds δ_low / δ_high arriving as ratio_low / ratio_high. TV: p − p_old <= δ_high for
+// A > 0, >= −δ_low otherwise. KL: kl = p_old·(old − logp) + (1 − p_old)·log((1 − p_old + 1e-8) /
+// (1 − p + 1e-8)) (the log lane by lane, libm), kl <= δ_high or p <= p_old for A > 0, kl <= δ_low
+// or p >= p_old otherwise.
+template <bool KL, int VB, typename T>
+RLVR_INLINE typename Lanes<T, VB>::M dppo_keep(const VConst<T, VB>& k, const Tile<T, VB>& tl, int g) {
+  using V = typename Lanes<T, VB>::V;
+  using M = typename Lanes<T, VB>::M;
+  const V p = vexp(tl.lp[g]), p_old = vexp(tl.old[g]);
+  const M pos = tl.adv[g] > k.zero;
+  if constexpr (!KL) {
+    const V d = p - p_old;
+    return (pos & (d <= k.ratio_high)) | (~pos & (d >= -k.ratio_low));
+  } else {
+    const V eps = splat<V>(T(1e-8));
+    V q = ((k.one - p_old) + eps) / ((k.one - p) + eps);
+    for (int l = 0; l < Lanes<T, VB>::W; ++l) q[l] = std::log(q[l]);
+    const V kl = p_old * (tl.old[g] - tl.lp[g]) + (k.one - p_old) * q;
+    return (pos & ((kl <= k.ratio_high) | (p <= p_old))) | (~pos & ((kl <= k.ratio_low) | (p >= p_old)));
+  }
+}
+
+// Mirrors reference dppo_term (with dppo_ratio; dppo_tv with KL = false, dppo_kl with true):
+// −A·sg(min(ρ, c))·logp·keep, the truncated ratio and keep = dppo_keep constants, so
+// ∂pg/∂logp = −A·sg(min(ρ, c))·keep; CLIP counts the valid tokens outside the region,
+// CLIP_LOWER the kept ones with ρ > c.
+template <bool KL, int VB, typename T>
+RLVR_INLINE void dppo_term(const Options& o, const VConst<T, VB>& k, Tile<T, VB>& tl, int g, PgSums<T, VB>& s) {
+  using V = typename Lanes<T, VB>::V;
+  using M = typename Lanes<T, VB>::M;
+  M pass;  // (unused: the truncated ratio carries no gradient)
+  const V delta = log_ratio(o.lrc_on, k, tl.lp[g], tl.old[g], pass);
+  const V ratio = vexp(delta);
+  const M capped = o.dppo_cap ? ratio > k.clip_c : k.none;  // torch.clamp(max=c): NaN stays NaN
+  const V trunc = sel(capped, k.clip_c, ratio);
+  const M keep = dppo_keep<KL>(k, tl, g);
+  const V coef = -tl.adv[g] * trunc;
+  tl.dpg[g] = sel(keep, coef, k.zero);
+  tl.pg[g] = sel(keep, coef * tl.lp[g], k.zero);
+  s.clip -= tl.valid[g] & ~keep;
+  s.clip_lower -= tl.valid[g] & keep & capped;
+  s.neg_delta += sel(tl.valid[g], -delta, k.zero);
+}
+
 // Mirrors reference pg_term: the policy-gradient term pg, dpg = ∂pg/∂logp, the clip flags and
 // −δ, one loop per loss type (the type is tested once per tile).
 template <int VB, typename T>
@@ -474,6 +521,12 @@ RLVR_INLINE void pg_stage(const Options& o, const VConst<T, VB>& k, const SeqCon
       break;
     case LossType::SAPO:
       for (int g = 0; g < tl.ng; ++g) sapo_term(o, k, tl, g, s);
+      break;
+    case LossType::DPPO_TV:
+      for (int g = 0; g < tl.ng; ++g) dppo_term<false>(o, k, tl, g, s);
+      break;
+    case LossType::DPPO_KL:
+      for (int g = 0; g < tl.ng; ++g) dppo_term<true>(o, k, tl, g, s);
       break;
     default:  // REINFORCE
       for (int g = 0; g < tl.ng; ++g) reinforce_term(k, tl, g, s);
@@ -989,6 +1042,7 @@ Options decode_options(const PolicyLossParams& p, bool need_entropy_grad, bool h
   o.lrc_on = p.log_ratio_clamp > 0;
   // (the op layer passes c = 0 for GSPO unless PolicyLossOptions.gspo_dual_clip)
   o.dual_clip = (o.loss == LossType::PPO || o.loss == LossType::GSPO) && p.clip_ratio_c > 0;
+  o.dppo_cap = (o.loss == LossType::DPPO_TV || o.loss == LossType::DPPO_KL) && p.clip_ratio_c > 0;
   o.has_entropy = has_entropy;
   o.ent_term = has_entropy && p.entropy_coef != 0;
   // The polarity weights enter the double shaping weight exactly (as the reference's).

@@ -733,6 +733,8 @@ _LOSS_TYPES = {
     "cispo": LossType.CISPO,
     "sapo": LossType.SAPO,
     "reinforce": LossType.REINFORCE,
+    "dppo_tv": LossType.DPPO_TV,
+    "dppo_kl": LossType.DPPO_KL,
 }
 _KL_ESTIMATORS = {
     None: KlEstimator.NONE,
@@ -755,10 +757,11 @@ _A3PO_METRICS = {"prob": A3poMetric.PROB, "entropy": A3poMetric.ENTROPY}
 def _kernel_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> PolicyLossParams:
     s = o.shaping
     (r_ph, s_ph), (r_pl, s_pl), (r_nh, s_nh), (r_nl, s_nl) = s.a3po_knobs
+    dppo = o.loss_type in ("dppo_tv", "dppo_kl")  # thresholds of a divergence, not of the ratio
     return PolicyLossParams(
-        ratio_low=1.0 - o.clip_low,
-        ratio_high=1.0 + o.clip_high,
-        clip_ratio_c=float(o.clip_ratio_c or 0.0) if o.loss_type == "ppo" or o.gspo_dual_clip else 0.0,
+        ratio_low=float(o.clip_low) if dppo else 1.0 - o.clip_low,
+        ratio_high=float(o.clip_high) if dppo else 1.0 + o.clip_high,
+        clip_ratio_c=float(o.clip_ratio_c or 0.0) if o.loss_type == "ppo" or o.gspo_dual_clip or dppo else 0.0,
         log_ratio_clamp=float(o.log_ratio_clamp or 0.0),
         gspo_log_clamp=float(o.gspo_log_clamp) if o.gspo_log_clamp is not None else float("inf"),
         tau_pos=float(o.tau_pos),

@@ -12,8 +12,9 @@ kernels have one helper per stage, named after these, so each can be read agains
 function by function):
 
 - ``pg_term``: the ratio (``log_ratio``; ``gspo_ratio``) and one ``*_term`` per loss type
-  (``ppo_term``, ``gspo_term``, ``cispo_term``, ``sapo_term``, ``reinforce_term``); ppo and
-  gspo take ``clipped_objective`` then ``dual_clip``; ``clip_sides`` for the metrics;
+  (``ppo_term``, ``gspo_term``, ``cispo_term``, ``sapo_term``, ``reinforce_term``,
+  ``dppo_term`` for dppo_tv and dppo_kl); ppo and gspo take ``clipped_objective`` then
+  ``dual_clip``, dppo ``dppo_ratio`` and ``dppo_keep``; ``clip_sides`` for the metrics;
 - ``shaping_weights`` (``polarity_weights`` × ``probability_weights`` × ``a3po_scales`` ×
   ``entropy_keep``);
 - ``is_weights``;
@@ -260,6 +261,42 @@ def reinforce_term(opts: PolicyLossOptions, logp, old, adv):
     return -adv * logp, no, no, logp - old
 
 
+def dppo_ratio(opts: PolicyLossOptions, logp, old):
+    """DPPO's truncated ratio sg(min(ρ, c)) (ρ = exp(δ); no cap without ``clip_ratio_c``),
+    ρ, and δ."""
+    delta = log_ratio(opts, logp, old)
+    ratio = torch.exp(delta)
+    trunc = ratio if opts.clip_ratio_c is None else torch.clamp(ratio, max=opts.clip_ratio_c)
+    return trunc.detach(), ratio, delta
+
+
+def dppo_keep(opts: PolicyLossOptions, logp, old, adv):
+    """DPPO's trust-region mask (a constant), p = exp(logp), p_old = exp(old), δ_low =
+    ``clip_low``, δ_high = ``clip_high``. dppo_tv: p − p_old <= δ_high for A > 0, >= −δ_low
+    otherwise. dppo_kl: with kl = p_old·(old − logp) + (1 − p_old)·log((1 − p_old + 1e-8) /
+    (1 − p + 1e-8)), kl <= δ_high or p <= p_old for A > 0, kl <= δ_low or p >= p_old otherwise."""
+    lp = logp.detach()
+    p, p_old = torch.exp(lp), torch.exp(old)
+    if opts.loss_type == "dppo_tv":
+        d = p - p_old
+        return torch.where(adv > 0, d <= opts.clip_high, d >= -opts.clip_low)
+    kl = p_old * (old - lp) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+    return torch.where(adv > 0, (kl <= opts.clip_high) | (p <= p_old), (kl <= opts.clip_low) | (p >= p_old))
+
+
+def dppo_term(opts: PolicyLossOptions, logp, old, adv):
+    """−A·sg(min(ρ, c))·logp·keep (dppo_tv, dppo_kl), keep = dppo_keep; clipped = outside
+    the region, clip_lower = kept with ρ > c."""
+    trunc, ratio, delta = dppo_ratio(opts, logp, old)
+    keep = dppo_keep(opts, logp, old, adv)
+    pg = -adv * trunc * logp * keep.to(logp.dtype)
+    if opts.clip_ratio_c is None:
+        clip_lower = torch.zeros_like(keep)
+    else:
+        clip_lower = keep & (ratio > opts.clip_ratio_c)
+    return pg, ~keep, clip_lower, delta
+
+
 def pg_term(opts: PolicyLossOptions, logp, old, adv, valid):
     """The policy-gradient term of ``opts.loss_type``: (pg, clipped, clip_lower, δ)."""
     if opts.loss_type == "ppo":
@@ -270,6 +307,8 @@ def pg_term(opts: PolicyLossOptions, logp, old, adv, valid):
         return cispo_term(opts, logp, old, adv)
     if opts.loss_type == "sapo":
         return sapo_term(opts, logp, old, adv)
+    if opts.loss_type in ("dppo_tv", "dppo_kl"):
+        return dppo_term(opts, logp, old, adv)
     return reinforce_term(opts, logp, old, adv)
 
 

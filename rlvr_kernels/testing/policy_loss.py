@@ -197,6 +197,24 @@ def check_cases() -> List[tuple]:
         ("sapo seq_tis", {}, dict(loss_type="sapo", rollout_correction="seq_tis", agg="seq-mean-token-mean")),
         ("reinforce k2 + entropy bonus", {}, dict(loss_type="reinforce", kl="k2", kl_coef=0.2, entropy_coef=0.01)),
         (
+            "dppo_tv cap + token_tis",
+            {},
+            dict(loss_type="dppo_tv", clip_low=0.05, clip_high=0.1, clip_ratio_c=1.2, rollout_correction="token_tis"),
+        ),
+        (
+            "dppo_kl cap + k3, seq-mean-token-mean",
+            dict(token_adv=True),
+            dict(
+                loss_type="dppo_kl",
+                clip_low=0.01,
+                clip_high=0.02,
+                clip_ratio_c=1.28,
+                kl="k3",
+                kl_coef=0.1,
+                agg="seq-mean-token-mean",
+            ),
+        ),
+        (
             "ppo token_mis + polarity + probability shaping",
             {},
             dict(

@@ -20,8 +20,9 @@ Design:
   Its stages are inlined helpers that mirror the functions of the reference, one by one,
   under the same names with a leading underscore (the C++ kernel's helpers carry them too):
   ``_pg_term``: ``_log_ratio`` (``_gspo_ratio``) and ``_ppo_term`` | ``_gspo_term`` |
-  ``_cispo_term`` | ``_sapo_term`` | ``_reinforce_term`` (ppo and gspo:
-  ``_clipped_objective`` then ``_dual_clip``; ``_clip_sides``) → ``_shaping_weights`` →
+  ``_cispo_term`` | ``_sapo_term`` | ``_reinforce_term`` | ``_dppo_term`` (ppo and
+  gspo: ``_clipped_objective`` then ``_dual_clip``; dppo_tv / dppo_kl: ``_dppo_keep``;
+  ``_clip_sides``) → ``_shaping_weights`` →
   ``_is_weights`` → ``_kl_term`` (``_kl_estimate`` × ``_importance_ratio``) →
   ``_token_loss`` → ``_aggregate`` → ``_partial_sums`` (the metrics' sums). Names:
   ``adv`` is the advantage A, ``agg_w`` the aggregation weight (1/n_i for
@@ -75,6 +76,8 @@ GSPO = tl.constexpr(int(LossType.GSPO))
 CISPO = tl.constexpr(int(LossType.CISPO))
 SAPO = tl.constexpr(int(LossType.SAPO))
 REINFORCE = tl.constexpr(int(LossType.REINFORCE))
+DPPO_TV = tl.constexpr(int(LossType.DPPO_TV))
+DPPO_KL = tl.constexpr(int(LossType.DPPO_KL))
 KL_NONE = tl.constexpr(int(KlEstimator.NONE))
 K1 = tl.constexpr(int(KlEstimator.K1))
 K2 = tl.constexpr(int(KlEstimator.K2))
@@ -578,6 +581,61 @@ def _reinforce_term(lp, old, adv, valid):
 
 
 @triton.jit
+def _dppo_keep(lp, old, adv, lo, hi, CDT: tl.constexpr, LOSS: tl.constexpr, BLOCK: tl.constexpr):
+    """Mirrors reference dppo_keep: the trust-region mask (lo, hi: the thresholds δ_low,
+    δ_high). DPPO_TV: p − p_old <= δ_high for A > 0, >= −δ_low otherwise. DPPO_KL: kl =
+    p_old·(old − logp) + (1 − p_old)·log((1 − p_old + 1e-8) / (1 − p + 1e-8)), kl <= δ_high
+    or p <= p_old for A > 0, kl <= δ_low or p >= p_old otherwise."""
+    p = tl.exp(lp)
+    p_old = tl.exp(old)
+    if LOSS == DPPO_TV:
+        d = p - p_old
+        keep = tl.where(adv > 0.0, d <= hi, d >= -lo)
+    else:
+        # 1e-8 rounded once to the compute dtype, as torch rounds the Python scalar (a float
+        # literal is an fp32 constant even in fp64 code; 1e8 is exact in both, the division
+        # correctly rounded)
+        eps = 1.0 / tl.full([BLOCK], 1e8, CDT)
+        kl = p_old * (old - lp) + (1.0 - p_old) * tl.log((1.0 - p_old + eps) / (1.0 - p + eps))
+        keep = tl.where(adv > 0.0, (kl <= hi) | (p <= p_old), (kl <= lo) | (p >= p_old))
+    return keep
+
+
+@triton.jit
+def _dppo_term(
+    lp,
+    old,
+    adv,
+    valid,
+    lo,
+    hi,
+    clip_c,
+    lr_clamp,
+    CDT: tl.constexpr,
+    LOSS: tl.constexpr,
+    LR_CLAMP: tl.constexpr,
+    CAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Mirrors reference dppo_term (with dppo_ratio): −A·sg(min(ρ, c))·logp·keep, the truncated
+    ratio and keep = _dppo_keep constants (CAP: the cap c is on); clipped = outside the
+    region, clip_lower = kept with ρ > c."""
+    delta, _ = _log_ratio(lp, old, lr_clamp, CDT, LR_CLAMP, BLOCK)
+    ratio = tl.exp(delta)
+    capped = valid & False
+    trunc = ratio
+    if CAP:
+        c = _param(clip_c, CDT)
+        capped = ratio > c  # torch.clamp(max=c): NaN stays NaN
+        trunc = tl.where(capped, c, ratio)
+    keep = _dppo_keep(lp, old, adv, lo, hi, CDT, LOSS, BLOCK)
+    coef = -adv * trunc
+    dpg = tl.where(keep, coef, 0.0)
+    pg = tl.where(keep, coef * lp, 0.0)
+    return pg, dpg, ~keep, keep & capped, delta, valid & False, valid & False
+
+
+@triton.jit
 def _pg_term(
     lp,
     old,
@@ -609,6 +667,8 @@ def _pg_term(
         return _cispo_term(lp, old, adv, valid, lo, hi, lr_clamp, CDT, LR_CLAMP, BLOCK)
     elif LOSS == SAPO:
         return _sapo_term(lp, old, adv, valid, tau_pos, tau_neg, lr_clamp, CDT, LR_CLAMP, BLOCK)
+    elif (LOSS == DPPO_TV) or (LOSS == DPPO_KL):  # (DUAL_CLIP: the truncation cap is on)
+        return _dppo_term(lp, old, adv, valid, lo, hi, clip_c, lr_clamp, CDT, LOSS, LR_CLAMP, DUAL_CLIP, BLOCK)
     else:  # REINFORCE
         return _reinforce_term(lp, old, adv, valid)
 
@@ -880,7 +940,7 @@ def _partial_sums(
     part = tl.where(cols == _C_PG, tl.sum(tl.where(valid, pgw_a, zero), 0), part)
     ntok = tl.sum(tl.where(valid, one, zero), 0)
     part = tl.where(cols == _C_NTOK, ntok, part)
-    if (LOSS == PPO) or (LOSS == GSPO) or (LOSS == CISPO):  # only these clip
+    if (LOSS == PPO) or (LOSS == GSPO) or (LOSS == CISPO) or (LOSS == DPPO_TV) or (LOSS == DPPO_KL):  # these clip
         part = tl.where(cols == _C_CLIP, tl.sum(tl.where(valid & clipped, one, zero), 0), part)
         part = tl.where(cols == _C_CLIP_LOW, tl.sum(tl.where(low, one, zero), 0), part)
         part = tl.where(cols == _C_CLIP_HIGH, tl.sum(tl.where(high, one, zero), 0), part)
@@ -1447,7 +1507,9 @@ def _token_constexprs(p: PolicyLossParams, k, has_entropy: bool, need_entropy_gr
     return dict(
         k,
         LOSS=int(p.loss_type),
-        DUAL_CLIP=p.loss_type in (LossType.PPO, LossType.GSPO) and p.clip_ratio_c > 0,
+        # (dppo: the truncation cap; its CLIP_LOWER is the kept tokens above the cap)
+        DUAL_CLIP=p.loss_type in (LossType.PPO, LossType.GSPO, LossType.DPPO_TV, LossType.DPPO_KL)
+        and p.clip_ratio_c > 0,
         LR_CLAMP=p.log_ratio_clamp > 0,
         KL=int(p.kl),
         KL_CLAMP=bool(p.kl_clamp),
@@ -1665,6 +1727,9 @@ def _aot_token_specs():
         TOKEN_OUT=int(TokenOut.SHAPED_ADVANTAGES),
         SEQ_ADV=False,
     )
+    # verl's DPPO: the truncation cap on (DUAL_CLIP), as the drop-ins call it
+    yield spec("dppo_tv,cap", "*bf16", tl.float32, LOSS=int(LossType.DPPO_TV), DUAL_CLIP=True, SEQ_ADV=False)
+    yield spec("dppo_kl,cap", "*fp32", tl.float32, LOSS=int(LossType.DPPO_KL), DUAL_CLIP=True, SEQ_ADV=False)
     everything = dict(
         DUAL_CLIP=True,
         KL=int(KlEstimator.K3_PLUS),

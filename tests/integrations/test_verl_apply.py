@@ -170,6 +170,9 @@ TRAIN_CASES = [
     ("cispo", "token-mean", dict(entropy_coeff=0.02), True, False),
     ("sapo", "token-mean", dict(tau_pos=1.0, tau_neg=1.05, use_kl_loss=True, kl_loss_coef=0.1), False, False),
     ("gpg", "seq-mean-token-sum-norm", {}, False, False),
+    # (thresholds small enough that the moved policy of step 2 leaves the trust region)
+    ("dppo_tv", "token-mean", dict(clip_ratio_low=1e-4, clip_ratio_high=2e-4, clip_ratio_c=1.001), True, True),
+    ("dppo_kl", "seq-mean-token-mean", dict(clip_ratio_low=1e-7, clip_ratio_high=1e-6, use_kl_loss=True), False, False),
 ]
 
 
@@ -189,6 +192,9 @@ def test_engine_update_matches_stock(monkeypatch, model_dir, loss_mode, agg, ext
     assert counts["verl.logprobs_from_logits"] == micro
     assert counts.get("verl.entropy_from_logits", 0) == (micro if entropy else 0)
     assert not any(k.endswith("[verl]") for k in counts), counts
+    if loss_mode.startswith("dppo"):  # the moved policy of step 2 leaves the trust region somewhere
+        clipfrac = stock[0][1][1]["actor/pg_clipfrac"]
+        assert max(torch.as_tensor(clipfrac, dtype=torch.float64).reshape(-1).tolist()) > 0, clipfrac
     _same_training(ours, stock)
 
 

@@ -60,7 +60,7 @@ SHAPINGS = st.builds(
 )
 OPTIONS = st.fixed_dictionaries(
     {
-        "loss_type": st.sampled_from(["ppo", "gspo", "cispo", "sapo", "reinforce"]),
+        "loss_type": st.sampled_from(["ppo", "gspo", "cispo", "sapo", "reinforce", "dppo_tv", "dppo_kl"]),
         "clip_low": st.sampled_from([0.2, 0.1]),
         "clip_high": st.sampled_from([0.2, 0.28]),
         "kl": st.sampled_from([None, "k1", "k2", "k3", "k3+"]),
@@ -123,7 +123,8 @@ def test_random_options(backend, device, opts, layout, dtype, B, L, token_adv, s
     opts = {k: v for k, v in opts.items() if v is not None}
     if opts.get("kl"):
         opts["kl_coef"] = 0.1
-    if opts.get("preset") == "verl" and opts.get("loss_type") not in (None, "ppo"):
+    # (the verl preset's c = 3.0 is dppo's truncation cap too)
+    if opts.get("preset") == "verl" and opts.get("loss_type") not in (None, "ppo", "dppo_tv", "dppo_kl"):
         opts.pop("preset")
     if layout == "packed" and opts["agg"] == "seq-mean-token-sum-norm":
         opts["loss_scale_factor"] = 33.0

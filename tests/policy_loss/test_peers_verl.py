@@ -1,7 +1,7 @@
 """Our verl policy-loss drop-ins against verl's own code, on every backend.
 
 verl's functions are called for real: ``core_algos.compute_policy_loss_{vanilla,gspo,
-cispo,sapo,gpg}``, ``kl_penalty``, ``agg_loss``, ``rollout_corr_helper.
+cispo,sapo,gpg,dppo_tv,dppo_kl}``, ``kl_penalty``, ``agg_loss``, ``rollout_corr_helper.
 compute_rollout_correction_weights`` and the actor loss ``workers.utils.losses.ppo_loss``
 (with only its packed→padded reshaping, ``no_padding_2_padding``, replaced by the
 identity because the test hands it padded tensors). Each case runs verl and ours on
@@ -41,7 +41,8 @@ from verl.workers.config.actor import PolicyLossConfig
 from rlvr_kernels.integrations import verl as ours
 
 ATOL, RTOL = 1e-6, 1e-5
-LOSS_MODES = ["vanilla", "gspo", "cispo", "sapo", "gpg"]
+LOSS_MODES = ["vanilla", "gspo", "cispo", "sapo", "gpg", "dppo_tv", "dppo_kl"]
+DPPO_MODES = ["dppo_tv", "dppo_kl"]
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KL_TYPES = [
     "kl",
@@ -68,6 +69,8 @@ NEW_NAMES = [
     "compute_policy_loss_cispo",
     "compute_policy_loss_sapo",
     "compute_policy_loss_gpg",
+    "compute_policy_loss_dppo_tv",
+    "compute_policy_loss_dppo_kl",
     "kl_penalty",
     "agg_loss",
 ]
@@ -327,6 +330,91 @@ def test_rollout_is_weights_match_verl(backend, device, loss_mode):
             assert ((w == 0) & batch["response_mask"]).any()  # IcePop dropped tokens
         what = f"{name} rollout_is={level} threshold={threshold} agg={agg}"
         compare_policy_fn(name, batch, backend, what, weights=w, loss_agg_mode=agg, config=actor_config(loss_mode, agg))
+
+
+# DPPO's trust-region thresholds: asymmetric, one side tight, from clip_ratio alone; the
+# truncation cap c from the config, or verl's default 20.0 when the config has none.
+DPPO_CASES = [
+    (dict(clip_ratio_low=0.05, clip_ratio_high=0.3, clip_ratio_c=2.0), "token-mean"),
+    (dict(clip_ratio_low=0.3, clip_ratio_high=0.02, clip_ratio_c=5.0), "seq-mean-token-mean"),
+    (dict(clip_ratio=0.1, clip_ratio_low=None, clip_ratio_high=None), "token-sum"),
+    (dict(clip_ratio_low=0.01, clip_ratio_high=0.01, clip_ratio_c=1.5), "seq-mean-token-sum"),
+    (dict(clip_ratio_low=0.2, clip_ratio_high=0.1, clip_ratio_c=None), "seq-mean-token-sum-norm"),
+]
+
+
+def dppo_config(loss_mode, agg, fields):
+    """An ActorConfig, or (``clip_ratio_c=None``) a DictConfig without clip_ratio_c, so that
+    verl's ``config.get("clip_ratio_c", 20.0)`` takes its default."""
+    if fields.get("clip_ratio_c", 0) is not None:
+        return actor_config(loss_mode, agg, **fields)
+    from omegaconf import OmegaConf
+
+    f = {k: v for k, v in fields.items() if k != "clip_ratio_c"}
+    return OmegaConf.create(
+        dict(clip_ratio=0.2, **f, loss_agg_mode=agg, policy_loss=dict(loss_mode=loss_mode), global_batch_info={})
+    )
+
+
+@pytest.mark.parametrize("backend,device,loss_mode", backend_modes(DPPO_MODES, ("dppo_kl",)))
+def test_dppo_thresholds_and_cap_match_verl(backend, device, loss_mode):
+    """DPPO-Binary-TV / -KL: asymmetric clip_ratio_low / clip_ratio_high, clip_ratio alone,
+    clip_ratio_c given or verl's default, with and without rollout_is_weights (IcePop's
+    zeros included): loss, gradient and the three metrics match verl's."""
+    name = f"compute_policy_loss_{loss_mode}"
+    grid = [(k, fields, agg, weighted) for k, (fields, agg) in enumerate(DPPO_CASES) for weighted in (False, True)]
+    for k, fields, agg, weighted in subsample(backend, device, grid):
+        batch = make_batch(300 + 2 * k + weighted, device)
+        w = None
+        if weighted:
+            w, _ = compute_rollout_correction_weights(
+                batch["old_log_prob"] - batch["rollout_log_probs"],
+                batch["response_mask"],
+                rollout_is="token",
+                rollout_is_threshold="0.5_2.0" if k % 2 else 2.0,
+            )
+        cfg = dppo_config(loss_mode, agg, fields)
+        what = f"{name} {fields} agg={agg} weights={weighted}"
+        compare_policy_fn(name, batch, backend, what, weights=w, loss_agg_mode=agg, config=cfg)
+
+
+def test_dppo_batches_exercise_every_branch():
+    """On the test batches verl's DPPO masks tokens out and truncates kept ones (measured
+    with verl's own functions), for both signs of A, else the comparisons prove little."""
+    for loss_mode in DPPO_MODES:
+        fn = getattr(core_algos, f"compute_policy_loss_{loss_mode}")
+        for k, (fields, agg) in enumerate(DPPO_CASES):
+            b = make_batch(300 + 2 * k)
+            args = (b["old_log_prob"], b["log_prob"], b["advantages"], b["response_mask"], agg)
+            _, m = fn(*args, config=dppo_config(loss_mode, agg, fields))
+            assert m["actor/pg_clipfrac"] > 0.005, (loss_mode, fields)
+            if fields.get("clip_ratio_c", 0) is not None:
+                assert m["actor/pg_clipfrac_lower"] > 0.0, (loss_mode, fields)
+            for sign in (1.0, -1.0):  # each side of the trust region masks something
+                adv = sign * b["advantages"].abs()
+                _, m = fn(args[0], args[1], adv, args[3], agg, config=dppo_config(loss_mode, agg, fields))
+                assert m["actor/pg_clipfrac"] > 0.0, (loss_mode, fields, sign)
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+@pytest.mark.parametrize("loss_mode", DPPO_MODES)
+def test_dppo_empty_and_all_masked_give_zeros(backend, device, loss_mode):
+    """No valid token (all masked, no row, no column): loss, gradient and metrics are 0,
+    never NaN (verl's masked means divide by 0 there)."""
+    fn = getattr(ours, f"compute_policy_loss_{loss_mode}")
+    for B, L in ((4, 7), (0, 7), (3, 0)):
+        for agg in AGG_MODES:
+            lp = (-torch.rand(B, L) * 2).to(device).requires_grad_(True)
+            mask = torch.zeros(B, L, dtype=torch.bool, device=device)
+            with ours.use_backend(backend):
+                loss, m = fn(
+                    lp.detach() - 0.4, lp, torch.randn(B, L).to(device), mask, agg, actor_config(loss_mode, agg)
+                )
+            loss.backward()
+            assert float(loss) == 0.0, (B, L, agg)
+            assert lp.grad is not None and float(lp.grad.abs().sum()) == 0.0, (B, L, agg)
+            assert set(m) == {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
+            assert all(v == 0.0 for v in m.values()), (B, L, agg, m)
 
 
 def test_negative_rollout_is_weights_rejected():

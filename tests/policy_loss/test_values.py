@@ -122,6 +122,50 @@ def test_cispo_sapo_reinforce(backend, device):
 
 
 @pytest.mark.parametrize("backend,device", ALL)
+def test_dppo_values(backend, device):
+    """−A·sg(min(ρ, c))·logp on tokens inside the trust region, 0 (and counted in
+    pg_clipfrac) outside; pg_clipfrac_lower counts kept tokens above the cap."""
+    lp5, lp3 = math.log(0.5), math.log(0.3)  # p − p_old = ±0.2, ρ = 5/3 or 3/5
+    kw = dict(loss_type="dppo_tv", clip_ratio_c=1.5)
+    loss, grad, met = one_token(backend, device, logp=lp5, old=lp3, adv=1.0, clip_high=0.25, **kw)
+    assert (loss, grad) == (pytest.approx(-1.5 * lp5), pytest.approx(-1.5))  # ρ truncated at c
+    assert (float(met.pg_clipfrac), float(met.pg_clipfrac_lower)) == (0.0, 1.0)
+    loss, grad, met = one_token(backend, device, logp=lp5, old=lp3, adv=1.0, clip_high=0.1, **kw)
+    assert (loss, grad) == (0.0, 0.0)
+    assert (float(met.pg_clipfrac), float(met.pg_clipfrac_lower)) == (1.0, 0.0)
+    loss, grad, _ = one_token(backend, device, logp=lp5, old=lp3, adv=-2.0, clip_high=0.1, **kw)
+    assert (loss, grad) == (pytest.approx(3.0 * lp5), pytest.approx(3.0))  # A < 0: only the lower side
+    loss, grad, met = one_token(backend, device, logp=lp3, old=lp5, adv=-2.0, clip_low=0.1, **kw)
+    assert (loss, grad, float(met.pg_clipfrac)) == (0.0, 0.0, 1.0)
+    loss, grad, _ = one_token(backend, device, logp=lp3, old=lp5, adv=-2.0, clip_low=0.25, **kw)
+    assert (loss, grad) == (pytest.approx(2.0 * 0.6 * lp3), pytest.approx(1.2))  # ρ = 0.6, no cap
+    # Binary KL of (p_old, p) = (0.3, 0.5) with verl's 1e-8 terms.
+    kl = 0.3 * (lp3 - lp5) + 0.7 * math.log((0.7 + 1e-8) / (0.5 + 1e-8))
+    kw = dict(loss_type="dppo_kl")  # no cap
+    loss, grad, met = one_token(backend, device, logp=lp5, old=lp3, adv=1.0, clip_high=1.1 * kl, **kw)
+    assert (loss, grad) == (pytest.approx(-lp5 / 0.6), pytest.approx(-1 / 0.6))
+    assert float(met.pg_clipfrac) == 0.0
+    loss, grad, met = one_token(backend, device, logp=lp5, old=lp3, adv=1.0, clip_high=0.9 * kl, **kw)
+    assert (loss, grad, float(met.pg_clipfrac)) == (0.0, 0.0, 1.0)
+    # A < 0 and p >= p_old: inside whatever the KL
+    loss, _, met = one_token(backend, device, logp=lp5, old=lp3, adv=-1.0, clip_low=0.0, **kw)
+    assert loss == pytest.approx(lp5 / 0.6) and float(met.pg_clipfrac) == 0.0
+
+
+def test_dppo_options_checked():
+    """DPPO's thresholds are divergences (any value >= 0), its cap any c > 0."""
+    rk.PolicyLossOptions(loss_type="dppo_kl", clip_low=2.0, clip_ratio_c=0.5)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        rk.PolicyLossOptions(loss_type="dppo_tv", clip_ratio_c=0.0)
+    with pytest.raises(ValueError, match="clip_low"):
+        rk.PolicyLossOptions(loss_type="dppo_tv", clip_low=-0.1)
+    with pytest.raises(ValueError, match="clip_low"):
+        rk.PolicyLossOptions(loss_type="ppo", clip_low=2.0)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        rk.PolicyLossOptions(loss_type="ppo", clip_ratio_c=0.5)
+
+
+@pytest.mark.parametrize("backend,device", ALL)
 @pytest.mark.parametrize(
     "kind,value,grad",
     [

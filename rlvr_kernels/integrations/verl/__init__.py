@@ -2,7 +2,8 @@
 
 ==========================  ================================================================
 ``core_algos``              ``verl.trainer.ppo.core_algos``: the outcome-advantage estimators,
-                            ``compute_policy_loss_{vanilla,gspo,cispo,sapo,gpg}``,
+                            ``compute_policy_loss_{vanilla,gspo,cispo,sapo,gpg,``
+                            ``dppo_tv,dppo_kl}``,
                             ``kl_penalty``, ``agg_loss``
 ``losses``                  ``verl.workers.utils.losses.ppo_loss`` as one fused call:
                             :func:`policy_loss_verl` (not a drop-in: padded tensors + config)
@@ -41,6 +42,8 @@ from .core_algos import (
     compute_grpo_vectorized_outcome_advantage,
     compute_opo_outcome_advantage,
     compute_policy_loss_cispo,
+    compute_policy_loss_dppo_kl,
+    compute_policy_loss_dppo_tv,
     compute_policy_loss_gpg,
     compute_policy_loss_gspo,
     compute_policy_loss_sapo,
@@ -69,6 +72,8 @@ __all__ = [
     "compute_policy_loss_cispo",
     "compute_policy_loss_sapo",
     "compute_policy_loss_gpg",
+    "compute_policy_loss_dppo_tv",
+    "compute_policy_loss_dppo_kl",
     "kl_penalty",
     "agg_loss",
     "policy_loss_verl",

@@ -123,11 +123,13 @@ class ActorLossConfig:
     def _options(self, loss_type: str, agg: str, fields: Dict[str, Any]) -> PolicyLossOptions:
         fields = dict(fields, loss_type=loss_type, agg=agg)
         sources = dict(_OPTION_SOURCES)
-        if loss_type in ("ppo", "gspo", "cispo"):
+        if loss_type in ("ppo", "gspo", "cispo", "dppo_tv", "dppo_kl"):
             (low_name, fields["clip_low"]), (high_name, fields["clip_high"]) = self.clip_eps()
             sources.update(clip_low=f"config.{low_name}", clip_high=f"config.{high_name}")
         if loss_type == "ppo":
             fields["clip_ratio_c"] = self.number("clip_ratio_c", 3.0)  # verl: config.get("clip_ratio_c", 3.0)
+        if loss_type in ("dppo_tv", "dppo_kl"):
+            fields["clip_ratio_c"] = self.number("clip_ratio_c", 20.0)  # verl: config.get("clip_ratio_c", 20.0)
         if loss_type == "sapo":
             fields["tau_pos"], fields["tau_neg"] = self.number("tau_pos"), self.number("tau_neg")
         with caller_names(sources):

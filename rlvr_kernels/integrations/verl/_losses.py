@@ -54,14 +54,17 @@ KL_UNFUSED = ("abs", "kl+", "k1+", "abs+")
 # dual clip c from the config, k3 clamps, log s_i clamped at 10 for GSPO):
 #   vanilla → loss_type="ppo" (clip_ratio_c = config.get("clip_ratio_c", 3.0)),
 #   gspo → "gspo", cispo → "cispo", sapo → "sapo" (always aggregated seq-mean-token-mean,
-#   as verl does), gpg → "reinforce";
+#   as verl does), gpg → "reinforce", dppo_tv → "dppo_tv" and dppo_kl → "dppo_kl" (the
+#   divergence thresholds from clip_ratio / clip_ratio_low / clip_ratio_high, the truncation
+#   cap config.get("clip_ratio_c", 20.0));
 #   agg_loss(**config.global_batch_info) → agg, dp_size, global_num_tokens
 #   (batch_num_tokens), global_num_seqs (global_batch_size), loss_scale_factor.
 #
 # ``rollout_is_weights`` (a tensor verl computes before the actor) is folded into the
 # advantages: every loss type above is positively homogeneous in A per token —
 # pg(w·A) = w·pg(A) for w >= 0 (the clip and dual-clip branches and SAPO's temperature
-# depend only on the sign of A, CISPO and GPG are linear) — so the loss and its gradient
+# depend only on the sign of A, CISPO and GPG are linear, DPPO's trust region depends only
+# on the sign of A and its truncated ratio not on A at all) — so the loss and its gradient
 # are exact for any non-negative weights (verl's are exp(...) or 0). Negative weights
 # would flip PPO's max/min and SAPO's temperature: they are rejected. The clip-fraction
 # metrics see sign(w·A), which is 0 where w = 0 (IcePop); verl counts those tokens with
@@ -69,7 +72,15 @@ KL_UNFUSED = ("abs", "kl+", "k1+", "abs+")
 # advantages (a second, gradient-free call) when some valid weight is 0.
 
 # verl loss_mode → our loss_type.
-LOSS_MODES = {"vanilla": "ppo", "gspo": "gspo", "cispo": "cispo", "sapo": "sapo", "gpg": "reinforce"}
+LOSS_MODES = {
+    "vanilla": "ppo",
+    "gspo": "gspo",
+    "cispo": "cispo",
+    "sapo": "sapo",
+    "gpg": "reinforce",
+    "dppo_tv": "dppo_tv",
+    "dppo_kl": "dppo_kl",
+}
 
 
 def pg_options(cfg: ActorLossConfig, loss_mode: str, agg: str, **extra):

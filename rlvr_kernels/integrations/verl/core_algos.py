@@ -1,5 +1,6 @@
 """Drop-ins for ``verl.trainer.ppo.core_algos`` (verl 0.9): the outcome-advantage
-estimators, ``compute_policy_loss_{vanilla,gspo,cispo,sapo,gpg}``, ``kl_penalty`` and
+estimators, ``compute_policy_loss_{vanilla,gspo,cispo,sapo,gpg,dppo_tv,dppo_kl}``,
+``kl_penalty`` and
 ``agg_loss``, with verl's signatures and numbers (to 1e-6 in fp32;
 tests/advantages/test_peers_verl.py and tests/policy_loss/test_peers_verl.py run both).
 
@@ -46,6 +47,8 @@ __all__ = [
     "compute_policy_loss_cispo",
     "compute_policy_loss_sapo",
     "compute_policy_loss_gpg",
+    "compute_policy_loss_dppo_tv",
+    "compute_policy_loss_dppo_kl",
     "kl_penalty",
     "agg_loss",
 ]
@@ -250,6 +253,42 @@ def compute_policy_loss_gpg(
     """GPG: −A·logπ; returns ``(pg_loss, {})`` like verl."""
     return policy_loss_body(
         "gpg", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+    )
+
+
+def compute_policy_loss_dppo_tv(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Optional[Any] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """DPPO-Binary-TV: −A·sg(min(ρ, c))·logπ·keep, keep = p − p_old <= δ_high (A > 0) or
+    >= −δ_low (A <= 0), δ from clip_ratio(_low/_high), c = ``config.get("clip_ratio_c",
+    20.0)``, δ clamped to ±20 in ρ; ``actor/pg_clipfrac`` = the masked-out fraction,
+    ``actor/pg_clipfrac_lower`` = kept with ρ > c."""
+    return policy_loss_body(
+        "dppo_tv", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+    )
+
+
+def compute_policy_loss_dppo_kl(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Optional[Any] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """DPPO-Binary-KL: as ``compute_policy_loss_dppo_tv`` with the binary KL
+    p_old·log(p_old/p) + (1 − p_old)·log((1 − p_old + 1e-8)/(1 − p + 1e-8)) as the
+    divergence: keep = KL <= δ_high or p <= p_old (A > 0), KL <= δ_low or p >= p_old
+    (A <= 0)."""
+    return policy_loss_body(
+        "dppo_kl", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
     )
 
 
