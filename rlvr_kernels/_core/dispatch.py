@@ -37,6 +37,13 @@ KERNELS: Dict[Tuple[str, str], str] = {
     ("group_advantages", "reference"): "rlvr_kernels.reference.advantages:group_advantages",
     ("group_advantages", "cpu"): "torch.ops.rlvr_kernels_C:group_advantages",
     ("group_advantages", "triton"): "rlvr_kernels.triton.advantages:group_advantages",
+    # the data-parallel path of group_advantages: a rank's partials, then the merged result
+    ("group_partials", "reference"): "rlvr_kernels.reference.advantages:group_partials",
+    ("group_partials", "cpu"): "torch.ops.rlvr_kernels_C:group_partials",
+    ("group_partials", "triton"): "rlvr_kernels.triton.advantages:group_partials",
+    ("group_apply", "reference"): "rlvr_kernels.reference.advantages:group_apply",
+    ("group_apply", "cpu"): "torch.ops.rlvr_kernels_C:group_apply",
+    ("group_apply", "triton"): "rlvr_kernels.triton.advantages:group_apply",
     # policy_loss and shape_token_advantages
     ("policy_loss", "reference"): "rlvr_kernels.reference.policy_loss:policy_loss",
     ("shape_token_advantages", "reference"): "rlvr_kernels.reference.policy_loss:shape_token_advantages",

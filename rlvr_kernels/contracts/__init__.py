@@ -4,14 +4,14 @@ See :mod:`rlvr_kernels.contracts._base` for how the lists are packed."""
 
 from ._base import KernelParams
 from .advantages import CPP_CODES as _ADVANTAGES_CODES
-from .advantages import Baseline, GroupAdvantagesParams, Scale, Whiten
+from .advantages import NUM_PARTIAL_COLUMNS, Baseline, GroupAdvantagesParams, PartialColumn, Scale, Whiten
 from .logprobs import CPP_CODES as _LOGPROBS_CODES
 from .logprobs import LinearLogprobsBwdParams, LinearLogprobsStatsParams, LogprobsStat, LogprobsStatsParams
 from .policy_loss import CPP_CODES as _POLICY_LOSS_CODES
 from .policy_loss import PolicyLossParams
 
 __all__ = ["KernelParams"]
-__all__ += ["Baseline", "GroupAdvantagesParams", "Scale", "Whiten"]
+__all__ += ["Baseline", "GroupAdvantagesParams", "NUM_PARTIAL_COLUMNS", "PartialColumn", "Scale", "Whiten"]
 __all__ += ["LinearLogprobsBwdParams", "LinearLogprobsStatsParams", "LogprobsStatsParams", "LogprobsStat"]
 __all__ += ["PolicyLossParams"]
 

@@ -63,5 +63,29 @@ class GroupAdvantagesParams(KernelParams):
     whiten_eps_in_sqrt: bool
 
 
+class PartialColumn(enum.IntEnum):
+    """Columns of one rank's per-group partials (``group_partials`` → ``[num_groups, 9]``
+    float64, what ``group_apply`` merges): the C++ accumulators ``Acc`` of the group's valid
+    samples on that rank, in sample order, shifted by the first of them (x₁). Counts are
+    float64 integers."""
+
+    N = 0  # n, valid samples
+    FIRST = 1  # x₁ (0 when n = 0)
+    S = 2  # Σ (x − x₁)
+    S2 = 3  # Σ (x − x₁)²
+    DIFFERS = 4  # 1 when some valid score differs from x₁, else 0
+    WX = 5  # Σ w·x (w: token weights; Baseline.OPO only, else 0)
+    W = 6  # Σ w (Baseline.OPO only, else 0)
+    INCORRECT = 7  # #{x <= 0} (pass@k)
+    NONZERO = 8  # #{x != 0} (GPG's α)
+
+
+NUM_PARTIAL_COLUMNS = len(PartialColumn)
+
 # The C++ X-macro list each branch-code enum mirrors.
-CPP_CODES = {"RLVR_BASELINE_CODES": Baseline, "RLVR_SCALE_CODES": Scale, "RLVR_WHITEN_CODES": Whiten}
+CPP_CODES = {
+    "RLVR_BASELINE_CODES": Baseline,
+    "RLVR_SCALE_CODES": Scale,
+    "RLVR_WHITEN_CODES": Whiten,
+    "RLVR_PARTIAL_COLUMN_CODES": PartialColumn,
+}

@@ -70,15 +70,15 @@ struct Inputs {
   bool has_layout() const { return packed || mask.defined(); }
 };
 
-void check_cpu(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), kOp, ": ", name, " must be a CPU tensor, got ", t.device());
+void check_cpu(const torch::Tensor& t, const char* name, const char* op) {
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got ", t.device());
 }
 
-void check_per_sample(const torch::Tensor& t, const char* name, int64_t B) {
-  check_cpu(t, name);
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == B, kOp, ": ", name, " must be [B] = [", B, "] like scores, got ",
+void check_per_sample(const torch::Tensor& t, const char* name, int64_t B, const char* op) {
+  check_cpu(t, name, op);
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == B, op, ": ", name, " must be [B] = [", B, "] like scores, got ",
               t.sizes());
-  TORCH_CHECK(!t.is_complex(), kOp, ": ", name, " must be real, got ", t.scalar_type());
+  TORCH_CHECK(!t.is_complex(), op, ": ", name, " must be real, got ", t.scalar_type());
 }
 
 // Every relation the kernel relies on to stay in bounds: a violation is an error, never an
@@ -86,73 +86,74 @@ void check_per_sample(const torch::Tensor& t, const char* name, int64_t B) {
 Inputs check_inputs(const torch::Tensor& scores, const c10::optional<torch::Tensor>& group_index,
                     const c10::optional<torch::Tensor>& valid, const c10::optional<torch::Tensor>& lengths,
                     const c10::optional<torch::Tensor>& response_mask, const c10::optional<torch::Tensor>& cu_seqlens,
-                    c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams, at::ScalarType out_dtype) {
+                    c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams, at::ScalarType out_dtype,
+                    const char* op) {
   Inputs in;
   in.p = GroupAdvantagesParams::unpack(fparams, iparams);
   const GroupAdvantagesParams& p = in.p;
-  TORCH_CHECK(valid_Baseline(p.baseline), kOp, ": unknown baseline code ", p.baseline);
-  TORCH_CHECK(valid_Scale(p.scale), kOp, ": unknown scale code ", p.scale);
-  TORCH_CHECK(valid_Whiten(p.whiten), kOp, ": unknown whiten code ", p.whiten);
+  TORCH_CHECK(valid_Baseline(p.baseline), op, ": unknown baseline code ", p.baseline);
+  TORCH_CHECK(valid_Scale(p.scale), op, ": unknown scale code ", p.scale);
+  TORCH_CHECK(valid_Whiten(p.whiten), op, ": unknown whiten code ", p.whiten);
   in.baseline = Baseline(p.baseline);
   in.scale = Scale(p.scale);
   in.whiten = Whiten(p.whiten);
-  TORCH_CHECK(in.baseline != Baseline::PASSK || p.passk_k >= 1, kOp, ": passk_k must be >= 1, got ", p.passk_k);
-  TORCH_CHECK(at::isFloatingType(out_dtype), kOp, ": out_dtype must be a floating dtype, got ", out_dtype);
+  TORCH_CHECK(in.baseline != Baseline::PASSK || p.passk_k >= 1, op, ": passk_k must be >= 1, got ", p.passk_k);
+  TORCH_CHECK(at::isFloatingType(out_dtype), op, ": out_dtype must be a floating dtype, got ", out_dtype);
 
-  check_cpu(scores, "scores");
-  TORCH_CHECK(scores.dim() == 1 && at::isFloatingType(scores.scalar_type()), kOp,
+  check_cpu(scores, "scores", op);
+  TORCH_CHECK(scores.dim() == 1 && at::isFloatingType(scores.scalar_type()), op,
               ": scores must be a 1-D float tensor [B], got ", scores.sizes(), " ", scores.scalar_type());
   const int64_t B = in.B = scores.size(0);
-  TORCH_CHECK(B <= kMaxCount, kOp, ": B = ", B, " samples exceeds ", kMaxCount);
+  TORCH_CHECK(B <= kMaxCount, op, ": B = ", B, " samples exceeds ", kMaxCount);
   const auto st = scores.scalar_type();
   in.scores = (st == torch::kFloat64 || st == torch::kFloat32 ? scores : scores.to(torch::kFloat32)).contiguous();
 
   const int64_t G = in.G = p.num_groups, gs = in.group_size = p.group_size;
-  TORCH_CHECK(G >= 0 && G <= kMaxCount, kOp, ": num_groups must be in [0, ", kMaxCount, "], got ", G);
-  TORCH_CHECK(gs >= 0 && gs <= kMaxCount, kOp, ": group_size must be in [0, ", kMaxCount, "], got ", gs);
+  TORCH_CHECK(G >= 0 && G <= kMaxCount, op, ": num_groups must be in [0, ", kMaxCount, "], got ", G);
+  TORCH_CHECK(gs >= 0 && gs <= kMaxCount, op, ": group_size must be in [0, ", kMaxCount, "], got ", gs);
   if (gs > 0) {
-    TORCH_CHECK(!group_index.has_value(), kOp, ": group_index must be None with group_size > 0");
-    TORCH_CHECK(G * gs == B, kOp, ": contiguous groups must cover the batch: num_groups ", G, " x group_size ", gs,
+    TORCH_CHECK(!group_index.has_value(), op, ": group_index must be None with group_size > 0");
+    TORCH_CHECK(G * gs == B, op, ": contiguous groups must cover the batch: num_groups ", G, " x group_size ", gs,
                 " != B = ", B);
   } else {
-    TORCH_CHECK(group_index.has_value(), kOp, ": group_index is required with group_size = 0");
+    TORCH_CHECK(group_index.has_value(), op, ": group_index is required with group_size = 0");
     const torch::Tensor& g = *group_index;
-    check_per_sample(g, "group_index", B);
-    TORCH_CHECK(at::isIntegralType(g.scalar_type(), /*includeBool=*/false), kOp,
+    check_per_sample(g, "group_index", B, op);
+    TORCH_CHECK(at::isIntegralType(g.scalar_type(), /*includeBool=*/false), op,
                 ": group_index must hold integers, got ", g.scalar_type());
     const auto gt = g.scalar_type();
     in.ids = (gt == torch::kInt32 || gt == torch::kInt64 ? g : g.to(torch::kInt64)).contiguous();
   }
   if (valid.has_value()) {
-    check_per_sample(*valid, "valid", B);
+    check_per_sample(*valid, "valid", B, op);
     in.valid = valid->to(torch::kBool).contiguous();
   }
   if (lengths.has_value()) {
-    check_per_sample(*lengths, "lengths", B);
+    check_per_sample(*lengths, "lengths", B, op);
     in.lengths = *lengths;
   }
   if (response_mask.has_value()) {
-    check_cpu(*response_mask, "response_mask");
-    TORCH_CHECK(!response_mask->is_complex(), kOp, ": response_mask must be real, got ",
+    check_cpu(*response_mask, "response_mask", op);
+    TORCH_CHECK(!response_mask->is_complex(), op, ": response_mask must be real, got ",
                 response_mask->scalar_type());
     in.mask = response_mask->contiguous();
   }
   if (cu_seqlens.has_value()) {
-    check_cpu(*cu_seqlens, "cu_seqlens");
+    check_cpu(*cu_seqlens, "cu_seqlens", op);
     in.packed = true;
     if (in.mask.defined()) {
-      TORCH_CHECK(in.mask.dim() == 1, kOp, ": a packed response_mask must be [T], got ", in.mask.sizes());
+      TORCH_CHECK(in.mask.dim() == 1, op, ": a packed response_mask must be [T], got ", in.mask.sizes());
       in.T = in.mask.size(0);
     } else {
       in.T = p.num_tokens;
-      TORCH_CHECK(in.T >= 0 && in.T <= kMaxCount, kOp, ": num_tokens must be in [0, ", kMaxCount,
+      TORCH_CHECK(in.T >= 0 && in.T <= kMaxCount, op, ": num_tokens must be in [0, ", kMaxCount,
                   "] for a packed layout without response_mask, got ", in.T);
     }
-    TORCH_CHECK(cu_seqlens->dim() == 1 && cu_seqlens->numel() == B + 1, kOp, ": cu_seqlens must be [B + 1] = [",
+    TORCH_CHECK(cu_seqlens->dim() == 1 && cu_seqlens->numel() == B + 1, op, ": cu_seqlens must be [B + 1] = [",
                 B + 1, "], got ", cu_seqlens->sizes());
-    in.cu = sanitized_offsets(*cu_seqlens, in.T, kOp);
+    in.cu = sanitized_offsets(*cu_seqlens, in.T, op);
   } else if (in.mask.defined()) {
-    TORCH_CHECK(in.mask.dim() == 2 && in.mask.size(0) == B, kOp, ": a padded response_mask must be [B, L] with B = ",
+    TORCH_CHECK(in.mask.dim() == 2 && in.mask.size(0) == B, op, ": a padded response_mask must be [B, L] with B = ",
                 B, ", got ", in.mask.sizes());
   }
   return in;
@@ -282,7 +283,8 @@ Batch batch_scalars(const Inputs& in, const View& v) {
 // ------------------------------------------------------------------ 3. group statistics
 // The per-sample extras a baseline accumulates, a compile-time choice: the common baselines
 // need none, and their accumulation loop is the hot one.
-enum class Extras { NONE, OPO, PASSK };
+// ALL: every column of the data-parallel partials (group_partials / group_apply).
+enum class Extras { NONE, OPO, PASSK, ALL };
 template <Extras E>
 using ExtrasTag = std::integral_constant<Extras, E>;
 
@@ -306,6 +308,13 @@ template <>
 struct AccExtras<Extras::PASSK> {
   double incorrect = 0.0;  // #{x <= 0}
 };
+template <>
+struct AccExtras<Extras::ALL> {
+  double wx = 0.0, w = 0.0, incorrect = 0.0;
+  double nonzero = 0.0;  // #{x != 0} (GPG's α)
+};
+constexpr bool has_weights(Extras e) { return e == Extras::OPO || e == Extras::ALL; }
+constexpr bool has_incorrect(Extras e) { return e == Extras::PASSK || e == Extras::ALL; }
 
 // One group's accumulators, filled in one pass over its valid samples in sample order and
 // shifted by its first valid score x₁ (d = x − x₁): n, Σd, Σd², so μ = x₁ + Σd/n and
@@ -328,12 +337,12 @@ struct Acc {
     s += d;
     s2 += d * d;
     differs |= d != 0.0;
-    if constexpr (E == Extras::OPO) {
+    if constexpr (has_weights(E)) {
       ex.wx += w * x;
       ex.w += w;
-    } else if constexpr (E == Extras::PASSK) {
-      ex.incorrect += x <= 0.0 ? 1.0 : 0.0;
     }
+    if constexpr (has_incorrect(E)) ex.incorrect += x <= 0.0 ? 1.0 : 0.0;
+    if constexpr (E == Extras::ALL) ex.nonzero += x != 0.0 ? 1.0 : 0.0;
     (void)w;
   }
   // The accumulators of the samples that follow (the next range of the batch): their sums
@@ -350,12 +359,12 @@ struct Acc {
     s += b.s + nb * delta;
     n += b.n;
     differs |= b.differs | int32_t(delta != 0.0);
-    if constexpr (E == Extras::OPO) {
+    if constexpr (has_weights(E)) {
       ex.wx += b.ex.wx;
       ex.w += b.ex.w;
-    } else if constexpr (E == Extras::PASSK) {
-      ex.incorrect += b.ex.incorrect;
     }
+    if constexpr (has_incorrect(E)) ex.incorrect += b.ex.incorrect;
+    if constexpr (E == Extras::ALL) ex.nonzero += b.ex.nonzero;
   }
 };
 
@@ -442,10 +451,12 @@ struct GroupFinish {
     sd[k] = sigma;
     degenerate[k] = !a.differs;
     if (baseline == Baseline::NONE) return {0.0, 1.0};
-    if constexpr (E == Extras::PASSK) {
-      Affine t;
-      passk_values(n, int64_t(a.ex.incorrect), passk_k, eps, eps_in_sqrt, t.b, t.f);
-      return t;
+    if constexpr (has_incorrect(E)) {
+      if (E == Extras::PASSK || baseline == Baseline::PASSK) {
+        Affine t;
+        passk_values(n, int64_t(a.ex.incorrect), passk_k, eps, eps_in_sqrt, t.b, t.f);
+        return t;
+      }
     }
     if (n == 1) {
       // singleton: A = 0, or verl's loop rule (mean 0 and std 1 for a lone sample)
@@ -460,7 +471,7 @@ struct GroupFinish {
       case Baseline::RLOO:
         return {mu, double(n) / double(n - 1)};
       case Baseline::OPO:  // no tokens at all: equal weights
-        if constexpr (E == Extras::OPO) return {a.ex.w > 0 ? a.ex.wx / a.ex.w : mu, 1.0};
+        if constexpr (has_weights(E)) return {a.ex.w > 0 ? a.ex.wx / a.ex.w : mu, 1.0};
         return {mu, 1.0};
       default:  // GPG
         return {mu, batch.gpg_alpha};
@@ -853,6 +864,61 @@ void broadcast_to_tokens(const Inputs& in, const double* adv, torch::Tensor& out
 using Result =
     std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>;
 
+// The op's group outputs (mean and std staged in float64) and the per-group step writing them.
+struct GroupOutputs {
+  torch::Tensor count, degenerate, mean, sd;
+  explicit GroupOutputs(int64_t G)
+      : count(empty_output({G}, torch::kInt64)),
+        degenerate(empty_output({G}, torch::kBool)),
+        mean(empty_output({G}, torch::kFloat64)),
+        sd(empty_output({G}, torch::kFloat64)) {}
+  GroupFinish finish(const Inputs& in, const Batch& batch) {
+    const GroupAdvantagesParams& p = in.p;
+    return GroupFinish{in.baseline,
+                       in.scale,
+                       p.std_unbiased != 0,
+                       p.singleton_raw != 0,
+                       p.eps_in_sqrt != 0,
+                       p.eps,
+                       p.passk_k,
+                       batch,
+                       count.data_ptr<int64_t>(),
+                       degenerate.data_ptr<bool>(),
+                       mean.data_ptr<double>(),
+                       sd.data_ptr<double>()};
+  }
+};
+
+template <typename T, typename idx_t>
+SampleView<T, idx_t> sample_view(const Inputs& in, const torch::Tensor& w_t) {
+  return SampleView<T, idx_t>{in.scores.data_ptr<T>(),
+                              in.ids.defined() ? in.ids.data_ptr<idx_t>() : nullptr,
+                              in.valid.defined() ? in.valid.data_ptr<bool>() : nullptr,
+                              w_t.defined() ? w_t.data_ptr<double>() : nullptr,
+                              in.G,
+                              in.group_size};
+}
+
+// Phase 5 and the outputs: whitening and the token broadcast of staged (float64) advantages,
+// rounded once to out_dtype.
+template <typename View>
+Result outputs(const Inputs& in, const View& v, torch::Tensor adv_t, bool staged, const GroupOutputs& g,
+               const torch::Tensor& keep_t, at::ScalarType out_dtype) {
+  torch::Tensor token_adv;
+  if (staged) {
+    double* a = adv_t.data_ptr<double>();
+    if (in.whiten != Whiten::OFF) whiten(in, v, a);
+    if (in.has_layout()) {
+      token_adv = in.packed ? empty_output({in.T}, out_dtype) : empty_output({in.B, in.mask.size(1)}, out_dtype);
+      broadcast_to_tokens(in, a, token_adv);
+    }
+    adv_t = cast_output(adv_t, out_dtype);
+  }
+  if (!token_adv.defined()) token_adv = torch::empty({0}, torch::TensorOptions().dtype(out_dtype));
+  return {adv_t, token_adv, cast_output(g.mean, out_dtype), cast_output(g.sd, out_dtype), g.count, g.degenerate,
+          keep_t};
+}
+
 // Phases 1–5 for scores of type T and ids of type idx_t (unused with contiguous groups).
 template <typename T, typename idx_t>
 Result run(const Inputs& in, at::ScalarType out_dtype) {
@@ -860,29 +926,11 @@ Result run(const Inputs& in, at::ScalarType out_dtype) {
   const bool opo = in.baseline == Baseline::OPO;
   torch::Tensor w_t;
   if (opo || in.whiten == Whiten::TOKENS) w_t = token_weights(in);
-  const SampleView<T, idx_t> v{in.scores.data_ptr<T>(),
-                               in.ids.defined() ? in.ids.data_ptr<idx_t>() : nullptr,
-                               in.valid.defined() ? in.valid.data_ptr<bool>() : nullptr,
-                               w_t.defined() ? w_t.data_ptr<double>() : nullptr,
-                               G,
-                               in.group_size};
+  const SampleView<T, idx_t> v = sample_view<T, idx_t>(in, w_t);
   const Batch batch = batch_scalars(in, v);
 
-  torch::Tensor count_t = empty_output({G}, torch::kInt64), deg_t = empty_output({G}, torch::kBool);
-  torch::Tensor mean_t = empty_output({G}, torch::kFloat64), std_t = empty_output({G}, torch::kFloat64);
-  const GroupAdvantagesParams& p = in.p;
-  const GroupFinish fin{in.baseline,
-                        in.scale,
-                        p.std_unbiased != 0,
-                        p.singleton_raw != 0,
-                        p.eps_in_sqrt != 0,
-                        p.eps,
-                        p.passk_k,
-                        batch,
-                        count_t.data_ptr<int64_t>(),
-                        deg_t.data_ptr<bool>(),
-                        mean_t.data_ptr<double>(),
-                        std_t.data_ptr<double>()};
+  GroupOutputs groups(G);
+  const GroupFinish fin = groups.finish(in, batch);
   torch::Tensor keep_t = empty_output({B}, torch::kBool);
   bool* keep = keep_t.data_ptr<bool>();
   // Advantages go straight to the output unless whitening or the token broadcast needs them
@@ -915,19 +963,148 @@ Result run(const Inputs& in, at::ScalarType out_dtype) {
       sample_advantages(in, v, reinterpret_cast<const Affine*>(affine_t.data_ptr<double>()), fin.degenerate, adv,
                         keep);
   });
+  return outputs(in, v, adv_t, staged, groups, keep_t, out_dtype);
+}
 
-  torch::Tensor token_adv;
-  if (staged) {
-    double* a = adv_t.data_ptr<double>();
-    if (in.whiten != Whiten::OFF) whiten(in, v, a);
-    if (in.has_layout()) {
-      token_adv = in.packed ? empty_output({in.T}, out_dtype) : empty_output({B, in.mask.size(1)}, out_dtype);
-      broadcast_to_tokens(in, a, token_adv);
-    }
-    adv_t = cast_output(adv_t, out_dtype);
+// ------------------------------------------------------------------ data parallel
+// group_partials / group_apply: the statistics of a batch spread over W ranks. A rank's
+// partials are Acc<ALL> of its valid samples, in sample order, one row per group
+// (kPartialColumns, in PartialColumn order); group_apply merges W tables in rank order
+// (Acc::merge) and runs the per-group step of one process over the merged accumulators.
+constexpr const char* kPartialsOp = "group_partials";
+constexpr const char* kApplyOp = "group_apply";
+using AllAcc = Acc<Extras::ALL>;
+
+void to_row(const AllAcc& a, bool weights, double* row) {
+  row[int(PartialColumn::N)] = double(a.n);
+  row[int(PartialColumn::FIRST)] = a.first;
+  row[int(PartialColumn::S)] = a.s;
+  row[int(PartialColumn::S2)] = a.s2;
+  row[int(PartialColumn::DIFFERS)] = a.differs ? 1.0 : 0.0;
+  row[int(PartialColumn::WX)] = weights ? a.ex.wx : 0.0;
+  row[int(PartialColumn::W)] = weights ? a.ex.w : 0.0;
+  row[int(PartialColumn::INCORRECT)] = a.ex.incorrect;
+  row[int(PartialColumn::NONZERO)] = a.ex.nonzero;
+}
+
+// A row of partials from anywhere (another rank, a direct caller): its count must be a count.
+AllAcc from_row(const double* row) {
+  const double n = row[int(PartialColumn::N)];
+  TORCH_CHECK(n >= 0.0 && n <= double(kMaxCount) && n == std::floor(n), kApplyOp,
+              ": partials hold a sample count that is no integer in [0, ", kMaxCount, "]: ", n);
+  AllAcc a;
+  a.n = int32_t(n);
+  a.first = row[int(PartialColumn::FIRST)];
+  a.s = row[int(PartialColumn::S)];
+  a.s2 = row[int(PartialColumn::S2)];
+  a.differs = row[int(PartialColumn::DIFFERS)] != 0.0;
+  a.ex.wx = row[int(PartialColumn::WX)];
+  a.ex.w = row[int(PartialColumn::W)];
+  a.ex.incorrect = row[int(PartialColumn::INCORRECT)];
+  a.ex.nonzero = row[int(PartialColumn::NONZERO)];
+  return a;
+}
+
+template <typename T, typename idx_t>
+torch::Tensor partials_run(const Inputs& in) {
+  const bool opo = in.baseline == Baseline::OPO;
+  torch::Tensor w_t;
+  if (opo) w_t = token_weights(in);
+  const SampleView<T, idx_t> v = sample_view<T, idx_t>(in, w_t);
+  // One pass in sample order (a group's sums then do not depend on how the batch is split
+  // over threads); the batch of one rank.
+  std::vector<AllAcc> acc(static_cast<size_t>(in.G));
+  for (int64_t i = 0; i < in.B; ++i)
+    if (v.ok(i)) acc[v.group(i)].add(v.r[i], v.weight(i));
+  torch::Tensor out = torch::empty({in.G, kPartialColumns}, torch::TensorOptions().dtype(torch::kFloat64));
+  double* o = out.data_ptr<double>();
+  for (int64_t k = 0; k < in.G; ++k) to_row(acc[k], opo, o + k * kPartialColumns);
+  return out;
+}
+
+// Σ v in a fixed pairwise order: (v0 + v1) + (v2 + v3) ..., an odd level padded with 0.
+double tree_sum(std::vector<double> v) {
+  while (v.size() > 1) {
+    if (v.size() % 2) v.push_back(0.0);
+    const size_t half = v.size() / 2;
+    for (size_t i = 0; i < half; ++i) v[i] = v[2 * i] + v[2 * i + 1];
+    v.resize(half);
   }
-  if (!token_adv.defined()) token_adv = torch::empty({0}, torch::TensorOptions().dtype(out_dtype));
-  return {adv_t, token_adv, cast_output(mean_t, out_dtype), cast_output(std_t, out_dtype), count_t, deg_t, keep_t};
+  return v.empty() ? 0.0 : v[0];
+}
+
+// The batch scalars of the merged groups: σ over all valid scores from the groups' moments
+// (Chan et al.) and GPG's α, as sums over the groups in a fixed order.
+Batch merged_batch_scalars(const Inputs& in, const std::vector<AllAcc>& acc) {
+  Batch out;
+  const bool batch_sigma = in.baseline == Baseline::MEAN && in.scale == Scale::BATCH;
+  if (!batch_sigma && in.baseline != Baseline::GPG) return out;
+  const size_t G = acc.size();
+  std::vector<double> n(G), mu(G), m2(G), nonzero(G);
+  for (size_t k = 0; k < G; ++k) {
+    const AllAcc& a = acc[k];
+    const double d = a.n > 0 ? a.s * reciprocal(a.n) : a.s;
+    n[k] = double(a.n);
+    mu[k] = a.n > 0 ? a.first + d : 0.0;
+    m2[k] = std::max(0.0, a.s2 - a.s * d);
+    nonzero[k] = a.ex.nonzero;
+  }
+  const double n_valid = tree_sum(n);
+  if (batch_sigma && n_valid > 0) {
+    std::vector<double> t(G);
+    for (size_t k = 0; k < G; ++k) t[k] = n[k] * mu[k];
+    const double mean = tree_sum(t) / n_valid;
+    for (size_t k = 0; k < G; ++k) t[k] = m2[k] + n[k] * (mu[k] - mean) * (mu[k] - mean);
+    const double total = tree_sum(t);
+    const double denom = in.p.std_unbiased ? n_valid - 1 : n_valid;
+    out.sigma = denom > 0 ? std::sqrt(total / denom) : 0.0;
+  }
+  if (in.baseline == Baseline::GPG) out.gpg_alpha = n_valid / std::max(tree_sum(nonzero), 1.0);
+  return out;
+}
+
+template <typename T, typename idx_t>
+Result apply_run(const Inputs& in, const torch::Tensor& partials, at::ScalarType out_dtype) {
+  const int64_t B = in.B, G = in.G, W = partials.size(0);
+  const double* P = partials.data_ptr<double>();
+  std::vector<AllAcc> acc(static_cast<size_t>(G));
+  at::parallel_for(0, G, 2048, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      AllAcc a;
+      for (int64_t r = 0; r < W; ++r) {  // rank order: the batch concatenated rank after rank
+        const AllAcc b = from_row(P + (r * G + k) * kPartialColumns);
+        TORCH_CHECK(int64_t(a.n) + b.n <= kMaxCount, kApplyOp, ": group ", k, " has more than ", kMaxCount,
+                    " samples");
+        a.merge(b);
+      }
+      acc[k] = a;
+    }
+  });
+  const SampleView<T, idx_t> v = sample_view<T, idx_t>(in, torch::Tensor());
+  GroupOutputs groups(G);
+  const GroupFinish fin = groups.finish(in, merged_batch_scalars(in, acc));
+  torch::Tensor affine_t = empty_output({G, 2}, torch::kFloat64);
+  Affine* const affine = reinterpret_cast<Affine*>(affine_t.data_ptr<double>());
+  at::parallel_for(0, G, 2048, [&](int64_t k0, int64_t k1) {
+    const GroupFinish lf = fin;
+    for (int64_t k = k0; k < k1; ++k) affine[k] = lf(acc[k], k);
+  });
+  torch::Tensor keep_t = empty_output({B}, torch::kBool);
+  const bool staged = in.has_layout();
+  torch::Tensor adv_t = empty_output({B}, staged ? torch::kFloat64 : out_dtype);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, adv_t.scalar_type(), "rlvr_apply", [&] {
+    sample_advantages(in, v, affine, fin.degenerate, adv_t.data_ptr<scalar_t>(), keep_t.data_ptr<bool>());
+  });
+  return outputs(in, v, adv_t, staged, groups, keep_t, out_dtype);
+}
+
+// The inputs' scalar types: float32/float64 scores, int32/int64 ids.
+template <typename F>
+auto with_types(const Inputs& in, const F& f) {
+  const bool f64 = in.scores.scalar_type() == torch::kFloat64;
+  const bool i32 = in.ids.defined() && in.ids.scalar_type() == torch::kInt32;
+  if (f64) return i32 ? f(double(), int32_t()) : f(double(), int64_t());
+  return i32 ? f(float(), int32_t()) : f(float(), int64_t());
 }
 
 }  // namespace
@@ -937,12 +1114,37 @@ Result group_advantages_cpu(const torch::Tensor& scores, const c10::optional<tor
                             const c10::optional<torch::Tensor>& response_mask,
                             const c10::optional<torch::Tensor>& cu_seqlens, c10::ArrayRef<double> fparams,
                             c10::ArrayRef<int64_t> iparams, at::ScalarType out_dtype) {
-  const Inputs in =
-      check_inputs(scores, group_index, valid, lengths, response_mask, cu_seqlens, fparams, iparams, out_dtype);
-  const bool f64 = in.scores.scalar_type() == torch::kFloat64;
-  const bool i32 = in.ids.defined() && in.ids.scalar_type() == torch::kInt32;
-  if (f64) return i32 ? run<double, int32_t>(in, out_dtype) : run<double, int64_t>(in, out_dtype);
-  return i32 ? run<float, int32_t>(in, out_dtype) : run<float, int64_t>(in, out_dtype);
+  const Inputs in = check_inputs(scores, group_index, valid, lengths, response_mask, cu_seqlens, fparams, iparams,
+                                 out_dtype, kOp);
+  return with_types(in, [&](auto t, auto i) { return run<decltype(t), decltype(i)>(in, out_dtype); });
+}
+
+torch::Tensor group_partials_cpu(const torch::Tensor& scores, const c10::optional<torch::Tensor>& group_index,
+                                 const c10::optional<torch::Tensor>& valid, const c10::optional<torch::Tensor>& lengths,
+                                 const c10::optional<torch::Tensor>& response_mask,
+                                 const c10::optional<torch::Tensor>& cu_seqlens, c10::ArrayRef<double> fparams,
+                                 c10::ArrayRef<int64_t> iparams) {
+  const Inputs in = check_inputs(scores, group_index, valid, lengths, response_mask, cu_seqlens, fparams, iparams,
+                                 torch::kFloat64, kPartialsOp);
+  return with_types(in, [&](auto t, auto i) { return partials_run<decltype(t), decltype(i)>(in); });
+}
+
+Result group_apply_cpu(const torch::Tensor& scores, const c10::optional<torch::Tensor>& group_index,
+                       const c10::optional<torch::Tensor>& valid, const c10::optional<torch::Tensor>& lengths,
+                       const c10::optional<torch::Tensor>& response_mask,
+                       const c10::optional<torch::Tensor>& cu_seqlens, const torch::Tensor& partials,
+                       c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams, at::ScalarType out_dtype) {
+  const Inputs in = check_inputs(scores, group_index, valid, lengths, response_mask, cu_seqlens, fparams, iparams,
+                                 out_dtype, kApplyOp);
+  TORCH_CHECK(in.whiten == Whiten::OFF, kApplyOp,
+              ": whiten must be OFF (whitening after the baseline needs every rank's advantages)");
+  check_cpu(partials, "partials", kApplyOp);
+  TORCH_CHECK(partials.scalar_type() == torch::kFloat64, kApplyOp, ": partials must be float64, got ",
+              partials.scalar_type());
+  TORCH_CHECK(partials.dim() == 3 && partials.size(1) == in.G && partials.size(2) == kPartialColumns, kApplyOp,
+              ": partials must be [W, num_groups = ", in.G, ", ", kPartialColumns, "], got ", partials.sizes());
+  const torch::Tensor p = partials.contiguous();
+  return with_types(in, [&](auto t, auto i) { return apply_run<decltype(t), decltype(i)>(in, p, out_dtype); });
 }
 
 }  // namespace rlvr

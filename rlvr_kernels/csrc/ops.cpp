@@ -15,6 +15,13 @@ TORCH_LIBRARY(rlvr_kernels_C, m) {
       "Tensor? cu_seqlens, float[] fparams, int[] iparams, ScalarType out_dtype) -> (Tensor, Tensor, Tensor, Tensor, "
       "Tensor, Tensor, Tensor)");
   m.def(
+      "group_partials(Tensor scores, Tensor? group_index, Tensor? valid, Tensor? lengths, Tensor? response_mask, "
+      "Tensor? cu_seqlens, float[] fparams, int[] iparams) -> Tensor");
+  m.def(
+      "group_apply(Tensor scores, Tensor? group_index, Tensor? valid, Tensor? lengths, Tensor? response_mask, "
+      "Tensor? cu_seqlens, Tensor partials, float[] fparams, int[] iparams, ScalarType out_dtype) -> (Tensor, Tensor, "
+      "Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
       "policy_loss_fwd(Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor? mask, Tensor? ref_logprobs, "
       "Tensor? rollout_logprobs, Tensor? entropy, Tensor? cu_seqlens, Tensor? entropy_threshold, float[] fparams, "
       "int[] iparams, bool need_entropy_grad) -> (Tensor, Tensor, Tensor, Tensor)");
@@ -52,6 +59,8 @@ TORCH_LIBRARY(rlvr_kernels_C, m) {
 
 TORCH_LIBRARY_IMPL(rlvr_kernels_C, CPU, m) {
   m.impl("group_advantages", &rlvr::group_advantages_cpu);
+  m.impl("group_partials", &rlvr::group_partials_cpu);
+  m.impl("group_apply", &rlvr::group_apply_cpu);
   m.impl("policy_loss_fwd", &rlvr::policy_loss_fwd_cpu);
   m.impl("policy_loss_grad", &rlvr::policy_loss_grad_cpu);
   m.impl("linear_logprobs_stats", &rlvr::linear_logprobs_stats_cpu);

@@ -39,20 +39,31 @@ Kernel contract (C++ ``csrc/advantages.cpp``, Triton ``triton/advantages.py``; b
   ``validate=True`` and are harmless when they are wrong.
 
 Data parallel (``process_group``, :func:`_distributed`): a group's samples may be spread over
-the ranks. Each rank reduces its own valid samples to per-group partials in float64 (torch,
-reference quality: the kernels emit no partials), exactly the kernel's accumulators ``Acc``
-(n, first valid score x₁, Σ(x − x₁), Σ(x − x₁)², "differs", OPO's Σw·x and Σw, pass@k's
-incorrect count, and the non-zero count of GPG's α); ONE ``all_gather`` of the fixed-size
-``[num_groups, k]`` partials (k = 5 columns, 7 for OPO, 6 for pass@k and GPG: only those the
-estimator reads travel; 40–56 bytes per group and rank), merged on every rank in rank order 0..W−1 with the kernel's own
-merge rule (``Acc::merge``), then the kernel's per-group step and affine map. Every rank
-combines the same gathered bits in the same order with elementwise ops only (no reductions
-whose order could depend on threads), so the statistics are bitwise equal on every rank. The
-per-sample advantages are ``(r − b_g)·f_g`` in float64, rounded and broadcast to tokens by the
-kernel itself (a ``Baseline.NONE`` plan over them), as in one process. Before it, the
-handshake of ``_core.collectives`` (one small all-reduce of each rank's validation outcome,
-``num_groups`` and option fingerprints) makes a bad input an error on every rank rather than
-a hang.
+the ranks. Two more kernels of the dispatch table (C++, Triton, and the fp64 reference rows
+that are their spec), as the custom ops ``rlvr_kernels::group_partials`` and
+``rlvr_kernels::group_apply``:
+
+  group_partials(scores, group_index, valid, lengths, response_mask, cu_seqlens, fparams, iparams)
+      -> partials [Gn, 9] float64
+  - Per group, over this rank's valid samples in sample order, the kernel's accumulators
+    ``Acc`` (columns: ``contracts.advantages.PartialColumn``): n, the first valid score x₁,
+    Σ(x − x₁), Σ(x − x₁)², "differs", OPO's Σw·x and Σw (0 for other plans), pass@k's
+    incorrect count, and the non-zero count of GPG's α.
+  group_apply(scores, group_index, valid, lengths, response_mask, cu_seqlens,
+              partials [W, Gn, 9] float64, fparams, iparams, out_dtype)
+      -> the outputs of group_advantages
+  - The W tables merged in rank order 0..W−1 with the kernel's merge rule (``Acc::merge``),
+    the kernel's per-group step over the merged accumulators, the batch σ (Chan's formula
+    over the groups' moments) and GPG's α summed over the groups in a fixed order, then
+    A = (r − b_g)·f_g (pass@k: b_g for r > 0, else f_g), rounded once to ``out_dtype`` and
+    broadcast to the tokens. ``whiten`` must be OFF (whitening needs every rank's advantages).
+
+Each rank runs ``group_partials`` on its samples; ONE ``all_gather`` carries the columns the
+plan reads (5, 7 for OPO, 6 for pass@k and GPG: 40–56 bytes per group and rank); every rank
+then runs ``group_apply`` over the same gathered bits in the same order, so the statistics are
+bitwise equal on every rank. Before it, the handshake of ``_core.collectives`` (one small
+all-reduce of each rank's validation outcome, ``num_groups`` and option fingerprints) makes a
+bad input an error on every rank rather than a hang.
 """
 
 from __future__ import annotations
@@ -60,7 +71,6 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Tuple
 
-import numpy as np
 import torch
 
 from .._core import collectives
@@ -79,7 +89,7 @@ from .._core.validation import (
     checks_enabled,
     fail_if,
 )
-from ..contracts.advantages import Baseline, GroupAdvantagesParams, Scale, Whiten
+from ..contracts.advantages import NUM_PARTIAL_COLUMNS, Baseline, GroupAdvantagesParams, PartialColumn, Scale, Whiten
 from ..options import AdvantageOptions, GroupAdvantages, Whitening, options_or_resolve, resolve_advantage_options
 
 _Out = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -118,6 +128,11 @@ def _group_advantages_op(
 
 @_group_advantages_op.register_fake
 def _(scores, group_index, valid, lengths, response_mask, cu_seqlens, fparams, iparams, out_dtype, backend):
+    return _fake_outputs(scores, response_mask, cu_seqlens, fparams, iparams, out_dtype)
+
+
+def _fake_outputs(scores, response_mask, cu_seqlens, fparams, iparams, out_dtype) -> _Out:
+    """The shapes and dtypes of the group_advantages (and group_apply) outputs."""
     params = GroupAdvantagesParams.unpack(fparams, iparams)
     B, Gn = scores.shape[0], params.num_groups
     if cu_seqlens is not None:
@@ -136,6 +151,60 @@ def _(scores, group_index, valid, lengths, response_mask, cu_seqlens, fparams, i
         new((Gn,), dtype=torch.bool),
         new((B,), dtype=torch.bool),
     )
+
+
+@torch.library.custom_op("rlvr_kernels::group_partials", mutates_args=())
+def _group_partials_op(
+    scores: torch.Tensor,
+    group_index: Optional[torch.Tensor],
+    valid: Optional[torch.Tensor],
+    lengths: Optional[torch.Tensor],
+    response_mask: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    fparams: List[float],
+    iparams: List[int],
+    backend: str,
+) -> torch.Tensor:
+    """This rank's per-group partials ``[Gn, 9]`` float64 (module docstring)."""
+    args = (scores, group_index, valid, lengths, response_mask, cu_seqlens, fparams, iparams)
+    return _run_kernel("group_partials", backend, scores.device, *args)
+
+
+@_group_partials_op.register_fake
+def _(scores, group_index, valid, lengths, response_mask, cu_seqlens, fparams, iparams, backend):
+    num_groups = GroupAdvantagesParams.unpack(fparams, iparams).num_groups
+    return scores.new_empty((num_groups, NUM_PARTIAL_COLUMNS), dtype=torch.float64)
+
+
+@torch.library.custom_op("rlvr_kernels::group_apply", mutates_args=())
+def _group_apply_op(
+    scores: torch.Tensor,
+    group_index: Optional[torch.Tensor],
+    valid: Optional[torch.Tensor],
+    lengths: Optional[torch.Tensor],
+    response_mask: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    partials: torch.Tensor,
+    fparams: List[float],
+    iparams: List[int],
+    out_dtype: torch.dtype,
+    backend: str,
+) -> _Out:
+    """The outputs of ``group_advantages`` from W ranks' partials ``[W, Gn, 9]`` (module docstring)."""
+    args = (scores, group_index, valid, lengths, response_mask, cu_seqlens, partials, fparams, iparams, out_dtype)
+    return _run_kernel("group_apply", backend, scores.device, *args)
+
+
+@_group_apply_op.register_fake
+def _(scores, group_index, valid, lengths, response_mask, cu_seqlens, partials, fparams, iparams, out_dtype, backend):
+    return _fake_outputs(scores, response_mask, cu_seqlens, fparams, iparams, out_dtype)
+
+
+def _run_kernel(kernel: str, backend: str, device: torch.device, *args):
+    """A kernel row; ``backend="reference"`` runs the spec's row (imported only then)."""
+    if backend == "reference":
+        return _dispatch.kernel(kernel, "reference")(*args)
+    return _dispatch.run(kernel, backend, device, *args)
 
 
 # ------------------------------------------------------------------ validation
@@ -360,11 +429,11 @@ def group_advantages(
             to float64 rounding only. Supported: ``grpo`` (any scale), ``dr_grpo``, ``rloo``,
             ``opo``, ``gpg``, ``passk``; ``reinforce_pp_baseline`` and ``gdpo`` whiten over
             the batch after the baseline (a second collective) and raise NotImplementedError.
-            The rank-local partials and advantages are torch float64 on the inputs' device
-            (the Triton path's float32 single-process statistics differ by fp32 rounding; on
-            CUDA the rank-local group sums use atomic adds, so inexact sums may differ from run
-            to run in the last bit, still the same on every rank).
-            Eager only (refused under ``torch.compile``); not with ``backend="reference"``.
+            On CUDA the Triton kernels compute the partials and the merge in float64 too
+            (fixed-order sums, no atomics): statistics bitwise equal on every rank, advantages
+            equal to one process to float64 rounding (the one-process Triton statistics are
+            float32). ``backend="reference"`` runs the fp64 reference rows. Eager only
+            (refused under ``torch.compile``).
 
     Returns:
         :class:`GroupAdvantages`.
@@ -525,7 +594,15 @@ def _gdpo(x: _Inputs, terms, finite, valid, weights, opts, out_dtype, backend) -
 
 def _call(x: _Inputs, r, valid, opts: AdvantageOptions, baseline, scale, whiten, out_dtype, backend) -> _Out:
     """One plan over the score column ``r`` through the custom op."""
-    params = GroupAdvantagesParams(
+    fparams, iparams = _params(x, opts, baseline, scale, whiten).pack()
+    return _group_advantages_op(
+        r, x.group_index, valid, x.lengths, x.response_mask, x.cu_seqlens, fparams, iparams, out_dtype, backend
+    )
+
+
+def _params(x: _Inputs, opts: AdvantageOptions, baseline, scale, whiten) -> GroupAdvantagesParams:
+    """The kernel parameters of one plan."""
+    return GroupAdvantagesParams(
         num_groups=x.num_groups,
         group_size=x.group_size,
         num_tokens=x.num_tokens,
@@ -539,10 +616,6 @@ def _call(x: _Inputs, r, valid, opts: AdvantageOptions, baseline, scale, whiten,
         whiten=whiten,
         whiten_eps=float(opts.whitening.eps),
         whiten_eps_in_sqrt=bool(opts.whitening.eps_in_sqrt),
-    )
-    fparams, iparams = params.pack()
-    return _group_advantages_op(
-        r, x.group_index, valid, x.lengths, x.response_mask, x.cu_seqlens, fparams, iparams, out_dtype, backend
     )
 
 
@@ -592,10 +665,6 @@ def _packed_token_count(cu_seqlens: torch.Tensor) -> int:
 
 
 # ------------------------------------------------------------------ data parallel (process_group)
-# Columns of a rank's per-group partials: the kernel's Acc (csrc/advantages.cpp) plus the
-# non-zero count of GPG's α. Counts are float64 integers (exact below 2**53).
-_N, _FIRST, _S, _S2, _DIFFERS, _WX, _W, _INCORRECT, _NONZERO = range(9)
-_NUM_PARTIALS = 9
 _DIST_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "opo", "gpg", "passk")
 
 
@@ -609,9 +678,10 @@ _FIELDS = (
 
 def _distributed(group, backend, option_kwargs, tensors, group_size, out_dtype, validate) -> GroupAdvantages:
     """``group_advantages(..., process_group=group)``: validate locally, the handshake of
-    ``_core.collectives`` (every rank raises if any rank failed or the ranks disagree), one
-    all_gather of the per-group partials, merged in rank order; the module docstring and the
-    public docstring's ``process_group`` entry say what is guaranteed."""
+    ``_core.collectives`` (every rank raises if any rank failed or the ranks disagree), this
+    rank's partials (``group_partials``), one all_gather of them, and ``group_apply`` over the
+    gathered tables in rank order; the module docstring and the public docstring's
+    ``process_group`` entry say what is guaranteed."""
     collectives.check_eager("group_advantages")
     scores, group_index, num_groups = tensors[:3]
     error, values = None, None
@@ -626,50 +696,23 @@ def _distributed(group, backend, option_kwargs, tensors, group_size, out_dtype, 
     collectives.handshake("group_advantages", group, _FIELDS, values, device=device, check=True)
     if error is not None:
         raise error
-    r, sample_valid = _score_column(x)
-    x64 = r.to(torch.float64)
-    ok = torch.isfinite(x64) & (x.group_index >= 0) & (x.group_index < x.num_groups)
-    if sample_valid is not None:
-        ok &= sample_valid
-    weights = _token_weights(x) if opts.estimator == "opo" else None
-    cols = _gathered_columns(opts.estimator)
-    partial = _local_partials(x64, x.group_index, ok, weights, x.num_groups)[:, cols].contiguous().to(device)
-    gathered = collectives.all_gather(partial, group)
-    full = torch.zeros(x.num_groups, _NUM_PARTIALS, dtype=torch.float64, device=x64.device)
-    acc = full.clone()
-    acc[:, cols] = gathered[0].to(x64.device)
-    for part in gathered[1:]:  # rank order: the batch concatenated rank after rank
-        b = full.clone()
-        b[:, cols] = part.to(x64.device)
-        acc = _merge(acc, b)
-    stats = _finish(acc, opts)
-    gi = x.group_index.long().clamp(0, max(x.num_groups - 1, 0))
-    b, f = stats["b"][gi], stats["f"][gi]
-    if opts.estimator == "passk":
-        adv = torch.where(x64 > 0, b, f)
-    else:
-        adv = (x64 - b) * f
-    adv = torch.where(ok, adv, torch.zeros((), dtype=torch.float64, device=adv.device))
-    # The kernel rounds A to out_dtype and broadcasts it to tokens, as in one process.
-    a, tok, *_ = _call(x, adv, ok, opts, Baseline.NONE, Scale.NONE, Whiten.OFF, out_dtype, backend)
-    keep = ok & ~stats["degenerate"][gi] if x.num_groups else torch.zeros_like(ok)
-    return GroupAdvantages(
-        a,
-        tok if x.has_layout else None,
-        stats["mean"].to(out_dtype),
-        stats["std"].to(out_dtype),
-        stats["count"],
-        stats["degenerate"],
-        keep,
-    )
+    r, valid = _score_column(x)
+    baseline, scale, _ = _plan(opts)
+    fparams, iparams = _params(x, opts, baseline, scale, Whiten.OFF).pack()
+    args = (r, x.group_index, valid, x.lengths, x.response_mask, x.cu_seqlens)
+    partial = _group_partials_op(*args, fparams, iparams, backend)
+    cols = _gathered_columns(baseline)
+    gathered = collectives.all_gather(partial[:, cols].contiguous().to(device), group)
+    partials = partial.new_zeros((len(gathered), x.num_groups, NUM_PARTIAL_COLUMNS))
+    partials[:, :, cols] = torch.stack(gathered).to(partial.device)
+    adv, tok, mean, sd, count, degenerate, keep = _group_apply_op(*args, partials, fparams, iparams, out_dtype, backend)
+    return GroupAdvantages(adv, tok if x.has_layout else None, mean, sd, count, degenerate, keep)
 
 
 def _validate_distributed(backend, option_kwargs, tensors, group_size, out_dtype, validate):
     """The rank-local checks of the data-parallel path (each error is raised on this rank
     after the fingerprint exchange, and reported to the others)."""
     _dispatch.check_backend(backend)
-    if backend == "reference":
-        raise ValueError("process_group: the reference backend is single-process; pass backend='auto'")
     opts = _resolve(option_kwargs.pop("preset"), option_kwargs.pop("options"), **option_kwargs)
     if opts.estimator not in _DIST_ESTIMATORS:
         raise NotImplementedError(
@@ -702,158 +745,8 @@ def _validate_distributed(backend, option_kwargs, tensors, group_size, out_dtype
     return x, opts
 
 
-def _token_weights(x: _Inputs) -> Optional[torch.Tensor]:
-    """w_i of OPO in float64: ``lengths``, else the row (span) sums of the token layout."""
-    if x.lengths is not None:
-        return x.lengths.to(torch.float64)
-    if x.cu_seqlens is None:
-        return None if x.response_mask is None else x.response_mask.to(torch.float64).sum(1)
-    cu = x.cu_seqlens.long()
-    if x.response_mask is None:
-        return (cu[1:] - cu[:-1]).to(torch.float64)
-    csum = torch.cat([x.response_mask.new_zeros(1, dtype=torch.float64), x.response_mask.to(torch.float64).cumsum(0)])
-    return csum[cu[1:]] - csum[cu[:-1]]
-
-
-def _gathered_columns(estimator: str) -> List[int]:
-    """The partials an estimator reads (the others stay 0): fewer bytes on the wire."""
-    extra = {"opo": [_WX, _W], "passk": [_INCORRECT], "gpg": [_NONZERO]}.get(estimator, [])
-    return [_N, _FIRST, _S, _S2, _DIFFERS, *extra]
-
-
-def _local_partials(x64, group_index, ok, weights, G) -> torch.Tensor:
-    """This rank's ``[G, 9]`` float64 partials of its valid samples (the kernel's Acc, shifted
-    by each group's first valid score on this rank)."""
-    dev = x64.device
-    idx = group_index[ok].long()
-    xv = x64[ok]
-    m = xv.shape[0]
-    out = torch.zeros(G, _NUM_PARTIALS, dtype=torch.float64, device=dev)
-    if m == 0 or G == 0:
-        return out
-    ones = torch.ones_like(xv)
-    first_pos = torch.full((G,), m, dtype=torch.int64, device=dev)
-    first_pos.scatter_reduce_(0, idx, torch.arange(m, device=dev), reduce="amin")
-    first = torch.cat([xv, xv.new_zeros(1)])[first_pos]  # 0 for a group with no sample here
-    d = xv - first[idx]
-    cols = [ones, None, d, d * d, (d != 0).to(torch.float64)]
-    if weights is not None:
-        w = weights[ok]
-        cols += [w * xv, w]
-    else:
-        cols += [torch.zeros_like(xv), torch.zeros_like(xv)]
-    cols += [(xv <= 0).to(torch.float64), (xv != 0).to(torch.float64)]
-    for c, col in enumerate(cols):
-        if col is not None:
-            out[:, c].index_add_(0, idx, col)
-    out[:, _FIRST] = first
-    out[:, _DIFFERS] = (out[:, _DIFFERS] > 0).to(torch.float64)
-    return out
-
-
-def _merge(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``Acc::merge`` for every group: b's samples follow a's (re-shifted to a's first score)."""
-    na, nb = a[:, _N], b[:, _N]
-    delta = b[:, _FIRST] - a[:, _FIRST]
-    m = a.clone()
-    m[:, _S2] = a[:, _S2] + (b[:, _S2] + 2.0 * delta * b[:, _S] + nb * delta * delta)
-    m[:, _S] = a[:, _S] + (b[:, _S] + nb * delta)
-    m[:, _N] = na + nb
-    m[:, _DIFFERS] = ((a[:, _DIFFERS] + b[:, _DIFFERS] + (delta != 0).to(torch.float64)) > 0).to(torch.float64)
-    for c in (_WX, _W, _INCORRECT, _NONZERO):
-        m[:, c] = a[:, c] + b[:, c]
-    m = torch.where((nb == 0)[:, None], a, m)
-    return torch.where(((na == 0) & (nb > 0))[:, None], b, m)
-
-
-def _divide(x, sigma, eps: float, eps_in_sqrt: bool):
-    """The kernel's x/(σ + eps) or x/sqrt(σ² + eps), 0 for a zero divisor, elementwise."""
-    d = _sqrt(sigma * sigma + eps) if eps_in_sqrt else sigma + eps
-    return torch.where(d > 0, x / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
-
-
-def _sqrt(x: torch.Tensor) -> torch.Tensor:
-    """The correctly rounded float64 square root of the kernel's ``std::sqrt``: torch's CPU
-    sqrt is not always correctly rounded (seen 1 ulp off), NumPy's is (IEEE sqrt); CUDA's
-    float64 sqrt is IEEE-rounded."""
-    if x.device.type != "cpu":
-        return torch.sqrt(x)
-    return torch.from_numpy(np.asarray(np.sqrt(x.detach().contiguous().numpy())))
-
-
-def _tree_sum(v: torch.Tensor) -> torch.Tensor:
-    """Σ v in a fixed pairwise order of elementwise adds: the same bits on every rank
-    whatever its thread count (a reduction kernel's order may depend on it)."""
-    while v.shape[0] > 1:
-        if v.shape[0] % 2:
-            v = torch.cat([v, v.new_zeros(1)])
-        v = v[0::2] + v[1::2]
-    return v.sum() if v.shape[0] else v.new_zeros(())
-
-
-def _finish(acc: torch.Tensor, opts: AdvantageOptions) -> dict:
-    """The kernel's per-group step (``GroupFinish``) over the merged partials: statistics and
-    the affine map A = (r − b)·f (pass@k: b for r > 0, else f), elementwise in float64."""
-    n = acc[:, _N]
-    s, s2, first = acc[:, _S], acc[:, _S2], acc[:, _FIRST]
-    has = n > 0
-    one = torch.ones_like(n)
-    zero = torch.zeros_like(n)
-    d = s * (1.0 / torch.where(has, n, one))
-    mu = torch.where(has, first + d, zero)
-    denom = n - 1 if opts.std == "unbiased" else n
-    m2 = torch.clamp_min(s2 - s * d, 0.0)
-    sigma = torch.where(denom > 0, _sqrt(m2 * (1.0 / torch.where(denom > 0, denom, one))), zero)
-    degenerate = ~has | (acc[:, _DIFFERS] == 0)
-    eps, in_sqrt = float(opts.eps), bool(opts.eps_in_sqrt)
-    n_valid = _tree_sum(n)
-    alpha = n_valid / torch.clamp_min(_tree_sum(acc[:, _NONZERO]), 1.0)
-    est = opts.estimator
-    if est == "passk":
-        b, f = _passk_values(n, acc[:, _INCORRECT], int(opts.k), eps, in_sqrt)
-    else:
-        b, f = mu, one
-        if est == "grpo" and opts.scale == "group":
-            f = _divide(one, sigma, eps, in_sqrt)
-        elif est == "grpo" and opts.scale == "batch":
-            f = _divide(one, _batch_sigma(n, mu, m2, n_valid, opts), eps, in_sqrt) * one
-        elif est == "rloo":
-            f = n / torch.where(n > 1, n - 1, one)
-        elif est == "opo":
-            b = torch.where(acc[:, _W] > 0, acc[:, _WX] / torch.where(acc[:, _W] > 0, acc[:, _W], one), mu)
-        elif est == "gpg":
-            f = alpha * one
-        # A lone valid sample: A = 0, or verl's loop rule (mean 0, std 1).
-        if est == "grpo" and opts.scale != "none":
-            f1 = _divide(one, one, eps, in_sqrt)
-        else:
-            f1 = alpha * one if est == "gpg" else one
-        single = n == 1
-        b = torch.where(single, zero, b)
-        f = torch.where(single, f1 if opts.singleton == "raw" else zero, f)
-    return dict(mean=mu, std=sigma, count=n.to(torch.int64), degenerate=degenerate, b=b, f=f)
-
-
-def _batch_sigma(n, mu, m2, n_valid, opts) -> torch.Tensor:
-    """σ over all valid scores from the groups' moments (Chan et al.), in a fixed order."""
-    if float(n_valid) <= 0:
-        return torch.zeros((), dtype=torch.float64, device=n.device)
-    mean = _tree_sum(n * mu) / n_valid
-    total = _tree_sum(m2 + n * (mu - mean) * (mu - mean))
-    denom = n_valid - 1 if opts.std == "unbiased" else n_valid
-    return _sqrt(total / denom) if float(denom) > 0 else torch.zeros_like(total)
-
-
-def _passk_values(n, n_neg, k: int, eps: float, eps_in_sqrt: bool):
-    """The kernel's analytic pass@k values (``passk_values``) for every group."""
-    all_neg = torch.ones_like(n)
-    for j in range(k):
-        all_neg = all_neg * (torch.clamp_min(n_neg - j, 0.0) / (n - j))
-    drop = (n_neg >= 1).to(n.dtype)
-    for j in range(k - 1):
-        drop = torch.where(n_neg >= 1, drop * (torch.clamp_min(n_neg - 1 - j, 0.0) / (n - 1 - j)), drop)
-    s = _sqrt(all_neg * (1.0 - all_neg))
-    pos = _divide(all_neg, s, eps, eps_in_sqrt)
-    neg = _divide(all_neg - drop, s, eps, eps_in_sqrt)
-    enough = n >= k
-    return torch.where(enough, pos, torch.zeros_like(pos)), torch.where(enough, neg, torch.zeros_like(neg))
+def _gathered_columns(baseline: Baseline) -> List[int]:
+    """The partials a plan reads (the others stay 0): fewer bytes on the wire."""
+    C = PartialColumn
+    extra = {Baseline.OPO: [C.WX, C.W], Baseline.PASSK: [C.INCORRECT], Baseline.GPG: [C.NONZERO]}.get(baseline, [])
+    return [int(c) for c in (C.N, C.FIRST, C.S, C.S2, C.DIFFERS, *extra)]

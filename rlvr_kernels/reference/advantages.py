@@ -16,9 +16,10 @@ from typing import Optional
 
 import torch
 
+from ..contracts.advantages import NUM_PARTIAL_COLUMNS, Baseline, GroupAdvantagesParams, PartialColumn, Scale, Whiten
 from ..options import AdvantageOptions, GroupAdvantages
 
-__all__ = ["group_advantages", "token_counts", "broadcast_to_tokens"]
+__all__ = ["group_advantages", "token_counts", "broadcast_to_tokens", "group_partials", "group_apply"]
 
 
 def group_advantages(
@@ -246,3 +247,175 @@ def _whiten(s, valid, n_tok, opts):
     var = (weight * centered * centered).sum() / (W - 1) if W > 1 else torch.zeros((), dtype=s.dtype)
     sigma = torch.sqrt(var)
     return torch.where(use, _divide(centered, sigma, wh.eps, wh.eps_in_sqrt), torch.zeros((), dtype=s.dtype))
+
+
+# ------------------------------------------------------------------ data parallel: partials and apply
+# The kernel rows ``group_partials`` and ``group_apply`` (schema arguments, GroupAdvantagesParams):
+# a batch spread over W ranks is reduced to per-group partials on each rank, gathered, and
+# merged in rank order. Elementwise float64 over the groups.
+_C = PartialColumn
+
+
+def _samples(scores, group_index, valid, p: GroupAdvantagesParams):
+    """float64 scores, every sample's group id and its validity (mask, finite, id in range)."""
+    x = scores.to(torch.float64)
+    B = x.shape[0]
+    gi = torch.arange(B, device=x.device) // p.group_size if p.group_size > 0 else group_index.long()
+    ok = torch.isfinite(x) & (gi >= 0) & (gi < p.num_groups)
+    if valid is not None:
+        ok &= valid.bool()
+    return x, gi, ok
+
+
+def group_partials(scores, group_index, valid, lengths, response_mask, cu_seqlens, fparams, iparams):
+    """This rank's ``[num_groups, 9]`` float64 partials (columns: ``PartialColumn``): per group,
+    over its valid samples x in sample order, with x₁ the first of them: n, x₁, Σ(x − x₁),
+    Σ(x − x₁)², [some x ≠ x₁], Σw·x and Σw (OPO: w the token counts, else 0), #{x <= 0},
+    #{x != 0}."""
+    p = GroupAdvantagesParams.unpack(fparams, iparams)
+    x, gi, ok = _samples(scores, group_index, valid, p)
+    out = torch.zeros(p.num_groups, NUM_PARTIAL_COLUMNS, dtype=torch.float64, device=x.device)
+    w = None
+    if p.baseline == Baseline.OPO:
+        w = token_counts(x.shape[0], torch.float64, response_mask, cu_seqlens, lengths)
+        w = torch.ones_like(x) if w is None else w
+    for g in range(p.num_groups):
+        members = torch.nonzero(ok & (gi == g)).flatten()
+        if members.numel() == 0:
+            continue
+        xg = x[members]
+        d = xg - xg[0]
+        row = out[g]
+        row[_C.N] = members.numel()
+        row[_C.FIRST] = xg[0]
+        row[_C.S] = d.sum()
+        row[_C.S2] = (d * d).sum()
+        row[_C.DIFFERS] = float(bool((d != 0).any()))
+        if w is not None:
+            row[_C.WX] = (w[members] * xg).sum()
+            row[_C.W] = w[members].sum()
+        row[_C.INCORRECT] = (xg <= 0).sum()
+        row[_C.NONZERO] = (xg != 0).sum()
+    return out
+
+
+def merge_partials(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Partials of a's samples followed by b's, for every group: b's sums re-shifted to a's x₁
+    (Δ = x₁' − x₁: Σ(x − x₁) = s' + n'Δ, Σ(x − x₁)² = s2' + 2Δs' + n'Δ²); a side with n = 0
+    contributes nothing."""
+    na, nb = a[:, _C.N], b[:, _C.N]
+    delta = b[:, _C.FIRST] - a[:, _C.FIRST]
+    m = a.clone()
+    m[:, _C.S2] = a[:, _C.S2] + (b[:, _C.S2] + 2.0 * delta * b[:, _C.S] + nb * delta * delta)
+    m[:, _C.S] = a[:, _C.S] + (b[:, _C.S] + nb * delta)
+    m[:, _C.N] = na + nb
+    m[:, _C.DIFFERS] = ((a[:, _C.DIFFERS] != 0) | (b[:, _C.DIFFERS] != 0) | (delta != 0)).to(torch.float64)
+    for c in (_C.WX, _C.W, _C.INCORRECT, _C.NONZERO):
+        m[:, c] = a[:, c] + b[:, c]
+    m = torch.where((nb == 0)[:, None], a, m)
+    return torch.where(((na == 0) & (nb > 0))[:, None], b, m)
+
+
+def group_apply(scores, group_index, valid, lengths, response_mask, cu_seqlens, partials, fparams, iparams, out_dtype):
+    """The outputs of ``group_advantages`` (one plan, no whitening) from W ranks' partials
+    ``[W, num_groups, 9]``, merged in rank order: per group n, μ = x₁ + Σd/n,
+    σ² = (Σd² − Σd·Σd/n)/(n − 1 or n), degenerate = no valid score differs; per sample
+    A = (r − b)·f of the plan (pass@k: b for r > 0, else f), 0 for an invalid sample."""
+    p = GroupAdvantagesParams.unpack(fparams, iparams)
+    assert p.whiten == Whiten.OFF, "group_apply: whitening needs every rank's advantages"
+    x, gi, ok = _samples(scores, group_index, valid, p)
+    acc = torch.zeros(p.num_groups, NUM_PARTIAL_COLUMNS, dtype=torch.float64, device=x.device)
+    for part in partials.to(torch.float64):  # rank order: the batch concatenated rank after rank
+        acc = merge_partials(acc, part)
+    stats = _merged_statistics(acc, p)
+    g = gi.clamp(0, max(p.num_groups - 1, 0))
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    if p.num_groups == 0:
+        adv, keep = torch.zeros_like(x), torch.zeros_like(ok)
+    else:
+        b, f = stats["b"][g], stats["f"][g]
+        adv = torch.where(x > 0, b, f) if p.baseline == Baseline.PASSK else (x - b) * f
+        adv = torch.where(ok, adv, zero)
+        keep = ok & ~stats["degenerate"][g]
+    token_adv = broadcast_to_tokens(adv, response_mask, cu_seqlens, out_dtype)
+    if token_adv is None:
+        token_adv = torch.zeros(0, dtype=out_dtype, device=x.device)
+    return (
+        adv.to(out_dtype),
+        token_adv,
+        stats["mean"].to(out_dtype),
+        stats["std"].to(out_dtype),
+        stats["count"],
+        stats["degenerate"],
+        keep,
+    )
+
+
+def _merged_statistics(acc: torch.Tensor, p: GroupAdvantagesParams) -> dict:
+    """Group statistics and the affine map (b, f) of every group from its merged partials."""
+    n = acc[:, _C.N]
+    s, s2, first = acc[:, _C.S], acc[:, _C.S2], acc[:, _C.FIRST]
+    one, zero = torch.ones_like(n), torch.zeros_like(n)
+    has = n > 0
+    d = s / torch.where(has, n, one)
+    mu = torch.where(has, first + d, zero)
+    m2 = torch.clamp_min(s2 - s * d, 0.0)
+    denom = n - 1 if p.std_unbiased else n
+    sigma = torch.where(denom > 0, torch.sqrt(m2 / torch.where(denom > 0, denom, one)), zero)
+    degenerate = ~has | (acc[:, _C.DIFFERS] == 0)
+    n_valid = n.sum()
+    alpha = n_valid / torch.clamp_min(acc[:, _C.NONZERO].sum(), 1.0)
+    eps, in_sqrt = p.eps, bool(p.eps_in_sqrt)
+    if p.baseline == Baseline.PASSK:
+        b, f = _passk_values(n, acc[:, _C.INCORRECT], p.passk_k, eps, in_sqrt)
+    else:
+        b, f = mu, one
+        if p.baseline == Baseline.MEAN and p.scale == Scale.GROUP:
+            f = _divide(one, sigma, eps, in_sqrt)
+        elif p.baseline == Baseline.MEAN and p.scale == Scale.BATCH:
+            f = _divide(one, _merged_batch_sigma(n, mu, m2, n_valid, p), eps, in_sqrt) * one
+        elif p.baseline == Baseline.RLOO:
+            f = n / torch.where(n > 1, n - 1, one)
+        elif p.baseline == Baseline.OPO:  # no tokens at all: equal weights
+            w = acc[:, _C.W]
+            b = torch.where(w > 0, acc[:, _C.WX] / torch.where(w > 0, w, one), mu)
+        elif p.baseline == Baseline.GPG:
+            f = alpha * one
+        elif p.baseline == Baseline.NONE:
+            b = zero
+        # A lone valid sample: A = 0, or verl's loop rule (mean 0, std 1).
+        if p.baseline == Baseline.MEAN and p.scale != Scale.NONE:
+            f1 = _divide(one, one, eps, in_sqrt)
+        else:
+            f1 = alpha * one if p.baseline == Baseline.GPG else one
+        if p.baseline != Baseline.NONE:
+            single = n == 1
+            b = torch.where(single, zero, b)
+            f = torch.where(single, f1 if p.singleton_raw else zero, f)
+    return dict(mean=mu, std=sigma, count=n.to(torch.int64), degenerate=degenerate, b=b, f=f)
+
+
+def _merged_batch_sigma(n, mu, m2, n_valid, p: GroupAdvantagesParams) -> torch.Tensor:
+    """σ over all valid scores from the groups' moments (Chan et al.)."""
+    zero = torch.zeros((), dtype=torch.float64, device=n.device)
+    if float(n_valid) <= 0:
+        return zero
+    mean = (n * mu).sum() / n_valid
+    total = (m2 + n * (mu - mean) * (mu - mean)).sum()
+    denom = n_valid - 1 if p.std_unbiased else n_valid
+    return torch.sqrt(total / denom) if float(denom) > 0 else zero
+
+
+def _passk_values(n, n_neg, k: int, eps: float, eps_in_sqrt: bool):
+    """Analytic pass@k values of every group: (correct, incorrect), 0 when n < k."""
+    all_neg = torch.ones_like(n)  # C(n_neg, k)/C(n, k)
+    for j in range(k):
+        all_neg = all_neg * (torch.clamp_min(n_neg - j, 0.0) / (n - j))
+    drop = (n_neg >= 1).to(n.dtype)  # C(n_neg − 1, k − 1)/C(n − 1, k − 1)
+    for j in range(k - 1):
+        drop = torch.where(n_neg >= 1, drop * (torch.clamp_min(n_neg - 1 - j, 0.0) / (n - 1 - j)), drop)
+    s = torch.sqrt(all_neg * (1.0 - all_neg))
+    pos = _divide(all_neg, s, eps, eps_in_sqrt)
+    neg = _divide(all_neg - drop, s, eps, eps_in_sqrt)
+    enough = n >= k
+    return torch.where(enough, pos, torch.zeros_like(pos)), torch.where(enough, neg, torch.zeros_like(neg))

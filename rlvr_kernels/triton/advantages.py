@@ -13,6 +13,12 @@ Design:
 - ``_sample_kernel`` forms A_i, ``_whiten_kernel`` whitens it, and
   ``_padded_tokens_kernel`` / ``_packed_tokens_kernel`` write A_i · m_{i,t}; the packed
   kernel finds each token's sequence by a binary search in the sanitised offsets.
+- Data parallel (``group_partials``, ``group_apply``; float64 whatever the scores):
+  ``_partials_kernel``, one program per group over its sorted segment, writes the rank's
+  accumulators; ``_merge_kernel``, one program per group, merges the W ranks' rows in rank
+  order and finishes the statistics; ``_merged_batch_kernel`` sums over the groups in a fixed
+  order (batch σ, GPG's α); ``_affine_kernel`` and ``_affine_sample_kernel`` form each
+  sample's A = (r − b)·f before the token kernels above.
 Compute dtype ``CDT``: float64 for float64 scores, float32 otherwise (as the other Triton
 kernels); token values are formed in float64 for a float64 output, else in float32.
 All pointer arithmetic is int64; every load and store is masked, and indices that could
@@ -31,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .._core.layout import sanitized_offsets
-from ..contracts.advantages import Baseline, GroupAdvantagesParams, Scale, Whiten
+from ..contracts.advantages import NUM_PARTIAL_COLUMNS, Baseline, GroupAdvantagesParams, PartialColumn, Scale, Whiten
 
 # The branch codes as constexprs the kernels compare against (contracts.advantages).
 BASELINE_NONE = tl.constexpr(int(Baseline.NONE))
@@ -39,6 +45,7 @@ BASELINE_MEAN = tl.constexpr(int(Baseline.MEAN))
 BASELINE_RLOO = tl.constexpr(int(Baseline.RLOO))
 BASELINE_OPO = tl.constexpr(int(Baseline.OPO))
 BASELINE_PASSK = tl.constexpr(int(Baseline.PASSK))
+BASELINE_GPG = tl.constexpr(int(Baseline.GPG))
 SCALE_NONE = tl.constexpr(int(Scale.NONE))
 SCALE_GROUP = tl.constexpr(int(Scale.GROUP))
 SCALE_BATCH = tl.constexpr(int(Scale.BATCH))
@@ -379,13 +386,15 @@ def _packed_tokens_kernel(
 _BLOCK = 1024
 
 
-def _check_shapes(scores, group_index, valid, lengths, response_mask, cu_seqlens, p: GroupAdvantagesParams):
+def _check_shapes(
+    scores, group_index, valid, lengths, response_mask, cu_seqlens, p: GroupAdvantagesParams, op="group_advantages"
+):
     """The shape relations the kernels rely on (the C++ kernel's TORCH_CHECKs); returns T
     of a packed layout (else -1)."""
 
     def need(cond, message):
         if not cond:
-            raise ValueError(f"group_advantages: {message}")
+            raise ValueError(f"{op}: {message}")
 
     need(scores.dim() == 1 and scores.is_floating_point(), f"scores must be a 1-D float tensor [B], got {scores.shape}")
     B = scores.shape[0]
@@ -425,19 +434,12 @@ def group_advantages(scores, group_index, valid, lengths, response_mask, cu_seql
     whitening) → broadcast to tokens."""
     p = GroupAdvantagesParams.unpack(fparams, iparams)
     T = _check_shapes(scores, group_index, valid, lengths, response_mask, cu_seqlens, p)
-    dev = scores.device
-    B, G = scores.shape[0], p.num_groups
+    B = scores.shape[0]
     cdt_torch = torch.float64 if scores.dtype == torch.float64 else torch.float32
     # Sanitised offsets: in bounds and disjoint, whatever the input.
     cu = sanitized_offsets(cu_seqlens, T).contiguous() if cu_seqlens is not None else None
 
-    scores = scores.contiguous()
-    if p.group_size > 0:  # contiguous groups: ids are cheap to make on the device
-        group_index = torch.arange(B, device=dev) // p.group_size
-    group_index = group_index.long().contiguous()
-    ok = torch.isfinite(scores) & (group_index >= 0) & (group_index < G)
-    if valid is not None:
-        ok &= valid.bool()
+    scores, group_index, ok = _samples(scores, group_index, valid, p)
 
     weights = None  # token weights w_i: needed by OPO and token whitening
     if p.baseline == Baseline.OPO or p.whiten == Whiten.TOKENS:
@@ -454,6 +456,28 @@ def group_advantages(scores, group_index, valid, lengths, response_mask, cu_seql
         stats.degenerate.bool(),
         keep8.bool(),
     )
+
+
+def _samples(scores, group_index, valid, p: GroupAdvantagesParams):
+    """Contiguous scores, every sample's int64 group id, and whether it counts (mask, finite
+    score, id in [0, num_groups))."""
+    scores = scores.contiguous()
+    if p.group_size > 0:  # contiguous groups: ids are cheap to make on the device
+        group_index = torch.arange(scores.shape[0], device=scores.device) // p.group_size
+    group_index = group_index.long().contiguous()
+    ok = torch.isfinite(scores) & (group_index >= 0) & (group_index < p.num_groups)
+    if valid is not None:
+        ok &= valid.bool()
+    return scores, group_index, ok
+
+
+def _segments(group_index, ok, G):
+    """(order, offsets): a stable sort of the samples by group id (excluded ones last), group
+    g owning order[offsets[g]:offsets[g + 1]], its samples in sample order."""
+    key = torch.where(ok, group_index, torch.full_like(group_index, G))
+    sorted_key, order = torch.sort(key, stable=True)
+    offsets = torch.searchsorted(sorted_key, torch.arange(G + 1, device=key.device, dtype=sorted_key.dtype))
+    return order, offsets
 
 
 def _token_counts(B, lengths, response_mask, cu, cdt_torch):
@@ -488,9 +512,7 @@ def _group_stats(scores, group_index, ok, weights, p: GroupAdvantagesParams, cdt
     segment of a stable sort by group id (each group's samples stay in sample order)."""
     dev, G = scores.device, p.num_groups
     cf = dict(dtype=cdt_torch, device=dev)
-    key = torch.where(ok, group_index, torch.full_like(group_index, G))
-    sorted_key, order = torch.sort(key, stable=True)
-    offsets = torch.searchsorted(sorted_key, torch.arange(G + 1, device=dev, dtype=sorted_key.dtype))
+    order, offsets = _segments(group_index, ok, G)
     st = _GroupStats(
         mean=torch.zeros(G, **cf),
         sd=torch.zeros(G, **cf),
@@ -606,6 +628,385 @@ def _broadcast_to_tokens(adv, response_mask, cu, T, out_dtype):
     return token_adv
 
 
+# ------------------------------------------------------------------ data parallel: partials and apply
+# group_partials / group_apply (reference: rlvr_kernels.reference.advantages), in float64
+# whatever the scores' dtype. Column c of a row of partials is PartialColumn(c).
+P_N = tl.constexpr(int(PartialColumn.N))
+P_FIRST = tl.constexpr(int(PartialColumn.FIRST))
+P_S = tl.constexpr(int(PartialColumn.S))
+P_S2 = tl.constexpr(int(PartialColumn.S2))
+P_DIFFERS = tl.constexpr(int(PartialColumn.DIFFERS))
+P_WX = tl.constexpr(int(PartialColumn.WX))
+P_W = tl.constexpr(int(PartialColumn.W))
+P_INCORRECT = tl.constexpr(int(PartialColumn.INCORRECT))
+P_NONZERO = tl.constexpr(int(PartialColumn.NONZERO))
+P_COLUMNS = tl.constexpr(NUM_PARTIAL_COLUMNS)
+
+
+@triton.jit
+def _partials_kernel(
+    scores_ptr,  # [B] float
+    order_ptr,  # [B] int64: samples sorted by group, excluded ones last
+    offsets_ptr,  # [G + 1] int64: group g owns order[offsets[g]:offsets[g + 1]]
+    weight_ptr,  # [B] float64 token weights, read only if HAS_WEIGHT
+    out_ptr,  # [G, P_COLUMNS] float64 output
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    g = tl.program_id(0).to(tl.int64)
+    begin = tl.load(offsets_ptr + g)
+    end = tl.load(offsets_ptr + g + 1)
+    n = end - begin
+    lanes = tl.arange(0, BLOCK)
+    first = tl.load(order_ptr + begin, mask=n > 0, other=0)  # an empty group reads nothing
+    x1 = tl.load(scores_ptr + first, mask=n > 0, other=0.0).to(tl.float64)
+    s = tl.zeros([BLOCK], dtype=tl.float64)
+    s2 = tl.zeros([BLOCK], dtype=tl.float64)
+    wx = tl.zeros([BLOCK], dtype=tl.float64)
+    ws = tl.zeros([BLOCK], dtype=tl.float64)
+    incorrect = tl.zeros([BLOCK], dtype=tl.float64)
+    nonzero = tl.zeros([BLOCK], dtype=tl.float64)
+    differs = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(begin, end, BLOCK):
+        j = start + lanes
+        inside = j < end
+        idx = tl.load(order_ptr + j, mask=inside, other=0)
+        x = tl.load(scores_ptr + idx, mask=inside, other=0.0).to(tl.float64)
+        d = tl.where(inside, x - x1, 0.0)
+        s += d
+        s2 += d * d
+        differs = tl.maximum(differs, (d != 0.0).to(tl.int32))
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + idx, mask=inside, other=0.0).to(tl.float64)
+            wx += w * x
+            ws += w
+        incorrect += tl.where(inside & (x <= 0.0), 1.0, 0.0)
+        nonzero += tl.where(inside & (x != 0.0), 1.0, 0.0)
+    row = out_ptr + g * P_COLUMNS
+    tl.store(row + P_N, n.to(tl.float64))
+    tl.store(row + P_FIRST, x1)
+    tl.store(row + P_S, tl.sum(s, axis=0))
+    tl.store(row + P_S2, tl.sum(s2, axis=0))
+    tl.store(row + P_DIFFERS, tl.max(differs, axis=0).to(tl.float64))
+    tl.store(row + P_WX, tl.sum(wx, axis=0))
+    tl.store(row + P_W, tl.sum(ws, axis=0))
+    tl.store(row + P_INCORRECT, tl.sum(incorrect, axis=0))
+    tl.store(row + P_NONZERO, tl.sum(nonzero, axis=0))
+
+
+@triton.jit
+def _merge_kernel(
+    partials_ptr,  # [W, G, P_COLUMNS] float64
+    merged_ptr,  # [G, P_COLUMNS] float64 output: the W rows merged in rank order
+    mean_ptr,
+    std_ptr,
+    m2_ptr,  # [G] float64 outputs
+    count_ptr,  # [G] int64 output
+    degenerate_ptr,  # [G] int8 output
+    W,
+    G,
+    STD_UNBIASED: tl.constexpr,
+):
+    g = tl.program_id(0).to(tl.int64)
+    n = tl.zeros([1], dtype=tl.float64).sum(axis=0)
+    first = n
+    s = n
+    s2 = n
+    differs = n
+    wx = n
+    ws = n
+    incorrect = n
+    nonzero = n
+    G64 = g * 0 + G  # int64 row arithmetic
+    for r in range(0, W):  # rank order: the batch concatenated rank after rank
+        row = partials_ptr + (r * G64 + g) * P_COLUMNS
+        nb = tl.load(row + P_N)
+        fb = tl.load(row + P_FIRST)
+        sb = tl.load(row + P_S)
+        s2b = tl.load(row + P_S2)
+        db = tl.load(row + P_DIFFERS)
+        # b's sums re-shifted to x₁ (Δ = x₁' − x₁); a side without samples contributes nothing.
+        delta = fb - first
+        both = (n > 0.0) & (nb > 0.0)
+        only_b = (n == 0.0) & (nb > 0.0)
+        s2 = tl.where(both, s2 + (s2b + 2.0 * delta * sb + nb * delta * delta), tl.where(only_b, s2b, s2))
+        s = tl.where(both, s + (sb + nb * delta), tl.where(only_b, sb, s))
+        differs = tl.where(
+            both, tl.where((differs != 0.0) | (db != 0.0) | (delta != 0.0), 1.0, 0.0), tl.where(only_b, db, differs)
+        )
+        first = tl.where(only_b, fb, first)
+        keep_b = nb > 0.0
+        wx = tl.where(keep_b, wx + tl.load(row + P_WX), wx)
+        ws = tl.where(keep_b, ws + tl.load(row + P_W), ws)
+        incorrect = tl.where(keep_b, incorrect + tl.load(row + P_INCORRECT), incorrect)
+        nonzero = tl.where(keep_b, nonzero + tl.load(row + P_NONZERO), nonzero)
+        n = n + nb
+    has = n > 0.0
+    d = s / tl.where(has, n, 1.0)
+    mu = tl.where(has, first + d, 0.0)
+    m2 = tl.maximum(s2 - s * d, 0.0)
+    if STD_UNBIASED:
+        denom = n - 1.0
+    else:
+        denom = n
+    sd = tl.where(denom > 0.0, tl.sqrt(m2 / tl.where(denom > 0.0, denom, 1.0)), 0.0)
+    out = merged_ptr + g * P_COLUMNS
+    tl.store(out + P_N, n)
+    tl.store(out + P_FIRST, first)
+    tl.store(out + P_S, s)
+    tl.store(out + P_S2, s2)
+    tl.store(out + P_DIFFERS, differs)
+    tl.store(out + P_WX, wx)
+    tl.store(out + P_W, ws)
+    tl.store(out + P_INCORRECT, incorrect)
+    tl.store(out + P_NONZERO, nonzero)
+    tl.store(mean_ptr + g, mu)
+    tl.store(std_ptr + g, sd)
+    tl.store(m2_ptr + g, m2)
+    tl.store(count_ptr + g, n.to(tl.int64))
+    tl.store(degenerate_ptr + g, ((~has) | (differs == 0.0)).to(tl.int8))
+
+
+@triton.jit
+def _merged_batch_kernel(
+    merged_ptr,  # [G, P_COLUMNS] float64
+    mean_ptr,
+    m2_ptr,  # [G] float64
+    out_ptr,  # [2] float64 output: batch σ (Chan et al., from the groups' moments), GPG's α
+    G,
+    STD_UNBIASED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program: fixed-order blocked sums over the groups.
+    lanes = tl.arange(0, BLOCK)
+    sn = tl.zeros([BLOCK], dtype=tl.float64)
+    snmu = tl.zeros([BLOCK], dtype=tl.float64)
+    snz = tl.zeros([BLOCK], dtype=tl.float64)
+    for start in range(0, G, BLOCK):
+        k = lanes.to(tl.int64) + start
+        inside = k < G
+        n = tl.load(merged_ptr + k * P_COLUMNS + P_N, mask=inside, other=0.0)
+        sn += n
+        snmu += n * tl.load(mean_ptr + k, mask=inside, other=0.0)
+        snz += tl.load(merged_ptr + k * P_COLUMNS + P_NONZERO, mask=inside, other=0.0)
+    n_valid = tl.sum(sn, axis=0)
+    mean = tl.sum(snmu, axis=0) / tl.where(n_valid > 0.0, n_valid, 1.0)
+    total = tl.zeros([BLOCK], dtype=tl.float64)
+    for start in range(0, G, BLOCK):
+        k = lanes.to(tl.int64) + start
+        inside = k < G
+        n = tl.load(merged_ptr + k * P_COLUMNS + P_N, mask=inside, other=0.0)
+        mu = tl.load(mean_ptr + k, mask=inside, other=0.0)
+        total += tl.load(m2_ptr + k, mask=inside, other=0.0) + n * (mu - mean) * (mu - mean)
+    if STD_UNBIASED:
+        denom = n_valid - 1.0
+    else:
+        denom = n_valid
+    ok = (n_valid > 0.0) & (denom > 0.0)
+    sigma = tl.where(ok, tl.sqrt(tl.sum(total, axis=0) / tl.where(ok, denom, 1.0)), 0.0)
+    tl.store(out_ptr + 0, sigma)
+    tl.store(out_ptr + 1, n_valid / tl.maximum(tl.sum(snz, axis=0), 1.0))
+
+
+@triton.jit
+def _affine_kernel(
+    merged_ptr,  # [G, P_COLUMNS] float64
+    mean_ptr,
+    std_ptr,  # [G] float64
+    batch_ptr,  # [2] float64: batch σ, GPG's α
+    eps_ptr,  # [1] float64
+    b_ptr,
+    f_ptr,  # [G] float64 outputs: A = (r − b)·f; pass@k: b for r > 0, else f
+    G,
+    passk_k,
+    BASELINE: tl.constexpr,
+    SCALE: tl.constexpr,
+    EPS_IN_SQRT: tl.constexpr,
+    SINGLETON_RAW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = k < G
+    n = tl.load(merged_ptr + k * P_COLUMNS + P_N, mask=inside, other=0.0)
+    mu = tl.load(mean_ptr + k, mask=inside, other=0.0)
+    sd = tl.load(std_ptr + k, mask=inside, other=0.0)
+    eps = tl.load(eps_ptr) + n * 0.0
+    one = n * 0.0 + 1.0
+    if BASELINE == BASELINE_PASSK:
+        incorrect = tl.load(merged_ptr + k * P_COLUMNS + P_INCORRECT, mask=inside, other=0.0)
+        b, f = _passk_values(incorrect, n, passk_k, eps, EPS_IN_SQRT)
+    else:
+        alpha = tl.load(batch_ptr + 1)
+        b = mu
+        f = one
+        lone = one
+        if BASELINE == BASELINE_NONE:
+            b = n * 0.0
+        elif BASELINE == BASELINE_MEAN:
+            if SCALE == SCALE_GROUP:
+                f = _divide(one, sd, eps, EPS_IN_SQRT)
+            elif SCALE == SCALE_BATCH:
+                f = _divide(one, tl.load(batch_ptr + 0) + n * 0.0, eps, EPS_IN_SQRT)
+            if SCALE != SCALE_NONE:
+                lone = _divide(one, one, eps, EPS_IN_SQRT)  # verl's loop rule: mean 0, std 1
+        elif BASELINE == BASELINE_RLOO:
+            f = n / tl.where(n > 1.0, n - 1.0, 1.0)
+        elif BASELINE == BASELINE_OPO:  # no tokens at all: equal weights
+            w = tl.load(merged_ptr + k * P_COLUMNS + P_W, mask=inside, other=0.0)
+            wx = tl.load(merged_ptr + k * P_COLUMNS + P_WX, mask=inside, other=0.0)
+            b = tl.where(w > 0.0, wx / tl.where(w > 0.0, w, 1.0), mu)
+        else:  # GPG
+            f = alpha * one
+            lone = alpha * one
+        if BASELINE != BASELINE_NONE:
+            b = tl.where(n == 1.0, 0.0, b)
+            if SINGLETON_RAW:
+                f = tl.where(n == 1.0, lone, f)
+            else:
+                f = tl.where(n == 1.0, 0.0, f)
+    tl.store(b_ptr + k, b, mask=inside)
+    tl.store(f_ptr + k, f, mask=inside)
+
+
+@triton.jit
+def _affine_sample_kernel(
+    scores_ptr,  # [B] float
+    group_ptr,  # [B] int64 group ids
+    ok_ptr,  # [B] int8: valid, finite and in range
+    b_ptr,
+    f_ptr,  # [G] float64 affine map
+    degenerate_ptr,  # [G] int8
+    adv_ptr,  # [B] float64 output
+    keep_ptr,  # [B] int8 output
+    B,
+    G,
+    PASSK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < B
+    ok = tl.load(ok_ptr + i, mask=inside, other=0) != 0
+    g = tl.load(group_ptr + i, mask=inside, other=0)
+    g = tl.minimum(tl.maximum(g, 0), tl.maximum(G - 1, 0))  # never address outside [0, G)
+    x = tl.load(scores_ptr + i, mask=ok, other=0.0).to(tl.float64)
+    b = tl.load(b_ptr + g, mask=ok, other=0.0)
+    f = tl.load(f_ptr + g, mask=ok, other=0.0)
+    deg = tl.load(degenerate_ptr + g, mask=ok, other=1) != 0
+    if PASSK:
+        a = tl.where(x > 0.0, b, f)
+    else:
+        a = (x - b) * f
+    tl.store(adv_ptr + i, tl.where(ok, a, 0.0), mask=inside)
+    tl.store(keep_ptr + i, (ok & ~deg).to(tl.int8), mask=inside)
+
+
+def group_partials(scores, group_index, valid, lengths, response_mask, cu_seqlens, fparams, iparams):
+    """The Triton kernel under the contract of ``rlvr_kernels_C::group_partials``: this rank's
+    ``[num_groups, 9]`` float64 partials, one program per group over its segment of a stable
+    sort by group id."""
+    p = GroupAdvantagesParams.unpack(fparams, iparams)
+    T = _check_shapes(scores, group_index, valid, lengths, response_mask, cu_seqlens, p, op="group_partials")
+    G = p.num_groups
+    cu = sanitized_offsets(cu_seqlens, T).contiguous() if cu_seqlens is not None else None
+    scores, group_index, ok = _samples(scores, group_index, valid, p)
+    out = torch.zeros(G, NUM_PARTIAL_COLUMNS, dtype=torch.float64, device=scores.device)
+    weights = None
+    if p.baseline == Baseline.OPO:
+        weights = _token_counts(scores.shape[0], lengths, response_mask, cu, torch.float64)
+        if weights is None:  # no layout: every weight 1
+            weights = torch.ones(scores.shape[0], dtype=torch.float64, device=scores.device)
+    if G > 0:
+        order, offsets = _segments(group_index, ok, G)
+        _partials_kernel[(G,)](
+            scores,
+            order,
+            offsets,
+            weights if weights is not None else out,
+            out,
+            HAS_WEIGHT=weights is not None,
+            BLOCK=64,
+        )
+    return out
+
+
+def group_apply(scores, group_index, valid, lengths, response_mask, cu_seqlens, partials, fparams, iparams, out_dtype):
+    """The Triton kernels under the contract of ``rlvr_kernels_C::group_apply``: W ranks'
+    partials merged in rank order (one program per group), the batch scalars over the groups
+    in a fixed order, each group's affine map, then each sample's advantage and the token
+    broadcast."""
+    p = GroupAdvantagesParams.unpack(fparams, iparams)
+    T = _check_shapes(scores, group_index, valid, lengths, response_mask, cu_seqlens, p, op="group_apply")
+    G = p.num_groups
+    if p.whiten != Whiten.OFF:
+        raise ValueError("group_apply: whiten must be OFF (whitening after the baseline needs every rank's advantages)")
+    if partials.dtype != torch.float64 or partials.dim() != 3 or partials.shape[1:] != (G, NUM_PARTIAL_COLUMNS):
+        raise ValueError(
+            f"group_apply: partials must be float64 [W, num_groups = {G}, {NUM_PARTIAL_COLUMNS}], "
+            f"got {partials.dtype} {tuple(partials.shape)}"
+        )
+    cu = sanitized_offsets(cu_seqlens, T).contiguous() if cu_seqlens is not None else None
+    scores, group_index, ok = _samples(scores, group_index, valid, p)
+    dev, B = scores.device, scores.shape[0]
+    f64 = dict(dtype=torch.float64, device=dev)
+    mean, sd = torch.zeros(G, **f64), torch.zeros(G, **f64)
+    count = torch.zeros(G, dtype=torch.int64, device=dev)
+    degenerate = torch.ones(G, dtype=torch.int8, device=dev)
+    adv = torch.zeros(B, **f64)
+    keep8 = torch.zeros(B, dtype=torch.int8, device=dev)
+    if G > 0:
+        merged = torch.empty(G, NUM_PARTIAL_COLUMNS, **f64)
+        m2 = torch.empty(G, **f64)
+        std_unbiased = bool(p.std_unbiased)
+        W = partials.shape[0]
+        _merge_kernel[(G,)](
+            partials.contiguous(), merged, mean, sd, m2, count, degenerate, W, G, STD_UNBIASED=std_unbiased
+        )
+        batch = torch.zeros(2, **f64)
+        _merged_batch_kernel[(1,)](merged, mean, m2, batch, G, STD_UNBIASED=std_unbiased, BLOCK=_BLOCK)
+        b, f = torch.empty(G, **f64), torch.empty(G, **f64)
+        _affine_kernel[(triton.cdiv(G, _BLOCK),)](
+            merged,
+            mean,
+            sd,
+            batch,
+            torch.tensor([float(p.eps)], **f64),
+            b,
+            f,
+            G,
+            int(p.passk_k),
+            BASELINE=int(p.baseline),
+            SCALE=int(p.scale),
+            EPS_IN_SQRT=bool(p.eps_in_sqrt),
+            SINGLETON_RAW=bool(p.singleton_raw),
+            BLOCK=_BLOCK,
+        )
+        if B > 0:
+            _affine_sample_kernel[(triton.cdiv(B, _BLOCK),)](
+                scores,
+                group_index,
+                ok.to(torch.int8),
+                b,
+                f,
+                degenerate,
+                adv,
+                keep8,
+                B,
+                G,
+                PASSK=p.baseline == Baseline.PASSK,
+                BLOCK=_BLOCK,
+            )
+    token_adv = _broadcast_to_tokens(adv, response_mask, cu, T, out_dtype)
+    return (
+        adv.to(out_dtype),
+        token_adv,
+        mean.to(out_dtype),
+        sd.to(out_dtype),
+        count,
+        degenerate.bool(),
+        keep8.bool(),
+    )
+
+
 def _tl_dtype(dtype: torch.dtype):
     """The Triton compute/output type: fp64 for fp64, else fp32."""
     return tl.float64 if dtype == torch.float64 else tl.float32
@@ -700,3 +1101,52 @@ def aot_specs():
     sig = dict(adv_ptr=p32, cu_ptr=pi64, mask_ptr="*i1", out_ptr="*bf16", B="i32", T="i64")
     const = dict(HAS_MASK=True, TDT=tl.float32, SEARCH_STEPS=14, BLOCK=1024)
     yield "_packed_tokens_kernel", k._packed_tokens_kernel, sig, const
+    # data parallel: partials and apply (float64)
+    p64 = "*fp64"
+    for weights in (False, True):
+        sig = dict(scores_ptr=p32, order_ptr=pi64, offsets_ptr=pi64, weight_ptr=p64, out_ptr=p64)
+        const = dict(HAS_WEIGHT=weights, BLOCK=64)
+        yield f"_partials_kernel[weights={weights}]", k._partials_kernel, sig, const
+    sig = dict(
+        partials_ptr=p64,
+        merged_ptr=p64,
+        mean_ptr=p64,
+        std_ptr=p64,
+        m2_ptr=p64,
+        count_ptr=pi64,
+        degenerate_ptr=pi8,
+        W="i32",
+        G="i32",
+    )
+    yield "_merge_kernel", k._merge_kernel, sig, dict(STD_UNBIASED=True)
+    sig = dict(merged_ptr=p64, mean_ptr=p64, m2_ptr=p64, out_ptr=p64, G="i32")
+    yield "_merged_batch_kernel", k._merged_batch_kernel, sig, dict(STD_UNBIASED=True, BLOCK=1024)
+    for baseline, scale in plans + ((Baseline.OPO, Scale.NONE), (Baseline.PASSK, Scale.NONE)):
+        sig = dict(
+            merged_ptr=p64,
+            mean_ptr=p64,
+            std_ptr=p64,
+            batch_ptr=p64,
+            eps_ptr=p64,
+            b_ptr=p64,
+            f_ptr=p64,
+            G="i32",
+            passk_k="i32",
+        )
+        const = dict(BASELINE=int(baseline), SCALE=int(scale), EPS_IN_SQRT=False, SINGLETON_RAW=True, BLOCK=1024)
+        yield f"_affine_kernel[baseline={int(baseline)},scale={int(scale)}]", k._affine_kernel, sig, const
+    for passk in (False, True):
+        sig = dict(
+            scores_ptr=p32,
+            group_ptr=pi64,
+            ok_ptr=pi8,
+            b_ptr=p64,
+            f_ptr=p64,
+            degenerate_ptr=pi8,
+            adv_ptr=p64,
+            keep_ptr=pi8,
+            B="i32",
+            G="i32",
+        )
+        const = dict(PASSK=passk, BLOCK=1024)
+        yield f"_affine_sample_kernel[passk={passk}]", k._affine_sample_kernel, sig, const

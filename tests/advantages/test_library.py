@@ -1,13 +1,15 @@
 """The torch.library contract: opcheck (schema, fake kernel, autograd registration) and
 torch.compile(fullgraph=True) over code that calls the public function."""
 
+import dataclasses
+
 import pytest
 import torch
 from _backends import FAST, to
 
 import rlvr_kernels as rk
 from rlvr_kernels.contracts import Baseline, GroupAdvantagesParams, Scale, Whiten
-from rlvr_kernels.ops.advantages import _group_advantages_op
+from rlvr_kernels.ops.advantages import _group_advantages_op, _group_apply_op, _group_partials_op
 
 
 def op_args(device, backend, layout):
@@ -51,6 +53,28 @@ def op_args(device, backend, layout):
 @pytest.mark.parametrize("layout", ["none", "padded", "packed", "packed_nomask"])
 def test_opcheck(backend, device, layout):
     torch.library.opcheck(_group_advantages_op, op_args(device, backend, layout))
+
+
+def dist_op_args(device, backend, layout):
+    """(group_partials args, group_apply args) of one plan without whitening, W = 2 ranks."""
+    scores, gi, valid, lengths, mask, cu, fparams, iparams, out_dtype, _ = op_args("cpu", backend, layout)
+    p = GroupAdvantagesParams.unpack(fparams, iparams)
+    fparams, iparams = dataclasses.replace(p, whiten=Whiten.OFF).pack()
+    tensors = (scores, gi, valid, lengths, mask, cu)
+    partials = _group_partials_op(*tensors, fparams, iparams, "reference")
+    table = torch.stack([partials, partials.flip(0)])
+    partial_args = (*tensors, fparams, iparams, backend)
+    apply_args = (*tensors, table, fparams, iparams, out_dtype, backend)
+    move = lambda args: tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)  # noqa: E731
+    return move(partial_args), move(apply_args)
+
+
+@pytest.mark.parametrize("backend,device", FAST)
+@pytest.mark.parametrize("layout", ["none", "padded", "packed", "packed_nomask"])
+def test_opcheck_data_parallel_ops(backend, device, layout):
+    partial_args, apply_args = dist_op_args(device, backend, layout)
+    torch.library.opcheck(_group_partials_op, partial_args)
+    torch.library.opcheck(_group_apply_op, apply_args)
 
 
 def test_fake_kernel_shapes_match_real_outputs():
