@@ -10,6 +10,11 @@ PIP := $(PY) -m pip
 # On these machines torch==2.13.0 is the CPU wheel on local disk; elsewhere pip fetches it.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.rlvr-kernels-installed
+# Peers whose declared dependencies would replace torch (or need CUDA): installed without
+# them, plus what the modules the tests import need. flash-attn (imported by openrlhf.models)
+# has no CPU build; rlvr_kernels.testing.peers stands in for it.
+PEERS_NO_DEPS := openrlhf==0.11.2 deepspeed==0.19.6 areal==1.0.4 skyrl==0.3.0
+PEER_IMPORTS := hjson msgpack py-cpuinfo colorlog tenacity lark uvloop numba aiofiles openai jaxtyping loguru
 SOURCES := pyproject.toml $(wildcard rlvr_kernels/csrc/*.cpp rlvr_kernels/csrc/*.h)
 
 .PHONY: install test explore bench check sanitize format clean
@@ -21,6 +26,8 @@ $(STAMP): $(PY) $(SOURCES)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[test,bench,peers]"
+	DS_BUILD_OPS=0 $(PIP) install -q --no-deps --no-build-isolation $(PEERS_NO_DEPS)
+	$(PIP) install -q $(PEER_IMPORTS)
 	$(VENV)/bin/rlvr-kernels build
 	touch $(STAMP)
 
