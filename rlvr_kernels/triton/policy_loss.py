@@ -763,8 +763,6 @@ def _is_weights(old, roll, seq_logw, rc_low, rc_high, valid, CDT: tl.constexpr, 
 @triton.jit
 def _kl_quadratic(
     x,
-    kl_in,
-    kl_out,
     K1_EST: tl.constexpr,
     KL_CLAMP: tl.constexpr,
     KL_IN: tl.constexpr,
@@ -774,21 +772,19 @@ def _kl_quadratic(
     """k1 / k2 (reference kl_estimate's first branch) with the clamps of kl_clamp = ALL: the
     estimate, its ∂/∂logp and live (no clamp active)."""
     live = x == x
-    if KL_IN and KL_CLAMP == KL_CLAMP_ALL:
-        c = _param(kl_in, CDT)
-        live = (x >= -c) & (x <= c)
-        x = tl.minimum(tl.maximum(x, -c), c)
+    if KL_IN > 0 and KL_CLAMP == KL_CLAMP_ALL:
+        live = (x >= -KL_IN) & (x <= KL_IN)
+        x = tl.minimum(tl.maximum(x, -KL_IN), KL_IN)
     if K1_EST:
         v = x
         d = tl.full(x.shape, 1.0, CDT)
     else:
         v = 0.5 * (x * x)
         d = x
-    if KL_OUT and KL_CLAMP == KL_CLAMP_ALL:
-        c = _param(kl_out, CDT)
-        live = live & (v >= -c) & (v <= c)
-        v = tl.minimum(tl.maximum(v, -c), c)
-    if (KL_IN or KL_OUT) and KL_CLAMP == KL_CLAMP_ALL:
+    if KL_OUT > 0 and KL_CLAMP == KL_CLAMP_ALL:
+        live = live & (v >= -KL_OUT) & (v <= KL_OUT)
+        v = tl.minimum(tl.maximum(v, -KL_OUT), KL_OUT)
+    if (KL_IN > 0 or KL_OUT > 0) and KL_CLAMP == KL_CLAMP_ALL:
         d = tl.where(live, d, 0.0)
     return v, d, live
 
@@ -797,8 +793,6 @@ def _kl_quadratic(
 def _kl_estimate(
     lp,
     ref,
-    kl_in,
-    kl_out,
     KL: tl.constexpr,
     KL_CLAMP: tl.constexpr,
     KL_IN: tl.constexpr,
@@ -809,30 +803,28 @@ def _kl_estimate(
     """Mirrors reference kl_estimate, the one home of the KL estimators: the estimate, its
     ∂/∂logp and live (no clamp active: reference kl_clamped; k3+: the value of k3, the
     gradient of k2, each clamped as on its own). KL_CLAMP: the KlClamp scope of the KL_IN /
-    KL_OUT clamps."""
+    KL_OUT clamps (constexpr bounds, 0 = off: folded like literals)."""
     x = lp - ref
     if KL == K1:
-        kl, dkl, live = _kl_quadratic(x, kl_in, kl_out, True, KL_CLAMP, KL_IN, KL_OUT, CDT)
+        kl, dkl, live = _kl_quadratic(x, True, KL_CLAMP, KL_IN, KL_OUT, CDT)
     elif KL == K2:
-        kl, dkl, live = _kl_quadratic(x, kl_in, kl_out, False, KL_CLAMP, KL_IN, KL_OUT, CDT)
+        kl, dkl, live = _kl_quadratic(x, False, KL_CLAMP, KL_IN, KL_OUT, CDT)
     else:
         y = ref - lp
         d3 = tl.full([BLOCK], 1.0, CDT)
-        if KL_IN and KL_CLAMP != KL_CLAMP_NONE:
-            c = _param(kl_in, CDT)
-            d3 = tl.where((y >= -c) & (y <= c), d3, 0.0)
-            y = tl.minimum(tl.maximum(y, -c), c)
+        if KL_IN > 0 and KL_CLAMP != KL_CLAMP_NONE:
+            d3 = tl.where((y >= -KL_IN) & (y <= KL_IN), d3, 0.0)
+            y = tl.minimum(tl.maximum(y, -KL_IN), KL_IN)
         ey = tl.exp(y)
         kl = ey - y - 1.0
-        if KL_OUT and KL_CLAMP != KL_CLAMP_NONE:
-            c = _param(kl_out, CDT)
-            d3 = tl.where((kl >= -c) & (kl <= c), d3, 0.0)
-            kl = tl.minimum(tl.maximum(kl, -c), c)
+        if KL_OUT > 0 and KL_CLAMP != KL_CLAMP_NONE:
+            d3 = tl.where((kl >= -KL_OUT) & (kl <= KL_OUT), d3, 0.0)
+            kl = tl.minimum(tl.maximum(kl, -KL_OUT), KL_OUT)
         if KL == K3:
             dkl = (1.0 - ey) * d3
             live = d3 != 0.0
         else:  # K3_PLUS
-            _, dkl, live = _kl_quadratic(x, kl_in, kl_out, False, KL_CLAMP, KL_IN, KL_OUT, CDT)
+            _, dkl, live = _kl_quadratic(x, False, KL_CLAMP, KL_IN, KL_OUT, CDT)
     return kl, dkl, live
 
 
@@ -867,8 +859,6 @@ def _kl_term(
     log_s,
     lr_clamp,
     gspo_clamp,
-    kl_in,
-    kl_out,
     CDT: tl.constexpr,
     LOSS: tl.constexpr,
     KL: tl.constexpr,
@@ -883,7 +873,7 @@ def _kl_term(
     """Mirrors reference kl_term: _kl_estimate, times _importance_ratio with KL_RATIO
     (kl_ratio_correction: d(kl·r) = dkl·r + kl·dr); KL_SCORE (kl_score_grad) adds kl to the
     derivative where the estimate is live."""
-    kl, dkl, live = _kl_estimate(lp, ref, kl_in, kl_out, KL, KL_CLAMP, KL_IN, KL_OUT, CDT, BLOCK)
+    kl, dkl, live = _kl_estimate(lp, ref, KL, KL_CLAMP, KL_IN, KL_OUT, CDT, BLOCK)
     if KL_RATIO:
         r, dr = _importance_ratio(lp, old, log_s, lr_clamp, gspo_clamp, CDT, LOSS, LR_CLAMP, BLOCK)
         dkl = dkl * r + kl * dr
@@ -1065,8 +1055,6 @@ def _token_kernel(
     s_pos_low: tl.float64,
     s_neg_high: tl.float64,
     s_neg_low: tl.float64,
-    kl_in: tl.float64,
-    kl_out: tl.float64,
     CDT: tl.constexpr,
     PACKED: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -1188,8 +1176,6 @@ def _token_kernel(
             log_s,
             lr_clamp,
             gspo_clamp,
-            kl_in,
-            kl_out,
             CDT,
             LOSS,
             KL,
@@ -1580,8 +1566,6 @@ def _token_floats(p: PolicyLossParams):
         p.a3po_pos_low_scale,
         p.a3po_neg_high_scale,
         p.a3po_neg_low_scale,
-        p.kl_clamp_input,
-        p.kl_clamp_output,
     )
 
 
@@ -1595,8 +1579,8 @@ def _token_constexprs(p: PolicyLossParams, k, has_entropy: bool, need_entropy_gr
         LR_CLAMP=p.log_ratio_clamp > 0,
         KL=int(p.kl),
         KL_CLAMP=int(p.kl_clamp),
-        KL_IN=p.kl_clamp_input > 0,
-        KL_OUT=p.kl_clamp_output > 0,
+        KL_IN=float(p.kl_clamp_input),
+        KL_OUT=float(p.kl_clamp_output),
         KL_SCORE=p.kl != KlEstimator.NONE and bool(p.kl_score_grad),
         RC=int(p.rollout_correction),
         SEQ_MEAN=bool(p.seq_mean),
@@ -1708,8 +1692,6 @@ _AOT_TOKEN_FLOATS = (
     "s_pos_low",
     "s_neg_high",
     "s_neg_low",
-    "kl_in",
-    "kl_out",
 )
 
 
@@ -1762,8 +1744,8 @@ def _aot_token_spec(name, inp, cdt, **const):
         ENT_Q=False,
         KL_RATIO=False,
         SEARCH_STEPS=1,
-        KL_IN=True,
-        KL_OUT=True,
+        KL_IN=20.0,
+        KL_OUT=10.0,
         KL_SCORE=False,
     )
     full.update(const)
@@ -1839,6 +1821,19 @@ def _aot_token_specs():
     yield spec("everything,packed", "*bf16", tl.float32, PACKED=True, SEARCH_STEPS=8, **everything)
     yield spec("fp64,everything", "*fp64", tl.float64, **everything)
     yield spec("fp64,gspo", "*fp64", tl.float64, LOSS=int(LossType.GSPO), KL=int(KlEstimator.K3))
+    # The peers' KL clamps: every estimator clamped with the score gradient (nemo_rl), only
+    # k3's value clamped (slime's low_var_kl)
+    yield spec(
+        "ppo,k3,clamp_all,score_grad",
+        "*bf16",
+        tl.float32,
+        KL=int(KlEstimator.K3),
+        KL_CLAMP=int(KlClamp.ALL),
+        KL_SCORE=True,
+        LR_CLAMP=False,
+    )
+    yield spec("ppo,k1,clamp_all", "*bf16", tl.float32, KL=int(KlEstimator.K1), KL_CLAMP=int(KlClamp.ALL), KL_IN=0.0)
+    yield spec("gspo,k3,output_clamp", "*bf16", tl.float32, LOSS=int(LossType.GSPO), KL=int(KlEstimator.K3), KL_IN=0.0)
     # TRL's defaults with beta > 0: k3 times the ratio (use_bias_correction_kl)
     yield spec("ppo,k3,kl_ratio", "*bf16", tl.float32, LOSS=int(LossType.PPO), KL=int(KlEstimator.K3), KL_RATIO=True)
     yield spec(
