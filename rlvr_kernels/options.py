@@ -7,7 +7,7 @@ while every backend resolves presets the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, Optional
+from typing import Literal, NamedTuple, Optional, Union
 
 import torch
 
@@ -190,7 +190,10 @@ KL_TYPES = ("k1", "k2", "k3", "k3+")
 ROLLOUT_CORRECTIONS = ("token_tis", "seq_tis", "token_mis", "seq_mis", "decoupled")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "none")
 A3PO_METRICS = ("prob", "entropy")
-LOSS_PRESETS = ("verl", "trl")
+LOSS_PRESETS = ("verl", "trl", "openrlhf", "slime", "areal", "nemo_rl", "skyrl", "prime_rl")
+# Which KL estimators the input / output clamps apply to: "k3" (k3 and k3+, verl; True is
+# "k3", False none) or "all" (every estimator).
+KL_CLAMP_SCOPES = ("k3", "all")
 
 
 def _check_float(name, value, lo=None, hi=None, lo_open=False, allow_none=False):
@@ -286,7 +289,13 @@ class PolicyLossOptions:
     gspo_log_clamp    upper clamp of log s_i (gspo); None = off (TRL)
     tau_pos/tau_neg   SAPO temperatures
     kl                None | k1 | k2 | k3 | k3+ to ``ref_logprobs``, times ``kl_coef``
-    kl_clamp          k3's clamps (x to ±20, value to ±10) as verl; TRL has none
+    kl_clamp          which estimators the KL clamps apply to: True or "k3" (k3 and k3+, as
+                      verl), "all" (every estimator), False / None (none; TRL)
+    kl_clamp_input    x = logp − ref clamped to ±this before the estimator; None = off
+    kl_clamp_output   the estimate clamped to ±this; None = off (defaults: verl's 20 and 10)
+    kl_score_grad     the KL term times w = exp(logp − sg(logp)) (value 1) inside the clamps:
+                      the gradient gains kl·∇logp where no clamp is active (NeMo-RL's
+                      default ``calculate_kl`` importance weights)
     kl_ratio_correction  the KL term times the loss type's importance ratio r with its
                       gradient (TRL's ``use_bias_correction_kl``): r = exp(δ) (δ after
                       ``log_ratio_clamp``), GSPO's token-form s_{i,t} (its value s_i, the
@@ -309,7 +318,7 @@ class PolicyLossOptions:
     tau_neg: float = 1.05
     kl: Optional[str] = None
     kl_coef: float = 0.0
-    kl_clamp: bool = True
+    kl_clamp: Union[bool, str, None] = True
     rollout_correction: Optional[str] = None
     rollout_threshold: float = 2.0
     rollout_threshold_low: Optional[float] = None
@@ -318,7 +327,12 @@ class PolicyLossOptions:
     shaping: TokenShaping = field(default_factory=TokenShaping)
     kl_ratio_correction: bool = False
     gspo_dual_clip: bool = False
+    kl_clamp_input: Optional[float] = 20.0
+    kl_clamp_output: Optional[float] = 10.0
+    kl_score_grad: bool = False
     mis_low: float = field(init=False, repr=False, compare=False)  # rollout_threshold_low or 1/C
+    # kl_clamp as None | "k3" | "all" (True is "k3")
+    kl_clamp_scope: Optional[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         _check_choice("loss_type", self.loss_type, LOSS_TYPES)
@@ -341,6 +355,16 @@ class PolicyLossOptions:
         if self.kl is not None:
             _check_choice("kl", self.kl, KL_TYPES)
         _check_float("kl_coef", self.kl_coef)
+        if isinstance(self.kl_clamp, str):
+            _check_choice("kl_clamp", self.kl_clamp, KL_CLAMP_SCOPES)
+        elif self.kl_clamp is not None and not isinstance(self.kl_clamp, bool):
+            raise TypeError(f"kl_clamp: expected a bool, None or one of {KL_CLAMP_SCOPES}, got {self.kl_clamp!r}")
+        _check_float("kl_clamp_input", self.kl_clamp_input, 0.0, lo_open=True, allow_none=True)
+        _check_float("kl_clamp_output", self.kl_clamp_output, 0.0, lo_open=True, allow_none=True)
+        if not isinstance(self.kl_score_grad, bool):
+            raise TypeError(f"kl_score_grad: expected a bool, got {type(self.kl_score_grad).__name__}")
+        if self.kl_score_grad and self.kl_ratio_correction:
+            raise ValueError("kl_score_grad: cannot be combined with kl_ratio_correction (both weight the KL term)")
         if self.rollout_correction is not None:
             _check_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         _check_float("rollout_threshold", self.rollout_threshold, 0.0, lo_open=True)
@@ -360,6 +384,8 @@ class PolicyLossOptions:
             raise TypeError(f"shaping: expected a rlvr_kernels.TokenShaping, got {type(self.shaping).__name__}")
         low = self.rollout_threshold_low if self.rollout_threshold_low is not None else 1.0 / self.rollout_threshold
         object.__setattr__(self, "mis_low", low)
+        scope = "k3" if self.kl_clamp is True else (self.kl_clamp or None)
+        object.__setattr__(self, "kl_clamp_scope", scope)
 
 
 _LOSS_PRESET_FIELDS = {
@@ -371,6 +397,81 @@ _LOSS_PRESET_FIELDS = {
     # sequence log-ratio. TRL's two-sided clipping `delta` equals clip_ratio_c when
     # delta >= 1 + ε_high.
     "trl": dict(clip_ratio_c=None, log_ratio_clamp=None, gspo_log_clamp=None, kl_clamp=False),
+    # OpenRLHF 0.11.2 openrlhf/models/loss.py PolicyLoss (δ clamp ±20, dual clip off, GSPO
+    # without a clamp of log s_i, aggregate_loss token-mean) and openrlhf/models/utils.py
+    # compute_approx_kl (every estimate clamped to ±10; k3's input clamp x >= −10 gives the same
+    # values and gradients as ±20 under the ±10 output clamp).
+    "openrlhf": dict(
+        clip_ratio_c=None,
+        log_ratio_clamp=20.0,
+        gspo_log_clamp=None,
+        kl_clamp="all",
+        kl_clamp_input=20.0,
+        kl_clamp_output=10.0,
+        agg="token-mean",
+    ),
+    # slime slime/utils/ppo_utils.py compute_policy_loss (no δ clamp, dual clip off),
+    # compute_approx_kl (only low_var_kl clamped, its value to ±10), cp_utils.py
+    # get_sum_of_sample_mean (per-sample token mean; calculate_per_token_loss off).
+    "slime": dict(
+        clip_ratio_c=None,
+        log_ratio_clamp=None,
+        gspo_log_clamp=None,
+        kl_clamp="k3",
+        kl_clamp_input=None,
+        kl_clamp_output=10.0,
+        agg="seq-mean-token-mean",
+    ),
+    # AReaL 1.0.4 areal/utils/functional/functional.py ppo_actor_loss_fn (no δ clamp, c_clip
+    # None, token mean over the loss mask) and areal/utils/data.py KLEstimator (every estimate
+    # clamped to ±10, no input clamp).
+    "areal": dict(
+        clip_ratio_c=None,
+        log_ratio_clamp=None,
+        gspo_log_clamp=None,
+        kl_clamp="all",
+        kl_clamp_input=None,
+        kl_clamp_output=10.0,
+        agg="token-mean",
+    ),
+    # NeMo-RL nemo_rl/algorithms/loss/loss_functions.py ClippedPGLossFn (no δ clamp,
+    # ratio_clip_c None, token_level_loss) and nemo_rl/algorithms/utils.py calculate_kl (input
+    # ±20 and output ±10 on every estimator, the exp(logp − sg(logp)) importance weight).
+    "nemo_rl": dict(
+        clip_ratio_c=None,
+        log_ratio_clamp=None,
+        gspo_log_clamp=None,
+        kl_clamp="all",
+        kl_clamp_input=20.0,
+        kl_clamp_output=10.0,
+        kl_score_grad=True,
+        agg="token-mean",
+    ),
+    # SkyRL 0.3.0 skyrl/backends/skyrl_train/utils/ppo_utils.py ppo_policy_loss ("regular": δ
+    # clamp ±20 in safe_exp_delta, no dual clip), compute_approx_kl (k3 clamps as verl),
+    # token_mean reduction.
+    "skyrl": dict(
+        clip_ratio_c=None,
+        log_ratio_clamp=20.0,
+        kl_clamp="k3",
+        kl_clamp_input=20.0,
+        kl_clamp_output=10.0,
+        agg="token-mean",
+    ),
+    # prime-rl src/prime_rl/trainer/rl/loss.py default_loss_fn: DPPO-Binary-TV (mask 0.2 / 0.2,
+    # no truncation, no δ clamp) plus kl_tau·(log ρ)² with kl_tau = 1e-3, i.e. k2 with
+    # β = 2·kl_tau to ref_logprobs = the inference log-probs; the sum over the global tokens.
+    "prime_rl": dict(
+        loss_type="dppo_tv",
+        clip_low=0.2,
+        clip_high=0.2,
+        clip_ratio_c=None,
+        log_ratio_clamp=None,
+        kl="k2",
+        kl_coef=2e-3,
+        kl_clamp=False,
+        agg="token-mean",
+    ),
 }
 
 

@@ -46,6 +46,14 @@ class KlEstimator(enum.IntEnum):
     K3_PLUS = 4  # the value of k3 with the gradient of k2
 
 
+class KlClamp(enum.IntEnum):
+    """Which KL estimators the input / output clamps (``kl_clamp_input`` / ``_output``) apply to."""
+
+    NONE = 0
+    K3 = 1  # k3 and k3+ (verl's low_var_kl)
+    ALL = 2  # every estimator
+
+
 class RolloutCorrection(enum.IntEnum):
     """The rollout-correction (importance-sampling) weight."""
 
@@ -137,7 +145,7 @@ class PolicyLossParams(KernelParams):
     a3po_neg_low_scale: float
     loss_type: LossType
     kl: KlEstimator
-    kl_clamp: bool  # k3 clamps (x to ±20, value to ±10), as verl
+    kl_clamp: KlClamp  # the estimators the two KL clamps apply to (K3 = 1 is verl's)
     rollout_correction: RolloutCorrection
     seq_mean: bool  # agg_w = m_t / n_i (seq-mean-token-mean), else m_t
     token_out: TokenOut
@@ -146,12 +154,16 @@ class PolicyLossParams(KernelParams):
     entropy_quantile: bool  # keep the pg term only where entropy >= entropy_threshold
     seq_adv: bool  # advantages are [B] (else token-shaped)
     kl_ratio_correction: bool  # the KL term times the ratio ρ (TRL's use_bias_correction_kl)
+    kl_clamp_input: float  # x = logp − ref clamped to ±this before the estimator (> 0), or 0 = off
+    kl_clamp_output: float  # the estimate clamped to ±this (> 0), or 0 = off
+    kl_score_grad: bool  # ∂/∂logp of the KL term gains kl where no clamp is active (NeMo-RL)
 
 
 # The C++ X-macro list each branch-code enum mirrors.
 CPP_CODES = {
     "RLVR_LOSS_TYPE_CODES": LossType,
     "RLVR_KL_ESTIMATOR_CODES": KlEstimator,
+    "RLVR_KL_CLAMP_CODES": KlClamp,
     "RLVR_ROLLOUT_CORRECTION_CODES": RolloutCorrection,
     "RLVR_TOKEN_OUT_CODES": TokenOut,
     "RLVR_A3PO_METRIC_CODES": A3poMetric,

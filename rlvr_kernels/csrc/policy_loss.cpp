@@ -81,7 +81,10 @@ struct Options {
   KlEstimator kl;
   RolloutCorrection rc;
   TokenOut token_out;
-  bool kl_clamp, seq_mean, seq_adv, a3po, a3po_entropy, ent_quantile, need_entropy_grad;
+  bool seq_mean, seq_adv, a3po, a3po_entropy, ent_quantile, need_entropy_grad;
+  bool kl_in3, kl_out3;  // the KL input / output clamps on k3 (and k3+'s value)
+  bool kl_in2, kl_out2;  // ... on k1, k2 (and k3+'s gradient): kl_clamp = ALL
+  bool kl_score;         // kl_score_grad: ∂/∂logp gains kl where no clamp is active
   bool lrc_on, dual_clip, has_entropy, ent_term, shaping, seq_rc, prepass;
   bool kl_ratio;    // the KL term times the ratio (kl_ratio_correction)
   bool clip_sides;  // the loss type clips (ppo, gspo, cispo): per-side and per-sequence clip counts
@@ -111,7 +114,7 @@ struct Ctx {
   Options o;
   // Hyper-parameters in the compute dtype, as the reference's torch ops see them.
   T ratio_low, ratio_high, clip_c, lrc, gspo_clamp, beta, rc_low, rc_high, ent_coef, tau_pos, tau_neg, four_tau_pos,
-      four_tau_neg;
+      four_tau_neg, kl_in, kl_out;
   float threshold;
   const SeqInfo<T>* seq;  // nullptr without pre-pass
   uint8_t* has_valid;     // without pre-pass: sequences with a valid token
@@ -203,7 +206,7 @@ struct VConst {
   using V = typename Lanes<T, VB>::V;
   using M = typename Lanes<T, VB>::M;
   V zero, one, half, ratio_low, ratio_high, clip_c, lrc, beta, ent_coef, rc_low, rc_high, tau_pos, tau_neg,
-      four_tau_pos, four_tau_neg, lim20, lim10;
+      four_tau_pos, four_tau_neg, lim20, lim10, kl_in, kl_out;
   M none, all;
 
   template <typename in_t>
@@ -225,6 +228,8 @@ struct VConst {
         four_tau_neg(splat<V>(c.four_tau_neg)),
         lim20(splat<V>(T(20))),
         lim10(splat<V>(T(10))),
+        kl_in(splat<V>(c.kl_in)),
+        kl_out(splat<V>(c.kl_out)),
         none(M{}),
         all(M{} == M{}) {}
 };
@@ -638,31 +643,49 @@ RLVR_INLINE void is_weight_stage(const Options& o, const VConst<T, VB>& k, const
 }
 
 // Mirrors reference kl_estimate, the one home of the KL estimators: the per-token estimate to
-// the reference policy and its ∂/∂logp (k3+: the value of k3 with the gradient of k2).
+// the reference policy, its ∂/∂logp and `live` (no clamp active: reference kl_clamped; k3+: the
+// value of k3 with the gradient of k2, each clamped as on its own).
+// k1 / k2 (reference kl_estimate's first branch), with the clamps of kl_clamp = ALL.
 template <typename V, typename M, typename K>
-RLVR_INLINE V kl_estimate(const Options& o, const K& k, V lp, V ref, V& d) {
+RLVR_INLINE V kl_quadratic(const Options& o, const K& k, V x, bool k1, V& d, M& live) {
+  live = k.all;
+  if (o.kl_in2) {
+    live = (x >= -k.kl_in) & (x <= k.kl_in);
+    x = vclamp(x, -k.kl_in, k.kl_in);
+  }
+  V v = k1 ? x : k.half * (x * x);
+  if (o.kl_out2) {
+    live = live & (v >= -k.kl_out) & (v <= k.kl_out);
+    v = vclamp(v, -k.kl_out, k.kl_out);
+  }
+  d = k1 ? k.one : x;
+  if (o.kl_in2 || o.kl_out2) d = sel(live, d, k.zero);
+  return v;
+}
+
+template <typename V, typename M, typename K>
+RLVR_INLINE V kl_estimate(const Options& o, const K& k, V lp, V ref, V& d, M& live) {
   const V x = lp - ref;
-  if (o.kl == KlEstimator::K1) {
-    d = k.one;
-    return x;
-  }
-  if (o.kl == KlEstimator::K2) {
-    d = x;
-    return k.half * (x * x);
-  }
+  if (o.kl == KlEstimator::K1 || o.kl == KlEstimator::K2)
+    return kl_quadratic<V, M>(o, k, x, o.kl == KlEstimator::K1, d, live);
   V y = ref - lp;
   M pass = k.all;
-  if (o.kl_clamp) {
-    pass = (y >= -k.lim20) & (y <= k.lim20);
-    y = vclamp(y, -k.lim20, k.lim20);
+  if (o.kl_in3) {
+    pass = (y >= -k.kl_in) & (y <= k.kl_in);
+    y = vclamp(y, -k.kl_in, k.kl_in);
   }
   const V e = vexp(y);
   V v = e - y - k.one;
-  if (o.kl_clamp) {
-    pass = pass & (v >= -k.lim10) & (v <= k.lim10);
-    v = vclamp(v, -k.lim10, k.lim10);
+  if (o.kl_out3) {
+    pass = pass & (v >= -k.kl_out) & (v <= k.kl_out);
+    v = vclamp(v, -k.kl_out, k.kl_out);
   }
-  d = o.kl == KlEstimator::K3 ? sel(pass, k.one - e, k.zero) : x;
+  if (o.kl == KlEstimator::K3) {
+    d = sel(pass, k.one - e, k.zero);
+    live = pass;
+  } else {
+    kl_quadratic<V, M>(o, k, x, false, d, live);
+  }
   return v;
 }
 
@@ -683,16 +706,18 @@ RLVR_INLINE V importance_ratio(const Options& o, const K& k, const SeqConst<T>& 
 }
 
 // Mirrors reference kl_term: kl_estimate, times importance_ratio with kl_ratio_correction
-// (d(kl·r) = dkl·r + kl·dr).
+// (d(kl·r) = dkl·r + kl·dr); kl_score_grad adds kl to the derivative where the estimate is live.
 template <typename V, typename M, typename K, typename T>
 RLVR_INLINE V kl_term(const Options& o, const K& k, const SeqConst<T>& sc, V lp, V old, V ref, V& d) {
-  V kl = kl_estimate<V, M>(o, k, lp, ref, d);
+  M live;
+  V kl = kl_estimate<V, M>(o, k, lp, ref, d, live);
   if (o.kl_ratio) {
     V dr;
     const V r = importance_ratio<V, M>(o, k, sc, lp, old, dr);
     d = d * r + kl * dr;
     kl = kl * r;
   }
+  if (o.kl_score) d = d + sel(live, kl, k.zero);
   return kl;
 }
 
@@ -1032,7 +1057,13 @@ Options decode_options(const PolicyLossParams& p, bool need_entropy_grad, bool h
   o.kl = KlEstimator(p.kl);
   o.rc = RolloutCorrection(p.rollout_correction);
   o.token_out = TokenOut(p.token_out);
-  o.kl_clamp = p.kl_clamp != 0;
+  TORCH_CHECK(valid_KlClamp(p.kl_clamp), "policy_loss_fwd: unknown kl_clamp ", p.kl_clamp);
+  const bool clamp3 = KlClamp(p.kl_clamp) != KlClamp::NONE, clamp2 = KlClamp(p.kl_clamp) == KlClamp::ALL;
+  o.kl_in3 = clamp3 && p.kl_clamp_input > 0;
+  o.kl_out3 = clamp3 && p.kl_clamp_output > 0;
+  o.kl_in2 = clamp2 && p.kl_clamp_input > 0;
+  o.kl_out2 = clamp2 && p.kl_clamp_output > 0;
+  o.kl_score = p.kl_score_grad != 0;
   o.seq_mean = p.seq_mean != 0;
   o.seq_adv = p.seq_adv != 0;
   o.a3po = p.a3po != 0;
@@ -1172,6 +1203,8 @@ Ctx<in_t, T> make_ctx(const Options& o, const PolicyLossParams& p, const Inputs&
   c.lrc = static_cast<T>(p.log_ratio_clamp);
   c.gspo_clamp = static_cast<T>(p.gspo_log_clamp);
   c.beta = static_cast<T>(p.kl_coef);
+  c.kl_in = static_cast<T>(p.kl_clamp_input);
+  c.kl_out = static_cast<T>(p.kl_clamp_output);
   c.rc_low = static_cast<T>(p.rc_low);
   c.rc_high = static_cast<T>(p.rc_high);
   c.ent_coef = o.ent_term ? static_cast<T>(p.entropy_coef) : T(0);

@@ -70,6 +70,7 @@ from .._core.validation import (
 from ..contracts.policy_loss import (
     NUM_SUMS,
     A3poMetric,
+    KlClamp,
     KlEstimator,
     LossType,
     PolicyLossParams,
@@ -736,6 +737,7 @@ _LOSS_TYPES = {
     "dppo_tv": LossType.DPPO_TV,
     "dppo_kl": LossType.DPPO_KL,
 }
+_KL_CLAMPS = {None: KlClamp.NONE, "k3": KlClamp.K3, "all": KlClamp.ALL}
 _KL_ESTIMATORS = {
     None: KlEstimator.NONE,
     "k1": KlEstimator.K1,
@@ -783,7 +785,7 @@ def _kernel_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> 
         a3po_neg_low_scale=float(s_nl),
         loss_type=_LOSS_TYPES[o.loss_type],
         kl=_KL_ESTIMATORS[o.kl],
-        kl_clamp=bool(o.kl_clamp),
+        kl_clamp=_KL_CLAMPS[o.kl_clamp_scope],
         rollout_correction=_ROLLOUT_CORRECTIONS[o.rollout_correction],
         seq_mean=o.agg == "seq-mean-token-mean",
         token_out=token_out,
@@ -792,6 +794,9 @@ def _kernel_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> 
         entropy_quantile=s.entropy_quantile is not None,
         seq_adv=bool(seq_adv),
         kl_ratio_correction=bool(o.kl_ratio_correction and o.kl is not None),
+        kl_clamp_input=float(o.kl_clamp_input or 0.0),
+        kl_clamp_output=float(o.kl_clamp_output or 0.0),
+        kl_score_grad=bool(o.kl_score_grad and o.kl is not None),
     )
 
 

@@ -29,6 +29,7 @@ definitions (:mod:`rlvr_kernels.contracts.policy_loss`), shared with the op laye
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Tuple
 
 import torch
@@ -359,33 +360,74 @@ def is_weights(opts: PolicyLossOptions, old, rollout, valid):
     return torch.where(rejected, 0.0, 1.0).to(w.dtype), rejected
 
 
+def _kl_clamps(opts: PolicyLossOptions, estimator: str):
+    """(input clamp, output clamp) that apply to ``estimator`` (None = off): ``kl_clamp_input``
+    / ``kl_clamp_output`` for k3 and k3+ under ``kl_clamp`` "k3" (True), for every estimator
+    under "all"."""
+    scope = opts.kl_clamp_scope
+    if scope == "all" or (scope == "k3" and estimator in ("k3", "k3+")):
+        return opts.kl_clamp_input, opts.kl_clamp_output
+    return None, None
+
+
 def kl_estimate(opts: PolicyLossOptions, logp, ref):
     """The per-token KL estimate to the reference policy, ``opts.kl`` of k1 = x, k2 = x²/2,
-    k3 = e^{−x} + x − 1 (x = logp − ref; ``kl_clamp``: −x to ±20, k3 to ±10) and k3+ (the
-    value of k3 with the gradient of k2)."""
+    k3 = e^{−x} + x − 1 (x = logp − ref) and k3+ (the value of k3 with the gradient of k2, each
+    clamped as it would be on its own); where ``_kl_clamps`` applies, x is clamped to
+    ±``kl_clamp_input`` first and the estimate to ±``kl_clamp_output`` last (verl: k3's
+    −x to ±20, the value to ±10)."""
     x = logp - ref
-    if opts.kl == "k1":
-        return x
-    if opts.kl == "k2":
-        return 0.5 * x.square()
+    if opts.kl in ("k1", "k2"):
+        c_in, c_out = _kl_clamps(opts, opts.kl)
+        if c_in is not None:
+            x = torch.clamp(x, -c_in, c_in)
+        v = x if opts.kl == "k1" else 0.5 * x.square()
+        return torch.clamp(v, -c_out, c_out) if c_out is not None else v
+    c_in, c_out = _kl_clamps(opts, "k3")
     y = ref - logp
-    if opts.kl_clamp:
-        y = torch.clamp(y, -20, 20)
+    if c_in is not None:
+        y = torch.clamp(y, -c_in, c_in)
     k3 = torch.exp(y) - y - 1
-    if opts.kl_clamp:
-        k3 = torch.clamp(k3, -10, 10)
+    if c_out is not None:
+        k3 = torch.clamp(k3, -c_out, c_out)
     if opts.kl == "k3":
         return k3
-    k2 = 0.5 * x.square()
+    k2 = kl_estimate(_with_kl(opts, "k2"), logp, ref)
     return k2 - k2.detach() + k3.detach()
+
+
+def _with_kl(opts: PolicyLossOptions, kl: str) -> PolicyLossOptions:
+    """``opts`` with another estimator; k2 inside k3+ keeps k3+'s clamp scope ("k3" leaves k2
+    unclamped)."""
+    return dataclasses.replace(opts, kl=kl)
+
+
+def kl_clamped(opts: PolicyLossOptions, logp, ref):
+    """Where a KL clamp is active (the estimate is a constant there): x outside
+    ±``kl_clamp_input`` or the estimate outside ±``kl_clamp_output``, for the estimators
+    ``_kl_clamps`` covers (k3+: those of k2, its gradient)."""
+    name = "k2" if opts.kl == "k3+" else opts.kl
+    c_in, c_out = _kl_clamps(opts, name)
+    x = (logp - ref).detach()
+    out = torch.zeros_like(x, dtype=torch.bool)
+    if c_in is not None:
+        out = out | (x.abs() > c_in)
+    if c_out is not None:
+        v = kl_estimate(dataclasses.replace(opts, kl=name, kl_clamp_output=None), logp.detach(), ref)
+        out = out | (v.abs() > c_out)
+    return out
 
 
 def kl_term(opts: PolicyLossOptions, logp, old, ref, valid):
     """The KL term: kl_estimate, times the loss type's importance_ratio (with its token-form
-    gradient) when ``kl_ratio_correction``."""
+    gradient) when ``kl_ratio_correction``; with ``kl_score_grad`` times w = exp(logp −
+    sg(logp)) (value 1) where no clamp is active (``kl_clamped``): ∂/∂logp gains kl there."""
     kl = kl_estimate(opts, logp, ref)
     if opts.kl_ratio_correction:
         kl = kl * importance_ratio(opts, logp, old, valid)
+    if opts.kl_score_grad:
+        live = torch.where(kl_clamped(opts, logp, ref), 0.0, kl.detach())
+        kl = kl + live * (logp - logp.detach())
     return kl
 
 

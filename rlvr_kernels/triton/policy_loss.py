@@ -61,6 +61,7 @@ from .._core.layout import sanitized_offsets
 from ..contracts.policy_loss import (
     NUM_SUMS,
     A3poMetric,
+    KlClamp,
     KlEstimator,
     LossType,
     PolicyLossParams,
@@ -83,6 +84,8 @@ K1 = tl.constexpr(int(KlEstimator.K1))
 K2 = tl.constexpr(int(KlEstimator.K2))
 K3 = tl.constexpr(int(KlEstimator.K3))
 K3_PLUS = tl.constexpr(int(KlEstimator.K3_PLUS))
+KL_CLAMP_NONE = tl.constexpr(int(KlClamp.NONE))
+KL_CLAMP_ALL = tl.constexpr(int(KlClamp.ALL))
 RC_NONE = tl.constexpr(int(RolloutCorrection.NONE))
 TOKEN_TIS = tl.constexpr(int(RolloutCorrection.TOKEN_TIS))
 SEQ_TIS = tl.constexpr(int(RolloutCorrection.SEQ_TIS))
@@ -758,32 +761,71 @@ def _is_weights(old, roll, seq_logw, rc_low, rc_high, valid, CDT: tl.constexpr, 
 
 
 @triton.jit
-def _kl_estimate(lp, ref, KL: tl.constexpr, KL_CLAMP: tl.constexpr, CDT: tl.constexpr, BLOCK: tl.constexpr):
-    """Mirrors reference kl_estimate, the one home of the KL estimators: the estimate and its
-    ∂/∂logp (k3+: the value of k3, the gradient of k2)."""
+def _kl_quadratic(
+    x,
+    K1_EST: tl.constexpr,
+    KL_CLAMP: tl.constexpr,
+    KL_IN: tl.constexpr,
+    KL_OUT: tl.constexpr,
+    CDT: tl.constexpr,
+):
+    """k1 / k2 (reference kl_estimate's first branch) with the clamps of kl_clamp = ALL: the
+    estimate, its ∂/∂logp and live (no clamp active)."""
+    live = x == x
+    if KL_IN > 0 and KL_CLAMP == KL_CLAMP_ALL:
+        live = (x >= -KL_IN) & (x <= KL_IN)
+        x = tl.minimum(tl.maximum(x, -KL_IN), KL_IN)
+    if K1_EST:
+        v = x
+        d = tl.full(x.shape, 1.0, CDT)
+    else:
+        v = 0.5 * (x * x)
+        d = x
+    if KL_OUT > 0 and KL_CLAMP == KL_CLAMP_ALL:
+        live = live & (v >= -KL_OUT) & (v <= KL_OUT)
+        v = tl.minimum(tl.maximum(v, -KL_OUT), KL_OUT)
+    if (KL_IN > 0 or KL_OUT > 0) and KL_CLAMP == KL_CLAMP_ALL:
+        d = tl.where(live, d, 0.0)
+    return v, d, live
+
+
+@triton.jit
+def _kl_estimate(
+    lp,
+    ref,
+    KL: tl.constexpr,
+    KL_CLAMP: tl.constexpr,
+    KL_IN: tl.constexpr,
+    KL_OUT: tl.constexpr,
+    CDT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Mirrors reference kl_estimate, the one home of the KL estimators: the estimate, its
+    ∂/∂logp and live (no clamp active: reference kl_clamped; k3+: the value of k3, the
+    gradient of k2, each clamped as on its own). KL_CLAMP: the KlClamp scope of the KL_IN /
+    KL_OUT clamps (constexpr bounds, 0 = off: folded like literals)."""
     x = lp - ref
     if KL == K1:
-        kl = x
-        dkl = tl.full([BLOCK], 1.0, CDT)
+        kl, dkl, live = _kl_quadratic(x, True, KL_CLAMP, KL_IN, KL_OUT, CDT)
     elif KL == K2:
-        kl = 0.5 * (x * x)
-        dkl = x
+        kl, dkl, live = _kl_quadratic(x, False, KL_CLAMP, KL_IN, KL_OUT, CDT)
     else:
         y = ref - lp
         d3 = tl.full([BLOCK], 1.0, CDT)
-        if KL_CLAMP:
-            d3 = tl.where((y >= -20.0) & (y <= 20.0), d3, 0.0)
-            y = tl.minimum(tl.maximum(y, -20.0), 20.0)
+        if KL_IN > 0 and KL_CLAMP != KL_CLAMP_NONE:
+            d3 = tl.where((y >= -KL_IN) & (y <= KL_IN), d3, 0.0)
+            y = tl.minimum(tl.maximum(y, -KL_IN), KL_IN)
         ey = tl.exp(y)
         kl = ey - y - 1.0
-        if KL_CLAMP:
-            d3 = tl.where((kl >= -10.0) & (kl <= 10.0), d3, 0.0)
-            kl = tl.minimum(tl.maximum(kl, -10.0), 10.0)
+        if KL_OUT > 0 and KL_CLAMP != KL_CLAMP_NONE:
+            d3 = tl.where((kl >= -KL_OUT) & (kl <= KL_OUT), d3, 0.0)
+            kl = tl.minimum(tl.maximum(kl, -KL_OUT), KL_OUT)
         if KL == K3:
             dkl = (1.0 - ey) * d3
+            live = d3 != 0.0
         else:  # K3_PLUS
-            dkl = x
-    return kl, dkl
+            _, dkl, live = _kl_quadratic(x, False, KL_CLAMP, KL_IN, KL_OUT, CDT)
+    return kl, dkl, live
 
 
 @triton.jit
@@ -821,17 +863,23 @@ def _kl_term(
     LOSS: tl.constexpr,
     KL: tl.constexpr,
     KL_CLAMP: tl.constexpr,
+    KL_IN: tl.constexpr,
+    KL_OUT: tl.constexpr,
     KL_RATIO: tl.constexpr,
+    KL_SCORE: tl.constexpr,
     LR_CLAMP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Mirrors reference kl_term: _kl_estimate, times _importance_ratio with KL_RATIO
-    (kl_ratio_correction: d(kl·r) = dkl·r + kl·dr)."""
-    kl, dkl = _kl_estimate(lp, ref, KL, KL_CLAMP, CDT, BLOCK)
+    (kl_ratio_correction: d(kl·r) = dkl·r + kl·dr); KL_SCORE (kl_score_grad) adds kl to the
+    derivative where the estimate is live."""
+    kl, dkl, live = _kl_estimate(lp, ref, KL, KL_CLAMP, KL_IN, KL_OUT, CDT, BLOCK)
     if KL_RATIO:
         r, dr = _importance_ratio(lp, old, log_s, lr_clamp, gspo_clamp, CDT, LOSS, LR_CLAMP, BLOCK)
         dkl = dkl * r + kl * dr
         kl = kl * r
+    if KL_SCORE:
+        dkl = dkl + tl.where(live, kl, 0.0)
     return kl, dkl
 
 
@@ -1031,6 +1079,9 @@ def _token_kernel(
     KL_RATIO: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
     BLOCK: tl.constexpr,
+    KL_IN: tl.constexpr,
+    KL_OUT: tl.constexpr,
+    KL_SCORE: tl.constexpr,
 ):
     """One block of one sequence through every stage: inputs → _pg_term → _shaping_weights →
     _is_weights → _kl_term → _token_loss → _aggregate → the token outputs and _partial_sums.
@@ -1119,7 +1170,22 @@ def _token_kernel(
     dkl = tl.zeros([BLOCK], CDT)
     if KL != KL_NONE:
         kl, dkl = _kl_term(
-            lp, old, ref, log_s, lr_clamp, gspo_clamp, CDT, LOSS, KL, KL_CLAMP, KL_RATIO, LR_CLAMP, BLOCK
+            lp,
+            old,
+            ref,
+            log_s,
+            lr_clamp,
+            gspo_clamp,
+            CDT,
+            LOSS,
+            KL,
+            KL_CLAMP,
+            KL_IN,
+            KL_OUT,
+            KL_RATIO,
+            KL_SCORE,
+            LR_CLAMP,
+            BLOCK,
         )
     ec = _param(ent_coef, CDT)
     ell, pgw, dlp = _token_loss(pg, dpg, w, is_w, kl, dkl, ent, _param(kl_coef, CDT), ec, SHAPING, RC, KL, ENT_TERM)
@@ -1512,7 +1578,10 @@ def _token_constexprs(p: PolicyLossParams, k, has_entropy: bool, need_entropy_gr
         and p.clip_ratio_c > 0,
         LR_CLAMP=p.log_ratio_clamp > 0,
         KL=int(p.kl),
-        KL_CLAMP=bool(p.kl_clamp),
+        KL_CLAMP=int(p.kl_clamp),
+        KL_IN=float(p.kl_clamp_input),
+        KL_OUT=float(p.kl_clamp_output),
+        KL_SCORE=p.kl != KlEstimator.NONE and bool(p.kl_score_grad),
         RC=int(p.rollout_correction),
         SEQ_MEAN=bool(p.seq_mean),
         N_FROM_STATS=n_from_stats,
@@ -1660,7 +1729,7 @@ def _aot_token_spec(name, inp, cdt, **const):
         DUAL_CLIP=False,
         LR_CLAMP=True,
         KL=int(KlEstimator.NONE),
-        KL_CLAMP=True,
+        KL_CLAMP=int(KlClamp.K3),
         RC=int(RolloutCorrection.NONE),
         SEQ_MEAN=False,
         N_FROM_STATS=False,
@@ -1675,6 +1744,9 @@ def _aot_token_spec(name, inp, cdt, **const):
         ENT_Q=False,
         KL_RATIO=False,
         SEARCH_STEPS=1,
+        KL_IN=20.0,
+        KL_OUT=10.0,
+        KL_SCORE=False,
     )
     full.update(const)
     full["BLOCK"] = token_block(cdt is tl.float64, full["A3PO"] or full["SHAPE_PROB"])
@@ -1749,6 +1821,19 @@ def _aot_token_specs():
     yield spec("everything,packed", "*bf16", tl.float32, PACKED=True, SEARCH_STEPS=8, **everything)
     yield spec("fp64,everything", "*fp64", tl.float64, **everything)
     yield spec("fp64,gspo", "*fp64", tl.float64, LOSS=int(LossType.GSPO), KL=int(KlEstimator.K3))
+    # The peers' KL clamps: every estimator clamped with the score gradient (nemo_rl), only
+    # k3's value clamped (slime's low_var_kl)
+    yield spec(
+        "ppo,k3,clamp_all,score_grad",
+        "*bf16",
+        tl.float32,
+        KL=int(KlEstimator.K3),
+        KL_CLAMP=int(KlClamp.ALL),
+        KL_SCORE=True,
+        LR_CLAMP=False,
+    )
+    yield spec("ppo,k1,clamp_all", "*bf16", tl.float32, KL=int(KlEstimator.K1), KL_CLAMP=int(KlClamp.ALL), KL_IN=0.0)
+    yield spec("gspo,k3,output_clamp", "*bf16", tl.float32, LOSS=int(LossType.GSPO), KL=int(KlEstimator.K3), KL_IN=0.0)
     # TRL's defaults with beta > 0: k3 times the ratio (use_bias_correction_kl)
     yield spec("ppo,k3,kl_ratio", "*bf16", tl.float32, LOSS=int(LossType.PPO), KL=int(KlEstimator.K3), KL_RATIO=True)
     yield spec(

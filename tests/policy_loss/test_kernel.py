@@ -322,11 +322,17 @@ def replace_param(args, **fields):
     return args[:9] + [fparams, iparams] + args[11:]
 
 
+_COUNTS = (
+    f"PolicyLossParams: expected {len(PolicyLossParams.float_fields())} fparams and "
+    f"{len(PolicyLossParams.int_fields())} iparams"
+)
+
+
 @pytest.mark.cpu_kernel
 def test_cpp_op_checks_parameter_lists():
     args = kernel_args(small_case(), ALL_ON)
     K.policy_loss_fwd(*args)
-    with pytest.raises(RuntimeError, match="PolicyLossParams: expected 22 fparams and 11 iparams"):
+    with pytest.raises(RuntimeError, match=_COUNTS):
         K.policy_loss_fwd(*args[:9], args[9] + [1.0], *args[10:])
     with pytest.raises(RuntimeError, match="PolicyLossParams"):
         K.policy_loss_fwd(*args[:10], args[10][:-1], *args[11:])
@@ -463,7 +469,7 @@ def test_cpp_grad_op_checks_shapes():
 def test_triton_launcher_checks_parameter_lists_and_shapes():
     args = kernel_args(small_case(device=DEVICE), dict(kl="k3", kl_coef=0.1, rollout_correction="token_tis"))
     f = triton_policy_loss.policy_loss_fwd
-    with pytest.raises(ValueError, match="PolicyLossParams: expected 22 fparams and 11 iparams"):
+    with pytest.raises(ValueError, match=_COUNTS):
         f(*args[:9], args[9][:-1], *args[10:])
     with pytest.raises(ValueError, match="is not a valid LossType"):
         f(*replace_param(args, loss_type=9))

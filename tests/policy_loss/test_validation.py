@@ -63,7 +63,7 @@ def call(**over):
         (dict(clip_ratio_c=1.0), ValueError, "clip_ratio_c: the dual-clip bound must be > 1"),
         (dict(rollout_threshold=0.0), ValueError, "rollout_threshold: expected a value > 0.0"),
         (dict(agg="mean"), ValueError, "agg: expected one of"),
-        (dict(preset="openrlhf"), ValueError, "preset: expected one of"),
+        (dict(preset="openrlhf-v0"), ValueError, "preset: expected one of"),
         (dict(dp_size=0), ValueError, "dp_size: expected an int >= 1"),
         (dict(global_num_tokens=-1), ValueError, "global_num_tokens: expected a finite count >= 0"),
         (dict(global_num_seqs=torch.ones(2)), ValueError, "global_num_seqs: expected a number or a 1-element tensor"),
