@@ -185,7 +185,7 @@ class GroupAdvantages(NamedTuple):
 # ---------------------------------------------------------------------------------------
 # policy_loss and shape_token_advantages (docs/token-shaping.md, docs/policy-loss.md)
 
-LOSS_TYPES = ("ppo", "gspo", "cispo", "sapo", "reinforce", "gpg", "dppo_tv", "dppo_kl")
+LOSS_TYPES = ("ppo", "gspo", "cispo", "sapo", "reinforce", "gpg", "dppo_tv", "dppo_kl", "geo_mean", "dro")
 KL_TYPES = ("k1", "k2", "k3", "k3+")
 ROLLOUT_CORRECTIONS = ("token_tis", "seq_tis", "token_mis", "seq_mis", "decoupled")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "none")
@@ -275,17 +275,20 @@ class TokenShaping:
 class PolicyLossOptions:
     """Everything that decides the numbers ``policy_loss`` returns (docs/policy-loss.md).
 
-    loss_type         ppo | gspo | cispo | sapo | reinforce | gpg | dppo_tv | dppo_kl (gpg is
-                      reinforce: the field reads "reinforce" after construction)
+    loss_type         ppo | gspo | cispo | sapo | reinforce | gpg | dppo_tv | dppo_kl |
+                      geo_mean | dro (gpg is reinforce: the field reads "reinforce" after
+                      construction)
     clip_low/high     ε_low, ε_high of the ratio clip (ppo, gspo, cispo); for dppo_tv /
                       dppo_kl the divergence thresholds δ_low, δ_high (>= 0) of the trust
-                      region: p − p_old (TV) or the binary KL (KL)
+                      region: p − p_old (TV) or the binary KL (KL); for geo_mean the
+                      log-ratio bounds (>= 0): δ clipped to [−ε_low, ε_high]
     clip_ratio_c      dual-clip bound c > 1 for A < 0 (ppo); dppo: the truncation cap of
                       the (constant) ratio, > 0; None = off
     gspo_dual_clip    apply clip_ratio_c to GSPO's sequence ratio too (TRL's ``delta`` at
                       sequence level); verl's GSPO has no dual clip, hence off by default
     log_ratio_clamp   δ clamped to ±this before exp (ppo, cispo, sapo, dppo); None = off. The
-                      rollout-correction log-weights are always clamped to ±20 (verl)
+                      rollout-correction log-weights are always clamped to ±20 (verl);
+                      geo_mean and dro use the raw δ (verl)
     gspo_log_clamp    upper clamp of log s_i (gspo); None = off (TRL)
     tau_pos/tau_neg   SAPO temperatures
     kl                None | k1 | k2 | k3 | k3+ to ``ref_logprobs``, times ``kl_coef``
@@ -306,9 +309,12 @@ class PolicyLossOptions:
     entropy_coef      coefficient of the entropy bonus (needs ``entropy``)
     agg               token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean |
                       seq-mean-token-sum-norm | none (per-token loss, no reduction)
+    dro_beta          β > 0 of dro's quadratic penalty ½·β·δ² (required for dro)
     """
 
-    loss_type: Literal["ppo", "gspo", "cispo", "sapo", "reinforce", "gpg", "dppo_tv", "dppo_kl"] = "ppo"
+    loss_type: Literal["ppo", "gspo", "cispo", "sapo", "reinforce", "gpg", "dppo_tv", "dppo_kl", "geo_mean", "dro"] = (
+        "ppo"
+    )
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_ratio_c: Optional[float] = None
@@ -330,6 +336,7 @@ class PolicyLossOptions:
     kl_clamp_input: Optional[float] = 20.0
     kl_clamp_output: Optional[float] = 10.0
     kl_score_grad: bool = False
+    dro_beta: Optional[float] = None
     mis_low: float = field(init=False, repr=False, compare=False)  # rollout_threshold_low or 1/C
     # kl_clamp as None | "k3" | "all" (True is "k3")
     kl_clamp_scope: Optional[str] = field(init=False, repr=False, compare=False)
@@ -339,8 +346,9 @@ class PolicyLossOptions:
         if self.loss_type == "gpg":  # one name per loss: the kernels and the reference know "reinforce"
             object.__setattr__(self, "loss_type", "reinforce")
         dppo = self.loss_type in ("dppo_tv", "dppo_kl")
-        # (a ratio clip needs 1 − ε_low >= 0; DPPO's thresholds are divergences, any >= 0)
-        _check_float("clip_low", self.clip_low, 0.0, None if dppo else 1.0)
+        # (a ratio clip needs 1 − ε_low >= 0; DPPO's thresholds are divergences and
+        # geo_mean's bounds of the log-ratio, any >= 0)
+        _check_float("clip_low", self.clip_low, 0.0, None if dppo or self.loss_type == "geo_mean" else 1.0)
         _check_float("clip_high", self.clip_high, 0.0)
         if self.clip_ratio_c is not None:
             _check_float("clip_ratio_c", self.clip_ratio_c)
@@ -375,6 +383,17 @@ class PolicyLossOptions:
                 f"got {self.rollout_threshold_low}"
             )
         _check_float("entropy_coef", self.entropy_coef)
+        _check_float("dro_beta", self.dro_beta, 0.0, lo_open=True, allow_none=True)
+        if self.loss_type == "dro" and self.dro_beta is None:
+            raise ValueError("dro_beta: loss_type='dro' needs the penalty coefficient β > 0, got None")
+        if self.loss_type == "geo_mean" and self.rollout_correction in ("token_tis", "token_mis", "decoupled"):
+            # A sequence-level term takes a sequence weight; verl's geo_mean forms it as the
+            # geometric mean of the token weights, which the kernels do not compute.
+            raise ValueError(
+                f"rollout_correction: loss_type='geo_mean' takes a sequence-level correction "
+                f"(seq_tis, seq_mis), got {self.rollout_correction!r}; for verl's geometric mean of token "
+                "weights pass rollout_is_weights to the verl drop-in"
+            )
         if not isinstance(self.gspo_dual_clip, bool):
             raise TypeError(f"gspo_dual_clip: expected a bool, got {type(self.gspo_dual_clip).__name__}")
         if not isinstance(self.kl_ratio_correction, bool):

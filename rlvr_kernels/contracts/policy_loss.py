@@ -34,6 +34,8 @@ class LossType(enum.IntEnum):
     REINFORCE = 4
     DPPO_TV = 5  # DPPO-Binary-TV: trust region on p − p_old
     DPPO_KL = 6  # DPPO-Binary-KL: trust region on the binary KL of (p_old, p)
+    GEO_MEAN = 7  # GMPO: the geometric mean of the sign-aware clipped token ratios, per sequence
+    DRO = 8  # DRO: −A·logp + ½·β·δ²
 
 
 class KlEstimator(enum.IntEnum):
@@ -89,8 +91,8 @@ class PolicyLossSum(enum.IntEnum):
     KL = 2  # Σ a·kl
     NTOK = 3  # Σ m
     NSEQ = 4  # sequences with n_i > 0
-    CLIP = 5  # Σ m·clipped (dppo: outside the trust region)
-    CLIP_LOWER = 6  # Σ m·dual-clip active (dppo: kept with the ratio above the cap)
+    CLIP = 5  # Σ m·clipped (dppo: outside the trust region; geo_mean: δ outside [−ε_low, ε_high] with A > 0)
+    CLIP_LOWER = 6  # Σ m·dual-clip active (dppo: kept with the ratio above the cap; geo_mean: δ outside with A < 0)
     NEG_DELTA = 7  # Σ m·(−δ)
     KL_RAW = 8  # Σ m·kl
     IS = 9  # Σ m·is_w
@@ -121,8 +123,8 @@ class PolicyLossParams(KernelParams):
 
     CPP_NAME: ClassVar[str] = "POLICY_LOSS"
 
-    ratio_low: float  # 1 − ε_low: the clip range in ratio space (dppo: the threshold δ_low itself)
-    ratio_high: float  # 1 + ε_high (dppo: the threshold δ_high itself)
+    ratio_low: float  # 1 − ε_low: the clip range in ratio space (dppo: the threshold δ_low itself; geo_mean: ε_low)
+    ratio_high: float  # 1 + ε_high (dppo: the threshold δ_high itself; geo_mean: ε_high)
     clip_ratio_c: float  # dual-clip bound c (> 1) of ppo and gspo, dppo's truncation cap, or 0 = off
     log_ratio_clamp: float  # δ clamped to ±this before exp (> 0), or 0 = off
     gspo_log_clamp: float  # upper clamp of log s_i (+inf = off)
@@ -143,6 +145,7 @@ class PolicyLossParams(KernelParams):
     a3po_neg_high_scale: float
     a3po_neg_low_ratio: float
     a3po_neg_low_scale: float
+    dro_beta: float  # β of dro's ½·β·δ² (0 for the other loss types)
     loss_type: LossType
     kl: KlEstimator
     kl_clamp: KlClamp  # the estimators the two KL clamps apply to (K3 = 1 is verl's)

@@ -5,8 +5,9 @@
 //
 // Layout of the work:
 //   * an optional pre-pass per sequence (parallel over sequences), only when an option needs
-//     a sequence statistic: n_i (seq-mean-token-mean), Σ δ·m (GSPO), Σ log w·m (seq_tis /
-//     seq_mis), and the A3PO rank selection (stored as two bits per token);
+//     a sequence statistic: n_i (seq-mean-token-mean), Σ δ·m (GSPO), Σ δ_min·m and Σ A·m
+//     (geo_mean), Σ log w·m (seq_tis / seq_mis), and the A3PO rank selection (stored as two
+//     bits per token);
 //   * the main pass over fixed blocks of kBlock token slots (padded rows or packed spans laid
 //     end to end), parallel over blocks. Each block writes its sums to its own row of a
 //     [num_blocks, NUM_SUMS] double buffer, reduced in block order: the result does not depend
@@ -17,8 +18,9 @@
 // (and triton/policy_loss.py, whose helpers carry the same names with a leading underscore):
 //   input_stage →
 //   pg_stage: log_ratio → ppo_term | gspo_term | cispo_term | sapo_term | reinforce_term |
-//             dppo_term (clipped_objective, then dual_clip for ppo / gspo; dppo_keep for
-//             dppo_tv / dppo_kl; clip_sides) →
+//             dppo_term | geo_mean_term | dro_term (clipped_objective, then dual_clip for
+//             ppo / gspo; dppo_keep for dppo_tv / dppo_kl; geo_mean_log_ratio in the
+//             pre-pass for geo_mean; clip_sides) →
 //   shaping_stage: shaping_weights (polarity_weight, probability_weight, a3po_scale, entropy keep) →
 //   is_weight_stage: is_weights (corrected_weight) →
 //   kl_stage: kl_term = kl_estimate (k1, k2, k3, k3+) × importance_ratio (kl_ratio_correction) →
@@ -98,6 +100,7 @@ template <typename T>
 struct SeqInfo {
   std::vector<int64_t> n;  // valid tokens
   std::vector<T> inv_n, gspo_s, seq_w;
+  std::vector<T> geo_share;  // geo_mean: L_i / n_i, the share of the sequence loss on each valid token
   std::vector<uint8_t> gspo_pass, seq_rej;
   std::vector<double> a3po_high, a3po_low;  // the knob scales of the sequence's polarity (1: off)
   std::vector<uint8_t> a3po_sel;            // per token slot: bit 0 high-selected, bit 1 low-selected
@@ -114,7 +117,7 @@ struct Ctx {
   Options o;
   // Hyper-parameters in the compute dtype, as the reference's torch ops see them.
   T ratio_low, ratio_high, clip_c, lrc, gspo_clamp, beta, rc_low, rc_high, ent_coef, tau_pos, tau_neg, four_tau_pos,
-      four_tau_neg, kl_in, kl_out;
+      four_tau_neg, half_dro_beta, kl_in, kl_out;
   float threshold;
   const SeqInfo<T>* seq;  // nullptr without pre-pass
   uint8_t* has_valid;     // without pre-pass: sequences with a valid token
@@ -134,7 +137,7 @@ struct Ctx {
 // What a segment of one sequence needs from the sequence.
 template <typename T>
 struct SeqConst {
-  T adv, agg_w, grad_ent, gspo_s, seq_w;  // grad_ent = −c_H·agg_w
+  T adv, agg_w, grad_ent, gspo_s, seq_w, geo_share;  // grad_ent = −c_H·agg_w
   bool gspo_pass, seq_rej;
   double a3po_high, a3po_low;
 };
@@ -149,6 +152,7 @@ RLVR_INLINE SeqConst<T> seq_const(const Ctx<in_t, T>& c, int64_t i) {
   s.gspo_s = o.loss == LossType::GSPO ? c.seq->gspo_s[i] : T(0);
   s.gspo_pass = o.loss == LossType::GSPO ? c.seq->gspo_pass[i] != 0 : false;
   s.seq_w = o.seq_rc ? c.seq->seq_w[i] : T(1);
+  s.geo_share = o.loss == LossType::GEO_MEAN ? c.seq->geo_share[i] : T(0);
   s.seq_rej = o.seq_rc ? c.seq->seq_rej[i] != 0 : false;
   s.a3po_high = o.a3po ? c.seq->a3po_high[i] : 1.0;
   s.a3po_low = o.a3po ? c.seq->a3po_low[i] : 1.0;
@@ -206,7 +210,7 @@ struct VConst {
   using V = typename Lanes<T, VB>::V;
   using M = typename Lanes<T, VB>::M;
   V zero, one, half, ratio_low, ratio_high, clip_c, lrc, beta, ent_coef, rc_low, rc_high, tau_pos, tau_neg,
-      four_tau_pos, four_tau_neg, lim20, lim10, kl_in, kl_out;
+      four_tau_pos, four_tau_neg, half_dro_beta, lim20, lim10, kl_in, kl_out;
   M none, all;
 
   template <typename in_t>
@@ -226,6 +230,7 @@ struct VConst {
         tau_neg(splat<V>(c.tau_neg)),
         four_tau_pos(splat<V>(c.four_tau_pos)),
         four_tau_neg(splat<V>(c.four_tau_neg)),
+        half_dro_beta(splat<V>(c.half_dro_beta)),
         lim20(splat<V>(T(20))),
         lim10(splat<V>(T(10))),
         kl_in(splat<V>(c.kl_in)),
@@ -505,6 +510,49 @@ RLVR_INLINE void dppo_term(const Options& o, const VConst<T, VB>& k, Tile<T, VB>
   s.neg_delta += sel(tl.valid[g], -delta, k.zero);
 }
 
+// Mirrors reference geo_mean_log_ratio, scalar (the pre-pass): δ clipped above at ε_high for
+// A > 0, below at −ε_low for A < 0, 0 for A = 0 (ε_low / ε_high arriving as ratio_low /
+// ratio_high).
+template <typename T>
+RLVR_INLINE T geo_mean_log_ratio(T delta, T adv, T eps_low, T eps_high) {
+  if (adv > T(0)) return delta > eps_high ? eps_high : delta;
+  if (adv < T(0)) return delta < -eps_low ? -eps_low : delta;
+  return T(0);
+}
+
+// Mirrors reference geo_mean_term: every valid token carries the sequence's share L_i / n_i
+// (pre-pass) and the derivative of its own log-prob, share·∂δ_min/∂δ: the share, except 0
+// where the clip binds (A > 0 and δ > ε_high, A < 0 and δ < −ε_low; the boundaries pass, as
+// torch.minimum's halves of a tie add up to 1 there) and for A = 0. CLIP counts δ outside
+// [−ε_low, ε_high] with A > 0, CLIP_LOWER with A < 0 (verl's metrics).
+template <int VB, typename T>
+RLVR_INLINE void geo_mean_term(const VConst<T, VB>& k, const SeqConst<T>& sc, Tile<T, VB>& tl, int g,
+                               PgSums<T, VB>& s) {
+  using V = typename Lanes<T, VB>::V;
+  using M = typename Lanes<T, VB>::M;
+  const V share = splat<V>(sc.geo_share);
+  const V delta = tl.lp[g] - tl.old[g];
+  const M pos = tl.adv[g] > k.zero, neg = tl.adv[g] < k.zero;
+  const M above = delta > k.ratio_high, below = delta < -k.ratio_low;
+  const M outside = above | below;
+  tl.pg[g] = share;
+  tl.dpg[g] = sel((pos & ~above) | (neg & ~below), share, k.zero);
+  s.clip -= tl.valid[g] & outside & pos;
+  s.clip_lower -= tl.valid[g] & outside & neg;
+  s.neg_delta += sel(tl.valid[g], -delta, k.zero);
+}
+
+// Mirrors reference dro_term: −(logp·A − ½β·δ²), δ = logp − old unclamped, so
+// ∂pg/∂logp = ½β·2δ − A.
+template <int VB, typename T>
+RLVR_INLINE void dro_term(const VConst<T, VB>& k, Tile<T, VB>& tl, int g, PgSums<T, VB>& s) {
+  using V = typename Lanes<T, VB>::V;
+  const V delta = tl.lp[g] - tl.old[g];
+  tl.pg[g] = -(tl.lp[g] * tl.adv[g] - k.half_dro_beta * (delta * delta));
+  tl.dpg[g] = k.half_dro_beta * (delta + delta) - tl.adv[g];
+  s.neg_delta += sel(tl.valid[g], -delta, k.zero);
+}
+
 // Mirrors reference pg_term: the policy-gradient term pg, dpg = ∂pg/∂logp, the clip flags and
 // −δ, one loop per loss type (the type is tested once per tile).
 template <int VB, typename T>
@@ -532,6 +580,12 @@ RLVR_INLINE void pg_stage(const Options& o, const VConst<T, VB>& k, const SeqCon
       break;
     case LossType::DPPO_KL:
       for (int g = 0; g < tl.ng; ++g) dppo_term<true>(o, k, tl, g, s);
+      break;
+    case LossType::GEO_MEAN:
+      for (int g = 0; g < tl.ng; ++g) geo_mean_term(k, sc, tl, g, s);
+      break;
+    case LossType::DRO:
+      for (int g = 0; g < tl.ng; ++g) dro_term(k, tl, g, s);
       break;
     default:  // REINFORCE
       for (int g = 0; g < tl.ng; ++g) reinforce_term(k, tl, g, s);
@@ -929,12 +983,13 @@ void a3po_select(const Ctx<in_t, T>& c, int64_t i, int64_t b, int64_t e, double 
 }
 
 // The sequence statistics: n_i; GSPO's log s_i = Σ δ·m / max(n, 1), clamped above (the clamp
-// stops the gradient; reference gspo_term); the sequence IS weight from the clamped Σ log w·m
-// (reference is_weights); the A3PO selection.
+// stops the gradient; reference gspo_term); geo_mean's share −Ā_i·r_i / n_i with
+// r_i = exp(Σ δ_min·m / n_i), Ā_i = Σ A·m / n_i (reference geo_mean_term); the sequence IS
+// weight from the clamped Σ log w·m (reference is_weights); the A3PO selection.
 template <typename in_t, typename T>
 void prepass(const Ctx<in_t, T>& c, SeqInfo<T>& s) {
   const Options& o = c.o;
-  const bool gspo = o.loss == LossType::GSPO;
+  const bool gspo = o.loss == LossType::GSPO, geo = o.loss == LossType::GEO_MEAN;
 #pragma omp parallel if (c.B > 1)
   {
     std::vector<std::pair<double, int64_t>> cand;
@@ -943,11 +998,17 @@ void prepass(const Ctx<in_t, T>& c, SeqInfo<T>& s) {
       int64_t b, e;
       c.span(i, b, e);
       int64_t n = 0;
-      double sum_delta = 0.0, sum_logw = 0.0, polarity = 0.0;
+      double sum_delta = 0.0, sum_logw = 0.0, polarity = 0.0, sum_dmin = 0.0, sum_adv = 0.0;
       for (int64_t t = b; t < e; ++t) {
         if (c.mask != nullptr && !c.mask[t]) continue;
         ++n;
         if (gspo) sum_delta += double(static_cast<T>(c.lp[t]) - static_cast<T>(c.old[t]));
+        if (geo) {
+          const T a = o.seq_adv ? c.adv[i] : c.adv[t];
+          const T delta = static_cast<T>(c.lp[t]) - static_cast<T>(c.old[t]);
+          sum_dmin += double(geo_mean_log_ratio(delta, a, c.ratio_low, c.ratio_high));
+          sum_adv += double(a);
+        }
         if (o.seq_rc) sum_logw += double(static_cast<T>(c.old[t]) - static_cast<T>(c.roll[t]));
         if (o.a3po) polarity += double(o.seq_adv ? c.adv[i] : c.adv[t]);
       }
@@ -957,6 +1018,12 @@ void prepass(const Ctx<in_t, T>& c, SeqInfo<T>& s) {
         const T log_s = static_cast<T>(sum_delta / double(std::max<int64_t>(n, 1)));
         s.gspo_pass[i] = log_s <= c.gspo_clamp;
         s.gspo_s[i] = std::exp(log_s > c.gspo_clamp ? c.gspo_clamp : log_s);
+      }
+      if (geo) {
+        const double nn = double(std::max<int64_t>(n, 1));
+        const T r = std::exp(static_cast<T>(sum_dmin / nn));
+        const T adv_mean = static_cast<T>(sum_adv / nn);
+        s.geo_share[i] = -adv_mean * r / static_cast<T>(nn);
       }
       if (o.seq_rc) {
         T lw = static_cast<T>(sum_logw);
@@ -983,6 +1050,7 @@ void forward(Ctx<in_t, T>& c, double* sums) {
       seq.gspo_s.assign(c.B, T(0));
       seq.gspo_pass.assign(c.B, 0);
     }
+    if (o.loss == LossType::GEO_MEAN) seq.geo_share.assign(c.B, T(0));
     if (o.seq_rc) {
       seq.seq_w.assign(c.B, T(1));
       seq.seq_rej.assign(c.B, 0);
@@ -1085,7 +1153,7 @@ Options decode_options(const PolicyLossParams& p, bool need_entropy_grad, bool h
   std::copy(knobs, knobs + 8, o.a3po_knobs);
   o.shaping = o.w_pos != 1.0 || o.w_neg != 1.0 || o.lambda != 0.0 || o.a3po || o.ent_quantile;
   o.seq_rc = o.rc == RolloutCorrection::SEQ_TIS || o.rc == RolloutCorrection::SEQ_MIS;
-  o.prepass = o.seq_mean || o.loss == LossType::GSPO || o.seq_rc || o.a3po;
+  o.prepass = o.seq_mean || o.loss == LossType::GSPO || o.loss == LossType::GEO_MEAN || o.seq_rc || o.a3po;
   o.kl_ratio = o.kl != KlEstimator::NONE && p.kl_ratio_correction != 0;
   o.clip_sides = o.loss == LossType::PPO || o.loss == LossType::GSPO || o.loss == LossType::CISPO;
   return o;
@@ -1212,6 +1280,7 @@ Ctx<in_t, T> make_ctx(const Options& o, const PolicyLossParams& p, const Inputs&
   c.tau_neg = static_cast<T>(p.tau_neg);
   c.four_tau_pos = T(4) / c.tau_pos;
   c.four_tau_neg = T(4) / c.tau_neg;
+  c.half_dro_beta = static_cast<T>(0.5 * p.dro_beta);  // (Python's 0.5·β, then the compute dtype)
   c.threshold = in.threshold;
   return c;
 }

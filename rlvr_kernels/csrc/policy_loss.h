@@ -13,7 +13,7 @@
   X(ratio_low) X(ratio_high) X(clip_ratio_c) X(log_ratio_clamp) X(gspo_log_clamp) X(tau_pos) X(tau_neg) \
   X(kl_coef) X(rc_low) X(rc_high) X(entropy_coef) X(w_pos) X(w_neg) X(probability)                      \
   X(a3po_pos_high_ratio) X(a3po_pos_high_scale) X(a3po_pos_low_ratio) X(a3po_pos_low_scale)             \
-  X(a3po_neg_high_ratio) X(a3po_neg_high_scale) X(a3po_neg_low_ratio) X(a3po_neg_low_scale)             \
+  X(a3po_neg_high_ratio) X(a3po_neg_high_scale) X(a3po_neg_low_ratio) X(a3po_neg_low_scale) X(dro_beta)      \
   X(kl_clamp_input) X(kl_clamp_output)
 // iparams, in order.
 #define RLVR_POLICY_LOSS_IPARAMS(X)                                                                \
@@ -21,7 +21,7 @@
   X(entropy_quantile) X(seq_adv) X(kl_ratio_correction) X(kl_score_grad)
 
 #define RLVR_LOSS_TYPE_CODES(X) \
-  X(PPO, 0) X(GSPO, 1) X(CISPO, 2) X(SAPO, 3) X(REINFORCE, 4) X(DPPO_TV, 5) X(DPPO_KL, 6)
+  X(PPO, 0) X(GSPO, 1) X(CISPO, 2) X(SAPO, 3) X(REINFORCE, 4) X(DPPO_TV, 5) X(DPPO_KL, 6) X(GEO_MEAN, 7) X(DRO, 8)
 #define RLVR_KL_ESTIMATOR_CODES(X) X(NONE, 0) X(K1, 1) X(K2, 2) X(K3, 3) X(K3_PLUS, 4)
 #define RLVR_KL_CLAMP_CODES(X) X(NONE, 0) X(K3, 1) X(ALL, 2)
 #define RLVR_ROLLOUT_CORRECTION_CODES(X) \

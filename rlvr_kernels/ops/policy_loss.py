@@ -736,6 +736,8 @@ _LOSS_TYPES = {
     "reinforce": LossType.REINFORCE,
     "dppo_tv": LossType.DPPO_TV,
     "dppo_kl": LossType.DPPO_KL,
+    "geo_mean": LossType.GEO_MEAN,
+    "dro": LossType.DRO,
 }
 _KL_CLAMPS = {None: KlClamp.NONE, "k3": KlClamp.K3, "all": KlClamp.ALL}
 _KL_ESTIMATORS = {
@@ -759,10 +761,12 @@ _A3PO_METRICS = {"prob": A3poMetric.PROB, "entropy": A3poMetric.ENTROPY}
 def _kernel_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> PolicyLossParams:
     s = o.shaping
     (r_ph, s_ph), (r_pl, s_pl), (r_nh, s_nh), (r_nl, s_nl) = s.a3po_knobs
-    dppo = o.loss_type in ("dppo_tv", "dppo_kl")  # thresholds of a divergence, not of the ratio
+    # thresholds of a divergence (dppo) or bounds of the log-ratio (geo_mean), not of the ratio
+    raw = o.loss_type in ("dppo_tv", "dppo_kl", "geo_mean")
+    dppo = o.loss_type in ("dppo_tv", "dppo_kl")
     return PolicyLossParams(
-        ratio_low=float(o.clip_low) if dppo else 1.0 - o.clip_low,
-        ratio_high=float(o.clip_high) if dppo else 1.0 + o.clip_high,
+        ratio_low=float(o.clip_low) if raw else 1.0 - o.clip_low,
+        ratio_high=float(o.clip_high) if raw else 1.0 + o.clip_high,
         clip_ratio_c=float(o.clip_ratio_c or 0.0) if o.loss_type == "ppo" or o.gspo_dual_clip or dppo else 0.0,
         log_ratio_clamp=float(o.log_ratio_clamp or 0.0),
         gspo_log_clamp=float(o.gspo_log_clamp) if o.gspo_log_clamp is not None else float("inf"),
@@ -783,6 +787,7 @@ def _kernel_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> 
         a3po_neg_high_scale=float(s_nh),
         a3po_neg_low_ratio=float(r_nl),
         a3po_neg_low_scale=float(s_nl),
+        dro_beta=float(o.dro_beta) if o.loss_type == "dro" else 0.0,
         loss_type=_LOSS_TYPES[o.loss_type],
         kl=_KL_ESTIMATORS[o.kl],
         kl_clamp=_KL_CLAMPS[o.kl_clamp_scope],

@@ -13,8 +13,9 @@ function by function):
 
 - ``pg_term``: the ratio (``log_ratio``; ``gspo_ratio``) and one ``*_term`` per loss type
   (``ppo_term``, ``gspo_term``, ``cispo_term``, ``sapo_term``, ``reinforce_term``,
-  ``dppo_term`` for dppo_tv and dppo_kl); ppo and gspo take ``clipped_objective`` then
-  ``dual_clip``, dppo ``dppo_ratio`` and ``dppo_keep``; ``clip_sides`` for the metrics;
+  ``dppo_term`` for dppo_tv and dppo_kl, ``geo_mean_term``, ``dro_term``); ppo and gspo take
+  ``clipped_objective`` then ``dual_clip``, dppo ``dppo_ratio`` and ``dppo_keep``, geo_mean
+  ``geo_mean_log_ratio``; ``clip_sides`` for the metrics;
 - ``shaping_weights`` (``polarity_weights`` × ``probability_weights`` × ``a3po_scales`` ×
   ``entropy_keep``);
 - ``is_weights``;
@@ -298,6 +299,45 @@ def dppo_term(opts: PolicyLossOptions, logp, old, adv):
     return pg, ~keep, clip_lower, delta
 
 
+def geo_mean_log_ratio(opts: PolicyLossOptions, delta, adv):
+    """GMPO's sign-aware clip of δ = logp − old: δ_min = sgn(A)·min(sgn(A)·δ, sgn(A)·clip(δ,
+    −ε_low, ε_high)), i.e. δ clipped above at ε_high for A > 0, below at −ε_low for A < 0, 0
+    for A = 0. Its derivative (torch.minimum splits a tie in halves, clamp passes the closed
+    interval): 1, except 0 where the clip binds (A > 0 and δ > ε_high, A < 0 and δ < −ε_low)
+    and for A = 0. Also returns the flag δ ≠ clip(δ, −ε_low, ε_high)."""
+    sgn = torch.sign(adv)
+    clamped = torch.clamp(delta, -opts.clip_low, opts.clip_high)
+    return sgn * torch.minimum(sgn * delta, sgn * clamped), delta != clamped
+
+
+def geo_mean_term(opts: PolicyLossOptions, logp, old, adv, valid):
+    """GMPO (geo_mean), a sequence-level term spread over the sequence's valid tokens: with
+    δ_min = geo_mean_log_ratio, n_i the valid count, r_i = exp(Σ_t m·δ_min / n_i) and
+    Ā_i = Σ_t m·A / n_i, the sequence loss is L_i = −Ā_i·r_i; each valid token carries the
+    share L_i / n_i (so a token sum gives L_i) in token form,
+    pg_t = sg(L_i / n_i)·(1 + δ_min,t − sg(δ_min,t)): the value L_i / n_i and the gradient
+    ∂L_i/∂logp_t = (L_i / n_i)·∂δ_min,t/∂δ_t of the token's own log-prob (the shaping and IS
+    weights multiply a token's share and its gradient, as for GSPO). No ``log_ratio_clamp``
+    (verl). clipped = δ outside [−ε_low, ε_high] with A > 0, clip_lower the same with A < 0
+    (verl's pg_clipfrac / pg_clipfrac_lower)."""
+    delta = logp - old
+    d_min, outside = geo_mean_log_ratio(opts, delta, adv)
+    m = valid.to(logp.dtype)
+    n = m.sum(-1).clamp(min=1)
+    r = torch.exp((d_min * m).sum(-1) / n)
+    adv_mean = (adv * m).sum(-1) / n
+    share = (-adv_mean * r / n).detach()[:, None]
+    pg = share * (1 + (d_min - d_min.detach()))
+    return pg, outside & (adv > 0), outside & (adv < 0), delta
+
+
+def dro_term(opts: PolicyLossOptions, logp, old, adv):
+    """DRO: −(A·logp − ½·β·δ²), δ = logp − old unclamped (verl), β = ``dro_beta``."""
+    delta = logp - old
+    no = torch.zeros_like(logp).bool()
+    return -(logp * adv - 0.5 * opts.dro_beta * delta.square()), no, no, delta
+
+
 def pg_term(opts: PolicyLossOptions, logp, old, adv, valid):
     """The policy-gradient term of ``opts.loss_type``: (pg, clipped, clip_lower, δ)."""
     if opts.loss_type == "ppo":
@@ -310,6 +350,10 @@ def pg_term(opts: PolicyLossOptions, logp, old, adv, valid):
         return sapo_term(opts, logp, old, adv)
     if opts.loss_type in ("dppo_tv", "dppo_kl"):
         return dppo_term(opts, logp, old, adv)
+    if opts.loss_type == "geo_mean":
+        return geo_mean_term(opts, logp, old, adv, valid)
+    if opts.loss_type == "dro":
+        return dro_term(opts, logp, old, adv)
     return reinforce_term(opts, logp, old, adv)
 
 

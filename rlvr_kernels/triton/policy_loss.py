@@ -1417,6 +1417,12 @@ def policy_loss_fwd(
     """The Triton kernels under the contract of ``rlvr_kernels_C::policy_loss_fwd``: returns
     ``(sums, grad_logprobs, grad_entropy, token_out)``."""
     p = PolicyLossParams.unpack(fparams, iparams)
+    if p.loss_type in (LossType.GEO_MEAN, LossType.DRO):
+        # (no Triton stage for these yet: refuse rather than run another loss type's branch)
+        raise NotImplementedError(
+            f"loss_type: the Triton policy_loss kernel has no {p.loss_type.name.lower()} stage; use backend='cpu' "
+            "or 'reference'"
+        )
     # The kernels index flat, contiguous buffers (a no-op for what the op layer passes).
     x = _Inputs(
         *(

@@ -71,6 +71,8 @@ NEW_NAMES = [
     "compute_policy_loss_gpg",
     "compute_policy_loss_dppo_tv",
     "compute_policy_loss_dppo_kl",
+    "compute_policy_loss_geo_mean",
+    "compute_policy_loss_dro",
     "kl_penalty",
     "agg_loss",
 ]
@@ -343,6 +345,17 @@ DPPO_CASES = [
 ]
 
 
+def token_is_weights(batch, threshold):
+    """verl's token-level rollout IS weights of the batch (rollout_corr_helper)."""
+    w, _ = compute_rollout_correction_weights(
+        batch["old_log_prob"] - batch["rollout_log_probs"],
+        batch["response_mask"],
+        rollout_is="token",
+        rollout_is_threshold=threshold,
+    )
+    return w
+
+
 def dppo_config(loss_mode, agg, fields):
     """An ActorConfig, or (``clip_ratio_c=None``) a DictConfig without clip_ratio_c, so that
     verl's ``config.get("clip_ratio_c", 20.0)`` takes its default."""
@@ -365,14 +378,7 @@ def test_dppo_thresholds_and_cap_match_verl(backend, device, loss_mode):
     grid = [(k, fields, agg, weighted) for k, (fields, agg) in enumerate(DPPO_CASES) for weighted in (False, True)]
     for k, fields, agg, weighted in subsample(backend, device, grid):
         batch = make_batch(300 + 2 * k + weighted, device)
-        w = None
-        if weighted:
-            w, _ = compute_rollout_correction_weights(
-                batch["old_log_prob"] - batch["rollout_log_probs"],
-                batch["response_mask"],
-                rollout_is="token",
-                rollout_is_threshold="0.5_2.0" if k % 2 else 2.0,
-            )
+        w = token_is_weights(batch, "0.5_2.0" if k % 2 else 2.0) if weighted else None
         cfg = dppo_config(loss_mode, agg, fields)
         what = f"{name} {fields} agg={agg} weights={weighted}"
         compare_policy_fn(name, batch, backend, what, weights=w, loss_agg_mode=agg, config=cfg)
@@ -679,4 +685,39 @@ def test_actor_loss_icepop_threshold_not_fused():
             rollout_log_probs=batch["rollout_log_probs"],
             rollout_is="token",
             rollout_is_threshold="0.5_2.0",
+        )
+
+
+# geo_mean (GMPO) and dro: the reference and the C++ kernel (the Triton kernel refuses them).
+GEO_DRO_BACKENDS = [p for p in ALL if p.values[0] != "triton"]
+
+
+@pytest.mark.parametrize("backend,device", GEO_DRO_BACKENDS)
+@pytest.mark.parametrize("loss_mode", ["geo_mean", "dro"])
+def test_geo_mean_dro_match_verl(backend, device, loss_mode):
+    """Loss, gradient and metrics against verl's compute_policy_loss_geo_mean / _dro, with
+    asymmetric clip ratios, every agg (geo_mean ignores it, as verl), and with token
+    rollout_is_weights (geo_mean: their geometric mean per sequence; dro: per token)."""
+    name = f"compute_policy_loss_{loss_mode}"
+    for k, agg in enumerate(AGG_MODES):
+        for weighted in (False, True):
+            batch = make_batch(500 + 2 * k + weighted, device)
+            w = token_is_weights(batch, 2.0) if weighted else None
+            cfg = actor_config(
+                loss_mode,
+                agg,
+                clip_ratio_low=0.1,
+                clip_ratio_high=0.15,
+                policy_loss=PolicyLossConfig(loss_mode=loss_mode, dro_beta=0.3),
+            )
+            what = f"{name} agg={agg} weights={weighted}"
+            compare_policy_fn(name, batch, backend, what, weights=w, loss_agg_mode=agg, config=cfg)
+
+
+def test_dro_beta_checked():
+    batch = make_batch(7)
+    cfg = actor_config("dro", policy_loss=PolicyLossConfig(loss_mode="dro", dro_beta=0.0))
+    with pytest.raises(ValueError, match="dro_beta"):
+        ours.compute_policy_loss_dro(
+            batch["old_log_prob"], batch["log_prob"], batch["advantages"], batch["response_mask"], config=cfg
         )

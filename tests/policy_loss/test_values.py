@@ -536,3 +536,67 @@ def test_entropy_threshold_argument(backend, device):
     assert lp.grad.cpu().tolist() == [[0.0, 0.0, -1.0, -1.0]]
     with pytest.raises(ValueError, match="entropy_threshold"):
         rk.policy_loss(lp, lp.detach(), adv, m, entropy_threshold=thr, backend=backend)
+
+
+GEO_DRO = [p for p in ALL if p.values[0] != "triton"]  # (the Triton kernel refuses them)
+
+
+@pytest.mark.parametrize("backend,device", GEO_DRO)
+def test_geo_mean_values(backend, device):
+    """One sequence of two tokens: r = exp(mean δ_min), L = −Ā·r on agg=seq-mean-token-sum;
+    a clipped token (A > 0, δ > ε_high) carries no gradient, the other L/n; the clip
+    metrics split by the sign of A."""
+    lp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, device=device, requires_grad=True)
+    old = torch.tensor([[-1.5, -2.1]], dtype=torch.float64, device=device)  # δ = 0.5, 0.1
+    adv = torch.tensor([[2.0, 1.0]], dtype=torch.float64, device=device)
+    m = torch.ones(1, 2, dtype=torch.bool, device=device)
+    o = rk.PolicyLossOptions(loss_type="geo_mean", clip_low=0.2, clip_high=0.3, agg="seq-mean-token-sum")
+    loss, met = rk.policy_loss(lp, old, adv, m, options=o, backend=backend)
+    loss.backward()
+    r = math.exp((0.3 + 0.1) / 2)
+    assert float(loss.detach()) == pytest.approx(-1.5 * r)
+    assert lp.grad.tolist()[0] == pytest.approx([0.0, -1.5 * r / 2])
+    assert (float(met.pg_clipfrac), float(met.pg_clipfrac_lower)) == (0.5, 0.0)
+    # A < 0: δ below −ε_low is clipped, above ε_high is not
+    loss, met = rk.policy_loss(lp.detach(), old + 0.7, -adv, m, options=o, backend=backend)  # δ = −0.2, −0.6
+    assert float(loss) == pytest.approx(1.5 * math.exp((-0.2 - 0.2) / 2))
+    assert (float(met.pg_clipfrac), float(met.pg_clipfrac_lower)) == (0.0, 0.5)
+
+
+@pytest.mark.parametrize("backend,device", GEO_DRO)
+def test_dro_values(backend, device):
+    """−(A·logp − ½β·δ²) and its derivative −A + β·δ."""
+    loss, grad, met = one_token(
+        backend, device, logp=-1.0, old=-1.5, adv=2.0, options=rk.PolicyLossOptions(loss_type="dro", dro_beta=0.4)
+    )
+    assert (loss, grad) == (pytest.approx(2.0 + 0.5 * 0.4 * 0.25), pytest.approx(-2.0 + 0.4 * 0.5))
+    assert float(met.ppo_kl) == pytest.approx(-0.5)
+
+
+@pytest.mark.parametrize("backend,device", GEO_DRO)
+def test_geo_mean_dro_empty_and_all_masked(backend, device):
+    for lt in ("geo_mean", "dro"):
+        o = rk.PolicyLossOptions(loss_type=lt, dro_beta=0.1 if lt == "dro" else None, agg="seq-mean-token-sum")
+        for B, L in ((3, 5), (0, 5)):
+            lp = torch.randn(B, L, device=device).requires_grad_(True)
+            loss, met = rk.policy_loss(
+                lp,
+                lp.detach(),
+                torch.randn(B, device=device),
+                torch.zeros(B, L, dtype=torch.bool, device=device),
+                options=o,
+                backend=backend,
+            )
+            loss.backward()
+            assert float(loss) == 0.0 and float(lp.grad.abs().sum()) == 0.0
+            assert float(met.ppo_kl) == 0.0 and float(met.pg_clipfrac) == 0.0
+
+
+def test_geo_mean_dro_options_checked():
+    with pytest.raises(ValueError, match="dro_beta"):
+        rk.PolicyLossOptions(loss_type="dro")
+    with pytest.raises(ValueError, match="dro_beta"):
+        rk.PolicyLossOptions(loss_type="dro", dro_beta=-1.0)
+    with pytest.raises(ValueError, match="rollout_correction"):
+        rk.PolicyLossOptions(loss_type="geo_mean", rollout_correction="token_tis")
+    rk.PolicyLossOptions(loss_type="geo_mean", rollout_correction="seq_tis", clip_low=2.0)

@@ -3,7 +3,7 @@
 ==========================  ================================================================
 ``core_algos``              ``verl.trainer.ppo.core_algos``: the outcome-advantage estimators,
                             ``compute_policy_loss_{vanilla,gspo,cispo,sapo,gpg,``
-                            ``dppo_tv,dppo_kl}``,
+                            ``dppo_tv,dppo_kl,geo_mean,dro}``,
                             ``kl_penalty``, ``agg_loss``
 ``losses``                  ``verl.workers.utils.losses.ppo_loss`` as one fused call:
                             :func:`policy_loss_verl` (not a drop-in: padded tensors + config)
@@ -44,6 +44,8 @@ from .core_algos import (
     compute_policy_loss_cispo,
     compute_policy_loss_dppo_kl,
     compute_policy_loss_dppo_tv,
+    compute_policy_loss_dro,
+    compute_policy_loss_geo_mean,
     compute_policy_loss_gpg,
     compute_policy_loss_gspo,
     compute_policy_loss_sapo,
@@ -74,6 +76,8 @@ __all__ = [
     "compute_policy_loss_gpg",
     "compute_policy_loss_dppo_tv",
     "compute_policy_loss_dppo_kl",
+    "compute_policy_loss_geo_mean",
+    "compute_policy_loss_dro",
     "kl_penalty",
     "agg_loss",
     "policy_loss_verl",

@@ -61,6 +61,7 @@ _OPTION_SOURCES = {
     "entropy_coef": "config.entropy_coeff",
     "rollout_threshold": "rollout_is_threshold",
     "agg": "loss_agg_mode",
+    "dro_beta": "config.policy_loss.dro_beta",
 }
 
 
@@ -123,7 +124,7 @@ class ActorLossConfig:
     def _options(self, loss_type: str, agg: str, fields: Dict[str, Any]) -> PolicyLossOptions:
         fields = dict(fields, loss_type=loss_type, agg=agg)
         sources = dict(_OPTION_SOURCES)
-        if loss_type in ("ppo", "gspo", "cispo", "dppo_tv", "dppo_kl"):
+        if loss_type in ("ppo", "gspo", "cispo", "dppo_tv", "dppo_kl", "geo_mean"):
             (low_name, fields["clip_low"]), (high_name, fields["clip_high"]) = self.clip_eps()
             sources.update(clip_low=f"config.{low_name}", clip_high=f"config.{high_name}")
         if loss_type == "ppo":

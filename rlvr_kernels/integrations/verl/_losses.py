@@ -290,3 +290,90 @@ def _gpg_loss(log_prob, advantages, response_mask, agg, rollout_is_weights, agg_
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
     return aggregate(pg_losses, response_mask, agg, *agg_args)
+
+
+# geo_mean and dro do not fit the fold above: verl's geo_mean is a sequence-level term
+# aggregated as torch.mean over the B rows of the micro-batch whatever loss_agg_mode and
+# global_batch_info say, with a sequence IS weight (the geometric mean of the token weights);
+# dro's ½·β·δ² is not scaled by A. Their bodies below.
+
+
+def _geo_seq_weights(weights, mask):
+    """verl's sequence weight of geo_mean, exp(Σ_t m·log(w + 1e-10) / (n + 1e-8)), per row."""
+    m = mask.to(weights.dtype)
+    n = m.sum(-1)
+    return torch.exp((torch.log(weights.detach() + 1e-10) * m).sum(-1) / (n + 1e-8))
+
+
+def geo_mean_body(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights):
+    """verl's compute_policy_loss_geo_mean as one ``policy_loss`` call: loss_type="geo_mean"
+    spreads L_i over the sequence's valid tokens as L_i / n_i, so agg="seq-mean-token-sum"
+    with global_num_seqs = B (the micro-batch's rows, empty ones included) and dp_size = 1 is
+    verl's torch.mean over rows. The sequence IS weight s_i > 0 multiplies Ā_i, hence the
+    advantages (exact: Ā_i is linear in A and sign(s·A) = sign(A))."""
+    cfg = read_actor_config(config)
+    opts = cfg.options("geo_mean", "seq-mean-token-sum")
+    check_pg_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    with caller_names(PG_NAMES):
+        adv = advantages
+        if rollout_is_weights is not None:
+            fold_is_weights(advantages, rollout_is_weights, response_mask, log_prob.shape)  # (the checks)
+            adv = advantages * _geo_seq_weights(rollout_is_weights.expand(log_prob.shape), response_mask)[:, None]
+        loss, m = policy_loss(
+            log_prob,
+            old_log_prob,
+            adv,
+            response_mask,
+            options=opts,
+            backend=current_backend(),
+            global_num_seqs=log_prob.shape[0],
+            dp_size=1,
+        )
+        loss = loss.to(out_dtype(log_prob, old_log_prob, advantages, rollout_is_weights))
+    return loss, float_metrics(
+        [
+            ("actor/pg_clipfrac", m.pg_clipfrac),
+            ("actor/ppo_kl", m.ppo_kl),
+            ("actor/pg_clipfrac_lower", m.pg_clipfrac_lower),
+        ]
+    )
+
+
+def _dro_beta(config):
+    policy = getattr(config, "policy_loss", None) if not isinstance(config, dict) else config.get("policy_loss")
+    beta = None if policy is None else (policy.get("dro_beta", None) if hasattr(policy, "get") else None)
+    if beta is None and policy is not None:
+        beta = getattr(policy, "dro_beta", None)
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
+        raise ValueError(f"config.policy_loss.dro_beta: DRO needs a positive value, got {beta!r}")
+    return float(beta)
+
+
+def dro_body(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights):
+    """verl's compute_policy_loss_dro as one ``policy_loss`` call (loss_type="dro"). With
+    ``rollout_is_weights`` w the linear part is folded (A·w) and the quadratic part, which w
+    scales but A does not, is completed by ½·β·(w − 1)·δ² in lean torch, aggregated alike."""
+    beta = _dro_beta(config)
+    cfg = read_actor_config(config)
+    agg = check_agg_mode(loss_agg_mode)
+    opts = cfg.options("dro", agg, dro_beta=beta)
+    agg_kw = agg_kwargs(agg, **batch_info(config), prefix="config.global_batch_info.")
+    check_pg_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    with caller_names(PG_NAMES):
+        adv = fold_is_weights(advantages, rollout_is_weights, response_mask, log_prob.shape)
+        loss, m = policy_loss(
+            log_prob, old_log_prob, adv, response_mask, options=opts, backend=current_backend(), **agg_kw
+        )
+        if rollout_is_weights is not None:
+            rest = 0.5 * beta * (rollout_is_weights.detach() - 1) * (log_prob - old_log_prob).square()
+            loss = loss + aggregate(
+                rest,
+                response_mask,
+                agg,
+                agg_kw["dp_size"],
+                agg_kw["global_num_tokens"],
+                agg_kw["global_num_seqs"],
+                agg_kw["loss_scale_factor"],
+            )
+        loss = loss.to(out_dtype(log_prob, old_log_prob, advantages, rollout_is_weights))
+    return loss, float_metrics([("actor/ppo_kl", m.ppo_kl)])

@@ -31,7 +31,7 @@ import torch
 from ..._core.validation import FLOAT_DTYPES, MASK_DTYPES, check_tensor
 from .._torch_math import aggregate, kl_estimate
 from ._advantages import gdpo_outcome, outcome
-from ._losses import agg_kwargs, policy_loss_body
+from ._losses import agg_kwargs, dro_body, geo_mean_body, policy_loss_body
 
 __all__ = [
     "compute_grpo_outcome_advantage",
@@ -49,6 +49,8 @@ __all__ = [
     "compute_policy_loss_gpg",
     "compute_policy_loss_dppo_tv",
     "compute_policy_loss_dppo_kl",
+    "compute_policy_loss_geo_mean",
+    "compute_policy_loss_dro",
     "kl_penalty",
     "agg_loss",
 ]
@@ -290,6 +292,37 @@ def compute_policy_loss_dppo_kl(
     return policy_loss_body(
         "dppo_kl", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
     )
+
+
+def compute_policy_loss_geo_mean(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Optional[Any] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """GMPO: mean over rows of −Ā_i·exp(Σ_t m·δ_min / n_i), δ_min = δ clipped above at
+    ε_high for A > 0 and below at −ε_low for A < 0 (δ = logπ − logπ_old unclamped),
+    Ā_i = Σ_t m·A / n_i; ``loss_agg_mode`` and ``global_batch_info`` unused (verl); the
+    sequence IS weight is the geometric mean of ``rollout_is_weights``.
+    ``actor/pg_clipfrac`` / ``_lower``: δ outside [−ε_low, ε_high] with A > 0 / A < 0."""
+    return geo_mean_body(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights)
+
+
+def compute_policy_loss_dro(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Optional[Any] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """DRO: −(logπ·A − ½·β·(logπ − logπ_old)²) (·w), β = ``config.policy_loss.dro_beta`` > 0,
+    aggregated by ``loss_agg_mode``; metric ``actor/ppo_kl``."""
+    return dro_body(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
 
 
 # =======================================================================================

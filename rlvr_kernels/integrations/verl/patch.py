@@ -13,7 +13,7 @@ function when it builds them):
                        reinforce_plus_plus_baseline, gdpo
 ``policy_loss``        verl's policy-loss registry (``POLICY_LOSS_REGISTRY``) and the
                        ``core_algos.compute_policy_loss_*`` functions for vanilla, gspo,
-                       cispo, sapo, gpg, dppo_tv, dppo_kl
+                       cispo, sapo, gpg, dppo_tv, dppo_kl, geo_mean, dro
 ``ppo_loss``           ``verl.workers.utils.losses.ppo_loss`` (the engine workers' actor loss:
                        pg + kl + entropy as one fused ``policy_loss`` call) where verl
                        imported it by name (the engine workers, distillation)
@@ -64,6 +64,8 @@ POLICY_LOSSES: Dict[str, Tuple[str, Callable]] = {
     "gpg": ("compute_policy_loss_gpg", _ours_core.compute_policy_loss_gpg),
     "dppo_tv": ("compute_policy_loss_dppo_tv", _ours_core.compute_policy_loss_dppo_tv),
     "dppo_kl": ("compute_policy_loss_dppo_kl", _ours_core.compute_policy_loss_dppo_kl),
+    "geo_mean": ("compute_policy_loss_geo_mean", _ours_core.compute_policy_loss_geo_mean),
+    "dro": ("compute_policy_loss_dro", _ours_core.compute_policy_loss_dro),
 }
 ADV_ESTIMATORS: Dict[str, Tuple[str, Callable]] = {
     "grpo": ("compute_grpo_outcome_advantage", _ours_core.compute_grpo_outcome_advantage),
