@@ -13,14 +13,15 @@
   X(ratio_low) X(ratio_high) X(clip_ratio_c) X(log_ratio_clamp) X(gspo_log_clamp) X(tau_pos) X(tau_neg) \
   X(kl_coef) X(rc_low) X(rc_high) X(entropy_coef) X(w_pos) X(w_neg) X(probability)                      \
   X(a3po_pos_high_ratio) X(a3po_pos_high_scale) X(a3po_pos_low_ratio) X(a3po_pos_low_scale)             \
-  X(a3po_neg_high_ratio) X(a3po_neg_high_scale) X(a3po_neg_low_ratio) X(a3po_neg_low_scale)
+  X(a3po_neg_high_ratio) X(a3po_neg_high_scale) X(a3po_neg_low_ratio) X(a3po_neg_low_scale) X(kl_cov_coef)
 // iparams, in order.
 #define RLVR_POLICY_LOSS_IPARAMS(X)                                                                \
   X(loss_type) X(kl) X(kl_clamp) X(rollout_correction) X(seq_mean) X(token_out) X(a3po_metric) X(a3po) \
   X(entropy_quantile) X(seq_adv) X(kl_ratio_correction)
 
-#define RLVR_LOSS_TYPE_CODES(X) \
-  X(PPO, 0) X(GSPO, 1) X(CISPO, 2) X(SAPO, 3) X(REINFORCE, 4) X(DPPO_TV, 5) X(DPPO_KL, 6)
+#define RLVR_LOSS_TYPE_CODES(X)                                                             \
+  X(PPO, 0) X(GSPO, 1) X(CISPO, 2) X(SAPO, 3) X(REINFORCE, 4) X(DPPO_TV, 5) X(DPPO_KL, 6) \
+  X(CLIP_COV, 9) X(KL_COV, 10)
 #define RLVR_KL_ESTIMATOR_CODES(X) X(NONE, 0) X(K1, 1) X(K2, 2) X(K3, 3) X(K3_PLUS, 4)
 #define RLVR_ROLLOUT_CORRECTION_CODES(X) \
   X(NONE, 0) X(TOKEN_TIS, 1) X(SEQ_TIS, 2) X(TOKEN_MIS, 3) X(SEQ_MIS, 4) X(DECOUPLED, 5)
@@ -52,7 +53,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> policy_lo
     const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& ref_logprobs,
     const c10::optional<torch::Tensor>& rollout_logprobs, const c10::optional<torch::Tensor>& entropy,
     const c10::optional<torch::Tensor>& cu_seqlens, const c10::optional<torch::Tensor>& entropy_threshold,
-    c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams, bool need_entropy_grad);
+    c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams, bool need_entropy_grad,
+    const c10::optional<torch::Tensor>& cov_selection);
 
 // The backward: (coef · up).to(dtype), coef contiguous fp32/fp64, up 1-element or coef-shaped;
 // the output comes from the huge-page cache (empty_output). See policy_loss.cpp.
