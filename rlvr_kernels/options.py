@@ -185,7 +185,20 @@ class GroupAdvantages(NamedTuple):
 # ---------------------------------------------------------------------------------------
 # policy_loss and shape_token_advantages (docs/token-shaping.md, docs/policy-loss.md)
 
-LOSS_TYPES = ("ppo", "gspo", "cispo", "sapo", "reinforce", "gpg", "dppo_tv", "dppo_kl", "geo_mean", "dro")
+LOSS_TYPES = (
+    "ppo",
+    "gspo",
+    "cispo",
+    "sapo",
+    "reinforce",
+    "gpg",
+    "dppo_tv",
+    "dppo_kl",
+    "geo_mean",
+    "dro",
+    "clip_cov",
+    "kl_cov",
+)
 KL_TYPES = ("k1", "k2", "k3", "k3+")
 ROLLOUT_CORRECTIONS = ("token_tis", "seq_tis", "token_mis", "seq_mis", "decoupled")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "none")
@@ -276,9 +289,9 @@ class PolicyLossOptions:
     """Everything that decides the numbers ``policy_loss`` returns (docs/policy-loss.md).
 
     loss_type         ppo | gspo | cispo | sapo | reinforce | gpg | dppo_tv | dppo_kl |
-                      geo_mean | dro (gpg is reinforce: the field reads "reinforce" after
-                      construction)
-    clip_low/high     ε_low, ε_high of the ratio clip (ppo, gspo, cispo); for dppo_tv /
+                      geo_mean | dro | clip_cov | kl_cov (gpg is reinforce: the field reads
+                      "reinforce" after construction)
+    clip_low/high     ε_low, ε_high of the ratio clip (ppo, gspo, cispo, clip_cov); for dppo_tv /
                       dppo_kl the divergence thresholds δ_low, δ_high (>= 0) of the trust
                       region: p − p_old (TV) or the binary KL (KL); for geo_mean the
                       log-ratio bounds (>= 0): δ clipped to [−ε_low, ε_high]
@@ -286,9 +299,9 @@ class PolicyLossOptions:
                       the (constant) ratio, > 0; None = off
     gspo_dual_clip    apply clip_ratio_c to GSPO's sequence ratio too (TRL's ``delta`` at
                       sequence level); verl's GSPO has no dual clip, hence off by default
-    log_ratio_clamp   δ clamped to ±this before exp (ppo, cispo, sapo, dppo); None = off. The
-                      rollout-correction log-weights are always clamped to ±20 (verl);
-                      geo_mean and dro use the raw δ (verl)
+    log_ratio_clamp   δ clamped to ±this before exp (ppo, cispo, sapo, dppo, clip_cov, kl_cov);
+                      None = off. The rollout-correction log-weights are always clamped to
+                      ±20 (verl); geo_mean and dro use the raw δ (verl)
     gspo_log_clamp    upper clamp of log s_i (gspo); None = off (TRL)
     tau_pos/tau_neg   SAPO temperatures
     kl                None | k1 | k2 | k3 | k3+ to ``ref_logprobs``, times ``kl_coef``
@@ -310,11 +323,31 @@ class PolicyLossOptions:
     agg               token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean |
                       seq-mean-token-sum-norm | none (per-token loss, no reduction)
     dro_beta          β > 0 of dro's quadratic penalty ½·β·δ² (required for dro)
+    cov_ratio         clip_cov / kl_cov: the fraction r of the call's N valid tokens selected
+                      by covariance, k = max(1, ⌊r·N⌋) (0 < r <= 1; verl's clip_cov_ratio /
+                      kl_cov_ratio, 2e-4)
+    cov_lb/cov_ub     clip_cov: the candidates' covariance range lb < cov < ub (verl's
+                      clip_cov_lb / clip_cov_ub, 1 and 5)
+    kl_cov_coef       kl_cov: the coefficient of |δ| on the selected tokens (verl's
+                      ppo_kl_coef, 1)
+    cov_seed          clip_cov: the seed (an int) of the counter-based hash that picks k of
+                      the candidates (contracts.policy_loss.cov_selection)
     """
 
-    loss_type: Literal["ppo", "gspo", "cispo", "sapo", "reinforce", "gpg", "dppo_tv", "dppo_kl", "geo_mean", "dro"] = (
-        "ppo"
-    )
+    loss_type: Literal[
+        "ppo",
+        "gspo",
+        "cispo",
+        "sapo",
+        "reinforce",
+        "gpg",
+        "dppo_tv",
+        "dppo_kl",
+        "geo_mean",
+        "dro",
+        "clip_cov",
+        "kl_cov",
+    ] = "ppo"
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_ratio_c: Optional[float] = None
@@ -337,6 +370,11 @@ class PolicyLossOptions:
     kl_clamp_output: Optional[float] = 10.0
     kl_score_grad: bool = False
     dro_beta: Optional[float] = None
+    cov_ratio: float = 2e-4
+    cov_lb: float = 1.0
+    cov_ub: float = 5.0
+    kl_cov_coef: float = 1.0
+    cov_seed: int = 0
     mis_low: float = field(init=False, repr=False, compare=False)  # rollout_threshold_low or 1/C
     # kl_clamp as None | "k3" | "all" (True is "k3")
     kl_clamp_scope: Optional[str] = field(init=False, repr=False, compare=False)
@@ -399,6 +437,16 @@ class PolicyLossOptions:
         if not isinstance(self.kl_ratio_correction, bool):
             raise TypeError(f"kl_ratio_correction: expected a bool, got {type(self.kl_ratio_correction).__name__}")
         _check_choice("agg", self.agg, AGG_MODES)
+        _check_float("cov_ratio", self.cov_ratio, 0.0, 1.0, lo_open=True)
+        _check_float("cov_lb", self.cov_lb)
+        _check_float("cov_ub", self.cov_ub)
+        if not self.cov_lb < self.cov_ub:
+            raise ValueError(f"cov_lb: expected < cov_ub = {self.cov_ub}, got {self.cov_lb}")
+        _check_float("kl_cov_coef", self.kl_cov_coef)
+        if isinstance(self.cov_seed, bool) or not isinstance(self.cov_seed, int):
+            raise TypeError(f"cov_seed: expected an int, got {type(self.cov_seed).__name__}")
+        if not 0 <= self.cov_seed < 2**64:
+            raise ValueError(f"cov_seed: expected 0 <= cov_seed < 2**64, got {self.cov_seed}")
         if not isinstance(self.shaping, TokenShaping):
             raise TypeError(f"shaping: expected a rlvr_kernels.TokenShaping, got {type(self.shaping).__name__}")
         low = self.rollout_threshold_low if self.rollout_threshold_low is not None else 1.0 / self.rollout_threshold

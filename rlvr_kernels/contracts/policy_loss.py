@@ -5,10 +5,11 @@ Mirrored in ``csrc/policy_loss.h`` (``RLVR_POLICY_LOSS_FPARAMS`` / ``_IPARAMS`` 
 tensors and what the kernels compute from them are described in
 :mod:`rlvr_kernels.ops.policy_loss`.
 
-Two inputs of the kernels are computed outside them, by torch ops every layer shares (the
+Three inputs of the kernels are computed outside them, by torch ops every layer shares (the
 op layer, the reference and the drop-ins): the validity of the packed layout
-(``rlvr_kernels._core.layout.packed_mask``, with the other packed-layout rules) and the
-entropy-quantile threshold (:func:`entropy_quantile_threshold`), which lives here, beside
+(``rlvr_kernels._core.layout.packed_mask``, with the other packed-layout rules), the
+entropy-quantile threshold (:func:`entropy_quantile_threshold`) and the covariance
+selection of clip_cov / kl_cov (:func:`cov_selection`); the last two live here, beside
 the parameters, so that the fast path never imports the reference and the reference never
 imports a backend.
 """
@@ -36,6 +37,8 @@ class LossType(enum.IntEnum):
     DPPO_KL = 6  # DPPO-Binary-KL: trust region on the binary KL of (p_old, p)
     GEO_MEAN = 7  # GMPO: the geometric mean of the sign-aware clipped token ratios, per sequence
     DRO = 8  # DRO: −A·logp + ½·β·δ²
+    CLIP_COV = 9  # Clip-Cov: the PPO clip, the selected tokens' term zeroed (cov_selection)
+    KL_COV = 10  # KL-Cov: −A·ρ, plus kl_cov_coef·|δ| on the selected tokens (cov_selection)
 
 
 class KlEstimator(enum.IntEnum):
@@ -91,9 +94,10 @@ class PolicyLossSum(enum.IntEnum):
     KL = 2  # Σ a·kl
     NTOK = 3  # Σ m
     NSEQ = 4  # sequences with n_i > 0
-    CLIP = 5  # Σ m·clipped (dppo: outside the trust region; geo_mean: δ outside [−ε_low, ε_high] with A > 0)
+    CLIP = 5  # Σ m·clipped (dppo: outside the trust region; geo_mean: δ outside [−ε_low, ε_high] with A > 0;
+    # clip_cov / kl_cov: selected)
     CLIP_LOWER = 6  # Σ m·dual-clip active (dppo: kept with the ratio above the cap; geo_mean: δ outside with A < 0)
-    NEG_DELTA = 7  # Σ m·(−δ)
+    NEG_DELTA = 7  # Σ m·(−δ) (kl_cov: Σ m·|δ|)
     KL_RAW = 8  # Σ m·kl
     IS = 9  # Σ m·is_w
     IS_MAX = 10  # max over valid tokens of is_w (0 without valid tokens)
@@ -101,7 +105,7 @@ class PolicyLossSum(enum.IntEnum):
     SHAPED = 12  # Σ m·[shaping weight ≠ 1]
     ENT = 13  # Σ m·entropy
     NONFINITE = 14  # valid tokens where an input the call reads is NaN/±inf (the value check)
-    # The clip sides (ppo, gspo, cispo; 0 for the others). ρ is the ratio the loss type clips:
+    # The clip sides (ppo, gspo, cispo, clip_cov; 0 for the others). ρ is the ratio the loss type clips:
     # exp(δ) (δ after log_ratio_clamp), GSPO's s_i. low_t = [ρ < 1 − ε_low and A < 0],
     # high_t = [ρ > 1 + ε_high and A > 0] (A the unshaped advantage). f_i = Σ_t m·low / n_i
     # (resp. high) over the sequences with n_i > 0.
@@ -146,6 +150,7 @@ class PolicyLossParams(KernelParams):
     a3po_neg_low_ratio: float
     a3po_neg_low_scale: float
     dro_beta: float  # β of dro's ½·β·δ² (0 for the other loss types)
+    kl_cov_coef: float  # kl_cov: the coefficient of |δ| on the selected tokens
     loss_type: LossType
     kl: KlEstimator
     kl_clamp: KlClamp  # the estimators the two KL clamps apply to (K3 = 1 is verl's)
@@ -198,3 +203,102 @@ def entropy_quantile_threshold(entropy: torch.Tensor, valid: torch.Tensor, rho: 
     a, b = x.index_select(0, lo_i.reshape(1)).squeeze(0), x.index_select(0, hi_i.reshape(1)).squeeze(0)
     t = torch.lerp(a, b, w)
     return torch.where(n > 0, t, torch.full((), float("inf"), device=entropy.device))
+
+
+# The covariance selection of clip_cov / kl_cov (docs/policy-loss.md).
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x·c mod 2^32 for int64 x in [0, 2^32): c split in 16-bit halves, so that no product
+    leaves int64 (torch's overflow is not defined behaviour)."""
+    hi, lo = c >> 16, c & 0xFFFF
+    return (((x * hi) & 0xFFFF) * 65536 + x * lo) & _M32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xorshift-multiply, constants 0x7feb352d / 0x846ca68b) on
+    int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def cov_hash(seed: int, n: int, device) -> torch.Tensor:
+    """h_t = H(H(H(H(seed_lo ^ 0x9e3779b9) ^ seed_hi) ^ t_hi) ^ t_lo) for the flat token indices t < n,
+    int64 in [0, 2^32): a counter-based hash, the same on every device, H = :func:`_hash32`,
+    lo / hi the 32-bit halves."""
+    t = torch.arange(n, device=device, dtype=torch.int64)
+    h = _hash32(torch.full((), (seed & _M32) ^ 0x9E3779B9, device=device, dtype=torch.int64))
+    h = _hash32(h ^ ((seed >> 32) & _M32))
+    h = _hash32(h ^ (t >> 32))
+    return _hash32(h ^ (t & _M32))
+
+
+def _first_k(key: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The k eligible entries of the flat ``key`` with the smallest keys, ties to the lower
+    index (a stable sort; k a 0-d tensor, no host sync)."""
+    big = torch.full((), float("inf"), dtype=key.dtype, device=key.device) if key.is_floating_point() else 1 << 40
+    order = torch.where(eligible, key, big).sort(stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(0, order, torch.arange(order.numel(), device=key.device, dtype=order.dtype))
+    return eligible & (rank < k)
+
+
+def covariance(logprobs: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """cov_t = (A_t − Ā)·(logp_t − l̄), the means over the ``valid`` tokens (0 when there is
+    none), in fp64, token-shaped."""
+    v = valid.double()
+    n = v.sum().clamp(min=1)
+    a, lp = advantages.detach().double(), logprobs.detach().double()
+    return (a - (a * v).sum() / n) * (lp - (lp * v).sum() / n)
+
+
+def cov_selection(
+    loss_type: LossType,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    cov_ratio: float,
+    cov_lb: float,
+    cov_ub: float,
+    clip_low: float,
+    clip_high: float,
+    log_ratio_clamp: float,
+    cov_seed: int,
+) -> torch.Tensor:
+    """The tokens clip_cov / kl_cov treat apart (the kernels' ``cov_selection``), a bool
+    tensor shaped like ``logprobs``, from the batch covariance cov_t = :func:`covariance`
+    (fp64; ``advantages`` token-shaped) over the N ``valid`` tokens of the call;
+    k = max(1, ⌊N·cov_ratio⌋), none when N = 0.
+
+    - KL_COV: the k valid tokens with the largest cov_t, ties to the lower flat index.
+    - CLIP_COV: the candidates are the valid tokens the PPO clip leaves alone (l2 <= l1 with
+      l1 = −A·ρ, l2 = −A·clamp(ρ, 1 − clip_low, 1 + clip_high), ρ = exp(δ), δ clamped to
+      ±log_ratio_clamp when > 0) with cov_lb < cov_t < cov_ub; min(k, #candidates) of them
+      are selected: those with the smallest :func:`cov_hash` (seed ``cov_seed``, the flat
+      token index), ties to the lower index — a random choice that is a pure function of
+      the inputs and the seed.
+
+    Computed in fp64 from the inputs as given (bf16 / fp32 values are exact in fp64), so every
+    backend and the fp64 reference see the same selection. Static shapes, no host sync.
+    """
+    flat_valid = valid.reshape(-1)
+    cov = covariance(logprobs, advantages, valid).reshape(-1)
+    n = flat_valid.sum()
+    k = torch.where(n > 0, (n.double() * cov_ratio).floor().long().clamp(min=1), torch.zeros_like(n))
+    if loss_type == LossType.KL_COV:
+        return _first_k(-cov, flat_valid, k).reshape(valid.shape)
+    adv = advantages.detach().double().reshape(-1)
+    delta = (logprobs.detach().double() - old_logprobs.detach().double()).reshape(-1)
+    if log_ratio_clamp > 0:
+        delta = delta.clamp(-log_ratio_clamp, log_ratio_clamp)
+    ratio = torch.exp(delta)
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high) > -adv * ratio
+    cand = flat_valid & ~clipped & (cov > cov_lb) & (cov < cov_ub)
+    key = cov_hash(cov_seed, cand.numel(), cand.device)
+    return _first_k(key, cand, k).reshape(valid.shape)

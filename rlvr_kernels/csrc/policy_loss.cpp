@@ -18,9 +18,9 @@
 // (and triton/policy_loss.py, whose helpers carry the same names with a leading underscore):
 //   input_stage →
 //   pg_stage: log_ratio → ppo_term | gspo_term | cispo_term | sapo_term | reinforce_term |
-//             dppo_term | geo_mean_term | dro_term (clipped_objective, then dual_clip for
-//             ppo / gspo; dppo_keep for dppo_tv / dppo_kl; geo_mean_log_ratio in the
-//             pre-pass for geo_mean; clip_sides) →
+//             dppo_term | geo_mean_term | dro_term | clip_cov_term | kl_cov_term
+//             (clipped_objective, then dual_clip for ppo / gspo; dppo_keep for dppo_tv /
+//             dppo_kl; geo_mean_log_ratio in the pre-pass for geo_mean; clip_sides) →
 //   shaping_stage: shaping_weights (polarity_weight, probability_weight, a3po_scale, entropy keep) →
 //   is_weight_stage: is_weights (corrected_weight) →
 //   kl_stage: kl_term = kl_estimate (k1, k2, k3, k3+) × importance_ratio (kl_ratio_correction) →
@@ -91,6 +91,7 @@ struct Options {
   bool kl_ratio;    // the KL term times the ratio (kl_ratio_correction)
   bool clip_sides;  // the loss type clips (ppo, gspo, cispo): per-side and per-sequence clip counts
   bool dppo_cap;    // dppo with a truncation cap c
+  bool cov;         // clip_cov / kl_cov: the kernel reads the covariance selection
   double w_pos, w_neg, lambda;
   double a3po_knobs[8];  // (ratio, scale) of pos-high, pos-low, neg-high, neg-low
 };
@@ -111,13 +112,14 @@ struct Ctx {
   const in_t *lp, *old, *ref, *roll, *ent;  // ref / roll / ent: nullptr when the call does not read them
   const T* adv;
   const bool* mask;
+  const bool* cov_sel;         // clip_cov / kl_cov: the covariance selection (token-shaped), else nullptr
   int64_t B, L, slots;         // L = 0 for the packed layout; slots = B·L or T
   const int64_t* offsets;      // packed: the B + 1 sanitised offsets (disjoint, in order, inside [0, T])
   T *grad, *grad_ent, *tok;
   Options o;
   // Hyper-parameters in the compute dtype, as the reference's torch ops see them.
   T ratio_low, ratio_high, clip_c, lrc, gspo_clamp, beta, rc_low, rc_high, ent_coef, tau_pos, tau_neg, four_tau_pos,
-      four_tau_neg, half_dro_beta, kl_in, kl_out;
+      four_tau_neg, half_dro_beta, kl_cov_coef, kl_in, kl_out;
   float threshold;
   const SeqInfo<T>* seq;  // nullptr without pre-pass
   uint8_t* has_valid;     // without pre-pass: sequences with a valid token
@@ -210,7 +212,7 @@ struct VConst {
   using V = typename Lanes<T, VB>::V;
   using M = typename Lanes<T, VB>::M;
   V zero, one, half, ratio_low, ratio_high, clip_c, lrc, beta, ent_coef, rc_low, rc_high, tau_pos, tau_neg,
-      four_tau_pos, four_tau_neg, half_dro_beta, lim20, lim10, kl_in, kl_out;
+      four_tau_pos, four_tau_neg, half_dro_beta, kl_cov_coef, lim20, lim10, kl_in, kl_out;
   M none, all;
 
   template <typename in_t>
@@ -231,6 +233,7 @@ struct VConst {
         four_tau_pos(splat<V>(c.four_tau_pos)),
         four_tau_neg(splat<V>(c.four_tau_neg)),
         half_dro_beta(splat<V>(c.half_dro_beta)),
+        kl_cov_coef(splat<V>(c.kl_cov_coef)),
         lim20(splat<V>(T(20))),
         lim10(splat<V>(T(10))),
         kl_in(splat<V>(c.kl_in)),
@@ -249,7 +252,7 @@ struct Tile {
   static constexpr int G = kTileGroups;
   int64_t t0;
   int ns, ng;
-  M valid[G];
+  M valid[G], cov[G];  // cov: the covariance selection (clip_cov / kl_cov)
   V lp[G], old[G], adv[G], ent[G], ref[G], roll[G];  // inputs in the compute dtype
   V pg[G], dpg[G];                                   // policy-gradient term, ∂pg/∂logp
   V w[G], shaped_adv[G];                             // shaping weight, Ã = A·w
@@ -305,6 +308,7 @@ RLVR_INLINE bool input_stage(const Ctx<in_t, T>& c, const VConst<T, VB>& k, cons
     tl.lp[g] = load<T, VB>(c.lp + t, n);
     tl.old[g] = load<T, VB>(c.old + t, n);
     tl.adv[g] = o.seq_adv ? splat<V>(sc.adv) : load<T, VB>(c.adv + t, n);
+    if (c.cov_sel != nullptr) load_mask<T, VB>(c.cov_sel + t, n, tl.cov[g]);
     V nf = nf0 + tl.lp[g] * k.zero + tl.old[g] * k.zero;
     if (!o.seq_adv) nf = nf + tl.adv[g] * k.zero;
     if (o.has_entropy) {
@@ -553,6 +557,48 @@ RLVR_INLINE void dro_term(const VConst<T, VB>& k, Tile<T, VB>& tl, int g, PgSums
   s.neg_delta += sel(tl.valid[g], -delta, k.zero);
 }
 
+// Mirrors reference clip_cov_term: ppo's clipped_objective without the dual clip, the term (and
+// its gradient) zeroed on the selected tokens; CLIP counts the selected valid tokens (verl's
+// pg_clipfrac of clip_cov), the clip sides are ppo's.
+template <int VB, typename T>
+RLVR_INLINE void clip_cov_term(const Options& o, const VConst<T, VB>& k, Tile<T, VB>& tl, int g, PgSums<T, VB>& s) {
+  using V = typename Lanes<T, VB>::V;
+  using M = typename Lanes<T, VB>::M;
+  const V neg_adv = -tl.adv[g];
+  M pass;
+  const V delta = log_ratio(o.lrc_on, k, tl.lp[g], tl.old[g], pass);
+  const V ratio = vexp(delta);
+  V coef;
+  M clipped;
+  const V p = clipped_objective(k, neg_adv, ratio, coef, clipped);
+  const M keep = ~tl.cov[g];
+  tl.pg[g] = sel(keep, p, k.zero);
+  tl.dpg[g] = sel(keep & pass, neg_adv * coef * ratio, k.zero);
+  s.clip -= tl.valid[g] & tl.cov[g];
+  clip_sides(k, tl, g, ratio, s);
+  s.neg_delta += sel(tl.valid[g], -delta, k.zero);
+}
+
+// Mirrors reference kl_cov_term: −A·ρ, plus kl_cov_coef·|δ| on the selected tokens
+// (∂|δ|/∂δ = sign(δ), 0 at δ = 0 as torch.abs); CLIP counts the selected valid tokens and
+// NEG_DELTA holds Σ m·|δ| (verl's ppo_kl of kl_cov).
+template <int VB, typename T>
+RLVR_INLINE void kl_cov_term(const Options& o, const VConst<T, VB>& k, Tile<T, VB>& tl, int g, PgSums<T, VB>& s) {
+  using V = typename Lanes<T, VB>::V;
+  using M = typename Lanes<T, VB>::M;
+  const V neg_adv = -tl.adv[g];
+  M pass;
+  const V delta = log_ratio(o.lrc_on, k, tl.lp[g], tl.old[g], pass);
+  const V ratio = vexp(delta);
+  const V abs_delta = sel(delta < k.zero, -delta, delta);
+  const V sign = sel(delta > k.zero, k.one, sel(delta < k.zero, -k.one, k.zero));
+  const M on = tl.cov[g];
+  tl.pg[g] = neg_adv * ratio + sel(on, k.kl_cov_coef * abs_delta, k.zero);
+  tl.dpg[g] = sel(pass, neg_adv * ratio + sel(on, k.kl_cov_coef * sign, k.zero), k.zero);
+  s.clip -= tl.valid[g] & on;
+  s.neg_delta += sel(tl.valid[g], abs_delta, k.zero);
+}
+
 // Mirrors reference pg_term: the policy-gradient term pg, dpg = ∂pg/∂logp, the clip flags and
 // −δ, one loop per loss type (the type is tested once per tile).
 template <int VB, typename T>
@@ -586,6 +632,12 @@ RLVR_INLINE void pg_stage(const Options& o, const VConst<T, VB>& k, const SeqCon
       break;
     case LossType::DRO:
       for (int g = 0; g < tl.ng; ++g) dro_term(k, tl, g, s);
+      break;
+    case LossType::CLIP_COV:
+      for (int g = 0; g < tl.ng; ++g) clip_cov_term(o, k, tl, g, s);
+      break;
+    case LossType::KL_COV:
+      for (int g = 0; g < tl.ng; ++g) kl_cov_term(o, k, tl, g, s);
       break;
     default:  // REINFORCE
       for (int g = 0; g < tl.ng; ++g) reinforce_term(k, tl, g, s);
@@ -1155,7 +1207,9 @@ Options decode_options(const PolicyLossParams& p, bool need_entropy_grad, bool h
   o.seq_rc = o.rc == RolloutCorrection::SEQ_TIS || o.rc == RolloutCorrection::SEQ_MIS;
   o.prepass = o.seq_mean || o.loss == LossType::GSPO || o.loss == LossType::GEO_MEAN || o.seq_rc || o.a3po;
   o.kl_ratio = o.kl != KlEstimator::NONE && p.kl_ratio_correction != 0;
-  o.clip_sides = o.loss == LossType::PPO || o.loss == LossType::GSPO || o.loss == LossType::CISPO;
+  o.clip_sides = o.loss == LossType::PPO || o.loss == LossType::GSPO || o.loss == LossType::CISPO ||
+                 o.loss == LossType::CLIP_COV;
+  o.cov = o.loss == LossType::CLIP_COV || o.loss == LossType::KL_COV;
   return o;
 }
 
@@ -1189,6 +1243,7 @@ torch::Tensor optional_input(const char* name, const c10::optional<torch::Tensor
 // the kernel relies on holds when this returns.
 struct Inputs {
   torch::Tensor lp, old, ref, roll, ent, mask, adv;  // ref / roll / ent undefined when not read
+  torch::Tensor cov;                                 // bool, clip_cov / kl_cov only
   std::vector<int64_t> offsets;                      // packed: the B + 1 sanitised offsets
   bool packed;
   int64_t B, L, slots;
@@ -1200,7 +1255,8 @@ Inputs check_inputs(const Options& o, const torch::Tensor& logprobs, const torch
                     const c10::optional<torch::Tensor>& ref_logprobs,
                     const c10::optional<torch::Tensor>& rollout_logprobs, const c10::optional<torch::Tensor>& entropy,
                     const c10::optional<torch::Tensor>& cu_seqlens,
-                    const c10::optional<torch::Tensor>& entropy_threshold) {
+                    const c10::optional<torch::Tensor>& entropy_threshold,
+                    const c10::optional<torch::Tensor>& cov_selection) {
   const auto dtype = logprobs.scalar_type();
   TORCH_CHECK(
       dtype == torch::kFloat32 || dtype == torch::kFloat64 || dtype == torch::kFloat16 || dtype == torch::kBFloat16,
@@ -1240,6 +1296,9 @@ Inputs check_inputs(const Options& o, const torch::Tensor& logprobs, const torch
                 "policy_loss_fwd: the entropy quantile needs a 1-element entropy_threshold");
     in.threshold = entropy_threshold->to(torch::kCPU, torch::kFloat32).item<float>();
   }
+  TORCH_CHECK(cov_selection.has_value() == o.cov, "policy_loss_fwd: cov_selection is ",
+              o.cov ? "required by" : "only read by", " the clip_cov / kl_cov loss types");
+  if (o.cov) in.cov = token_input("cov_selection", *cov_selection, in.lp, torch::kBool);
   return in;
 }
 
@@ -1257,6 +1316,7 @@ Ctx<in_t, T> make_ctx(const Options& o, const PolicyLossParams& p, const Inputs&
   c.ent = ptr(in.ent);
   c.adv = in.adv.data_ptr<T>();
   c.mask = in.mask.defined() ? in.mask.data_ptr<bool>() : nullptr;
+  c.cov_sel = in.cov.defined() ? in.cov.data_ptr<bool>() : nullptr;
   c.B = in.B;
   c.L = in.L;
   c.slots = in.slots;
@@ -1281,6 +1341,7 @@ Ctx<in_t, T> make_ctx(const Options& o, const PolicyLossParams& p, const Inputs&
   c.four_tau_pos = T(4) / c.tau_pos;
   c.four_tau_neg = T(4) / c.tau_neg;
   c.half_dro_beta = static_cast<T>(0.5 * p.dro_beta);  // (Python's 0.5·β, then the compute dtype)
+  c.kl_cov_coef = static_cast<T>(p.kl_cov_coef);
   c.threshold = in.threshold;
   return c;
 }
@@ -1292,11 +1353,12 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> policy_lo
     const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& ref_logprobs,
     const c10::optional<torch::Tensor>& rollout_logprobs, const c10::optional<torch::Tensor>& entropy,
     const c10::optional<torch::Tensor>& cu_seqlens, const c10::optional<torch::Tensor>& entropy_threshold,
-    c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams, bool need_entropy_grad) {
+    c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams, bool need_entropy_grad,
+    const c10::optional<torch::Tensor>& cov_selection) {
   const PolicyLossParams p = PolicyLossParams::unpack(fparams, iparams);
   const Options o = decode_options(p, need_entropy_grad, entropy.has_value());
   const Inputs in = check_inputs(o, logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_logprobs, entropy,
-                                 cu_seqlens, entropy_threshold);
+                                 cu_seqlens, entropy_threshold, cov_selection);
   const auto dtype = in.lp.scalar_type();
   const auto cdt = dtype == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
 

@@ -14,14 +14,15 @@
   X(kl_coef) X(rc_low) X(rc_high) X(entropy_coef) X(w_pos) X(w_neg) X(probability)                      \
   X(a3po_pos_high_ratio) X(a3po_pos_high_scale) X(a3po_pos_low_ratio) X(a3po_pos_low_scale)             \
   X(a3po_neg_high_ratio) X(a3po_neg_high_scale) X(a3po_neg_low_ratio) X(a3po_neg_low_scale) X(dro_beta)      \
-  X(kl_clamp_input) X(kl_clamp_output)
+  X(kl_cov_coef) X(kl_clamp_input) X(kl_clamp_output)
 // iparams, in order.
 #define RLVR_POLICY_LOSS_IPARAMS(X)                                                                \
   X(loss_type) X(kl) X(kl_clamp) X(rollout_correction) X(seq_mean) X(token_out) X(a3po_metric) X(a3po) \
   X(entropy_quantile) X(seq_adv) X(kl_ratio_correction) X(kl_score_grad)
 
-#define RLVR_LOSS_TYPE_CODES(X) \
-  X(PPO, 0) X(GSPO, 1) X(CISPO, 2) X(SAPO, 3) X(REINFORCE, 4) X(DPPO_TV, 5) X(DPPO_KL, 6) X(GEO_MEAN, 7) X(DRO, 8)
+#define RLVR_LOSS_TYPE_CODES(X)                                                                                \
+  X(PPO, 0) X(GSPO, 1) X(CISPO, 2) X(SAPO, 3) X(REINFORCE, 4) X(DPPO_TV, 5) X(DPPO_KL, 6) X(GEO_MEAN, 7) X(DRO, 8) \
+  X(CLIP_COV, 9) X(KL_COV, 10)
 #define RLVR_KL_ESTIMATOR_CODES(X) X(NONE, 0) X(K1, 1) X(K2, 2) X(K3, 3) X(K3_PLUS, 4)
 #define RLVR_KL_CLAMP_CODES(X) X(NONE, 0) X(K3, 1) X(ALL, 2)
 #define RLVR_ROLLOUT_CORRECTION_CODES(X) \
@@ -55,7 +56,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> policy_lo
     const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& ref_logprobs,
     const c10::optional<torch::Tensor>& rollout_logprobs, const c10::optional<torch::Tensor>& entropy,
     const c10::optional<torch::Tensor>& cu_seqlens, const c10::optional<torch::Tensor>& entropy_threshold,
-    c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams, bool need_entropy_grad);
+    c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams, bool need_entropy_grad,
+    const c10::optional<torch::Tensor>& cov_selection);
 
 // The backward: (coef · up).to(dtype), coef contiguous fp32/fp64, up 1-element or coef-shaped;
 // the output comes from the huge-page cache (empty_output). See policy_loss.cpp.

@@ -79,6 +79,7 @@ from ..contracts.policy_loss import (
     TokenOut,
     entropy_quantile_threshold,
 )
+from ..contracts.policy_loss import cov_selection as _cov_select
 from ..options import (
     PolicyLossMetrics,
     PolicyLossOptions,
@@ -109,6 +110,7 @@ class _FwdArgs(NamedTuple):
     iparams: List[int]
     need_entropy_grad: bool
     backend: str
+    cov_selection: Optional[torch.Tensor] = None
 
 
 @torch.library.custom_op("rlvr_kernels::policy_loss_fwd", mutates_args=())
@@ -126,6 +128,7 @@ def _policy_loss_fwd(
     iparams: List[int],
     need_entropy_grad: bool,
     backend: str,
+    cov_selection: Optional[torch.Tensor] = None,
 ) -> _Out:
     """(sums, grad_logprobs, grad_entropy, token_out); see the module docstring."""
     return _dispatch.run(
@@ -144,6 +147,7 @@ def _policy_loss_fwd(
         fparams,
         iparams,
         need_entropy_grad,
+        cov_selection,
     )
 
 
@@ -162,6 +166,7 @@ def _(
     iparams,
     need_entropy_grad,
     backend,
+    cov_selection=None,
 ):
     dt = _compute_dtype(logprobs.dtype)
     shape = logprobs.shape
@@ -241,6 +246,7 @@ class _Inputs:
     entropy: Optional[torch.Tensor]  # in logprobs' dtype, keeps its autograd edge (entropy bonus)
     cu_seqlens: Optional[torch.Tensor]  # int64
     entropy_threshold: Optional[torch.Tensor]  # 0-d fp32, with shaping.entropy_quantile
+    cov_selection: Optional[torch.Tensor]  # token-shaped bool, clip_cov / kl_cov only
     seq_adv: bool  # advantages are [B]
     logprobs_name: str  # the caller's name of the logprobs argument
 
@@ -269,6 +275,7 @@ def _validate(
     validate: bool,
     logprobs_name: str = "logprobs",
     entropy_threshold: Optional[torch.Tensor] = None,
+    cov_selection: Optional[torch.Tensor] = None,
 ) -> _Inputs:
     """Static checks (always) and value checks (``validate``); returns kernel-ready inputs."""
     check_tensor(logprobs_name, logprobs, dtypes=FLOAT_DTYPES, ndim=(1, 2))
@@ -336,8 +343,47 @@ def _validate(
         entropy=ent,
         cu_seqlens=cu,
         entropy_threshold=threshold,
+        cov_selection=_cov_selection(opts, logprobs, old, advantages, mask, cu, cov_selection),
         seq_adv=tuple(advantages.shape) != shape,
         logprobs_name=logprobs_name,
+    )
+
+
+def _cov_selection(opts: PolicyLossOptions, logprobs, old, advantages, mask, cu, given) -> Optional[torch.Tensor]:
+    """The kernels' covariance selection for clip_cov / kl_cov: the caller's ``cov_selection=``
+    (token-shaped, bool), else :func:`~rlvr_kernels.contracts.policy_loss.cov_selection` of
+    this call's inputs (in logprobs' dtype, the advantages in the compute dtype)."""
+    cov = opts.loss_type in ("clip_cov", "kl_cov")
+    if given is not None:
+        if not cov:
+            raise ValueError("cov_selection: only used with loss_type='clip_cov' or 'kl_cov'")
+        check_like("cov_selection", given, logprobs, "logprobs", dtypes=MASK_DTYPES)
+        return (given if given.dtype == torch.bool else given != 0).detach().contiguous()
+    if not cov:
+        return None
+    shape = tuple(logprobs.shape)
+    valid = packed_mask(mask, cu, shape[0], logprobs.device) if cu is not None else mask
+    adv = advantages.detach().to(_compute_dtype(logprobs.dtype))
+    if tuple(adv.shape) != shape:  # per sequence: each token reads its sequence's advantage
+        if cu is None:
+            adv = adv[:, None].expand(shape)
+        else:
+            t = torch.arange(shape[0], device=logprobs.device)
+            seq = torch.searchsorted(cu[1:], t, right=True).clamp(max=max(adv.shape[0] - 1, 0))
+            adv = adv[seq] if adv.numel() else torch.zeros(shape, dtype=adv.dtype, device=adv.device)
+    return _cov_select(
+        _LOSS_TYPES[opts.loss_type],
+        logprobs,
+        old.to(logprobs.dtype),
+        adv,
+        valid,
+        cov_ratio=opts.cov_ratio,
+        cov_lb=opts.cov_lb,
+        cov_ub=opts.cov_ub,
+        clip_low=opts.clip_low,
+        clip_high=opts.clip_high,
+        log_ratio_clamp=float(opts.log_ratio_clamp or 0.0),
+        cov_seed=opts.cov_seed,
     )
 
 
@@ -543,6 +589,7 @@ def policy_loss(
     dp_size: Optional[int] = None,
     loss_scale_factor: Optional[float] = None,
     entropy_threshold: Optional[torch.Tensor] = None,
+    cov_selection: Optional[torch.Tensor] = None,
     process_group=None,
     validate: bool = True,
     backend: str = "auto",
@@ -581,6 +628,10 @@ def policy_loss(
             replaces this call's own quantile of ``entropy`` (e.g. the quantile over every
             data-parallel rank's tokens, as TRL's ``top_entropy_quantile``); tokens with an
             (fp32) entropy >= it keep their policy-gradient term.
+        cov_selection: with ``loss_type="clip_cov"`` / ``"kl_cov"``, a bool tensor shaped like
+            ``logprobs`` that replaces this call's own covariance selection
+            (:func:`rlvr_kernels.contracts.policy_loss.cov_selection`): the tokens whose
+            term is zeroed (clip_cov) or gets ``kl_cov_coef``·|δ| (kl_cov).
         process_group: the data-parallel group (``torch.distributed``; every rank of it calls
             with its own batch, any sizes, possibly without a valid token). The op then runs
             ONE all-reduce (a small [world, 7] fp64 table, before the normalisation) for the
@@ -642,6 +693,7 @@ def policy_loss(
             opts,
             validate,
             entropy_threshold=entropy_threshold,
+            cov_selection=cov_selection,
         )
         dp_size = _check_agg_args(
             opts, cu_seqlens, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor, group_size
@@ -660,6 +712,8 @@ def policy_loss(
         loss_scale_factor=loss_scale_factor,
     )
     if backend == "reference":
+        if x.cov_selection is not None:
+            raise ValueError("loss_type: clip_cov / kl_cov run on the cpu backend (the reference has no cov term)")
         _check_finite(None, x, validate)
         return _dispatch.kernel("policy_loss", "reference")(
             logprobs,
@@ -738,6 +792,8 @@ _LOSS_TYPES = {
     "dppo_kl": LossType.DPPO_KL,
     "geo_mean": LossType.GEO_MEAN,
     "dro": LossType.DRO,
+    "clip_cov": LossType.CLIP_COV,
+    "kl_cov": LossType.KL_COV,
 }
 _KL_CLAMPS = {None: KlClamp.NONE, "k3": KlClamp.K3, "all": KlClamp.ALL}
 _KL_ESTIMATORS = {
@@ -788,6 +844,7 @@ def _kernel_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> 
         a3po_neg_low_ratio=float(r_nl),
         a3po_neg_low_scale=float(s_nl),
         dro_beta=float(o.dro_beta) if o.loss_type == "dro" else 0.0,
+        kl_cov_coef=float(o.kl_cov_coef),
         loss_type=_LOSS_TYPES[o.loss_type],
         kl=_KL_ESTIMATORS[o.kl],
         kl_clamp=_KL_CLAMPS[o.kl_clamp_scope],
@@ -837,6 +894,7 @@ def _run_fwd(x: _Inputs, opts: PolicyLossOptions, token_out: TokenOut, need_entr
         iparams,
         need_entropy_grad,
         backend,
+        x.cov_selection,
     )
 
 

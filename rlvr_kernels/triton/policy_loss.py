@@ -1413,6 +1413,7 @@ def policy_loss_fwd(
     fparams,
     iparams,
     need_entropy_grad,
+    cov_selection=None,
 ):
     """The Triton kernels under the contract of ``rlvr_kernels_C::policy_loss_fwd``: returns
     ``(sums, grad_logprobs, grad_entropy, token_out)``."""
@@ -1423,6 +1424,11 @@ def policy_loss_fwd(
             f"loss_type: the Triton policy_loss kernel has no {p.loss_type.name.lower()} stage; use backend='cpu' "
             "or 'reference'"
         )
+    # (clip_cov / kl_cov: the C++ kernel only, so far)
+    _check(
+        p.loss_type not in (LossType.CLIP_COV, LossType.KL_COV), "loss_type clip_cov / kl_cov runs on the cpu backend"
+    )
+    _check(cov_selection is None, "cov_selection is only read by the clip_cov / kl_cov loss types")
     # The kernels index flat, contiguous buffers (a no-op for what the op layer passes).
     x = _Inputs(
         *(

@@ -336,7 +336,7 @@ def test_cpp_op_checks_parameter_lists():
         K.policy_loss_fwd(*args[:9], args[9] + [1.0], *args[10:])
     with pytest.raises(RuntimeError, match="PolicyLossParams"):
         K.policy_loss_fwd(*args[:10], args[10][:-1], *args[11:])
-    for field, bad in (("loss_type", 9), ("kl", -1), ("rollout_correction", 6), ("token_out", 3), ("a3po_metric", 2)):
+    for field, bad in (("loss_type", 99), ("kl", -1), ("rollout_correction", 6), ("token_out", 3), ("a3po_metric", 2)):
         with pytest.raises(RuntimeError, match=f"unknown {field}"):
             K.policy_loss_fwd(*replace_param(args, **{field: bad}))
 
@@ -472,7 +472,7 @@ def test_triton_launcher_checks_parameter_lists_and_shapes():
     with pytest.raises(ValueError, match=_COUNTS):
         f(*args[:9], args[9][:-1], *args[10:])
     with pytest.raises(ValueError, match="is not a valid LossType"):
-        f(*replace_param(args, loss_type=9))
+        f(*replace_param(args, loss_type=99))
     lp = args[0]
     for name, value in (
         ("old_logprobs", lp[:, :-1]),
