@@ -1105,7 +1105,7 @@ def aot_specs():
             f"_whiten_kernel{tag and '[fp64]'}",
             k._whiten_kernel,
             dict(adv_ptr=pc, weight_ptr=pc, moments_ptr=pc, B="i32", eps="fp32"),
-            dict(EPS_IN_SQRT=True, BLOCK=1024),
+            dict(EPS_IN_SQRT=True, BLOCK=1024, STD_UNBIASED=True, EPS_CLAMP=False),
         )
         # OpenRLHF's whitening: population variance, eps a floor under the sqrt.
         yield (

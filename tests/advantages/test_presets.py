@@ -164,3 +164,17 @@ def test_skyrl_grpo_and_rloo(backend, device):
     peer, _ = ppo.compute_rloo_outcome_advantage(r[:, None] * torch.tensor([[0.0, 0.0, 1.0]]), mask, index)
     ours = run(backend, device, scores=r.double(), group_index=gi, preset="skyrl", estimator="rloo", singleton="zero")
     close(ours, peer[:, 0].double(), tol=1e-5)
+
+
+@pytest.mark.parametrize("preset,name", [("areal", "batch_whiten"), ("nemo_rl", "leave_one_out")])
+def test_data_parallel_refuses_the_options_it_does_not_support(preset, name):
+    # The rank-local check that runs before any collective (no process group needed).
+    import torch.distributed as dist
+
+    from rlvr_kernels.ops.advantages import _validate_distributed
+
+    kw = dict(preset=preset, options=None)
+    tensors = (torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), 1, None, None, None, None, None)
+    with pytest.raises(NotImplementedError, match=name):
+        _validate_distributed("auto", kw, tensors, None, torch.float32, True)
+    assert not dist.is_initialized()
