@@ -12,7 +12,7 @@ from typing import Literal, NamedTuple, Optional, Union
 import torch
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "opo", "gpg", "passk", "reinforce_pp_baseline", "gdpo")
-PRESETS = ("verl", "trl", "trl_async")
+PRESETS = ("verl", "trl", "trl_async", "openrlhf", "slime", "areal", "nemo_rl", "skyrl", "prime_rl")
 STD_KINDS = ("unbiased", "population")
 SCALES = ("group", "batch", "none")
 SINGLETONS = ("zero", "raw")
@@ -27,6 +27,11 @@ def _check_choice(name, value, choices):
         raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
 
 
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+
+
 def _check_eps(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value >= 0.0) or value == float("inf"):
         raise ValueError(f"{name}: expected a finite float >= 0, got {value!r}")
@@ -34,22 +39,29 @@ def _check_eps(name, value):
 
 @dataclass(frozen=True)
 class Whitening:
-    """Batch whitening used by ``reinforce_pp_baseline`` and ``gdpo``.
+    """Batch whitening W: after ``reinforce_pp_baseline`` and ``gdpo``, and after any other
+    estimator with ``batch_whiten=True``.
 
     ``over="tokens"`` weights each sample by its number of valid tokens (verl
     ``masked_whiten`` over ``response_mask``); ``over="samples"`` weights every valid
-    sample once (TRL ``multi_objective_aggregation="normalize_then_sum"``). The variance is
-    always the unbiased one. ``eps_in_sqrt=True``: (x − mean)/sqrt(var + eps);
-    otherwise (x − mean)/(sqrt(var) + eps).
+    sample once (TRL ``multi_objective_aggregation="normalize_then_sum"``). ``std``: the
+    variance v = Σ w (x − x̄)² / (Σ w − 1) (``"unbiased"``) or / Σ w (``"population"``,
+    OpenRLHF). The divisor is sqrt(v + eps) (``eps_in_sqrt=True``) or sqrt(v) + eps; with
+    ``clamp=True`` eps is a floor instead of an addend: sqrt(max(v, eps)) or
+    max(sqrt(v), eps) (OpenRLHF's ``var.clamp(min=1e-8).rsqrt()``).
     """
 
     over: Literal["tokens", "samples"] = "tokens"
     eps: float = 1e-8
     eps_in_sqrt: bool = True
+    std: Literal["unbiased", "population"] = "unbiased"
+    clamp: bool = False
 
     def __post_init__(self):
         _check_choice("whitening.over", self.over, WHITEN_OVER)
         _check_eps("whitening.eps", self.eps)
+        _check_choice("whitening.std", self.std, STD_KINDS)
+        _check_bool("whitening.clamp", self.clamp)
 
 
 @dataclass(frozen=True)
@@ -58,7 +70,12 @@ class AdvantageOptions:
 
     ``scale`` applies to ``grpo`` and to ``gdpo``'s per-term normalisation;
     ``singleton`` applies to the mean-baseline estimators (all but ``passk``);
-    ``k`` is the pass@k size, required for ``passk``.
+    ``k`` is the pass@k size, required for ``passk``;
+    ``batch_whiten`` applies ``whitening`` after the estimator (``reinforce_pp_baseline``
+    and ``gdpo`` always whiten; AReaL's ``adv_norm`` after its group ``reward_norm``);
+    ``leave_one_out`` (``grpo``): sample i's mean and std are those of the other valid
+    samples of its group, μ₋ᵢ and σ₋ᵢ (NeMo-RL); ``skip_zero_std`` (with ``leave_one_out``):
+    where σ₋ᵢ = 0 the advantage r_i − μ₋ᵢ is not divided (NeMo-RL).
     """
 
     estimator: Estimator = "grpo"
@@ -71,6 +88,9 @@ class AdvantageOptions:
     k: Optional[int] = None
     # A factory, not a shared default instance: torch.compile traces the construction.
     whitening: Whitening = field(default_factory=Whitening)
+    batch_whiten: bool = False
+    leave_one_out: bool = False
+    skip_zero_std: bool = False
 
     def __post_init__(self):
         _check_choice("estimator", self.estimator, ESTIMATORS)
@@ -88,6 +108,19 @@ class AdvantageOptions:
                 raise ValueError(f"k: expected an int >= 1, got {self.k!r}")
         elif self.k is not None:
             raise ValueError(f"k: only used by estimator='passk', got k={self.k!r} with estimator={self.estimator!r}")
+        _check_bool("batch_whiten", self.batch_whiten)
+        _check_bool("leave_one_out", self.leave_one_out)
+        _check_bool("skip_zero_std", self.skip_zero_std)
+        if self.leave_one_out:
+            if self.estimator != "grpo":
+                raise ValueError(f"leave_one_out: only used by estimator='grpo', got estimator={self.estimator!r}")
+            if self.scale == "batch":
+                raise ValueError("leave_one_out: needs scale='group' (σ₋ᵢ) or 'none', got scale='batch'")
+        if self.skip_zero_std and not self.leave_one_out:
+            raise ValueError(
+                "skip_zero_std: only used with leave_one_out=True (a group's own σ is 0 only when its "
+                "advantages are 0 already)"
+            )
 
 
 def options_or_resolve(cls, resolve, preset: Optional[str], options, **overrides):
@@ -138,7 +171,81 @@ _PRESET_FIELDS = {
         nan_policy="unscorable",
         whitening=Whitening("samples", 1e-8, False),
     ),
+    # OpenRLHF 0.11.2 openrlhf/trainer/ppo_utils/experience_maker.py
+    # RemoteExperienceMaker.compute_advantages_and_returns: group_norm divides by torch.std
+    # (Bessel) + 1e-9; reinforce_baseline whitens over the action tokens with the population
+    # variance and var.clamp(min=1e-8).rsqrt() (a floor, not an addend). n = 1 is refused by
+    # its CLI (A = 0 here).
+    "openrlhf": dict(
+        std="unbiased",
+        eps=1e-9,
+        eps_in_sqrt=False,
+        singleton="zero",
+        nan_policy="error",
+        whitening=Whitening("tokens", 1e-8, True, std="population", clamp=True),
+    ),
+    # slime 0.3.1 slime/ray/rollout.py RolloutManager._post_process_rewards: contiguous
+    # groups, (r − mean)/(torch.std + 1e-6), std division off for n = 1 (A = 0);
+    # slime/utils/distributed_utils.py distributed_masked_whiten: tokens, Bessel,
+    # rsqrt(var + 1e-8).
+    "slime": dict(
+        std="unbiased",
+        eps=1e-6,
+        eps_in_sqrt=False,
+        singleton="zero",
+        nan_policy="error",
+        whitening=Whitening("tokens", 1e-8, True),
+    ),
+    # AReaL 1.0.4 areal/utils/data.py Normalization (eps 1e-5, std_unbiased=True, eps added
+    # to σ) as reward_norm (group level) and then adv_norm (batch level over the loss-mask
+    # tokens) in areal/trainer/ppo/actor.py PPOActor._compute_advantages.
+    "areal": dict(
+        std="unbiased",
+        eps=1e-5,
+        eps_in_sqrt=False,
+        singleton="zero",
+        nan_policy="error",
+        whitening=Whitening("tokens", 1e-5, False),
+        batch_whiten=True,
+    ),
+    # NeMo-RL 0.6.0 nemo_rl/algorithms/utils.py calculate_baseline_and_std_per_prompt and
+    # advantage_estimator.py GRPOAdvantageEstimator.compute_advantage: leave-one-out mean
+    # and std (Bessel over the n − 1 others), divided by σ₋ᵢ + 1e-6 only where σ₋ᵢ > 0;
+    # a prompt with at most one valid sample gets A = 0.
+    "nemo_rl": dict(
+        std="unbiased",
+        eps=1e-6,
+        eps_in_sqrt=False,
+        singleton="zero",
+        nan_policy="error",
+        leave_one_out=True,
+        skip_zero_std=True,
+    ),
+    # SkyRL 0.3.0 skyrl/backends/skyrl_train/utils/ppo_utils.py
+    # compute_grpo_outcome_advantage: verl's rule (Bessel, 1e-6 outside, a lone sample
+    # against mean 0 / std 1); masked_whiten: tokens, rsqrt(var + 1e-8).
+    "skyrl": dict(
+        std="unbiased",
+        eps=1e-6,
+        eps_in_sqrt=False,
+        singleton="raw",
+        nan_policy="error",
+        whitening=Whitening("tokens", 1e-8, True),
+    ),
+    # prime-rl 0.8.0 src/prime_rl/orchestrator/algo/grpo.py GRPOAlgorithm.score_group:
+    # A = r − group mean, no std (a lone sample gets 0).
+    "prime_rl": dict(
+        scale="none",
+        std="unbiased",
+        eps=1e-6,
+        eps_in_sqrt=False,
+        singleton="zero",
+        nan_policy="error",
+    ),
 }
+
+# Preset fields that only apply to some estimators: dropped (not refused) for the others.
+_PRESET_ONLY_GRPO = ("leave_one_out", "skip_zero_std")
 
 
 @torch.compiler.assume_constant_result
@@ -150,8 +257,12 @@ def resolve_advantage_options(preset: Optional[str] = None, **overrides) -> Adva
     if preset not in _PRESET_FIELDS:
         raise ValueError(f"preset: expected one of {PRESETS} or None, got {preset!r}")
     fields = dict(_PRESET_FIELDS[preset])
-    fields.update({k: v for k, v in overrides.items() if v is not None})
-    estimator = fields.get("estimator", "grpo")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    estimator = given.get("estimator", fields.get("estimator", "grpo"))
+    if estimator != "grpo":
+        for name in _PRESET_ONLY_GRPO:
+            fields.pop(name, None)
+    fields.update(given)
     if estimator == "dr_grpo":
         if fields.get("scale", "none") != "none":
             raise ValueError(f"scale: dr_grpo never divides by a std; got scale={fields['scale']!r}")

@@ -61,6 +61,8 @@ class GroupAdvantagesParams(KernelParams):
     whiten: Whiten
     whiten_eps: float
     whiten_eps_in_sqrt: bool
+    whiten_std_unbiased: bool = True  # whitening variance ÷(Σw − 1), else ÷Σw
+    whiten_eps_clamp: bool = False  # whiten_eps is a floor: sqrt(max(v, eps)) / max(sqrt(v), eps)
 
 
 class PartialColumn(enum.IntEnum):

@@ -770,7 +770,9 @@ void sample_advantages(const Inputs& in, const View v, const Affine* affine, con
 }
 
 // ------------------------------------------------------------------ 5. whitening and tokens
-// A ← (A − mean_w)/σ_w with weights w_i (tokens) or 1 (samples), unbiased, over valid samples.
+// A ← (A − mean_w)/σ_w with weights w_i (tokens) or 1 (samples) over valid samples; the
+// variance ÷(W − 1) (whiten_std_unbiased) or ÷W, and eps added or, with whiten_eps_clamp, a
+// floor of the divisor (OpenRLHF's var.clamp(min=eps).rsqrt()).
 template <typename View>
 void whiten(const Inputs& in, const View& v, double* a) {
   const bool by_tokens = in.whiten == Whiten::TOKENS && v.w != nullptr;
@@ -779,10 +781,17 @@ void whiten(const Inputs& in, const View& v, double* a) {
   const double W = chunked_sum(B, weight);
   const double mu = W > 0 ? chunked_sum(B, [&](int64_t i) { return weight(i) * a[i]; }) / W : 0.0;
   const double m2 = chunked_sum(B, [&](int64_t i) { return weight(i) * (a[i] - mu) * (a[i] - mu); });
-  const double sigma = W > 1 ? std::sqrt(m2 / (W - 1)) : 0.0;
+  const bool unbiased = in.p.whiten_std_unbiased != 0;
+  const double var = unbiased ? (W > 1 ? m2 / (W - 1) : 0.0) : (W > 0 ? m2 / W : 0.0);
+  const double sigma = std::sqrt(var), eps = in.p.whiten_eps;
+  const bool in_sqrt = in.p.whiten_eps_in_sqrt != 0;
+  // The clamp as a divisor with eps 0: sqrt(max(v, eps)) or max(sqrt(v), eps).
+  const double clamped = in_sqrt ? std::sqrt(std::max(var, eps)) : std::max(sigma, eps);
+  const bool clamp = in.p.whiten_eps_clamp != 0;
   at::parallel_for(0, B, 1 << 14, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i)
-      a[i] = weight(i) > 0 ? divide(a[i] - mu, sigma, in.p.whiten_eps, in.p.whiten_eps_in_sqrt) : 0.0;
+      a[i] = weight(i) > 0 ? (clamp ? divide(a[i] - mu, clamped, 0.0, false) : divide(a[i] - mu, sigma, eps, in_sqrt))
+                           : 0.0;
   });
 }
 

@@ -12,7 +12,7 @@
 #define RLVR_GROUP_ADVANTAGES_FPARAMS(X) X(eps) X(whiten_eps)
 #define RLVR_GROUP_ADVANTAGES_IPARAMS(X)                                                                    \
   X(num_groups) X(group_size) X(num_tokens) X(baseline) X(scale) X(std_unbiased) X(eps_in_sqrt) \
-      X(singleton_raw) X(passk_k) X(whiten) X(whiten_eps_in_sqrt)
+      X(singleton_raw) X(passk_k) X(whiten) X(whiten_eps_in_sqrt) X(whiten_std_unbiased) X(whiten_eps_clamp)
 
 // Branch codes: contracts.advantages.Baseline / Scale / Whiten.
 #define RLVR_BASELINE_CODES(X) X(NONE, 0) X(MEAN, 1) X(RLOO, 2) X(OPO, 3) X(GPG, 4) X(PASSK, 5)

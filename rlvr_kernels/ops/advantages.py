@@ -366,6 +366,9 @@ def group_advantages(
     nan_policy: Optional[str] = None,
     k: Optional[int] = None,
     whitening: Optional[Whitening] = None,
+    batch_whiten: Optional[bool] = None,
+    leave_one_out: Optional[bool] = None,
+    skip_zero_std: Optional[bool] = None,
     out_dtype: torch.dtype = torch.float32,
     validate: bool = True,
     backend: str = "auto",
@@ -383,11 +386,13 @@ def group_advantages(
             with meta tensors). At most ``2**31 - 1``, like every count the kernels allocate.
         estimator: ``grpo`` (default), ``dr_grpo``, ``rloo``, ``opo``, ``gpg``, ``passk``,
             ``reinforce_pp_baseline``, ``gdpo``.
-        preset: ``"verl"``, ``"trl"`` or ``"trl_async"``: the peer's exact conventions;
-            explicit keyword arguments override the preset.
+        preset: ``"verl"``, ``"trl"``, ``"trl_async"``, ``"openrlhf"``, ``"slime"``,
+            ``"areal"``, ``"nemo_rl"``, ``"skyrl"`` or ``"prime_rl"``: the peer's exact
+            conventions (docs/presets.md); explicit keyword arguments override the preset.
         options: a full :class:`AdvantageOptions` (then neither ``preset`` nor any of
             ``estimator``, ``std``, ``eps``, ``eps_in_sqrt``, ``scale``, ``singleton``,
-            ``nan_policy``, ``k``, ``whitening`` may be given); those keywords are its fields.
+            ``nan_policy``, ``k``, ``whitening``, ``batch_whiten``, ``leave_one_out``,
+            ``skip_zero_std`` may be given); those keywords are its fields.
         sample_mask: ``[B]``, False excludes a sample from the statistics and gives it A = 0.
         response_mask: padded ``[B, L]`` token mask, or packed ``[T]`` with ``cu_seqlens``:
             token advantages A_i · m_{i,t} are written in the same pass.
@@ -404,7 +409,12 @@ def group_advantages(
         nan_policy: ``"error"`` rejects non-finite scores (of unmasked samples);
             ``"unscorable"`` excludes them (A = 0), as TRL does.
         k: the pass@k size for ``estimator="passk"``.
-        whitening: :class:`Whitening` for ``reinforce_pp_baseline`` and ``gdpo``.
+        whitening: :class:`Whitening` for ``reinforce_pp_baseline``, ``gdpo`` and ``batch_whiten``.
+        batch_whiten: apply ``whitening`` after any estimator (AReaL's group then batch
+            normalisation); ``reinforce_pp_baseline`` and ``gdpo`` always whiten.
+        leave_one_out: ``grpo`` only: A_i = D(r_i − μ₋ᵢ, σ₋ᵢ), the mean and std of the other
+            valid samples of i's group (NeMo-RL).
+        skip_zero_std: with ``leave_one_out``, A_i = r_i − μ₋ᵢ where σ₋ᵢ = 0 (NeMo-RL).
         out_dtype: dtype of the advantages, token advantages and group mean/std.
         validate: check values (group ids in range, finite scores, monotone ``cu_seqlens``);
             reads the data (a host sync on CUDA), skipped under ``torch.compile`` and for meta
@@ -454,6 +464,9 @@ def group_advantages(
                 nan_policy=nan_policy,
                 k=k,
                 whitening=whitening,
+                batch_whiten=batch_whiten,
+                leave_one_out=leave_one_out,
+                skip_zero_std=skip_zero_std,
             ),
             (scores, group_index, num_groups, sample_mask, response_mask, cu_seqlens, lengths, reward_weights),
             group_size,
@@ -473,6 +486,9 @@ def group_advantages(
         nan_policy=nan_policy,
         k=k,
         whitening=whitening,
+        batch_whiten=batch_whiten,
+        leave_one_out=leave_one_out,
+        skip_zero_std=skip_zero_std,
     )
     out_dtype = check_out_dtype(out_dtype)
     x = _validate(
@@ -496,6 +512,8 @@ def group_advantages(
         valid = finite.any(dim=1) if x.sample_mask is None else x.sample_mask & finite.any(dim=1)
         return _gdpo(x, terms, finite, valid, _term_weights(x, terms), opts, out_dtype, backend)
     r, valid = _score_column(x)
+    if opts.leave_one_out:
+        return _leave_one_out(x, r, valid, opts, out_dtype, backend)
     baseline, scale_code, whiten = _plan(opts)
     adv, tok, mean, sd, count, degenerate, keep = _call(
         x, r, valid, opts, baseline, scale_code, whiten, out_dtype, backend
@@ -538,8 +556,8 @@ def _plan(opts: AdvantageOptions) -> Tuple[Baseline, Scale, Whiten]:
         "reinforce_pp_baseline": Baseline.MEAN,
     }[opts.estimator]
     scale = _SCALES[opts.scale] if opts.estimator == "grpo" else Scale.NONE
-    whiten = _WHITEN[opts.whitening.over] if opts.estimator == "reinforce_pp_baseline" else Whiten.OFF
-    return baseline, scale, whiten
+    whitens = opts.estimator == "reinforce_pp_baseline" or opts.batch_whiten
+    return baseline, scale, _WHITEN[opts.whitening.over] if whitens else Whiten.OFF
 
 
 _SCALES = {"none": Scale.NONE, "group": Scale.GROUP, "batch": Scale.BATCH}
@@ -600,6 +618,82 @@ def _call(x: _Inputs, r, valid, opts: AdvantageOptions, baseline, scale, whiten,
     )
 
 
+def _leave_one_out(x: _Inputs, r, valid, opts: AdvantageOptions, out_dtype, backend) -> GroupAdvantages:
+    """``grpo`` with ``leave_one_out`` (NeMo-RL): per valid sample i of a group with n valid
+    samples, from the group's float64 partials (``group_partials``: n, x₁, Σd, Σd² with
+    d = x − x₁) without sample i (m = n − 1 others, S = Σd − d_i, S2 = Σd² − d_i²):
+    r_i − μ₋ᵢ = d_i − S/m, σ₋ᵢ² = (S2 − S·S/m)/(m − 1 or m), and σ₋ᵢ := 0 exactly when every
+    other valid score is equal (from the group's min, max and their counts);
+    A_i = D(r_i − μ₋ᵢ, σ₋ᵢ) (``scale="group"``; with ``skip_zero_std`` r_i − μ₋ᵢ where
+    σ₋ᵢ = 0) or r_i − μ₋ᵢ (``scale="none"``); a lone sample follows ``singleton``.
+    Elementwise float64 torch between three kernel calls: the partials, the group statistics
+    (the ``grpo`` plan's), and a NONE plan that writes A (whitened with ``batch_whiten``) and
+    the token advantages."""
+    group_scale = opts.scale == "group"
+    # The statistics plans need no token layout (no token output, no token weights).
+    per_sample = dataclasses.replace(x, response_mask=None, cu_seqlens=None, num_tokens=-1)
+    fparams, iparams = _params(per_sample, opts, Baseline.MEAN, _SCALES[opts.scale], Whiten.OFF).pack()
+    args = (r, x.group_index, valid, x.lengths, None, None)
+    part = _group_partials_op(*args, fparams, iparams, backend)
+    _, _, mean, sd, count, degenerate, keep = _group_advantages_op(*args, fparams, iparams, out_dtype, backend)
+    xs = r.to(torch.float64)
+    B, G = xs.shape[0], x.num_groups
+    gi = torch.arange(B, device=xs.device) // x.group_size if x.group_size else x.group_index.long()
+    ok = torch.isfinite(xs) & (gi >= 0) & (gi < G)
+    if valid is not None:
+        ok &= valid
+    g = gi.clamp(0, max(G - 1, 0))
+    zero = torch.zeros((), dtype=torch.float64, device=xs.device)
+    if G == 0 or B == 0:
+        a = torch.zeros_like(xs)
+    else:
+        C = PartialColumn
+        pg = part[g]  # [B, 9] the partials of each sample's group
+        n = pg[:, C.N]
+        d = torch.where(ok, xs - pg[:, C.FIRST], zero)
+        m = n - 1
+        m_safe = torch.where(m > 0, m, torch.ones_like(m))
+        s = pg[:, C.S] - d
+        centred = d - s / m_safe  # r_i − μ₋ᵢ
+        m2 = torch.clamp_min(pg[:, C.S2] - d * d - s * (s / m_safe), 0.0)
+        denom = m - 1 if opts.std == "unbiased" else m
+        sigma = torch.where(denom > 0, torch.sqrt(m2 / torch.where(denom > 0, denom, torch.ones_like(denom))), zero)
+        sigma = torch.where(_others_equal(xs, g, ok, n, G), zero, sigma)
+        if group_scale:
+            divided = _divide_t(centred, sigma, opts.eps, opts.eps_in_sqrt)
+            a = torch.where(sigma > 0, divided, centred) if opts.skip_zero_std else divided
+        else:
+            a = centred
+        # A lone valid sample: A = 0, or verl's loop rule (mean 0, std 1).
+        lone = xs if not group_scale else _divide_t(xs, torch.ones_like(xs), opts.eps, opts.eps_in_sqrt)
+        a = torch.where(n == 1, lone if opts.singleton == "raw" else zero, a)
+        a = torch.where(ok & (n >= 1), a, zero)
+    whiten = _WHITEN[opts.whitening.over] if opts.batch_whiten else Whiten.OFF
+    adv, tok, _, _, _, _, _ = _call(x, a, ok, opts, Baseline.NONE, Scale.NONE, whiten, out_dtype, backend)
+    return GroupAdvantages(adv, tok if x.has_layout else None, mean, sd, count, degenerate, keep)
+
+
+def _divide_t(x: torch.Tensor, sigma: torch.Tensor, eps: float, eps_in_sqrt: bool) -> torch.Tensor:
+    """x/(σ + eps) or x/sqrt(σ² + eps); 0 for a zero divisor (the kernels' rule)."""
+    den = torch.sqrt(sigma * sigma + eps) if eps_in_sqrt else sigma + eps
+    return torch.where(den > 0, x / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(x))
+
+
+def _others_equal(xs, g, ok, n, G) -> torch.Tensor:
+    """[B] bool: every other valid sample of i's group has the same score (exact, from the
+    group's min and max and how many valid samples hold each)."""
+    inf = torch.full((G,), float("inf"), dtype=torch.float64, device=xs.device)
+    lo = inf.scatter_reduce(0, g[ok], xs[ok], "amin")
+    hi = (-inf).scatter_reduce(0, g[ok], xs[ok], "amax")
+    at_lo = torch.zeros(G, dtype=torch.float64, device=xs.device).index_add_(0, g[ok], (xs[ok] == lo[g[ok]]).double())
+    at_hi = torch.zeros(G, dtype=torch.float64, device=xs.device).index_add_(0, g[ok], (xs[ok] == hi[g[ok]]).double())
+    lo_i, hi_i, c_lo, c_hi = lo[g], hi[g], at_lo[g], at_hi[g]
+    constant = lo_i == hi_i
+    lone_hi = (xs == hi_i) & (c_hi == 1) & (c_lo == n - 1)
+    lone_lo = (xs == lo_i) & (c_lo == 1) & (c_hi == n - 1)
+    return constant | lone_hi | lone_lo
+
+
 def _params(x: _Inputs, opts: AdvantageOptions, baseline, scale, whiten) -> GroupAdvantagesParams:
     """The kernel parameters of one plan."""
     return GroupAdvantagesParams(
@@ -616,6 +710,8 @@ def _params(x: _Inputs, opts: AdvantageOptions, baseline, scale, whiten) -> Grou
         whiten=whiten,
         whiten_eps=float(opts.whitening.eps),
         whiten_eps_in_sqrt=bool(opts.whitening.eps_in_sqrt),
+        whiten_std_unbiased=opts.whitening.std == "unbiased",
+        whiten_eps_clamp=bool(opts.whitening.clamp),
     )
 
 
@@ -714,6 +810,12 @@ def _validate_distributed(backend, option_kwargs, tensors, group_size, out_dtype
     after the fingerprint exchange, and reported to the others)."""
     _dispatch.check_backend(backend)
     opts = _resolve(option_kwargs.pop("preset"), option_kwargs.pop("options"), **option_kwargs)
+    for name in ("batch_whiten", "leave_one_out"):
+        if getattr(opts, name):
+            raise NotImplementedError(
+                f"group_advantages: {name}=True with process_group is not supported (it needs every rank's "
+                f"samples after the group statistics: a second collective)"
+            )
     if opts.estimator not in _DIST_ESTIMATORS:
         raise NotImplementedError(
             f"group_advantages: estimator={opts.estimator!r} with process_group is not supported (its batch "

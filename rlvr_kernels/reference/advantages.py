@@ -90,7 +90,7 @@ def group_advantages(
         adv, mean, std, count, degenerate = _single_term(
             r, group_index, num_groups, valid, n_tok, opts, baseline=baseline, scale=scale
         )
-        if opts.estimator == "reinforce_pp_baseline":
+        if opts.estimator == "reinforce_pp_baseline" or opts.batch_whiten:
             adv = _whiten(adv, valid, n_tok, opts)
 
     g_safe = group_index.clamp(0, max(num_groups - 1, 0))
@@ -191,7 +191,9 @@ def _single_term(r, group_index, num_groups, valid, n_tok, opts, *, baseline, sc
         else:
             mu_g, sigma_g = mu, std[g]
 
-        if baseline == "mean":
+        if baseline == "mean" and opts.leave_one_out and n > 1:
+            adv[members] = _leave_one_out(rg, scale, opts)
+        elif baseline == "mean":
             if scale == "group":
                 adv[members] = _divide(rg - mu_g, sigma_g, opts.eps, opts.eps_in_sqrt)
             elif scale == "batch":
@@ -216,6 +218,22 @@ def _single_term(r, group_index, num_groups, valid, n_tok, opts, *, baseline, sc
     return adv, mean, std, count, degenerate
 
 
+def _leave_one_out(rg, scale, opts):
+    """A_i = D(r_i − μ₋ᵢ, σ₋ᵢ) over the other n − 1 >= 1 samples of the group (σ₋ᵢ of
+    ``opts.std``; exactly 0 when the others are all equal); ``skip_zero_std``: r_i − μ₋ᵢ
+    where σ₋ᵢ = 0; ``scale="none"``: r_i − μ₋ᵢ."""
+    out = torch.zeros_like(rg)
+    for j in range(rg.numel()):
+        others = torch.cat([rg[:j], rg[j + 1 :]])
+        centred = rg[j] - others.mean()
+        sigma = torch.zeros((), dtype=rg.dtype) if bool((others == others[0]).all()) else _std(others, opts.std)
+        if scale == "none" or (opts.skip_zero_std and sigma == 0):
+            out[j] = centred
+        else:
+            out[j] = _divide(centred, sigma, opts.eps, opts.eps_in_sqrt)
+    return out
+
+
 def _passk(rg, k, eps, eps_in_sqrt):
     """Analytic pass@k advantages (Chen et al. 2025) for one group; correct ⇔ r > 0."""
     n = rg.numel()
@@ -232,7 +250,8 @@ def _passk(rg, k, eps, eps_in_sqrt):
 
 
 def _whiten(s, valid, n_tok, opts):
-    """Batch whitening with weights w_i (tokens or 1), unbiased variance (docs/advantages.md)."""
+    """Batch whitening with weights w_i (tokens or 1), the variance ÷(W − 1) or ÷W, eps added
+    or a floor (``clamp``) (docs/advantages.md)."""
     wh = opts.whitening
     if wh.over == "tokens" and n_tok is not None:
         weight = torch.where(valid, n_tok, torch.zeros((), dtype=s.dtype))
@@ -244,9 +263,18 @@ def _whiten(s, valid, n_tok, opts):
         return torch.zeros_like(s)
     mean = (weight * s).sum() / W
     centered = s - mean
-    var = (weight * centered * centered).sum() / (W - 1) if W > 1 else torch.zeros((), dtype=s.dtype)
-    sigma = torch.sqrt(var)
-    return torch.where(use, _divide(centered, sigma, wh.eps, wh.eps_in_sqrt), torch.zeros((), dtype=s.dtype))
+    m2 = (weight * centered * centered).sum()
+    if wh.std == "unbiased":
+        var = m2 / (W - 1) if W > 1 else torch.zeros((), dtype=s.dtype)
+    else:
+        var = m2 / W
+    if wh.clamp:
+        floor = torch.as_tensor(wh.eps, dtype=s.dtype)
+        d = torch.sqrt(torch.maximum(var, floor)) if wh.eps_in_sqrt else torch.maximum(torch.sqrt(var), floor)
+        out = _divide(centered, d, 0.0, False)
+    else:
+        out = _divide(centered, torch.sqrt(var), wh.eps, wh.eps_in_sqrt)
+    return torch.where(use, out, torch.zeros((), dtype=s.dtype))
 
 
 # ------------------------------------------------------------------ data parallel: partials and apply

@@ -295,15 +295,27 @@ def _whiten_kernel(
     eps,
     EPS_IN_SQRT: tl.constexpr,
     BLOCK: tl.constexpr,
+    STD_UNBIASED: tl.constexpr = True,  # variance ÷(Σw − 1), else ÷Σw
+    EPS_CLAMP: tl.constexpr = False,  # eps a floor of the divisor (OpenRLHF), not an addend
 ):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = i < B
     W = tl.load(moments_ptr + 0)
     mean = tl.load(moments_ptr + 1)
-    var = tl.where(W > 1.0, tl.load(moments_ptr + 2) / tl.maximum(W - 1.0, 1e-30), 0.0)
+    if STD_UNBIASED:
+        var = tl.where(W > 1.0, tl.load(moments_ptr + 2) / tl.maximum(W - 1.0, 1e-30), 0.0)
+    else:
+        var = tl.where(W > 0.0, tl.load(moments_ptr + 2) / tl.maximum(W, 1e-30), 0.0)
     x = tl.load(adv_ptr + i, mask=inside, other=0.0)
     w = tl.load(weight_ptr + i, mask=inside, other=0.0)
-    y = _divide(x - mean, tl.sqrt(var), eps, EPS_IN_SQRT)
+    if EPS_CLAMP:
+        if EPS_IN_SQRT:
+            d = tl.sqrt(tl.maximum(var, eps))
+        else:
+            d = tl.maximum(tl.sqrt(var), eps)
+        y = tl.where(d > 0.0, (x - mean) / tl.where(d > 0.0, d, 1.0), 0.0)
+    else:
+        y = _divide(x - mean, tl.sqrt(var), eps, EPS_IN_SQRT)
     tl.store(adv_ptr + i, tl.where(w > 0.0, y, 0.0), mask=inside)
 
 
@@ -587,7 +599,15 @@ def _sample_advantages(scores, group_index, ok, weights, st: _GroupStats, p: Gro
         wmom = torch.zeros(4, **cf)
         _moments_kernel[(1,)](adv, wts, wmom, B, BLOCK=_BLOCK)
         _whiten_kernel[(triton.cdiv(B, _BLOCK),)](
-            adv, wts, wmom, B, float(p.whiten_eps), EPS_IN_SQRT=bool(p.whiten_eps_in_sqrt), BLOCK=_BLOCK
+            adv,
+            wts,
+            wmom,
+            B,
+            float(p.whiten_eps),
+            EPS_IN_SQRT=bool(p.whiten_eps_in_sqrt),
+            BLOCK=_BLOCK,
+            STD_UNBIASED=bool(p.whiten_std_unbiased),
+            EPS_CLAMP=bool(p.whiten_eps_clamp),
         )
     return adv, keep8
 
@@ -1085,7 +1105,14 @@ def aot_specs():
             f"_whiten_kernel{tag and '[fp64]'}",
             k._whiten_kernel,
             dict(adv_ptr=pc, weight_ptr=pc, moments_ptr=pc, B="i32", eps="fp32"),
-            dict(EPS_IN_SQRT=True, BLOCK=1024),
+            dict(EPS_IN_SQRT=True, BLOCK=1024, STD_UNBIASED=True, EPS_CLAMP=False),
+        )
+        # OpenRLHF's whitening: population variance, eps a floor under the sqrt.
+        yield (
+            f"_whiten_kernel[population,clamp]{tag and '[fp64]'}",
+            k._whiten_kernel,
+            dict(adv_ptr=pc, weight_ptr=pc, moments_ptr=pc, B="i32", eps="fp32"),
+            dict(EPS_IN_SQRT=True, BLOCK=1024, STD_UNBIASED=False, EPS_CLAMP=True),
         )
     p32 = "*fp32"
     for packed in (False, True):

@@ -28,6 +28,17 @@ ESTIMATOR_OPTIONS = [
     dict(estimator="reinforce_pp_baseline", whitening=rk.Whitening("samples", 1e-4, False)),
     dict(estimator="gdpo", preset="verl"),
     dict(estimator="gdpo", preset="trl"),
+    dict(estimator="grpo", preset="openrlhf"),
+    dict(estimator="reinforce_pp_baseline", preset="openrlhf"),
+    dict(estimator="rloo", preset="openrlhf", whitening=rk.Whitening("samples", 1e-4, False, std="population")),
+    dict(estimator="grpo", preset="slime"),
+    dict(estimator="grpo", preset="areal"),
+    dict(estimator="dr_grpo", preset="areal", whitening=rk.Whitening("samples", 1e-3, True, clamp=True)),
+    dict(estimator="grpo", preset="nemo_rl"),
+    dict(estimator="grpo", leave_one_out=True, std="population", eps_in_sqrt=True),
+    dict(estimator="grpo", leave_one_out=True, scale="none", singleton="raw", batch_whiten=True),
+    dict(estimator="grpo", preset="skyrl"),
+    dict(estimator="grpo", preset="prime_rl"),
 ]
 
 
