@@ -331,11 +331,20 @@ def replace_param(args, **fields):
 def test_cpp_op_checks_parameter_lists():
     args = kernel_args(small_case(), ALL_ON)
     K.policy_loss_fwd(*args)
-    with pytest.raises(RuntimeError, match="PolicyLossParams: expected 22 fparams and 11 iparams"):
+    with pytest.raises(
+        RuntimeError,
+        match=f"PolicyLossParams: expected {len(PolicyLossParams.float_fields())} fparams and {len(PolicyLossParams.int_fields())} iparams",
+    ):
         K.policy_loss_fwd(*args[:9], args[9] + [1.0], *args[10:])
     with pytest.raises(RuntimeError, match="PolicyLossParams"):
         K.policy_loss_fwd(*args[:10], args[10][:-1], *args[11:])
-    for field, bad in (("loss_type", 9), ("kl", -1), ("rollout_correction", 6), ("token_out", 3), ("a3po_metric", 2)):
+    for field, bad in (
+        ("loss_type", 9),
+        ("kl", -1),
+        ("rollout_correction", len(RolloutCorrectionCode)),
+        ("token_out", len(TokenOut)),
+        ("a3po_metric", 2),
+    ):
         with pytest.raises(RuntimeError, match=f"unknown {field}"):
             K.policy_loss_fwd(*replace_param(args, **{field: bad}))
 
@@ -468,7 +477,10 @@ def test_cpp_grad_op_checks_shapes():
 def test_triton_launcher_checks_parameter_lists_and_shapes():
     args = kernel_args(small_case(device=DEVICE), dict(kl="k3", kl_coef=0.1, rollout_correction="token_tis"))
     f = triton_policy_loss.policy_loss_fwd
-    with pytest.raises(ValueError, match="PolicyLossParams: expected 22 fparams and 11 iparams"):
+    with pytest.raises(
+        ValueError,
+        match=f"PolicyLossParams: expected {len(PolicyLossParams.float_fields())} fparams and {len(PolicyLossParams.int_fields())} iparams",
+    ):
         f(*args[:9], args[9][:-1], *args[10:])
     with pytest.raises(ValueError, match="is not a valid LossType"):
         f(*replace_param(args, loss_type=9))
