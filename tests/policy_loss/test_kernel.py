@@ -327,13 +327,17 @@ def replace_param(args, **fields):
     return args[:9] + [fparams, iparams] + args[11:]
 
 
+_NF, _NI = len(PolicyLossParams.float_fields()), len(PolicyLossParams.int_fields())
+_COUNTS_MESSAGE = f"PolicyLossParams: expected {_NF} fparams and {_NI} iparams"
+
+
 @pytest.mark.cpu_kernel
 def test_cpp_op_checks_parameter_lists():
     args = kernel_args(small_case(), ALL_ON)
     K.policy_loss_fwd(*args)
     with pytest.raises(
         RuntimeError,
-        match=f"PolicyLossParams: expected {len(PolicyLossParams.float_fields())} fparams and {len(PolicyLossParams.int_fields())} iparams",
+        match=_COUNTS_MESSAGE,
     ):
         K.policy_loss_fwd(*args[:9], args[9] + [1.0], *args[10:])
     with pytest.raises(RuntimeError, match="PolicyLossParams"):
@@ -479,7 +483,7 @@ def test_triton_launcher_checks_parameter_lists_and_shapes():
     f = triton_policy_loss.policy_loss_fwd
     with pytest.raises(
         ValueError,
-        match=f"PolicyLossParams: expected {len(PolicyLossParams.float_fields())} fparams and {len(PolicyLossParams.int_fields())} iparams",
+        match=_COUNTS_MESSAGE,
     ):
         f(*args[:9], args[9][:-1], *args[10:])
     with pytest.raises(ValueError, match="is not a valid LossType"):
