@@ -17,6 +17,7 @@ from .options import (
     GroupAdvantages,
     PolicyLossMetrics,
     PolicyLossOptions,
+    RolloutCorrection,
     TokenShaping,
     Whitening,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "GroupAdvantages",
     "PolicyLossMetrics",
     "PolicyLossOptions",
+    "RolloutCorrection",
     "TokenShaping",
     "Whitening",
     "async_rollout",

@@ -395,6 +395,254 @@ class TokenShaping:
         object.__setattr__(self, "active", active)
 
 
+# verl 0.9.1 trainer/ppo/rollout_corr_helper.py: SUPPORTED_ROLLOUT_RS_OPTIONS, in the kernels'
+# bit order (PolicyLossParams.rs_options: bit j is RS_OPTIONS[j]).
+RS_OPTIONS = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
+IS_LEVELS = ("token", "sequence")
+IS_MODES = ("truncate", "icepop", "mask", "decoupled")
+LOG_RATIO_BASES = ("old", "current")
+# The 14 rejection bounds the kernels read, in PolicyLossParams order; k1 bounds are in log
+# space, the others are upper bounds of the statistic (+inf: option off).
+RS_BOUND_FIELDS = (
+    "rs_token_k1_low",
+    "rs_token_k1_high",
+    "rs_token_k2",
+    "rs_token_k3",
+    "rs_seq_sum_k1_low",
+    "rs_seq_sum_k1_high",
+    "rs_seq_sum_k2",
+    "rs_seq_sum_k3",
+    "rs_seq_mean_k1_low",
+    "rs_seq_mean_k1_high",
+    "rs_seq_mean_k2",
+    "rs_seq_mean_k3",
+    "rs_seq_max_k2",
+    "rs_seq_max_k3",
+)
+
+
+def _rs_thresholds(options, spec):
+    """verl's ``_parse_rollout_rs_thresholds``: one spec shared by all options or one per
+    option, comma separated; k1 options take ``"lower_upper"`` or an upper u (lower 1/u),
+    the others a single upper bound; every bound > 0, lower <= upper. Returns
+    {option: (lower or None, upper)}."""
+    name = "rollout_correction.rs_threshold"
+    if spec is None:
+        raise ValueError(f"{name}: rs needs a threshold (verl's rollout_rs_threshold)")
+    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+        raise TypeError(f"{name}: expected a float or a string, got {type(spec).__name__}")
+    raw = [str(spec)] if not isinstance(spec, str) else [p.strip() for p in spec.split(",") if p.strip()]
+    if not raw:
+        raise ValueError(f"{name}: expected at least one threshold, got {spec!r}")
+    if len(raw) not in (1, len(options)):
+        raise ValueError(f"{name}: expected 1 or {len(options)} thresholds (one per rs option), got {len(raw)}")
+    raw = raw * len(options) if len(raw) == 1 else raw
+    out = {}
+    for opt, part in zip(options, raw):
+        try:
+            if opt.endswith("k1"):
+                lo_s, hi_s = part.split("_", 1) if "_" in part else (None, part)
+                hi = float(hi_s)
+                lo = float(lo_s) if lo_s is not None else 1.0 / hi
+            else:
+                if "_" in part:
+                    raise ValueError(f"{name}: option {opt!r} takes a single upper bound, got {part!r}")
+                lo, hi = None, float(part)
+        except (ValueError, ZeroDivisionError) as exc:
+            if str(exc).startswith(name):
+                raise
+            raise ValueError(f"{name}: invalid threshold {part!r} for option {opt!r}") from exc
+        if not (hi > 0 and hi != float("inf")) or (lo is not None and not (0 < lo <= hi)):
+            raise ValueError(f"{name}: option {opt!r} needs 0 < lower <= upper < inf, got {part!r}")
+        out[opt] = (lo, hi)
+    return out
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """Rollout correction (docs/policy-loss.md, "Rollout correction"): verl 0.9.1's
+    ``rollout_corr_helper`` one to one, fused into ``policy_loss``. With x = base − rollout
+    (base = old_logprobs, or the detached current logprobs with ``log_ratio="current"``,
+    verl's bypass mode):
+
+    is_level          None | token | sequence: the IS weight w = exp(clamp(x, ±20)) per token,
+                      or exp(clamp(Σ_t x·m, ±20)) per sequence (verl ``rollout_is``)
+    is_threshold      the upper bound C; ``is_threshold_low`` the lower bound
+    is_mode           truncate (TIS: min(w, C)) | icepop (w inside [low, C], else 0: verl's
+                      ``"low_high"`` threshold) | mask (1 inside [low, C], else 0; low
+                      defaults to 1/C) | decoupled (w <= C kept, else 0; token level).
+                      Default: icepop when ``is_threshold_low`` is given, else truncate
+    is_batch_normalize  w / mean(w) (verl ``rollout_is_batch_normalize``): the mean over
+                      the call's valid tokens (token level) or over its sequences with a
+                      valid token (sequence level), before rejection; skipped when
+                      mean <= 1e-8. The call is the batch (no collective)
+    rs, rs_threshold  verl ``rollout_rs`` / ``rollout_rs_threshold``: a comma separated
+                      chain of RS_OPTIONS (every one must pass), thresholds as verl parses
+                      them. With k1 = −x, k2 = x²/2, k3 = eˣ − 1 − x (x clamped to ±20):
+                      token_kj per token; seq_sum_kj / seq_mean_kj / seq_max_kj the sum /
+                      mean / max over the sequence's valid tokens. k1 options keep
+                      log(lower) <= stat <= log(upper), the others stat <= upper
+    geo_mean          (low, high): reject a sequence when exp(mean_t x) leaves [low, high].
+                      This is verl's seq_mean_k1 with bounds (1/high, 1/low) (k1 = −x), and
+                      is fused as that option (intersected with an explicit seq_mean_k1)
+    log_ratio         old (default) | current (verl's bypass mode: the IS weights and the
+                      rejection against the current policy, without gradient)
+
+    Rejection removes tokens from the loss exactly as verl's modified ``response_mask``
+    does: from the pg, KL and entropy terms and from every aggregation count. IS weights
+    multiply the pg term only.
+    """
+
+    is_level: Optional[Literal["token", "sequence"]] = None
+    is_threshold: float = 2.0
+    is_threshold_low: Optional[float] = None
+    is_mode: Optional[Literal["truncate", "icepop", "mask", "decoupled"]] = None
+    is_batch_normalize: bool = False
+    rs: Optional[str] = None
+    rs_threshold: Optional[object] = None
+    geo_mean: Optional[tuple] = None
+    log_ratio: Literal["old", "current"] = "old"
+    # Derived: the resolved mode, the IS lower bound the kernels read, the normalised rs
+    # chain, the kernels' rejection bit mask and 14 bounds (RS_BOUND_FIELDS), and whether
+    # anything is on.
+    mode: str = field(init=False, repr=False, compare=False)
+    low: float = field(init=False, repr=False, compare=False)
+    rs_options: tuple = field(init=False, repr=False, compare=False)
+    rs_mask: int = field(init=False, repr=False, compare=False)
+    rs_bounds: tuple = field(init=False, repr=False, compare=False)
+    active: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        import math
+
+        pre = "rollout_correction."
+        if self.is_level is not None:
+            _check_choice(pre + "is_level", self.is_level, IS_LEVELS)
+        _check_float(pre + "is_threshold", self.is_threshold, 0.0, lo_open=True)
+        _check_float(pre + "is_threshold_low", self.is_threshold_low, 0.0, lo_open=True, allow_none=True)
+        if self.is_threshold_low is not None and self.is_threshold_low > self.is_threshold:
+            raise ValueError(
+                f"{pre}is_threshold_low: expected <= is_threshold = {self.is_threshold}, got {self.is_threshold_low}"
+            )
+        mode = self.is_mode
+        if mode is None:
+            mode = "icepop" if self.is_threshold_low is not None else "truncate"
+        _check_choice(pre + "is_mode", mode, IS_MODES)
+        if mode == "icepop" and self.is_threshold_low is None:
+            raise ValueError(f"{pre}is_threshold_low: is_mode='icepop' needs a lower bound")
+        if mode == "decoupled" and self.is_level == "sequence":
+            raise ValueError(f"{pre}is_mode: 'decoupled' is token level, got is_level='sequence'")
+        if not isinstance(self.is_batch_normalize, bool):
+            raise TypeError(f"{pre}is_batch_normalize: expected a bool, got {type(self.is_batch_normalize).__name__}")
+        _check_choice(pre + "log_ratio", self.log_ratio, LOG_RATIO_BASES)
+        chain = []
+        if self.rs is not None:
+            if not isinstance(self.rs, str):
+                raise TypeError(f"{pre}rs: expected a comma separated string, got {type(self.rs).__name__}")
+            for opt in (o.strip() for o in self.rs.split(",")):
+                if opt and opt not in chain:
+                    _check_choice(pre + "rs", opt, RS_OPTIONS)
+                    chain.append(opt)
+            if not chain:
+                raise ValueError(f"{pre}rs: expected at least one of {RS_OPTIONS}, got {self.rs!r}")
+            thresholds = _rs_thresholds(chain, self.rs_threshold)
+        else:
+            if self.rs_threshold is not None:
+                raise ValueError(f"{pre}rs_threshold: given without rs")
+            thresholds = {}
+        inf = float("inf")
+        bounds = dict.fromkeys(RS_BOUND_FIELDS, inf)
+        for f in RS_BOUND_FIELDS:
+            if f.endswith("_low"):
+                bounds[f] = -inf
+        for opt, (lo, hi) in thresholds.items():
+            if opt.endswith("k1"):
+                bounds[f"rs_{opt}_low"] = math.log(lo)
+                bounds[f"rs_{opt}_high"] = math.log(hi)
+            else:
+                bounds[f"rs_{opt}"] = hi
+        mask = sum(1 << j for j, o in enumerate(RS_OPTIONS) if o in thresholds)
+        if self.geo_mean is not None:
+            g = self.geo_mean
+            if not (isinstance(g, tuple) and len(g) == 2):
+                raise ValueError(f"{pre}geo_mean: expected a (low, high) tuple, got {g!r}")
+            _check_float(pre + "geo_mean[0] (low)", g[0], 0.0, lo_open=True)
+            _check_float(pre + "geo_mean[1] (high)", g[1], g[0])
+            # exp(mean x) in [low, high]  <=>  mean k1 = −mean x in [−log high, −log low]
+            bounds["rs_seq_mean_k1_low"] = max(bounds["rs_seq_mean_k1_low"], -math.log(g[1]))
+            bounds["rs_seq_mean_k1_high"] = min(bounds["rs_seq_mean_k1_high"], -math.log(g[0]))
+            mask |= 1 << RS_OPTIONS.index("seq_mean_k1")
+        low = self.is_threshold_low if self.is_threshold_low is not None else 1.0 / self.is_threshold
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "low", float(low))
+        object.__setattr__(self, "rs_options", tuple(chain))
+        object.__setattr__(self, "rs_mask", mask)
+        object.__setattr__(self, "rs_bounds", tuple(float(bounds[f]) for f in RS_BOUND_FIELDS))
+        object.__setattr__(self, "active", self.is_level is not None or mask != 0)
+
+    @classmethod
+    def from_verl(
+        cls,
+        rollout_is: Optional[str] = None,
+        rollout_is_threshold=2.0,
+        rollout_is_batch_normalize: bool = False,
+        rollout_rs: Optional[str] = None,
+        rollout_rs_threshold=None,
+        *,
+        log_ratio: str = "old",
+    ) -> "RolloutCorrection":
+        """From verl's ``RolloutCorrectionConfig`` fields (``rollout_is_threshold``: a float
+        for TIS or a ``"lower_upper"`` string for IcePop, as verl's
+        ``_parse_rollout_is_threshold``)."""
+        low = None
+        thr = rollout_is_threshold
+        if rollout_is is not None:
+            if isinstance(thr, bool) or not isinstance(thr, (int, float, str)):
+                raise TypeError(f"rollout_is_threshold: expected a float or a string, got {type(thr).__name__}")
+            if isinstance(thr, str):
+                try:
+                    if "_" in thr.strip():
+                        lo_s, hi_s = thr.strip().split("_", 1)
+                        low, thr = float(lo_s), float(hi_s)
+                    else:
+                        thr = float(thr)
+                except ValueError as exc:
+                    raise ValueError(f"rollout_is_threshold: invalid threshold {rollout_is_threshold!r}") from exc
+        else:
+            thr = 2.0
+        return cls(
+            is_level=rollout_is,
+            is_threshold=float(thr),
+            is_threshold_low=low,
+            is_batch_normalize=bool(rollout_is_batch_normalize),
+            rs=rollout_rs,
+            rs_threshold=rollout_rs_threshold,
+            log_ratio=log_ratio,
+        )
+
+
+# The rollout_correction shorthands of PolicyLossOptions: (is_level, is_mode).
+_RC_SHORTHANDS = {
+    "token_tis": ("token", "truncate"),
+    "seq_tis": ("sequence", "truncate"),
+    "token_mis": ("token", "mask"),
+    "seq_mis": ("sequence", "mask"),
+    "decoupled": ("token", "decoupled"),
+}
+
+
 @dataclass(frozen=True)
 class PolicyLossOptions:
     """Everything that decides the numbers ``policy_loss`` returns (docs/policy-loss.md).
@@ -427,9 +675,11 @@ class PolicyLossOptions:
                       gradient (TRL's ``use_bias_correction_kl``): r = exp(δ) (δ after
                       ``log_ratio_clamp``), GSPO's token-form s_{i,t} (its value s_i, the
                       gradient through the token's own log-prob, as GSPO's pg term)
-    rollout_correction None | token_tis | seq_tis | token_mis | seq_mis | decoupled
+    rollout_correction None | a RolloutCorrection | a shorthand for one: token_tis | seq_tis |
+                      token_mis | seq_mis | decoupled (is_level token / sequence, is_mode
+                      truncate / mask / decoupled)
     rollout_threshold C (upper bound / cap), rollout_threshold_low the MIS lower bound
-                      (default 1/C)
+                      (default 1/C) of the shorthands (a RolloutCorrection carries its own)
     entropy_coef      coefficient of the entropy bonus (needs ``entropy``)
     agg               token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean |
                       seq-mean-token-sum-norm | none (per-token loss, no reduction)
@@ -469,7 +719,7 @@ class PolicyLossOptions:
     kl: Optional[str] = None
     kl_coef: float = 0.0
     kl_clamp: Union[bool, str, None] = True
-    rollout_correction: Optional[str] = None
+    rollout_correction: Optional[object] = None
     rollout_threshold: float = 2.0
     rollout_threshold_low: Optional[float] = None
     entropy_coef: float = 0.0
@@ -489,6 +739,7 @@ class PolicyLossOptions:
     mis_low: float = field(init=False, repr=False, compare=False)  # rollout_threshold_low or 1/C
     # kl_clamp as None | "k3" | "all" (True is "k3")
     kl_clamp_scope: Optional[str] = field(init=False, repr=False, compare=False)
+    rc: Optional[RolloutCorrection] = field(init=False, repr=False, compare=False)  # the resolved correction
 
     def __post_init__(self):
         _check_choice("loss_type", self.loss_type, LOSS_TYPES)
@@ -522,8 +773,14 @@ class PolicyLossOptions:
             raise TypeError(f"kl_score_grad: expected a bool, got {type(self.kl_score_grad).__name__}")
         if self.kl_score_grad and self.kl_ratio_correction:
             raise ValueError("kl_score_grad: cannot be combined with kl_ratio_correction (both weight the KL term)")
-        if self.rollout_correction is not None:
-            _check_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        if isinstance(self.rollout_correction, str) or self.rollout_correction is None:
+            if self.rollout_correction is not None:
+                _check_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        elif not isinstance(self.rollout_correction, RolloutCorrection):
+            raise TypeError(
+                "rollout_correction: expected a str or a rlvr_kernels.RolloutCorrection, "
+                f"got {type(self.rollout_correction).__name__}"
+            )
         _check_float("rollout_threshold", self.rollout_threshold, 0.0, lo_open=True)
         _check_float("rollout_threshold_low", self.rollout_threshold_low, 0.0, allow_none=True)
         if self.rollout_threshold_low is not None and self.rollout_threshold_low > self.rollout_threshold:
@@ -535,14 +792,6 @@ class PolicyLossOptions:
         _check_float("dro_beta", self.dro_beta, 0.0, lo_open=True, allow_none=True)
         if self.loss_type == "dro" and self.dro_beta is None:
             raise ValueError("dro_beta: loss_type='dro' needs the penalty coefficient β > 0, got None")
-        if self.loss_type == "geo_mean" and self.rollout_correction in ("token_tis", "token_mis", "decoupled"):
-            # A sequence-level term takes a sequence weight; verl's geo_mean forms it as the
-            # geometric mean of the token weights, which the kernels do not compute.
-            raise ValueError(
-                f"rollout_correction: loss_type='geo_mean' takes a sequence-level correction "
-                f"(seq_tis, seq_mis), got {self.rollout_correction!r}; for verl's geometric mean of token "
-                "weights pass rollout_is_weights to the verl drop-in"
-            )
         if not isinstance(self.gspo_dual_clip, bool):
             raise TypeError(f"gspo_dual_clip: expected a bool, got {type(self.gspo_dual_clip).__name__}")
         if not isinstance(self.kl_ratio_correction, bool):
@@ -564,6 +813,30 @@ class PolicyLossOptions:
         object.__setattr__(self, "mis_low", low)
         scope = "k3" if self.kl_clamp is True else (self.kl_clamp or None)
         object.__setattr__(self, "kl_clamp_scope", scope)
+        rc = self.rollout_correction
+        if isinstance(rc, str):
+            level, mode = _RC_SHORTHANDS[rc]
+            rc = RolloutCorrection(level, self.rollout_threshold, self.rollout_threshold_low, mode)
+        elif rc is not None:
+            if self.rollout_threshold != 2.0 or self.rollout_threshold_low is not None:
+                raise ValueError(
+                    "rollout_threshold: belongs to the string shorthands; a RolloutCorrection carries its own"
+                )
+            if not rc.active:
+                rc = None
+            elif rc.rs_mask and (self.shaping.a3po_active or self.shaping.entropy_quantile is not None):
+                raise ValueError(
+                    "rollout_correction: rejection (rs / geo_mean) with A3PO or the entropy quantile is not supported"
+                )
+        if self.loss_type == "geo_mean" and rc is not None and rc.is_level == "token":
+            # A sequence-level term takes a sequence weight; verl's geo_mean forms it as the
+            # geometric mean of the token weights, which the kernels do not compute.
+            raise ValueError(
+                "rollout_correction: loss_type='geo_mean' takes a sequence-level IS weight (seq_tis, seq_mis, "
+                f"is_level='sequence'), got {self.rollout_correction!r}; for verl's geometric mean of token "
+                "weights pass rollout_is_weights to the verl drop-in"
+            )
+        object.__setattr__(self, "rc", rc)
 
 
 _LOSS_PRESET_FIELDS = {
@@ -701,3 +974,10 @@ class PolicyLossMetrics(NamedTuple):
     seq_clipfrac_high_mean: torch.Tensor  # mean over sequences of f_high_i
     seq_clipfrac_low_min: torch.Tensor  # min over sequences of f_low_i
     seq_clipfrac_high_max: torch.Tensor  # max over sequences of f_high_i
+    # Rollout correction's rejection and batch normalisation (RolloutCorrection; 0 / 0 / 1
+    # without): verl's rollout_corr/rollout_rs_masked_fraction (removed / valid tokens before
+    # rejection), rollout_rs_seq_masked_fraction (sequences with a removed token / rows B)
+    # and rollout_is_batch_norm_factor. The other metrics above are over the kept tokens.
+    rs_masked_frac: torch.Tensor
+    rs_seq_masked_frac: torch.Tensor
+    is_batch_norm_factor: torch.Tensor

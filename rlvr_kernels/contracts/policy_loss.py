@@ -59,15 +59,18 @@ class KlClamp(enum.IntEnum):
     ALL = 2  # every estimator
 
 
-class RolloutCorrection(enum.IntEnum):
-    """The rollout-correction (importance-sampling) weight."""
+class RolloutCorrectionCode(enum.IntEnum):
+    """The rollout-correction (importance-sampling) weight: level × mode of
+    ``rlvr_kernels.RolloutCorrection`` (docs/policy-loss.md)."""
 
     NONE = 0
-    TOKEN_TIS = 1
-    SEQ_TIS = 2
-    TOKEN_MIS = 3
-    SEQ_MIS = 4
-    DECOUPLED = 5
+    TOKEN_TIS = 1  # token, truncate
+    SEQ_TIS = 2  # sequence, truncate
+    TOKEN_MIS = 3  # token, mask
+    SEQ_MIS = 4  # sequence, mask
+    DECOUPLED = 5  # token, decoupled
+    TOKEN_ICEPOP = 6  # token, icepop
+    SEQ_ICEPOP = 7  # sequence, icepop
 
 
 class TokenOut(enum.IntEnum):
@@ -76,6 +79,8 @@ class TokenOut(enum.IntEnum):
     NONE = 0  # not written (a [0] tensor)
     LOSS = 1  # ℓ·m, the per-token loss of agg="none"
     SHAPED_ADVANTAGES = 2  # Ã = A·w·m (shape_token_advantages)
+    IS_WEIGHTS = 3  # the rollout-correction weight on valid tokens (after batch normalisation), else 0
+    KEEP = 4  # 1 on valid tokens the rejection keeps, else 0 (verl's modified response_mask)
 
 
 class A3poMetric(enum.IntEnum):
@@ -115,6 +120,12 @@ class PolicyLossSum(enum.IntEnum):
     SEQ_CLIP_HIGH = 18  # Σ_i f_high_i
     SEQ_CLIP_LOW_MIN = 19  # min_i f_low_i (0 without a sequence with n_i > 0)
     SEQ_CLIP_HIGH_MAX = 20  # max_i f_high_i (0 without a sequence with n_i > 0)
+    # Rollout correction (RolloutCorrection). m⁰ is the valid flag before rejection, m = m⁰·keep.
+    # NTOK, NSEQ and every sum above are over the kept tokens m.
+    NTOK_RAW = 21  # Σ m⁰
+    RS_REJECT = 22  # Σ m⁰·(1 − keep): tokens the rejection chain removed
+    RS_SEQ_REJECT = 23  # sequences with a removed token
+    IS_NORM = 24  # the batch-normalisation mean of the IS weights (1 when <= 1e-8; 0 when off)
 
 
 NUM_SUMS = len(PolicyLossSum)
@@ -154,7 +165,7 @@ class PolicyLossParams(KernelParams):
     loss_type: LossType
     kl: KlEstimator
     kl_clamp: KlClamp  # the estimators the two KL clamps apply to (K3 = 1 is verl's)
-    rollout_correction: RolloutCorrection
+    rollout_correction: RolloutCorrectionCode
     seq_mean: bool  # agg_w = m_t / n_i (seq-mean-token-mean), else m_t
     token_out: TokenOut
     a3po_metric: A3poMetric
@@ -165,6 +176,26 @@ class PolicyLossParams(KernelParams):
     kl_clamp_input: float  # x = logp − ref clamped to ±this before the estimator (> 0), or 0 = off
     kl_clamp_output: float  # the estimate clamped to ±this (> 0), or 0 = off
     kl_score_grad: bool  # ∂/∂logp of the KL term gains kl where no clamp is active (NeMo-RL)
+    # Rollout correction's rejection chain (RolloutCorrection.rs_bounds, in this order): with
+    # x = clamp(base − rollout, ±20), k1 = −x, k2 = x²/2, k3 = eˣ − 1 − x; k1 bounds in log
+    # space, the others upper bounds (±inf when the option is off).
+    rs_token_k1_low: float
+    rs_token_k1_high: float
+    rs_token_k2: float
+    rs_token_k3: float
+    rs_seq_sum_k1_low: float
+    rs_seq_sum_k1_high: float
+    rs_seq_sum_k2: float
+    rs_seq_sum_k3: float
+    rs_seq_mean_k1_low: float
+    rs_seq_mean_k1_high: float
+    rs_seq_mean_k2: float
+    rs_seq_mean_k3: float
+    rs_seq_max_k2: float
+    rs_seq_max_k3: float
+    rs_options: int  # bit j: options.RS_OPTIONS[j] is on (0: no rejection)
+    rc_current: bool  # base = logprobs (detached; verl's bypass mode), else old_logprobs
+    is_batch_normalize: bool  # the IS weights divided by their mean over the call (IS_NORM)
 
 
 # The C++ X-macro list each branch-code enum mirrors.
@@ -172,7 +203,7 @@ CPP_CODES = {
     "RLVR_LOSS_TYPE_CODES": LossType,
     "RLVR_KL_ESTIMATOR_CODES": KlEstimator,
     "RLVR_KL_CLAMP_CODES": KlClamp,
-    "RLVR_ROLLOUT_CORRECTION_CODES": RolloutCorrection,
+    "RLVR_ROLLOUT_CORRECTION_CODES": RolloutCorrectionCode,
     "RLVR_TOKEN_OUT_CODES": TokenOut,
     "RLVR_A3PO_METRIC_CODES": A3poMetric,
     "RLVR_POLICY_LOSS_SUM_CODES": PolicyLossSum,

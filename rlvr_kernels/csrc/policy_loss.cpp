@@ -57,6 +57,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -89,6 +90,9 @@ struct Options {
   bool kl_score;         // kl_score_grad: ∂/∂logp gains kl where no clamp is active
   bool lrc_on, dual_clip, has_entropy, ent_term, shaping, seq_rc, prepass;
   bool kl_ratio;    // the KL term times the ratio (kl_ratio_correction)
+  uint32_t rs;      // the rejection chain (bit j: options.RS_OPTIONS[j]); 0 = off
+  bool rc_current;  // the rollout log-ratio from logprobs (bypass), else from old_logprobs
+  bool is_norm;     // the IS weights over their batch mean
   bool clip_sides;  // the loss type clips (ppo, gspo, cispo): per-side and per-sequence clip counts
   bool dppo_cap;    // dppo with a truncation cap c
   bool cov;         // clip_cov / kl_cov: the kernel reads the covariance selection
@@ -105,6 +109,9 @@ struct SeqInfo {
   std::vector<uint8_t> gspo_pass, seq_rej;
   std::vector<double> a3po_high, a3po_low;  // the knob scales of the sequence's polarity (1: off)
   std::vector<uint8_t> a3po_sel;            // per token slot: bit 0 high-selected, bit 1 low-selected
+  std::vector<int64_t> n_raw;               // rejection: valid tokens before it (n: those it keeps)
+  std::vector<uint8_t> keep;                // rejection: per token slot, 1 where the chain keeps it
+  std::vector<double> tok_w;                // token-level batch norm: Σ over valid tokens of the IS weight
 };
 
 template <typename in_t, typename T>
@@ -121,6 +128,9 @@ struct Ctx {
   T ratio_low, ratio_high, clip_c, lrc, gspo_clamp, beta, rc_low, rc_high, ent_coef, tau_pos, tau_neg, four_tau_pos,
       four_tau_neg, half_dro_beta, kl_cov_coef, kl_in, kl_out;
   float threshold;
+  T rs[14];               // the rejection bounds (PolicyLossParams rs_*, in order)
+  T is_mu;                // the batch-normalisation mean (1 when off)
+  const bool* keep;       // rejection: the pre-pass's per-slot keep flags (nullptr when off)
   const SeqInfo<T>* seq;  // nullptr without pre-pass
   uint8_t* has_valid;     // without pre-pass: sequences with a valid token
   int64_t* seq_counts;    // clip_sides: per sequence (n_i, Σ m·low, Σ m·high), integer atomics
@@ -212,7 +222,7 @@ struct VConst {
   using V = typename Lanes<T, VB>::V;
   using M = typename Lanes<T, VB>::M;
   V zero, one, half, ratio_low, ratio_high, clip_c, lrc, beta, ent_coef, rc_low, rc_high, tau_pos, tau_neg,
-      four_tau_pos, four_tau_neg, half_dro_beta, kl_cov_coef, lim20, lim10, kl_in, kl_out;
+      four_tau_pos, four_tau_neg, half_dro_beta, kl_cov_coef, lim20, lim10, kl_in, kl_out, is_mu;
   M none, all;
 
   template <typename in_t>
@@ -238,6 +248,7 @@ struct VConst {
         lim10(splat<V>(T(10))),
         kl_in(splat<V>(c.kl_in)),
         kl_out(splat<V>(c.kl_out)),
+        is_mu(splat<V>(c.is_mu)),
         none(M{}),
         all(M{} == M{}) {}
 };
@@ -303,6 +314,11 @@ RLVR_INLINE bool input_stage(const Ctx<in_t, T>& c, const VConst<T, VB>& k, cons
     } else {
       tl.valid[g] = lanes_below<T, VB>(n);
       any = true;
+    }
+    if (c.keep != nullptr) {  // the rejection chain (reference rejection_keep) removes tokens
+      M kept;
+      load_mask<T, VB>(c.keep + t, n, kept);
+      tl.valid[g] = tl.valid[g] & kept;
     }
     ntok -= tl.valid[g];
     tl.lp[g] = load<T, VB>(c.lp + t, n);
@@ -712,6 +728,10 @@ RLVR_INLINE V corrected_weight(RolloutCorrection rc, V rw, V low, V high, V zero
     case RolloutCorrection::DECOUPLED:
       rejected = rw > high;
       return sel(rejected, zero, rw);
+    case RolloutCorrection::TOKEN_ICEPOP:
+    case RolloutCorrection::SEQ_ICEPOP:
+      rejected = (rw < low) | (rw > high);
+      return sel(rejected, zero, rw);
     default:  // TOKEN_MIS, SEQ_MIS
       rejected = (rw < low) | (rw > high);
       return sel(rejected, zero, one);
@@ -719,7 +739,8 @@ RLVR_INLINE V corrected_weight(RolloutCorrection rc, V rw, V low, V high, V zero
 }
 
 // Mirrors reference is_weights: a detached weight per token (token level: exp of the clamped
-// old − rollout; sequence level: from the pre-pass).
+// base − rollout, base = old or, for rc_current, logprobs; sequence level: from the pre-pass),
+// over the batch mean with is_norm (reference is_batch_norm).
 template <int VB, typename T>
 RLVR_INLINE void is_weight_stage(const Options& o, const VConst<T, VB>& k, const SeqConst<T>& sc, Tile<T, VB>& tl,
                                  Acc<T, VB>& acc) {
@@ -734,9 +755,11 @@ RLVR_INLINE void is_weight_stage(const Options& o, const VConst<T, VB>& k, const
       iw = splat<V>(sc.seq_w);
       rej = sc.seq_rej ? k.all : k.none;
     } else {
-      const V rw = vexp(vclamp(tl.old[g] - tl.roll[g], -k.lim20, k.lim20));
+      const V base = o.rc_current ? tl.lp[g] : tl.old[g];
+      const V rw = vexp(vclamp(base - tl.roll[g], -k.lim20, k.lim20));
       iw = corrected_weight(o.rc, rw, k.rc_low, k.rc_high, k.zero, k.one, rej);
     }
+    if (o.is_norm) iw = iw / k.is_mu;
     tl.is_w[g] = iw;
     const V iv = sel(tl.valid[g], iw, k.zero);
     is_sum += iv;
@@ -877,6 +900,10 @@ RLVR_INLINE void output_stage(const Ctx<in_t, T>& c, const VConst<T, VB>& k, con
       store<T>(c.tok + t, sel(valid, loss, k.zero), n);
     } else if (o.token_out == TokenOut::SHAPED_ADVANTAGES) {
       store<T>(c.tok + t, sel(valid, o.shaping ? tl.shaped_adv[g] : tl.adv[g], k.zero), n);
+    } else if (o.token_out == TokenOut::IS_WEIGHTS) {
+      store<T>(c.tok + t, sel(valid, o.rc != RolloutCorrection::NONE ? tl.is_w[g] : k.one, k.zero), n);
+    } else if (o.token_out == TokenOut::KEEP) {
+      store<T>(c.tok + t, sel(valid, k.one, k.zero), n);
     }
     total += sel(valid, loss, k.zero);
     pg_sum += sel(valid, p, k.zero);
@@ -1034,14 +1061,46 @@ void a3po_select(const Ctx<in_t, T>& c, int64_t i, int64_t b, int64_t e, double 
   }
 }
 
+// Mirrors reference rejection_keep for one token: the token options of the chain on the token's
+// k1 = −x, k2 = x²/2, k3 = eˣ − 1 − x (x clamped to ±20, as rs_statistics).
+template <typename T>
+RLVR_INLINE bool token_keep(uint32_t rs, const T* b, T k1, T k2, T k3) {
+  bool ok = true;
+  if (rs & 1u) ok = ok && k1 >= b[0] && k1 <= b[1];
+  if (rs & 2u) ok = ok && k2 <= b[2];
+  if (rs & 4u) ok = ok && k3 <= b[3];
+  return ok;
+}
+
+// Mirrors reference rejection_keep for one sequence: the sequence options on the sums, means
+// (over the n > 0 valid tokens) and maxima of k1, k2, k3.
+template <typename T>
+RLVR_INLINE bool seq_keep(uint32_t rs, const T* b, const T* sum, const T* mean, const T* mx) {
+  bool ok = true;
+  if (rs & 8u) ok = ok && sum[0] >= b[4] && sum[0] <= b[5];
+  if (rs & 16u) ok = ok && sum[1] <= b[6];
+  if (rs & 32u) ok = ok && sum[2] <= b[7];
+  if (rs & 64u) ok = ok && mean[0] >= b[8] && mean[0] <= b[9];
+  if (rs & 128u) ok = ok && mean[1] <= b[10];
+  if (rs & 256u) ok = ok && mean[2] <= b[11];
+  if (rs & 512u) ok = ok && mx[1] <= b[12];
+  if (rs & 1024u) ok = ok && mx[2] <= b[13];
+  return ok;
+}
+
 // The sequence statistics: n_i; GSPO's log s_i = Σ δ·m / max(n, 1), clamped above (the clamp
 // stops the gradient; reference gspo_term); geo_mean's share −Ā_i·r_i / n_i with
-// r_i = exp(Σ δ_min·m / n_i), Ā_i = Σ A·m / n_i (reference geo_mean_term); the sequence IS
-// weight from the clamped Σ log w·m (reference is_weights); the A3PO selection.
+// r_i = exp(Σ δ_min·m / n_i), Ā_i = Σ A·m / n_i over the kept tokens (reference
+// geo_mean_term); the sequence IS weight from the clamped Σ x·m
+// (reference is_weights) and, for the token-level batch norm, Σ w·m; the A3PO selection; the
+// rejection chain (reference rejection_keep): its statistics over the valid tokens, the per-slot
+// keep flags, and n_i, GSPO's sums over the kept tokens only (verl's modified response_mask).
 template <typename in_t, typename T>
 void prepass(const Ctx<in_t, T>& c, SeqInfo<T>& s) {
   const Options& o = c.o;
   const bool gspo = o.loss == LossType::GSPO, geo = o.loss == LossType::GEO_MEAN;
+  const bool tok_norm = o.is_norm && !o.seq_rc;
+  const in_t* base = o.rc_current ? c.lp : c.old;
 #pragma omp parallel if (c.B > 1)
   {
     std::vector<std::pair<double, int64_t>> cand;
@@ -1049,10 +1108,31 @@ void prepass(const Ctx<in_t, T>& c, SeqInfo<T>& s) {
     for (int64_t i = 0; i < c.B; ++i) {
       int64_t b, e;
       c.span(i, b, e);
-      int64_t n = 0;
-      double sum_delta = 0.0, sum_logw = 0.0, polarity = 0.0, sum_dmin = 0.0, sum_adv = 0.0;
+      int64_t n = 0, n_raw = 0;
+      double sum_delta = 0.0, sum_logw = 0.0, polarity = 0.0, sum_w = 0.0, sum_dmin = 0.0, sum_adv = 0.0;
+      double ksum[3] = {0.0, 0.0, 0.0};
+      T kmax[3] = {T(0), -std::numeric_limits<T>::infinity(), -std::numeric_limits<T>::infinity()};
       for (int64_t t = b; t < e; ++t) {
         if (c.mask != nullptr && !c.mask[t]) continue;
+        ++n_raw;
+        const T x = static_cast<T>(base[t]) - static_cast<T>(c.roll != nullptr ? c.roll[t] : base[t]);
+        if (o.seq_rc) sum_logw += double(x);
+        const T xc = x < T(-20) ? T(-20) : x > T(20) ? T(20) : x;
+        if (tok_norm) {
+          bool rej;
+          sum_w += double(corrected_weight(o.rc, T(std::exp(xc)), c.rc_low, c.rc_high, T(0), T(1), rej));
+        }
+        if (o.rs != 0) {
+          const T k1 = -xc, k2 = T(0.5) * (xc * xc), k3 = (T(std::exp(xc)) - T(1)) - xc;
+          ksum[0] += double(k1);
+          ksum[1] += double(k2);
+          ksum[2] += double(k3);
+          kmax[1] = std::max(kmax[1], k2);
+          kmax[2] = std::max(kmax[2], k3);
+          const bool kept = token_keep(o.rs, c.rs, k1, k2, k3);
+          s.keep[t] = kept;
+          if (!kept) continue;
+        }
         ++n;
         if (gspo) sum_delta += double(static_cast<T>(c.lp[t]) - static_cast<T>(c.old[t]));
         if (geo) {
@@ -1061,9 +1141,21 @@ void prepass(const Ctx<in_t, T>& c, SeqInfo<T>& s) {
           sum_dmin += double(geo_mean_log_ratio(delta, a, c.ratio_low, c.ratio_high));
           sum_adv += double(a);
         }
-        if (o.seq_rc) sum_logw += double(static_cast<T>(c.old[t]) - static_cast<T>(c.roll[t]));
         if (o.a3po) polarity += double(o.seq_adv ? c.adv[i] : c.adv[t]);
       }
+      if (o.rs != 0) {
+        const T sum[3] = {T(ksum[0]), T(ksum[1]), T(ksum[2])};
+        const T nr = static_cast<T>(std::max<int64_t>(n_raw, 1));
+        const T mean[3] = {n_raw > 0 ? sum[0] / nr : T(0), n_raw > 0 ? sum[1] / nr : T(0),
+                           n_raw > 0 ? sum[2] / nr : T(0)};
+        if (n_raw == 0) kmax[1] = kmax[2] = T(0);
+        if (!seq_keep(o.rs, c.rs, sum, mean, kmax)) {
+          n = 0;
+          std::fill(s.keep.begin() + b, s.keep.begin() + e, uint8_t(0));
+        }
+        s.n_raw[i] = n_raw;
+      }
+      if (tok_norm) s.tok_w[i] = sum_w;
       s.n[i] = n;
       s.inv_n[i] = n > 0 ? T(1) / static_cast<T>(n) : T(0);
       if (gspo) {
@@ -1112,8 +1204,29 @@ void forward(Ctx<in_t, T>& c, double* sums) {
       seq.a3po_low.assign(c.B, 1.0);
       seq.a3po_sel.assign(c.slots, 0);
     }
+    if (o.rs != 0) {
+      seq.n_raw.assign(c.B, 0);
+      seq.keep.assign(c.slots, 0);
+    }
+    if (o.is_norm && !o.seq_rc) seq.tok_w.assign(c.B, 0.0);
     c.seq = &seq;
     prepass(c, seq);
+    if (o.rs != 0) c.keep = reinterpret_cast<const bool*>(seq.keep.data());
+    if (o.is_norm) {  // reference is_batch_norm, in sequence order
+      double num = 0.0, den = 0.0;
+      for (int64_t i = 0; i < c.B; ++i) {
+        const int64_t nr = o.rs != 0 ? seq.n_raw[i] : seq.n[i];
+        if (o.seq_rc) {
+          num += nr > 0 ? double(seq.seq_w[i]) : 0.0;
+          den += nr > 0 ? 1.0 : 0.0;
+        } else {
+          num += seq.tok_w[i];
+          den += double(nr);
+        }
+      }
+      const T mu = den > 0 ? static_cast<T>(static_cast<T>(num) / static_cast<T>(den)) : T(0);
+      c.is_mu = mu > T(1e-8) ? mu : T(1);
+    }
   } else {
     has_valid.assign(c.B, 0);
     c.has_valid = has_valid.data();
@@ -1156,6 +1269,20 @@ void forward(Ctx<in_t, T>& c, double* sums) {
   sums[idx(Sum::SEQ_CLIP_HIGH)] = high_sum;
   sums[idx(Sum::SEQ_CLIP_LOW_MIN)] = low_min;
   sums[idx(Sum::SEQ_CLIP_HIGH_MAX)] = high_max;
+  // Rejection: the counts before it; the batch-normalisation mean.
+  double ntok_raw = sums[idx(Sum::NTOK)], rs_reject = 0.0, rs_seq_reject = 0.0;
+  if (o.rs != 0) {
+    ntok_raw = 0.0;
+    for (int64_t i = 0; i < c.B; ++i) {
+      ntok_raw += double(seq.n_raw[i]);
+      rs_reject += double(seq.n_raw[i] - seq.n[i]);
+      rs_seq_reject += seq.n_raw[i] > seq.n[i] ? 1.0 : 0.0;
+    }
+  }
+  sums[idx(Sum::NTOK_RAW)] = ntok_raw;
+  sums[idx(Sum::RS_REJECT)] = rs_reject;
+  sums[idx(Sum::RS_SEQ_REJECT)] = rs_seq_reject;
+  sums[idx(Sum::IS_NORM)] = o.is_norm ? double(c.is_mu) : 0.0;
   if (o.rc == RolloutCorrection::NONE) {  // is_w = 1
     sums[idx(Sum::IS)] = sums[idx(Sum::NTOK)];
     sums[idx(Sum::IS_MAX)] = sums[idx(Sum::NTOK)] > 0 ? 1.0 : 0.0;
@@ -1204,8 +1331,13 @@ Options decode_options(const PolicyLossParams& p, bool need_entropy_grad, bool h
                            p.a3po_neg_high_ratio, p.a3po_neg_high_scale, p.a3po_neg_low_ratio, p.a3po_neg_low_scale};
   std::copy(knobs, knobs + 8, o.a3po_knobs);
   o.shaping = o.w_pos != 1.0 || o.w_neg != 1.0 || o.lambda != 0.0 || o.a3po || o.ent_quantile;
-  o.seq_rc = o.rc == RolloutCorrection::SEQ_TIS || o.rc == RolloutCorrection::SEQ_MIS;
-  o.prepass = o.seq_mean || o.loss == LossType::GSPO || o.loss == LossType::GEO_MEAN || o.seq_rc || o.a3po;
+  o.seq_rc = o.rc == RolloutCorrection::SEQ_TIS || o.rc == RolloutCorrection::SEQ_MIS ||
+             o.rc == RolloutCorrection::SEQ_ICEPOP;
+  // (the bits above the 11 options are ignored: no parameter list reaches outside the bounds)
+  o.rs = uint32_t(p.rs_options) & 0x7ffu;
+  o.rc_current = p.rc_current != 0;
+  o.is_norm = p.is_batch_normalize != 0 && o.rc != RolloutCorrection::NONE;
+  o.prepass = o.seq_mean || o.loss == LossType::GSPO || o.loss == LossType::GEO_MEAN || o.seq_rc || o.a3po || o.rs != 0 || o.is_norm;
   o.kl_ratio = o.kl != KlEstimator::NONE && p.kl_ratio_correction != 0;
   o.clip_sides = o.loss == LossType::PPO || o.loss == LossType::GSPO || o.loss == LossType::CISPO ||
                  o.loss == LossType::CLIP_COV;
@@ -1269,7 +1401,7 @@ Inputs check_inputs(const Options& o, const torch::Tensor& logprobs, const torch
   TORCH_CHECK(in.packed || mask.has_value(), "policy_loss_fwd: the padded layout needs a mask");
   in.lp = logprobs.contiguous();
   in.old = token_input("old_logprobs", old_logprobs, in.lp, dtype);
-  const bool kl_on = o.kl != KlEstimator::NONE, rc_on = o.rc != RolloutCorrection::NONE;
+  const bool kl_on = o.kl != KlEstimator::NONE, rc_on = o.rc != RolloutCorrection::NONE || o.rs != 0;
   in.ref = optional_input("ref_logprobs", ref_logprobs, in.lp, kl_on, kl_on);
   in.roll = optional_input("rollout_logprobs", rollout_logprobs, in.lp, rc_on, rc_on);
   const bool needs_entropy = o.ent_term || o.ent_quantile || (o.a3po && o.a3po_entropy) || o.need_entropy_grad;
@@ -1343,6 +1475,12 @@ Ctx<in_t, T> make_ctx(const Options& o, const PolicyLossParams& p, const Inputs&
   c.half_dro_beta = static_cast<T>(0.5 * p.dro_beta);  // (Python's 0.5·β, then the compute dtype)
   c.kl_cov_coef = static_cast<T>(p.kl_cov_coef);
   c.threshold = in.threshold;
+  const double rs[14] = {p.rs_token_k1_low,    p.rs_token_k1_high,    p.rs_token_k2,      p.rs_token_k3,
+                         p.rs_seq_sum_k1_low,  p.rs_seq_sum_k1_high,  p.rs_seq_sum_k2,    p.rs_seq_sum_k3,
+                         p.rs_seq_mean_k1_low, p.rs_seq_mean_k1_high, p.rs_seq_mean_k2,   p.rs_seq_mean_k3,
+                         p.rs_seq_max_k2,      p.rs_seq_max_k3};
+  for (int j = 0; j < 14; ++j) c.rs[j] = static_cast<T>(rs[j]);
+  c.is_mu = T(1);
   return c;
 }
 

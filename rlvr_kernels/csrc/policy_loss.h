@@ -14,11 +14,15 @@
   X(kl_coef) X(rc_low) X(rc_high) X(entropy_coef) X(w_pos) X(w_neg) X(probability)                      \
   X(a3po_pos_high_ratio) X(a3po_pos_high_scale) X(a3po_pos_low_ratio) X(a3po_pos_low_scale)             \
   X(a3po_neg_high_ratio) X(a3po_neg_high_scale) X(a3po_neg_low_ratio) X(a3po_neg_low_scale) X(dro_beta)      \
-  X(kl_cov_coef) X(kl_clamp_input) X(kl_clamp_output)
+  X(kl_cov_coef) X(kl_clamp_input) X(kl_clamp_output) X(rs_token_k1_low) X(rs_token_k1_high) X(rs_token_k2)   \
+  X(rs_token_k3) X(rs_seq_sum_k1_low) X(rs_seq_sum_k1_high) X(rs_seq_sum_k2) X(rs_seq_sum_k3)                  \
+  X(rs_seq_mean_k1_low) X(rs_seq_mean_k1_high) X(rs_seq_mean_k2) X(rs_seq_mean_k3) X(rs_seq_max_k2)            \
+  X(rs_seq_max_k3)
 // iparams, in order.
 #define RLVR_POLICY_LOSS_IPARAMS(X)                                                                \
   X(loss_type) X(kl) X(kl_clamp) X(rollout_correction) X(seq_mean) X(token_out) X(a3po_metric) X(a3po) \
-  X(entropy_quantile) X(seq_adv) X(kl_ratio_correction) X(kl_score_grad)
+  X(entropy_quantile) X(seq_adv) X(kl_ratio_correction) X(kl_score_grad) X(rs_options) X(rc_current)    \
+  X(is_batch_normalize)
 
 #define RLVR_LOSS_TYPE_CODES(X)                                                                                \
   X(PPO, 0) X(GSPO, 1) X(CISPO, 2) X(SAPO, 3) X(REINFORCE, 4) X(DPPO_TV, 5) X(DPPO_KL, 6) X(GEO_MEAN, 7) X(DRO, 8) \
@@ -26,14 +30,16 @@
 #define RLVR_KL_ESTIMATOR_CODES(X) X(NONE, 0) X(K1, 1) X(K2, 2) X(K3, 3) X(K3_PLUS, 4)
 #define RLVR_KL_CLAMP_CODES(X) X(NONE, 0) X(K3, 1) X(ALL, 2)
 #define RLVR_ROLLOUT_CORRECTION_CODES(X) \
-  X(NONE, 0) X(TOKEN_TIS, 1) X(SEQ_TIS, 2) X(TOKEN_MIS, 3) X(SEQ_MIS, 4) X(DECOUPLED, 5)
-#define RLVR_TOKEN_OUT_CODES(X) X(NONE, 0) X(LOSS, 1) X(SHAPED_ADVANTAGES, 2)
+  X(NONE, 0) X(TOKEN_TIS, 1) X(SEQ_TIS, 2) X(TOKEN_MIS, 3) X(SEQ_MIS, 4) X(DECOUPLED, 5) X(TOKEN_ICEPOP, 6) \
+  X(SEQ_ICEPOP, 7)
+#define RLVR_TOKEN_OUT_CODES(X) X(NONE, 0) X(LOSS, 1) X(SHAPED_ADVANTAGES, 2) X(IS_WEIGHTS, 3) X(KEEP, 4)
 #define RLVR_A3PO_METRIC_CODES(X) X(PROB, 0) X(ENTROPY, 1)
 // Entries of the `sums` output.
 #define RLVR_POLICY_LOSS_SUM_CODES(X)                                                                           \
   X(TOTAL, 0) X(PG, 1) X(KL, 2) X(NTOK, 3) X(NSEQ, 4) X(CLIP, 5) X(CLIP_LOWER, 6) X(NEG_DELTA, 7) X(KL_RAW, 8) \
   X(IS, 9) X(IS_MAX, 10) X(REJECT, 11) X(SHAPED, 12) X(ENT, 13) X(NONFINITE, 14) X(CLIP_LOW, 15) X(CLIP_HIGH, 16) \
-  X(SEQ_CLIP_LOW, 17) X(SEQ_CLIP_HIGH, 18) X(SEQ_CLIP_LOW_MIN, 19) X(SEQ_CLIP_HIGH_MAX, 20)
+  X(SEQ_CLIP_LOW, 17) X(SEQ_CLIP_HIGH, 18) X(SEQ_CLIP_LOW_MIN, 19) X(SEQ_CLIP_HIGH_MAX, 20) X(NTOK_RAW, 21)      \
+  X(RS_REJECT, 22) X(RS_SEQ_REJECT, 23) X(IS_NORM, 24)
 
 namespace rlvr {
 

@@ -75,12 +75,13 @@ from ..contracts.policy_loss import (
     LossType,
     PolicyLossParams,
     PolicyLossSum,
-    RolloutCorrection,
+    RolloutCorrectionCode,
     TokenOut,
     entropy_quantile_threshold,
 )
 from ..contracts.policy_loss import cov_selection as _cov_select
 from ..options import (
+    RS_BOUND_FIELDS,
     PolicyLossMetrics,
     PolicyLossOptions,
     TokenShaping,
@@ -89,6 +90,7 @@ from ..options import (
 )
 
 S = PolicyLossSum
+_RS_OFF = tuple(float("-inf") if f.endswith("_low") else float("inf") for f in RS_BOUND_FIELDS)
 _Out = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -337,9 +339,7 @@ def _validate(
         advantages=advantages.detach().to(_compute_dtype(dt)).contiguous(),
         mask=mask,
         ref_logprobs=ref.detach().to(dt).contiguous() if ref is not None and opts.kl is not None else None,
-        rollout_logprobs=(
-            roll.detach().to(dt).contiguous() if roll is not None and opts.rollout_correction is not None else None
-        ),
+        rollout_logprobs=(roll.detach().to(dt).contiguous() if roll is not None and opts.rc is not None else None),
         entropy=ent,
         cu_seqlens=cu,
         entropy_threshold=threshold,
@@ -390,7 +390,7 @@ def _cov_selection(opts: PolicyLossOptions, logprobs, old, advantages, mask, cu,
 def _check_needed_inputs(opts: PolicyLossOptions, ref, roll, ent) -> None:
     if opts.kl is not None and ref is None:
         raise ValueError(f"ref_logprobs: kl={opts.kl!r} needs the reference log-probs")
-    if opts.rollout_correction is not None and roll is None:
+    if opts.rc is not None and roll is None:
         raise ValueError(f"rollout_logprobs: rollout_correction={opts.rollout_correction!r} needs them")
     sh = opts.shaping
     if ent is None:
@@ -575,7 +575,7 @@ def policy_loss(
     kl: Optional[str] = None,
     kl_coef: Optional[float] = None,
     kl_ratio_correction: Optional[bool] = None,
-    rollout_correction: Optional[str] = None,
+    rollout_correction=None,
     rollout_threshold: Optional[float] = None,
     entropy_coef: Optional[float] = None,
     agg: Optional[str] = None,
@@ -733,7 +733,8 @@ def policy_loss(
     sums, _, _, tok = _run_fwd(x, opts, token_out, need_entropy_grad, backend)
     _check_finite(sums, x, validate)
     loss, norm = _aggregate(opts, sums, tok, logprobs, **agg_kw)
-    return loss, _metrics(sums.detach(), norm.detach())
+    rows = x.cu_seqlens.numel() - 1 if x.cu_seqlens is not None else logprobs.shape[0]
+    return loss, _metrics(sums.detach(), norm.detach(), rows)
 
 
 def shape_token_advantages(
@@ -803,13 +804,15 @@ _KL_ESTIMATORS = {
     "k3": KlEstimator.K3,
     "k3+": KlEstimator.K3_PLUS,
 }
-_ROLLOUT_CORRECTIONS = {
-    None: RolloutCorrection.NONE,
-    "token_tis": RolloutCorrection.TOKEN_TIS,
-    "seq_tis": RolloutCorrection.SEQ_TIS,
-    "token_mis": RolloutCorrection.TOKEN_MIS,
-    "seq_mis": RolloutCorrection.SEQ_MIS,
-    "decoupled": RolloutCorrection.DECOUPLED,
+# (RolloutCorrection.is_level, RolloutCorrection.mode) -> the kernels' code.
+_RC_CODES = {
+    ("token", "truncate"): RolloutCorrectionCode.TOKEN_TIS,
+    ("sequence", "truncate"): RolloutCorrectionCode.SEQ_TIS,
+    ("token", "mask"): RolloutCorrectionCode.TOKEN_MIS,
+    ("sequence", "mask"): RolloutCorrectionCode.SEQ_MIS,
+    ("token", "decoupled"): RolloutCorrectionCode.DECOUPLED,
+    ("token", "icepop"): RolloutCorrectionCode.TOKEN_ICEPOP,
+    ("sequence", "icepop"): RolloutCorrectionCode.SEQ_ICEPOP,
 }
 _A3PO_METRICS = {"prob": A3poMetric.PROB, "entropy": A3poMetric.ENTROPY}
 
@@ -820,6 +823,7 @@ def _kernel_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> 
     # thresholds of a divergence (dppo) or bounds of the log-ratio (geo_mean), not of the ratio
     raw = o.loss_type in ("dppo_tv", "dppo_kl", "geo_mean")
     dppo = o.loss_type in ("dppo_tv", "dppo_kl")
+    rc = o.rc
     return PolicyLossParams(
         ratio_low=float(o.clip_low) if raw else 1.0 - o.clip_low,
         ratio_high=float(o.clip_high) if raw else 1.0 + o.clip_high,
@@ -829,8 +833,8 @@ def _kernel_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> 
         tau_pos=float(o.tau_pos),
         tau_neg=float(o.tau_neg),
         kl_coef=float(o.kl_coef if o.kl else 0.0),
-        rc_low=float(o.mis_low),
-        rc_high=float(o.rollout_threshold),
+        rc_low=float(rc.low) if rc is not None else float(o.mis_low),
+        rc_high=float(rc.is_threshold) if rc is not None else float(o.rollout_threshold),
         entropy_coef=float(o.entropy_coef),
         w_pos=float(s.w_pos),
         w_neg=float(s.w_neg),
@@ -848,7 +852,9 @@ def _kernel_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> 
         loss_type=_LOSS_TYPES[o.loss_type],
         kl=_KL_ESTIMATORS[o.kl],
         kl_clamp=_KL_CLAMPS[o.kl_clamp_scope],
-        rollout_correction=_ROLLOUT_CORRECTIONS[o.rollout_correction],
+        rollout_correction=_RC_CODES[(rc.is_level, rc.mode)]
+        if rc is not None and rc.is_level is not None
+        else RolloutCorrectionCode.NONE,
         seq_mean=o.agg == "seq-mean-token-mean",
         token_out=token_out,
         a3po_metric=_A3PO_METRICS[s.a3po_metric],
@@ -859,6 +865,10 @@ def _kernel_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> 
         kl_clamp_input=float(o.kl_clamp_input or 0.0),
         kl_clamp_output=float(o.kl_clamp_output or 0.0),
         kl_score_grad=bool(o.kl_score_grad and o.kl is not None),
+        **dict(zip(RS_BOUND_FIELDS, rc.rs_bounds if rc is not None else _RS_OFF)),
+        rs_options=rc.rs_mask if rc is not None else 0,
+        rc_current=rc is not None and rc.log_ratio == "current",
+        is_batch_normalize=rc is not None and rc.is_level is not None and rc.is_batch_normalize,
     )
 
 
@@ -935,7 +945,7 @@ def _aggregate(
     return sums[S.TOTAL] * norm, norm
 
 
-def _metrics(sums: torch.Tensor, norm: torch.Tensor) -> PolicyLossMetrics:
+def _metrics(sums: torch.Tensor, norm: torch.Tensor, rows: int) -> PolicyLossMetrics:
     s = sums.float()
     ntok = s[S.NTOK]
 
@@ -963,4 +973,7 @@ def _metrics(sums: torch.Tensor, norm: torch.Tensor) -> PolicyLossMetrics:
         seq_clipfrac_high_mean=_safe_div(s[S.SEQ_CLIP_HIGH], s[S.NSEQ]),
         seq_clipfrac_low_min=s[S.SEQ_CLIP_LOW_MIN],
         seq_clipfrac_high_max=s[S.SEQ_CLIP_HIGH_MAX],
+        rs_masked_frac=_safe_div(s[S.RS_REJECT], s[S.NTOK_RAW]),
+        rs_seq_masked_frac=s[S.RS_SEQ_REJECT] / max(rows, 1),
+        is_batch_norm_factor=torch.where(s[S.IS_NORM] > 0, s[S.IS_NORM], torch.ones_like(ntok)),
     )

@@ -385,23 +385,96 @@ def seq_fractions(x, valid):
 
 
 # ------------------------------------------------------------------ IS weight, KL, token loss
-def is_weights(opts: PolicyLossOptions, old, rollout, valid):
-    """Detached rollout-correction weights and the "rejected" flags (padded layout)."""
-    C = opts.rollout_threshold
-    kind = opts.rollout_correction
-    logw = (old - rollout).detach()
-    if kind in ("token_tis", "token_mis", "decoupled"):
-        w = torch.exp(torch.clamp(logw, -20, 20))
-    else:  # sequence level: verl clamps the masked sum of log-ratios
-        s = torch.clamp((logw * valid).sum(-1, keepdim=True), -20, 20)
-        w = torch.exp(s).expand_as(logw)
-    if kind in ("token_tis", "seq_tis"):
-        return torch.clamp(w, max=C), torch.zeros_like(valid)
-    if kind == "decoupled":  # AReaL: tokens whose behaviour weight exceeds the cap are dropped
+def rc_log_ratio(rc, lp, old, rollout):
+    """x = base − rollout (detached), base = old (``log_ratio="old"``) or the current logprobs."""
+    base = lp if rc.log_ratio == "current" else old
+    return (base - rollout).detach()
+
+
+def corrected_weight(rc, w):
+    """The IS weight from the raw weight w, and the flags of the weights a bound zeroed:
+    truncate min(w, C); icepop w inside [low, C], else 0; mask 1 inside, else 0;
+    decoupled w <= C, else 0."""
+    C = rc.is_threshold
+    if rc.mode == "truncate":
+        return torch.clamp(w, max=C), torch.zeros_like(w, dtype=torch.bool)
+    if rc.mode == "decoupled":  # AReaL: tokens whose behaviour weight exceeds the cap are dropped
         rejected = w > C
         return torch.where(rejected, 0.0, w), rejected
-    rejected = (w < opts.mis_low) | (w > C)  # rejection sampling: 1 inside the bounds, 0 outside
-    return torch.where(rejected, 0.0, 1.0).to(w.dtype), rejected
+    rejected = (w < rc.low) | (w > C)
+    if rc.mode == "icepop":
+        return torch.where(rejected, 0.0, w), rejected
+    return torch.where(rejected, 0.0, 1.0).to(w.dtype), rejected  # mask: rejection sampling
+
+
+def is_weights(rc, x, valid):
+    """Detached rollout-correction weights (padded layout, before batch normalisation) and the
+    flags a bound zeroed, from x = rc_log_ratio: per token exp(clamp(x, ±20)), per sequence
+    exp(clamp(Σ_t x·m, ±20)) (verl clamps the masked sum)."""
+    if rc.is_level == "token":
+        w = torch.exp(torch.clamp(x, -20, 20))
+    else:
+        s = torch.clamp((x * valid).sum(-1, keepdim=True), -20, 20)
+        w = torch.exp(s).expand_as(x)
+    return corrected_weight(rc, w)
+
+
+def is_batch_norm(rc, is_w, valid):
+    """The batch-normalisation mean μ of the IS weights over the valid tokens (token level) or
+    over the sequences with a valid token (sequence level); 1 when it is <= 1e-8 (verl then
+    leaves the weights as they are)."""
+    m = valid.to(is_w.dtype)
+    if rc.is_level == "token":
+        mu = _safe_div((is_w * m).sum(), m.sum())
+    else:
+        has = valid.any(-1)
+        seq_w = is_w[:, 0] if is_w.shape[-1] else is_w.new_zeros(is_w.shape[0])
+        mu = _safe_div((seq_w * has).sum(), has.to(is_w.dtype).sum())
+    return torch.where(mu > 1e-8, mu, torch.ones_like(mu))
+
+
+def rs_statistics(x, valid):
+    """The token divergences of verl's rejection (x clamped to ±20): k1 = −x, k2 = x²/2,
+    k3 = eˣ − 1 − x, and per sequence their sums, means (over the valid tokens) and maxima
+    (k2, k3; 0 without a valid token)."""
+    xs = torch.clamp(x, -20, 20)
+    k = {"k1": -xs, "k2": 0.5 * xs.square(), "k3": torch.exp(xs) - 1.0 - xs}
+    m = valid.to(x.dtype)
+    n = m.sum(-1)
+    stats = {}
+    for j, v in k.items():
+        stats[f"token_{j}"] = v
+        ssum = (torch.where(valid, v, 0.0)).sum(-1)
+        stats[f"seq_sum_{j}"] = ssum
+        stats[f"seq_mean_{j}"] = torch.where(n > 0, ssum / n.clamp(min=1), 0.0)
+        if j != "k1":
+            mx = torch.where(valid, v, float("-inf")).amax(-1) if v.shape[-1] else v.new_zeros(v.shape[0])
+            stats[f"seq_max_{j}"] = torch.where(n > 0, mx, 0.0)
+    return stats
+
+
+def rejection_keep(rc, x, valid):
+    """verl's rejection chain: True where every option of ``rc`` (rs and geo_mean, as the
+    bounds ``rc.rs_bounds``) passes; token options per token, sequence options for every
+    token of the sequence. k1 options keep low <= stat <= high (log space), the others
+    stat <= bound. Statistics over the valid tokens before rejection."""
+    from ..options import RS_BOUND_FIELDS, RS_OPTIONS
+
+    keep = torch.ones_like(valid)
+    if not rc.rs_mask:
+        return keep
+    stats = rs_statistics(x, valid)
+    bounds = dict(zip(RS_BOUND_FIELDS, rc.rs_bounds))
+    for j, opt in enumerate(RS_OPTIONS):
+        if not (rc.rs_mask >> j) & 1:
+            continue
+        v = stats[opt]
+        if opt.endswith("k1"):
+            ok = (v >= bounds[f"rs_{opt}_low"]) & (v <= bounds[f"rs_{opt}_high"])
+        else:
+            ok = v <= bounds[f"rs_{opt}"]
+        keep = keep & (ok if opt.startswith("token") else ok[:, None])
+    return keep
 
 
 def _kl_clamps(opts: PolicyLossOptions, estimator: str):
@@ -566,6 +639,11 @@ def policy_loss(
     roll = to_padded(same_dtype(rollout_logprobs), cu_seqlens)
     ent = to_padded(same_dtype(entropy), cu_seqlens)
     ent = ent.to(dtype) if ent is not None else None
+    rc = opts.rc
+    valid0 = valid
+    if rc is not None:  # verl: rejection modifies response_mask, the IS weights use the unmodified one
+        x = rc_log_ratio(rc, lp, old, roll.to(dtype))
+        valid = valid0 & rejection_keep(rc, x, valid0)
     m = valid.to(dtype)
 
     pg, clipped, clip_lower, delta = pg_term(opts, lp, old, adv, valid)
@@ -576,12 +654,17 @@ def policy_loss(
         thr = entropy_quantile_threshold(ent, valid, opts.shaping.entropy_quantile)
     shape_w = shaping_weights(adv, old, valid, opts.shaping, ent, thr).to(dtype)
     is_w, rejected = torch.ones_like(lp), torch.zeros_like(valid)
-    if opts.rollout_correction is not None:
-        is_w, rejected = is_weights(opts, old, roll.to(dtype), m)
+    is_norm = lp.new_ones(())
+    if rc is not None and rc.is_level is not None:
+        is_w, rejected = is_weights(rc, x, valid0.to(dtype))
+        if rc.is_batch_normalize:
+            is_norm = is_batch_norm(rc, is_w, valid0)
+            is_w = is_w / is_norm
     kl_tok = kl_term(opts, lp, old, ref.to(dtype), valid) if opts.kl is not None else None
     low, high = clip_sides(opts, lp, old, adv, valid)
     f_low, f_high = seq_fractions(low, valid), seq_fractions(high, valid)
-    loss_tok, pg_tok = token_loss(opts, pg, shape_w, is_w if opts.rollout_correction is not None else None, kl_tok, ent)
+    use_is = rc is not None and rc.is_level is not None
+    loss_tok, pg_tok = token_loss(opts, pg, shape_w, is_w if use_is else None, kl_tok, ent)
     kl_tok = torch.zeros_like(lp) if kl_tok is None else kl_tok
 
     agg_kw = dict(
@@ -625,6 +708,12 @@ def policy_loss(
             seq_clipfrac_high_mean=_seq_stat(f_high, "mean"),
             seq_clipfrac_low_min=_seq_stat(f_low, "min"),
             seq_clipfrac_high_max=_seq_stat(f_high, "max"),
+            rs_masked_frac=_safe_div((valid0 & ~valid).sum().to(dtype), valid0.sum().to(dtype)).float(),
+            rs_seq_masked_frac=_safe_div(
+                (valid0 & ~valid).any(-1).sum().to(dtype) if valid.numel() else lp.new_zeros(()),
+                lp.new_tensor(float(valid.shape[0])),
+            ).float(),
+            is_batch_norm_factor=is_norm.float(),
         )
     return loss.to(dtype), metrics
 

@@ -66,7 +66,7 @@ from ..contracts.policy_loss import (
     LossType,
     PolicyLossParams,
     PolicyLossSum,
-    RolloutCorrection,
+    RolloutCorrectionCode,
     TokenOut,
 )
 
@@ -86,12 +86,12 @@ K3 = tl.constexpr(int(KlEstimator.K3))
 K3_PLUS = tl.constexpr(int(KlEstimator.K3_PLUS))
 KL_CLAMP_NONE = tl.constexpr(int(KlClamp.NONE))
 KL_CLAMP_ALL = tl.constexpr(int(KlClamp.ALL))
-RC_NONE = tl.constexpr(int(RolloutCorrection.NONE))
-TOKEN_TIS = tl.constexpr(int(RolloutCorrection.TOKEN_TIS))
-SEQ_TIS = tl.constexpr(int(RolloutCorrection.SEQ_TIS))
-TOKEN_MIS = tl.constexpr(int(RolloutCorrection.TOKEN_MIS))
-SEQ_MIS = tl.constexpr(int(RolloutCorrection.SEQ_MIS))
-DECOUPLED = tl.constexpr(int(RolloutCorrection.DECOUPLED))
+RC_NONE = tl.constexpr(int(RolloutCorrectionCode.NONE))
+TOKEN_TIS = tl.constexpr(int(RolloutCorrectionCode.TOKEN_TIS))
+SEQ_TIS = tl.constexpr(int(RolloutCorrectionCode.SEQ_TIS))
+TOKEN_MIS = tl.constexpr(int(RolloutCorrectionCode.TOKEN_MIS))
+SEQ_MIS = tl.constexpr(int(RolloutCorrectionCode.SEQ_MIS))
+DECOUPLED = tl.constexpr(int(RolloutCorrectionCode.DECOUPLED))
 TOKEN_OUT_LOSS = tl.constexpr(int(TokenOut.LOSS))
 TOKEN_OUT_SHAPED = tl.constexpr(int(TokenOut.SHAPED_ADVANTAGES))
 # Columns of a partial-sums row (PolicyLossSum), padded to a power of two.
@@ -117,6 +117,7 @@ _C_SEQ_CLIP_LOW = tl.constexpr(int(PolicyLossSum.SEQ_CLIP_LOW))
 _C_SEQ_CLIP_HIGH = tl.constexpr(int(PolicyLossSum.SEQ_CLIP_HIGH))
 _C_SEQ_CLIP_LOW_MIN = tl.constexpr(int(PolicyLossSum.SEQ_CLIP_LOW_MIN))
 _C_SEQ_CLIP_HIGH_MAX = tl.constexpr(int(PolicyLossSum.SEQ_CLIP_HIGH_MAX))
+_C_NTOK_RAW = tl.constexpr(int(PolicyLossSum.NTOK_RAW))
 _C_NUM_SUMS = tl.constexpr(NUM_SUMS)
 assert NUM_SUMS <= 32
 _NSTAT = tl.constexpr(4)  # per-sequence stats row: n_i, log s_i (gspo), Σ log w·m (seq IS), unused
@@ -1311,6 +1312,9 @@ def _finalize_kernel(
     out = tl.where(cols == _C_SEQ_CLIP_HIGH, tl.sum(f_hi_sum, 0), out)
     out = tl.where(cols == _C_SEQ_CLIP_LOW_MIN, tl.where(n_all > 0, tl.min(f_lo_min, 0), 0.0), out)
     out = tl.where(cols == _C_SEQ_CLIP_HIGH_MAX, tl.max(f_hi_max, 0), out)
+    # No rejection nor batch normalisation here (policy_loss_fwd refuses them): every valid
+    # token is kept (RS_REJECT, RS_SEQ_REJECT, IS_NORM stay 0).
+    out = tl.where(cols == _C_NTOK_RAW, tl.sum(tl.where(cols == _C_NTOK, acc, 0.0), 0), out)
     tl.store(sums_ptr + cols, out.to(CDT), mask=cols < _C_NUM_SUMS)
 
 
@@ -1368,7 +1372,7 @@ def _check_inputs(x: _Inputs, p: PolicyLossParams, need_entropy_grad: bool) -> i
     for name, t, needed, dtype in (
         ("old_logprobs", x.old_logprobs, True, lp.dtype),
         ("ref_logprobs", x.ref_logprobs, p.kl != KlEstimator.NONE, lp.dtype),
-        ("rollout_logprobs", x.rollout_logprobs, p.rollout_correction != RolloutCorrection.NONE, lp.dtype),
+        ("rollout_logprobs", x.rollout_logprobs, p.rollout_correction != RolloutCorrectionCode.NONE, lp.dtype),
         ("entropy", x.entropy, needs_entropy, lp.dtype),
         ("mask", x.mask, False, torch.bool),
         ("advantages", x.advantages if not p.seq_adv else None, False, None),
@@ -1429,6 +1433,19 @@ def policy_loss_fwd(
         p.loss_type not in (LossType.CLIP_COV, LossType.KL_COV), "loss_type clip_cov / kl_cov runs on the cpu backend"
     )
     _check(cov_selection is None, "cov_selection is only read by the clip_cov / kl_cov loss types")
+    unsupported = (
+        p.rs_options != 0
+        or p.rc_current
+        or p.is_batch_normalize
+        or p.rollout_correction in (RolloutCorrectionCode.TOKEN_ICEPOP, RolloutCorrectionCode.SEQ_ICEPOP)
+        or p.token_out in (TokenOut.IS_WEIGHTS, TokenOut.KEEP)
+    )
+    if unsupported:
+        raise ValueError(
+            "rollout_correction: rejection (rs / geo_mean), IcePop, batch normalisation and "
+            "log_ratio='current' are fused in the reference and cpu backends only; use backend='cpu' "
+            "(tensors on the CPU) or backend='reference'"
+        )
     # The kernels index flat, contiguous buffers (a no-op for what the op layer passes).
     x = _Inputs(
         *(
@@ -1503,7 +1520,7 @@ def policy_loss_fwd(
 
 
 def _seq_rc(p: PolicyLossParams) -> bool:
-    return p.rollout_correction in (RolloutCorrection.SEQ_TIS, RolloutCorrection.SEQ_MIS)
+    return p.rollout_correction in (RolloutCorrectionCode.SEQ_TIS, RolloutCorrectionCode.SEQ_MIS)
 
 
 def _a3po_knobs(p: PolicyLossParams):
@@ -1551,7 +1568,7 @@ def _token_pointers(p: PolicyLossParams, x: _Inputs, dummy):
         x.advantages,
         dummy if x.mask is None else x.mask,
         x.ref_logprobs if p.kl != KlEstimator.NONE else dummy,
-        x.rollout_logprobs if p.rollout_correction != RolloutCorrection.NONE else dummy,
+        x.rollout_logprobs if p.rollout_correction != RolloutCorrectionCode.NONE else dummy,
         dummy if x.entropy is None else x.entropy,
         x.entropy_threshold if p.entropy_quantile else dummy,
     )
@@ -1742,7 +1759,7 @@ def _aot_token_spec(name, inp, cdt, **const):
         LR_CLAMP=True,
         KL=int(KlEstimator.NONE),
         KL_CLAMP=int(KlClamp.K3),
-        RC=int(RolloutCorrection.NONE),
+        RC=int(RolloutCorrectionCode.NONE),
         SEQ_MEAN=False,
         N_FROM_STATS=False,
         TOKEN_OUT=int(TokenOut.NONE),
@@ -1767,7 +1784,7 @@ def _aot_token_spec(name, inp, cdt, **const):
 
 def _aot_token_specs():
     spec = _aot_token_spec
-    common = dict(KL=int(KlEstimator.K3), RC=int(RolloutCorrection.TOKEN_TIS))
+    common = dict(KL=int(KlEstimator.K3), RC=int(RolloutCorrectionCode.TOKEN_TIS))
     yield spec("ppo,k3,token_tis", "*bf16", tl.float32, **common)
     yield spec("ppo,k3,token_tis,packed", "*bf16", tl.float32, PACKED=True, HAS_MASK=False, SEARCH_STEPS=8, **common)
     yield spec("ppo,fp32,dual_clip,k1", "*fp32", tl.float32, DUAL_CLIP=True, KL=int(KlEstimator.K1), SEQ_ADV=False)
@@ -1776,7 +1793,7 @@ def _aot_token_specs():
         "*bf16",
         tl.float32,
         LOSS=int(LossType.GSPO),
-        RC=int(RolloutCorrection.SEQ_TIS),
+        RC=int(RolloutCorrectionCode.SEQ_TIS),
         SEQ_MEAN=True,
         N_FROM_STATS=True,
     )
@@ -1786,14 +1803,14 @@ def _aot_token_specs():
         tl.float32,
         LOSS=int(LossType.CISPO),
         KL=int(KlEstimator.K2),
-        RC=int(RolloutCorrection.TOKEN_MIS),
+        RC=int(RolloutCorrectionCode.TOKEN_MIS),
     )
     yield spec(
         "sapo,seq_mis,entropy",
         "*bf16",
         tl.float32,
         LOSS=int(LossType.SAPO),
-        RC=int(RolloutCorrection.SEQ_MIS),
+        RC=int(RolloutCorrectionCode.SEQ_MIS),
         HAS_ENT=True,
         ENT_TERM=True,
         ENT_GRAD=True,
@@ -1817,7 +1834,7 @@ def _aot_token_specs():
     everything = dict(
         DUAL_CLIP=True,
         KL=int(KlEstimator.K3_PLUS),
-        RC=int(RolloutCorrection.DECOUPLED),
+        RC=int(RolloutCorrectionCode.DECOUPLED),
         SEQ_MEAN=True,
         N_FROM_STATS=True,
         TOKEN_OUT=int(TokenOut.LOSS),

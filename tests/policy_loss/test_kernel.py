@@ -26,7 +26,7 @@ from rlvr_kernels.contracts.policy_loss import (
     LossType,
     PolicyLossParams,
     PolicyLossSum,
-    RolloutCorrection,
+    RolloutCorrectionCode,
     TokenOut,
 )
 from rlvr_kernels.testing import as_float64, random_policy_case
@@ -120,6 +120,11 @@ def expected(inputs, opts):
     sums[S.SEQ_CLIP_HIGH] = float(met.seq_clipfrac_high_mean) * float(met.num_seqs)
     sums[S.SEQ_CLIP_LOW_MIN] = float(met.seq_clipfrac_low_min)
     sums[S.SEQ_CLIP_HIGH_MAX] = float(met.seq_clipfrac_high_max)
+    # (these cases reject no token: the count before rejection is NTOK)
+    assert float(met.rs_masked_frac) == 0.0 and float(met.rs_seq_masked_frac) == 0.0
+    sums[S.NTOK_RAW] = ntok
+    sums[S.IS_NORM] = 0.0  # (no batch normalisation in these cases)
+    assert float(met.is_batch_norm_factor) == 1.0
     token_loss, _ = rk.policy_loss(**x64, **dict(opts, agg="none"), backend="reference")
     return sums, lp.grad * n_seq, grad_ent * n_seq, token_loss.detach()
 
@@ -332,11 +337,20 @@ _COUNTS = (
 def test_cpp_op_checks_parameter_lists():
     args = kernel_args(small_case(), ALL_ON)
     K.policy_loss_fwd(*args)
-    with pytest.raises(RuntimeError, match=_COUNTS):
+    with pytest.raises(
+        RuntimeError,
+        match=_COUNTS,
+    ):
         K.policy_loss_fwd(*args[:9], args[9] + [1.0], *args[10:])
     with pytest.raises(RuntimeError, match="PolicyLossParams"):
         K.policy_loss_fwd(*args[:10], args[10][:-1], *args[11:])
-    for field, bad in (("loss_type", 99), ("kl", -1), ("rollout_correction", 6), ("token_out", 3), ("a3po_metric", 2)):
+    for field, bad in (
+        ("loss_type", 99),
+        ("kl", -1),
+        ("rollout_correction", len(RolloutCorrectionCode)),
+        ("token_out", len(TokenOut)),
+        ("a3po_metric", 2),
+    ):
         with pytest.raises(RuntimeError, match=f"unknown {field}"):
             K.policy_loss_fwd(*replace_param(args, **{field: bad}))
 
@@ -441,7 +455,7 @@ def test_cpp_op_survives_hostile_parameters():
                     loss_type=int(LossType.GSPO),
                     seq_mean=1,
                     kl=int(KlEstimator.K3_PLUS),
-                    rollout_correction=int(RolloutCorrection.SEQ_MIS),
+                    rollout_correction=int(RolloutCorrectionCode.SEQ_MIS),
                 )
             )
 

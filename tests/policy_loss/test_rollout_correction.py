@@ -1,0 +1,183 @@
+"""RolloutCorrection (docs/policy-loss.md, "Rollout correction") against verl 0.9.1's
+rollout_corr_helper on the same inputs, on the reference and the cpu backend."""
+
+import pytest
+import torch
+
+from rlvr_kernels import PolicyLossOptions, RolloutCorrection, policy_loss
+
+rc_helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
+core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+
+
+def _case(seed, B=6, L=9):
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(B, L, generator=g, dtype=torch.float64) * 2
+    old = lp + 0.3 * torch.randn(B, L, generator=g, dtype=torch.float64)
+    roll = old + 0.4 * torch.randn(B, L, generator=g, dtype=torch.float64)
+    mask = torch.rand(B, L, generator=g) > 0.2
+    mask[:, 0] = True
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    return lp, old, roll, mask, adv
+
+
+def _verl_loss(lp, old, adv, mask, is_w):
+    # token-mean PPO (verl's compute_policy_loss_vanilla body, dual clip 3, no δ clamp issue)
+    ratio = torch.exp(torch.clamp(lp - old, -20, 20))
+    a = adv[:, None].expand_as(lp)
+    l1, l2 = -a * ratio, -a * torch.clamp(ratio, 0.8, 1.2)
+    pg = torch.maximum(l1, l2)
+    pg = torch.where(a < 0, torch.minimum(-a * 3.0, pg), pg)
+    if is_w is not None:
+        pg = pg * is_w
+    m = mask.double()
+    return (pg * m).sum() / m.sum()
+
+
+CHAINS = [
+    ("token_k1", "2.0"),
+    ("token_k2", 0.05),
+    ("token_k3", 0.05),
+    ("seq_sum_k1", "0.3_3.0"),
+    ("seq_sum_k2", 0.4),
+    ("seq_sum_k3", 0.4),
+    ("seq_mean_k1", "0.8_1.25"),
+    ("seq_mean_k2", 0.05),
+    ("seq_mean_k3", 0.05),
+    ("seq_max_k2", 0.3),
+    ("seq_max_k3", 0.3),
+    ("token_k1,seq_mean_k3", "0.5_2.0,0.06"),
+    ("token_k2,seq_sum_k1,seq_max_k3", "0.1,3.0,0.4"),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("rs,thr", CHAINS)
+def test_rejection_matches_verl(rs, thr, backend):
+    lp, old, roll, mask, adv = _case(sum(map(ord, rs)) % 1000)
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    lp, old, roll, adv = (t.to(dtype) for t in (lp, old, roll, adv))
+    keep, metrics = rc_helper.compute_rollout_rejection_mask(old - roll, mask.to(dtype), rs, thr)
+    rc = RolloutCorrection(rs=rs, rs_threshold=thr)
+    opts = PolicyLossOptions(clip_ratio_c=3.0, rollout_correction=rc)
+    lpg = lp.clone().requires_grad_(True)
+    loss, m = policy_loss(lpg, old, adv, mask, options=opts, rollout_logprobs=roll, backend=backend)
+    lpv = lp.clone().requires_grad_(True)
+    ref = _verl_loss(lpv, old, adv, keep.bool(), None) if keep.sum() > 0 else lpv.sum() * 0
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(loss.double(), ref.double(), **tol)
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(lpg.grad.double(), lpv.grad.double(), **tol)
+    assert float(m.num_tokens) == float(keep.sum())
+    torch.testing.assert_close(float(m.rs_masked_frac), metrics["rollout_rs_masked_fraction"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        float(m.rs_seq_masked_frac), metrics["rollout_rs_seq_masked_fraction"], rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("thr", [2.0, "0.5_2.0"])
+@pytest.mark.parametrize("norm", [False, True])
+def test_is_weights_match_verl(level, thr, norm, backend):
+    lp, old, roll, mask, adv = _case(7)
+    roll = old + 0.05 * (roll - old)  # sequence weights inside the bounds for some rows
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    lp, old, roll, adv = (t.to(dtype) for t in (lp, old, roll, adv))
+    w, metrics = rc_helper.compute_rollout_correction_weights(old - roll, mask.to(dtype), level, thr, norm)
+    rc = RolloutCorrection.from_verl(level, thr, norm)
+    opts = PolicyLossOptions(clip_ratio_c=3.0, rollout_correction=rc)
+    lpg = lp.clone().requires_grad_(True)
+    loss, m = policy_loss(lpg, old, adv, mask, options=opts, rollout_logprobs=roll, backend=backend)
+    lpv = lp.clone().requires_grad_(True)
+    ref = _verl_loss(lpv, old, adv, mask, w)
+    tol = dict(rtol=2e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(loss.double(), ref.double(), **tol)
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(lpg.grad.double(), lpv.grad.double(), **tol)
+    if norm:
+        torch.testing.assert_close(float(m.is_batch_norm_factor), metrics["rollout_is_batch_norm_factor"], **tol)
+
+
+def test_geo_mean_is_seq_mean_k1():
+    lp, old, roll, mask, adv = _case(3)
+    a = RolloutCorrection(geo_mean=(0.8, 1.25))
+    b = RolloutCorrection(rs="seq_mean_k1", rs_threshold="0.8_1.25")
+    for backend in ("reference", "cpu"):
+        x = [
+            policy_loss(
+                lp,
+                old,
+                adv,
+                mask,
+                options=PolicyLossOptions(rollout_correction=r),
+                rollout_logprobs=roll,
+                backend=backend,
+            )[0]
+            for r in (a, b)
+        ]
+        torch.testing.assert_close(x[0], x[1])
+
+
+def test_all_rejected_gives_zeros():
+    lp, old, roll, mask, adv = _case(5)
+    rc = RolloutCorrection(rs="token_k2", rs_threshold=1e-12)
+    for backend in ("reference", "cpu"):
+        lpg = lp.float().clone().requires_grad_(True)
+        loss, m = policy_loss(
+            lpg,
+            old.float(),
+            adv.float(),
+            mask,
+            options=PolicyLossOptions(rollout_correction=rc),
+            rollout_logprobs=roll.float(),
+            backend=backend,
+        )
+        loss.backward()
+        assert float(loss) == 0.0 and torch.isfinite(lpg.grad).all() and float(lpg.grad.abs().sum()) == 0.0
+        assert float(m.rs_masked_frac) == 1.0 and float(m.num_tokens) == 0.0
+
+
+def test_validation_names_the_field():
+    with pytest.raises(ValueError, match="rollout_correction.rs"):
+        RolloutCorrection(rs="token_k4", rs_threshold=1.0)
+    with pytest.raises(ValueError, match="rollout_correction.rs_threshold"):
+        RolloutCorrection(rs="token_k2", rs_threshold="0.1_2")
+    with pytest.raises(ValueError, match="rollout_correction.is_threshold_low"):
+        RolloutCorrection(is_level="token", is_mode="icepop")
+    with pytest.raises(TypeError, match="rollout_correction"):
+        PolicyLossOptions(rollout_correction=3)
+
+
+def test_shorthands_unchanged():
+    lp, old, roll, mask, adv = _case(11)
+    for name in ("token_tis", "seq_tis", "token_mis", "seq_mis", "decoupled"):
+        level, mode = {
+            "token_tis": ("token", "truncate"),
+            "seq_tis": ("sequence", "truncate"),
+            "token_mis": ("token", "mask"),
+            "seq_mis": ("sequence", "mask"),
+            "decoupled": ("token", "decoupled"),
+        }[name]
+        for backend in ("reference", "cpu"):
+            a = policy_loss(
+                lp.float(),
+                old.float(),
+                adv.float(),
+                mask,
+                rollout_correction=name,
+                rollout_logprobs=roll.float(),
+                backend=backend,
+            )[0]
+            b = policy_loss(
+                lp.float(),
+                old.float(),
+                adv.float(),
+                mask,
+                options=PolicyLossOptions(rollout_correction=RolloutCorrection(level, 2.0, None, mode)),
+                rollout_logprobs=roll.float(),
+                backend=backend,
+            )[0]
+            assert torch.equal(a, b)
