@@ -235,7 +235,7 @@ def check_cases() -> List[tuple]:
         ("ppo decoupled + a3po prob, agg none", {}, dict(rollout_correction="decoupled", shaping=a3, agg="none")),
         ("ppo token advantages, k1", dict(token_adv=True), dict(kl="k1", kl_coef=0.1)),
         ("ppo bf16 verl", dict(dtype=torch.bfloat16), dict(preset="verl", kl="k3", kl_coef=0.1)),
-        # The peers' presets: the KL clamp scopes and kl_score_grad (docs/presets-loss.md).
+        # The peers' presets: the KL clamp scopes and kl_score_grad (docs/presets.md).
         ("ppo openrlhf k1 (clamped)", {}, dict(preset="openrlhf", kl="k1", kl_coef=0.1)),
         ("gspo slime low_var_kl", {}, dict(preset="slime", loss_type="gspo", kl="k3", kl_coef=0.1)),
         ("ppo areal k2 (clamped)", dict(token_adv=True), dict(preset="areal", kl="k2", kl_coef=0.1)),

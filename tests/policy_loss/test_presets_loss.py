@@ -1,6 +1,6 @@
 """The KL clamp options (``kl_clamp`` scope, ``kl_clamp_input`` / ``kl_clamp_output``,
 ``kl_score_grad``) on every backend against the fp64 reference, and the loss presets of
-OpenRLHF, slime, AReaL, NeMo-RL, SkyRL and prime-rl (docs/presets-loss.md): against the
+OpenRLHF, slime, AReaL, NeMo-RL, SkyRL and prime-rl (docs/presets.md): against the
 peers' own functions where they import (OpenRLHF 0.11.2, AReaL 1.0.4, SkyRL 0.3.0), against
 their formulas written out here otherwise (slime, NeMo-RL, prime-rl)."""
 
