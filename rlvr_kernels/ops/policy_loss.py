@@ -975,5 +975,5 @@ def _metrics(sums: torch.Tensor, norm: torch.Tensor, rows: int) -> PolicyLossMet
         seq_clipfrac_high_max=s[S.SEQ_CLIP_HIGH_MAX],
         rs_masked_frac=_safe_div(s[S.RS_REJECT], s[S.NTOK_RAW]),
         rs_seq_masked_frac=s[S.RS_SEQ_REJECT] / max(rows, 1),
-        is_batch_norm_factor=torch.where(s[S.IS_NORM] > 0, s[S.IS_NORM], torch.ones_like(ntok)),
+        is_batch_norm_factor=torch.where(s[S.IS_NORM] > 0, s[S.IS_NORM], torch.ones_like(ntok)) * has,
     )

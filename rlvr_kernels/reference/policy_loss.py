@@ -713,7 +713,7 @@ def policy_loss(
                 (valid0 & ~valid).any(-1).sum().to(dtype) if valid.numel() else lp.new_zeros(()),
                 lp.new_tensor(float(valid.shape[0])),
             ).float(),
-            is_batch_norm_factor=is_norm.float(),
+            is_batch_norm_factor=(is_norm * (N_tok > 0)).float(),
         )
     return loss.to(dtype), metrics
 
