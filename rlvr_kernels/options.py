@@ -975,7 +975,8 @@ class PolicyLossMetrics(NamedTuple):
     seq_clipfrac_low_min: torch.Tensor  # min over sequences of f_low_i
     seq_clipfrac_high_max: torch.Tensor  # max over sequences of f_high_i
     # Rollout correction's rejection and batch normalisation (RolloutCorrection; 0 / 0 / 1
-    # without, and 0 / 0 / 0 for a call without a kept valid token): verl's rollout_corr/rollout_rs_masked_fraction (removed / valid tokens before
+    # without, and 0 / 0 / 0 for a call without a kept valid token): verl's
+    # rollout_corr/rollout_rs_masked_fraction (removed / valid tokens before
     # rejection), rollout_rs_seq_masked_fraction (sequences with a removed token / rows B)
     # and rollout_is_batch_norm_factor. The other metrics above are over the kept tokens.
     rs_masked_frac: torch.Tensor

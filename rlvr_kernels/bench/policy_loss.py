@@ -447,7 +447,8 @@ def workload(device: str, quick: bool = False) -> Dict:
 # Function-level verl drop-ins against verl's own functions
 # ---------------------------------------------------------------------------------------
 
-DROPIN_LOSS_MODES = ("vanilla", "gspo", "cispo", "sapo", "gpg")
+DROPIN_LOSS_MODES = ("vanilla", "gspo", "cispo", "sapo", "gpg", "geo_mean", "dro")
+DRO_BETA = 0.1  # dro's β (config.policy_loss.dro_beta; verl has no default)
 
 
 def dropin_pairs(x: Dict):
@@ -466,10 +467,14 @@ def dropin_pairs(x: Dict):
     x["agg_matrix"] = mat  # (a leaf whose gradient the timing drops after each call)
     ours = verl_dropins
 
-    def policy_step(fn):
+    from verl.workers.config.actor import PolicyLossConfig
+
+    cfg_dro = _actor_config(dict(ACTOR_FIELDS, policy_loss=PolicyLossConfig(dro_beta=DRO_BETA)))
+
+    def policy_step(fn, config=cfg):
         def step():
             lp.grad = None
-            loss, _ = fn(old, lp, adv_tok, mask, "token-mean", cfg)
+            loss, _ = fn(old, lp, adv_tok, mask, "token-mean", config)
             loss.backward()
             return loss, lp.grad
 
@@ -527,7 +532,8 @@ def dropin_pairs(x: Dict):
     pairs = []
     for mode in DROPIN_LOSS_MODES:
         name = f"compute_policy_loss_{mode}"
-        pairs.append((name, policy_step(getattr(ours, name)), policy_step(getattr(core_algos, name))))
+        config = cfg_dro if mode == "dro" else cfg
+        pairs.append((name, policy_step(getattr(ours, name), config), policy_step(getattr(core_algos, name), config)))
     pairs += [
         ("kl_penalty (low_var_kl)", kl_step(ours), kl_step(core_algos)),
         ("agg_loss (token-mean)", agg_step(ours, "token-mean"), agg_step(core_algos, "token-mean")),

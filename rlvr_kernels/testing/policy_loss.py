@@ -73,6 +73,22 @@ def random_policy_case(
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
 
 
+def _call_kwargs(options: Dict) -> Dict:
+    """``options`` as ``policy_loss`` keywords; with a field that has no keyword there
+    (``dro_beta``), the resolved :class:`PolicyLossOptions` as ``options=`` plus the
+    aggregation arguments."""
+    import inspect
+
+    from .. import policy_loss
+    from ..options import resolve_policy_loss_options
+
+    if set(options) <= set(inspect.signature(policy_loss).parameters):
+        return options
+    agg = {k: v for k, v in options.items() if k in _AGG_KWARGS}
+    fields = {k: v for k, v in options.items() if k not in _AGG_KWARGS + ("preset",)}
+    return dict(agg, options=resolve_policy_loss_options(options.get("preset"), **fields))
+
+
 def run_policy_loss(
     inputs: Dict, options: Dict, backend: str, upstream: Optional[torch.Tensor] = None, entropy_grad: bool = True
 ) -> Dict[str, torch.Tensor]:
@@ -87,7 +103,7 @@ def run_policy_loss(
     if ent is not None:
         ent = ent.detach().clone().requires_grad_(entropy_grad)
         kw["entropy"] = ent
-    loss, metrics = policy_loss(**kw, **options, backend=backend)
+    loss, metrics = policy_loss(**kw, **_call_kwargs(options), backend=backend)
     if upstream is None:
         upstream = torch.ones_like(loss) if loss.dim() == 0 else None
     (loss * upstream.to(loss.dtype)).sum().backward() if upstream is not None else loss.sum().backward()
@@ -140,7 +156,7 @@ def reduction_magnitudes(inputs: Dict, options: Dict) -> Dict[str, Tuple[float, 
     opts = resolve_policy_loss_options(options.get("preset"), **option_kw)
 
     def per_token(**override):
-        loss, _ = policy_loss(**x, **dict(options, agg="none", **override), backend="reference")
+        loss, _ = policy_loss(**x, **_call_kwargs(dict(options, agg="none", **override)), backend="reference")
         return ref.to_padded(loss.detach(), x.get("cu_seqlens"))
 
     valid = ref._valid_padded(x["logprobs"], x.get("mask"), x.get("cu_seqlens"))
@@ -213,6 +229,24 @@ def check_cases() -> List[tuple]:
                 kl_coef=0.1,
                 agg="seq-mean-token-mean",
             ),
+        ),
+        (
+            "geo_mean seq_tis + k3, seq-mean-token-sum",
+            dict(token_adv=True),
+            dict(
+                loss_type="geo_mean",
+                clip_low=0.1,
+                clip_high=0.2,
+                rollout_correction="seq_tis",
+                kl="k3",
+                kl_coef=0.1,
+                agg="seq-mean-token-sum",
+            ),
+        ),
+        (
+            "dro token_tis + polarity shaping",
+            {},
+            dict(loss_type="dro", dro_beta=0.3, rollout_correction="token_tis", shaping=TokenShaping(w_neg=0.5)),
         ),
         (
             "ppo token_mis + polarity + probability shaping",

@@ -20,15 +20,17 @@ Design:
   Its stages are inlined helpers that mirror the functions of the reference, one by one,
   under the same names with a leading underscore (the C++ kernel's helpers carry them too):
   ``_pg_term``: ``_log_ratio`` (``_gspo_ratio``) and ``_ppo_term`` | ``_gspo_term`` |
-  ``_cispo_term`` | ``_sapo_term`` | ``_reinforce_term`` | ``_dppo_term`` (ppo and
-  gspo: ``_clipped_objective`` then ``_dual_clip``; dppo_tv / dppo_kl: ``_dppo_keep``;
-  ``_clip_sides``) → ``_shaping_weights`` →
+  ``_cispo_term`` | ``_sapo_term`` | ``_reinforce_term`` | ``_dppo_term`` |
+  ``_geo_mean_term`` | ``_dro_term`` (ppo and gspo: ``_clipped_objective`` then
+  ``_dual_clip``; dppo_tv / dppo_kl: ``_dppo_keep``; geo_mean: ``_geo_mean_log_ratio`` in
+  the per-sequence pass; ``_clip_sides``) → ``_shaping_weights`` →
   ``_is_weights`` → ``_kl_term`` (``_kl_estimate`` × ``_importance_ratio``) →
   ``_token_loss`` → ``_aggregate`` → ``_partial_sums`` (the metrics' sums). Names:
   ``adv`` is the advantage A, ``agg_w`` the aggregation weight (1/n_i for
   seq-mean-token-mean).
 - ``_seq_stats_kernel`` (one program per sequence), only when needed: n_i
-  (seq-mean-token-mean), Σ δ·m (GSPO), Σ log w·m (seq_tis / seq_mis) and the A3PO
+  (seq-mean-token-mean), Σ δ·m (GSPO), Σ δ_min·m and Σ A·m (geo_mean's share of the
+  sequence loss), Σ log w·m (seq_tis / seq_mis) and the A3PO
   selection (``_a3po_select``): the k-th highest / lowest metric by bisection on an
   order-preserving int64 image of the fp64 metric (≤ 64 passes, both knobs in lockstep),
   then one running-cumsum pass over the candidates equal to the threshold for the tie cut
@@ -79,6 +81,8 @@ SAPO = tl.constexpr(int(LossType.SAPO))
 REINFORCE = tl.constexpr(int(LossType.REINFORCE))
 DPPO_TV = tl.constexpr(int(LossType.DPPO_TV))
 DPPO_KL = tl.constexpr(int(LossType.DPPO_KL))
+GEO_MEAN = tl.constexpr(int(LossType.GEO_MEAN))
+DRO = tl.constexpr(int(LossType.DRO))
 KL_NONE = tl.constexpr(int(KlEstimator.NONE))
 K1 = tl.constexpr(int(KlEstimator.K1))
 K2 = tl.constexpr(int(KlEstimator.K2))
@@ -120,7 +124,8 @@ _C_SEQ_CLIP_HIGH_MAX = tl.constexpr(int(PolicyLossSum.SEQ_CLIP_HIGH_MAX))
 _C_NTOK_RAW = tl.constexpr(int(PolicyLossSum.NTOK_RAW))
 _C_NUM_SUMS = tl.constexpr(NUM_SUMS)
 assert NUM_SUMS <= 32
-_NSTAT = tl.constexpr(4)  # per-sequence stats row: n_i, log s_i (gspo), Σ log w·m (seq IS), unused
+# per-sequence stats row: n_i, log s_i (gspo), Σ log w·m (seq IS), the share L_i / n_i (geo_mean)
+_NSTAT = tl.constexpr(4)
 _NA3 = tl.constexpr(5)  # per-sequence A3PO row: polarity, K_high, cut_high, K_low, cut_low
 _I64_MAX = tl.constexpr(0x7FFFFFFFFFFFFFFF)
 _I64_MIN = tl.constexpr(-0x7FFFFFFFFFFFFFFF - 1)
@@ -316,11 +321,13 @@ def _seq_stats_kernel(
     roll_ptr,
     ent_ptr,  # token-shaped, input dtype (NEED_LOGW / A3PO entropy metric)
     cu_ptr,  # [B + 1] int64, sanitised (PACKED)
-    seqf_ptr,  # [B, 4] compute dtype output: n_i, log s_i, Σ log w·m
+    seqf_ptr,  # [B, 4] compute dtype output: n_i, log s_i, Σ log w·m, L_i / n_i
     a3po_ptr,  # [B, 5] int64 output (A3PO): polarity, K_high, cut_high, K_low, cut_low
     B,
     L,
     T,
+    clip_lo: tl.float64,  # geo_mean: ε_low, ε_high
+    clip_hi: tl.float64,
     r_pos_high: tl.float64,
     s_pos_high: tl.float64,
     r_pos_low: tl.float64,
@@ -335,13 +342,16 @@ def _seq_stats_kernel(
     SEQ_ADV: tl.constexpr,
     NEED_DELTA: tl.constexpr,
     NEED_LOGW: tl.constexpr,
+    NEED_GEO: tl.constexpr,
     A3PO: tl.constexpr,
     A3PO_ENT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """One program per sequence: n_i, GSPO's log s_i = Σ δ·m / max(n, 1) (reference
-    gspo_term), the sequence IS log-weight Σ log w·m (reference is_weights) and the A3PO row
-    (_a3po_select). (Long for its signature and the argument list of _a3po_select.)"""
+    gspo_term), geo_mean's share L_i / n_i = −Ā_i·r_i / n_i with r_i = exp(Σ δ_min·m / n_i),
+    Ā_i = Σ A·m / n_i, n_i floored at 1 (reference geo_mean_term; the sums in fp64), the
+    sequence IS log-weight Σ log w·m (reference is_weights) and the A3PO row (_a3po_select).
+    (Long for its signature and the argument list of _a3po_select.)"""
     i = tl.program_id(0).to(tl.int64)
     if PACKED:
         begin, end = _segment(cu_ptr, i + 1, B, T, True)
@@ -355,6 +365,7 @@ def _seq_stats_kernel(
     acc_w = tl.zeros([BLOCK], CDT)
     acc_a = tl.zeros([BLOCK], tl.float64)
     acc_c = tl.zeros([BLOCK], tl.int32)
+    acc_g = tl.zeros([BLOCK], tl.float64)  # geo_mean: Σ δ_min·m
     kmin = tl.full([BLOCK], _I64_MAX, tl.int64)
     kmax = tl.full([BLOCK], _I64_MIN, tl.int64)
     for start in range(begin, end, BLOCK):
@@ -369,10 +380,16 @@ def _seq_stats_kernel(
         if NEED_LOGW:
             roll = tl.load(roll_ptr + t, mask=inside, other=0.0).to(CDT)
             acc_w += tl.where(valid, old - roll, 0.0)
+        if (A3PO or NEED_GEO) and (not SEQ_ADV):  # Σ A·m in fp64: A3PO's polarity, geo_mean's Ā_i
+            adv = tl.load(adv_ptr + t, mask=inside, other=0.0)
+            acc_a += tl.where(valid, adv.to(tl.float64), 0.0)
+        if NEED_GEO:
+            lp = tl.load(logp_ptr + t, mask=inside, other=0.0).to(CDT)
+            if SEQ_ADV:
+                adv = tl.load(adv_ptr + i) + tl.zeros([BLOCK], CDT)
+            d_min = _geo_mean_log_ratio(lp - old, adv, _param(clip_lo, CDT), _param(clip_hi, CDT))
+            acc_g += tl.where(valid, d_min.to(tl.float64), 0.0)
         if A3PO:
-            if not SEQ_ADV:
-                adv = tl.load(adv_ptr + t, mask=inside, other=0.0).to(tl.float64)
-                acc_a += tl.where(valid, adv, 0.0)
             ent = old
             if A3PO_ENT:
                 ent = tl.load(ent_ptr + t, mask=inside, other=0.0).to(CDT)
@@ -387,6 +404,15 @@ def _seq_stats_kernel(
         tl.store(seqf_ptr + i * _NSTAT + 1, tl.sum(acc_d, 0) / tl.maximum(nf, 1.0))
     if NEED_LOGW:
         tl.store(seqf_ptr + i * _NSTAT + 2, tl.sum(acc_w, 0))
+    if NEED_GEO:
+        nn = tl.maximum(n, 1).to(tl.float64)
+        if SEQ_ADV:  # Σ A·m = A_i · n_i
+            sum_adv = tl.load(adv_ptr + i).to(tl.float64) * n.to(tl.float64)
+        else:
+            sum_adv = tl.sum(acc_a, 0)
+        r = tl.exp((tl.sum(acc_g, 0) / nn).to(CDT))
+        adv_mean = (sum_adv / nn).to(CDT)
+        tl.store(seqf_ptr + i * _NSTAT + 3, -adv_mean * r / nn.to(CDT))
 
     if A3PO:
         # Polarity = sign of Σ_t A·m in fp64 (a [B] advantage: A_i · n_i).
@@ -640,12 +666,50 @@ def _dppo_term(
 
 
 @triton.jit
+def _geo_mean_log_ratio(delta, adv, eps_low, eps_high):
+    """Mirrors reference geo_mean_log_ratio (in the per-sequence pass): δ clipped above at
+    ε_high for A > 0, below at −ε_low for A < 0, 0 for A = 0."""
+    pos = tl.where(delta > eps_high, eps_high, delta)
+    neg = tl.where(delta < -eps_low, -eps_low, delta)
+    return tl.where(adv > 0.0, pos, tl.where(adv < 0.0, neg, 0.0))
+
+
+@triton.jit
+def _geo_mean_term(lp, old, adv, valid, share, lo, hi):
+    """Mirrors reference geo_mean_term: every valid token carries its sequence's share
+    L_i / n_i (the stats pass) and the derivative share·∂δ_min/∂δ: the share, except 0 where
+    the clip binds (A > 0 and δ > ε_high, A < 0 and δ < −ε_low; the bounds themselves pass, as
+    torch.minimum's halves of a tie add up to 1) and for A = 0 (lo, hi: ε_low, ε_high).
+    clipped = δ outside [−ε_low, ε_high] with A > 0, clip_lower the same with A < 0."""
+    delta = lp - old
+    pos = adv > 0.0
+    neg = adv < 0.0
+    above = delta > hi
+    below = delta < -lo
+    outside = above | below
+    dpg = tl.where((pos & ~above) | (neg & ~below), share, 0.0)
+    return share, dpg, outside & pos, outside & neg, delta, valid & False, valid & False
+
+
+@triton.jit
+def _dro_term(lp, old, adv, valid, half_dro_beta, CDT: tl.constexpr):
+    """Mirrors reference dro_term: −(logp·A − ½β·δ²), δ = logp − old unclamped, so
+    ∂pg/∂logp = ½β·2δ − A (half_dro_beta: Python's 0.5·β, rounded to the compute dtype)."""
+    hb = _param(half_dro_beta, CDT)
+    delta = lp - old
+    pg = -(lp * adv - hb * (delta * delta))
+    dpg = hb * (delta + delta) - adv
+    return pg, dpg, valid & False, valid & False, delta, valid & False, valid & False
+
+
+@triton.jit
 def _pg_term(
     lp,
     old,
     adv,
     valid,
     log_s,  # GSPO: log s_i of the program's sequence
+    geo_share,  # geo_mean: L_i / n_i of the program's sequence
     clip_lo,
     clip_hi,
     clip_c,
@@ -653,6 +717,7 @@ def _pg_term(
     gspo_clamp,
     tau_pos,
     tau_neg,
+    half_dro_beta,
     CDT: tl.constexpr,
     LOSS: tl.constexpr,
     DUAL_CLIP: tl.constexpr,
@@ -673,6 +738,10 @@ def _pg_term(
         return _sapo_term(lp, old, adv, valid, tau_pos, tau_neg, lr_clamp, CDT, LR_CLAMP, BLOCK)
     elif (LOSS == DPPO_TV) or (LOSS == DPPO_KL):  # (DUAL_CLIP: the truncation cap is on)
         return _dppo_term(lp, old, adv, valid, lo, hi, clip_c, lr_clamp, CDT, LOSS, LR_CLAMP, DUAL_CLIP, BLOCK)
+    elif LOSS == GEO_MEAN:  # (no log_ratio_clamp, as verl)
+        return _geo_mean_term(lp, old, adv, valid, geo_share, lo, hi)
+    elif LOSS == DRO:
+        return _dro_term(lp, old, adv, valid, half_dro_beta, CDT)
     else:  # REINFORCE
         return _reinforce_term(lp, old, adv, valid)
 
@@ -989,11 +1058,12 @@ def _partial_sums(
     part = tl.where(cols == _C_PG, tl.sum(tl.where(valid, pgw_a, zero), 0), part)
     ntok = tl.sum(tl.where(valid, one, zero), 0)
     part = tl.where(cols == _C_NTOK, ntok, part)
-    if (LOSS == PPO) or (LOSS == GSPO) or (LOSS == CISPO) or (LOSS == DPPO_TV) or (LOSS == DPPO_KL):  # these clip
+    CLIPS: tl.constexpr = (LOSS == PPO) or (LOSS == GSPO) or (LOSS == CISPO) or (LOSS == DPPO_TV) or (LOSS == DPPO_KL)
+    if CLIPS or (LOSS == GEO_MEAN):  # these clip
         part = tl.where(cols == _C_CLIP, tl.sum(tl.where(valid & clipped, one, zero), 0), part)
         part = tl.where(cols == _C_CLIP_LOW, tl.sum(tl.where(low, one, zero), 0), part)
         part = tl.where(cols == _C_CLIP_HIGH, tl.sum(tl.where(high, one, zero), 0), part)
-    if DUAL_CLIP:
+    if DUAL_CLIP or (LOSS == GEO_MEAN):  # (geo_mean: δ outside the bounds with A < 0)
         part = tl.where(cols == _C_CLIP_LOWER, tl.sum(tl.where(valid & clip_lower, one, zero), 0), part)
     part = tl.where(cols == _C_NEG_DELTA, tl.sum(tl.where(valid, -delta, zero), 0), part)
     if RC != RC_NONE:
@@ -1056,6 +1126,7 @@ def _token_kernel(
     s_pos_low: tl.float64,
     s_neg_high: tl.float64,
     s_neg_low: tl.float64,
+    half_dro_beta: tl.float64,
     CDT: tl.constexpr,
     PACKED: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -1115,12 +1186,16 @@ def _token_kernel(
     log_s = tl.zeros([BLOCK], CDT)
     if LOSS == GSPO:
         log_s = tl.load(seqf_ptr + row * _NSTAT + 1, mask=is_seq, other=0.0) + log_s
+    geo_share = tl.zeros([BLOCK], CDT)
+    if LOSS == GEO_MEAN:
+        geo_share = tl.load(seqf_ptr + row * _NSTAT + 3, mask=is_seq, other=0.0) + geo_share
     pg, dpg, clipped, clip_lower, delta, low, high = _pg_term(
         lp,
         old,
         adv,
         valid,
         log_s,
+        geo_share,
         clip_lo,
         clip_hi,
         clip_c,
@@ -1128,6 +1203,7 @@ def _token_kernel(
         gspo_clamp,
         tau_pos,
         tau_neg,
+        half_dro_beta,
         CDT,
         LOSS,
         DUAL_CLIP,
@@ -1422,12 +1498,6 @@ def policy_loss_fwd(
     """The Triton kernels under the contract of ``rlvr_kernels_C::policy_loss_fwd``: returns
     ``(sums, grad_logprobs, grad_entropy, token_out)``."""
     p = PolicyLossParams.unpack(fparams, iparams)
-    if p.loss_type in (LossType.GEO_MEAN, LossType.DRO):
-        # (no Triton stage for these yet: refuse rather than run another loss type's branch)
-        raise NotImplementedError(
-            f"loss_type: the Triton policy_loss kernel has no {p.loss_type.name.lower()} stage; use backend='cpu' "
-            "or 'reference'"
-        )
     # (clip_cov / kl_cov: the C++ kernel only, so far)
     _check(
         p.loss_type not in (LossType.CLIP_COV, LossType.KL_COV), "loss_type clip_cov / kl_cov runs on the cpu backend"
@@ -1486,7 +1556,7 @@ def policy_loss_fwd(
         P = B * NBL
         cu = boff = grad  # unused
     n_from_stats = bool(p.seq_mean) and (k["HAS_MASK"] or not k["PACKED"])
-    stats = (n_from_stats or p.loss_type == LossType.GSPO or _seq_rc(p) or k["A3PO"]) and B > 0
+    stats = (n_from_stats or p.loss_type in (LossType.GSPO, LossType.GEO_MEAN) or _seq_rc(p) or k["A3PO"]) and B > 0
     seqf, a3po_rows = grad, grad
     if stats:
         seqf = torch.empty(B * 4, dtype=cdt, device=dev)
@@ -1551,9 +1621,12 @@ def _launch_seq_stats(p: PolicyLossParams, k, x: _Inputs, cu, seqf, a3po_rows, B
         B,
         L,
         T,
+        p.ratio_low,
+        p.ratio_high,
         *_a3po_knobs(p),
         NEED_DELTA=p.loss_type == LossType.GSPO,
         NEED_LOGW=_seq_rc(p),
+        NEED_GEO=p.loss_type == LossType.GEO_MEAN,
         BLOCK=seq_block(k["CDT"] is tl.float64, k["A3PO"]),
         num_warps=_WARPS,
         **k,
@@ -1595,6 +1668,7 @@ def _token_floats(p: PolicyLossParams):
         p.a3po_pos_low_scale,
         p.a3po_neg_high_scale,
         p.a3po_neg_low_scale,
+        0.5 * p.dro_beta,  # (Python's 0.5·β, as the reference forms it)
     )
 
 
@@ -1678,6 +1752,8 @@ def _aot_seq_stats_specs():
             B="i32",
             L="i32",
             T="i32",
+            clip_lo="fp64",
+            clip_hi="fp64",
         )
         for knob in ("pos_high", "pos_low", "neg_high", "neg_low"):
             sig.update({f"r_{knob}": "fp64", f"s_{knob}": "fp64"})
@@ -1688,6 +1764,7 @@ def _aot_seq_stats_specs():
             SEQ_ADV=True,
             NEED_DELTA=False,
             NEED_LOGW=False,
+            NEED_GEO=False,
             A3PO=False,
             A3PO_ENT=False,
         )
@@ -1700,6 +1777,8 @@ def _aot_seq_stats_specs():
     yield spec("a3po_prob,token_adv", "*bf16", tl.float32, A3PO=True, SEQ_ADV=False)
     yield spec("a3po_entropy,packed", "*fp32", tl.float32, A3PO=True, A3PO_ENT=True, PACKED=True)
     yield spec("fp64,all", "*fp64", tl.float64, NEED_DELTA=True, NEED_LOGW=True, A3PO=True)
+    yield spec("geo_mean,token_adv", "*bf16", tl.float32, NEED_GEO=True, SEQ_ADV=False)
+    yield spec("geo_mean,a3po,fp64", "*fp64", tl.float64, NEED_GEO=True, A3PO=True, SEQ_ADV=False)
 
 
 _AOT_TOKEN_FLOATS = (
@@ -1721,6 +1800,7 @@ _AOT_TOKEN_FLOATS = (
     "s_pos_low",
     "s_neg_high",
     "s_neg_low",
+    "half_dro_beta",
 )
 
 
@@ -1831,6 +1911,31 @@ def _aot_token_specs():
     # verl's DPPO: the truncation cap on (DUAL_CLIP), as the drop-ins call it
     yield spec("dppo_tv,cap", "*bf16", tl.float32, LOSS=int(LossType.DPPO_TV), DUAL_CLIP=True, SEQ_ADV=False)
     yield spec("dppo_kl,cap", "*fp32", tl.float32, LOSS=int(LossType.DPPO_KL), DUAL_CLIP=True, SEQ_ADV=False)
+    # verl's GMPO and DRO drop-ins: token advantages, no log-ratio clamp (geo_mean: the IS
+    # weights folded into A; dro: token_tis)
+    yield spec("geo_mean", "*bf16", tl.float32, LOSS=int(LossType.GEO_MEAN), LR_CLAMP=False, SEQ_ADV=False)
+    yield spec(
+        "geo_mean,seq_tis,k3",
+        "*bf16",
+        tl.float32,
+        LOSS=int(LossType.GEO_MEAN),
+        RC=int(RolloutCorrectionCode.SEQ_TIS),
+        KL=int(KlEstimator.K3),
+        LR_CLAMP=False,
+        SEQ_ADV=False,
+    )
+    yield spec(
+        "geo_mean,fp64,seq_mean", "*fp64", tl.float64, LOSS=int(LossType.GEO_MEAN), SEQ_MEAN=True, N_FROM_STATS=True
+    )
+    yield spec(
+        "dro,token_tis",
+        "*bf16",
+        tl.float32,
+        LOSS=int(LossType.DRO),
+        RC=int(RolloutCorrectionCode.TOKEN_TIS),
+        LR_CLAMP=False,
+        SEQ_ADV=False,
+    )
     everything = dict(
         DUAL_CLIP=True,
         KL=int(KlEstimator.K3_PLUS),

@@ -60,7 +60,9 @@ SHAPINGS = st.builds(
 )
 OPTIONS = st.fixed_dictionaries(
     {
-        "loss_type": st.sampled_from(["ppo", "gspo", "cispo", "sapo", "reinforce", "dppo_tv", "dppo_kl"]),
+        "loss_type": st.sampled_from(
+            ["ppo", "gspo", "cispo", "sapo", "reinforce", "dppo_tv", "dppo_kl", "geo_mean", "dro"]
+        ),
         "clip_low": st.sampled_from([0.2, 0.1]),
         "clip_high": st.sampled_from([0.2, 0.28]),
         "kl": st.sampled_from([None, "k1", "k2", "k3", "k3+"]),
@@ -123,6 +125,11 @@ def test_random_options(backend, device, opts, layout, dtype, B, L, token_adv, s
     opts = {k: v for k, v in opts.items() if v is not None}
     if opts.get("kl"):
         opts["kl_coef"] = 0.1
+    if opts["loss_type"] == "dro":
+        opts["dro_beta"] = 0.5
+    # (geo_mean takes sequence-level corrections only)
+    if opts["loss_type"] == "geo_mean" and opts.get("rollout_correction") in ("token_tis", "token_mis", "decoupled"):
+        opts.pop("rollout_correction")
     # (the verl preset's c = 3.0 is dppo's truncation cap too)
     if opts.get("preset") == "verl" and opts.get("loss_type") not in (None, "ppo", "dppo_tv", "dppo_kl"):
         opts.pop("preset")

@@ -688,11 +688,7 @@ def test_actor_loss_icepop_threshold_not_fused():
         )
 
 
-# geo_mean (GMPO) and dro: the reference and the C++ kernel (the Triton kernel refuses them).
-GEO_DRO_BACKENDS = [p for p in ALL if p.values[0] != "triton"]
-
-
-@pytest.mark.parametrize("backend,device", GEO_DRO_BACKENDS)
+@pytest.mark.parametrize("backend,device", ALL)
 @pytest.mark.parametrize("loss_mode", ["geo_mean", "dro"])
 def test_geo_mean_dro_match_verl(backend, device, loss_mode):
     """Loss, gradient and metrics against verl's compute_policy_loss_geo_mean / _dro, with

@@ -538,10 +538,7 @@ def test_entropy_threshold_argument(backend, device):
         rk.policy_loss(lp, lp.detach(), adv, m, entropy_threshold=thr, backend=backend)
 
 
-GEO_DRO = [p for p in ALL if p.values[0] != "triton"]  # (the Triton kernel refuses them)
-
-
-@pytest.mark.parametrize("backend,device", GEO_DRO)
+@pytest.mark.parametrize("backend,device", ALL)
 def test_geo_mean_values(backend, device):
     """One sequence of two tokens: r = exp(mean δ_min), L = −Ā·r on agg=seq-mean-token-sum;
     a clipped token (A > 0, δ > ε_high) carries no gradient, the other L/n; the clip
@@ -563,7 +560,7 @@ def test_geo_mean_values(backend, device):
     assert (float(met.pg_clipfrac), float(met.pg_clipfrac_lower)) == (0.0, 0.5)
 
 
-@pytest.mark.parametrize("backend,device", GEO_DRO)
+@pytest.mark.parametrize("backend,device", ALL)
 def test_dro_values(backend, device):
     """−(A·logp − ½β·δ²) and its derivative −A + β·δ."""
     loss, grad, met = one_token(
@@ -573,7 +570,7 @@ def test_dro_values(backend, device):
     assert float(met.ppo_kl) == pytest.approx(-0.5)
 
 
-@pytest.mark.parametrize("backend,device", GEO_DRO)
+@pytest.mark.parametrize("backend,device", ALL)
 def test_geo_mean_dro_empty_and_all_masked(backend, device):
     for lt in ("geo_mean", "dro"):
         o = rk.PolicyLossOptions(loss_type=lt, dro_beta=0.1 if lt == "dro" else None, agg="seq-mean-token-sum")
