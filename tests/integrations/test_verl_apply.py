@@ -39,6 +39,7 @@ from verl import DataProto
 from verl.trainer.ppo import core_algos
 from verl.utils.kernel import linear_cross_entropy as verl_lce
 from verl.workers.config import FSDPActorConfig
+from verl.workers.config.actor import PolicyLossConfig
 from verl.workers.engine.fsdp import transformer_impl as ti
 from verl.workers.utils import losses as verl_losses
 
@@ -223,6 +224,28 @@ def test_engine_update_with_registry_losses_only(monkeypatch, model_dir):
     ours = _train(monkeypatch, model_dir, _actor_config("vanilla", **cfg), entropy=True, steps=1)
     counts = call_counts()
     assert counts == {"verl.policy_loss.vanilla": B // 2}, counts
+    _same_training(ours, stock)
+
+
+@pytest.mark.parametrize("loss_mode", ["clip_cov", "kl_cov"])
+def test_engine_update_with_cov_losses(monkeypatch, model_dir, loss_mode):
+    """clip_cov / kl_cov (not fused into ppo_loss: verl's own ppo_loss calls our registry
+    entry) on the cpu backend; the runs are seeded alike, as clip_cov draws torch.randperm."""
+    policy = PolicyLossConfig(
+        loss_mode=loss_mode, clip_cov_ratio=0.05, clip_cov_lb=-1.0, clip_cov_ub=5.0, kl_cov_ratio=0.05, ppo_kl_coef=0.5
+    )
+    cfg = dict(entropy_coeff=0.01, policy_loss=policy)
+    torch.manual_seed(7)
+    stock = _train(monkeypatch, model_dir, _actor_config(loss_mode, **cfg), entropy=True)
+    rk.apply(ppo_loss=False, logprobs=False, count_calls=True)
+    torch.manual_seed(7)
+    with rk.use_backend("cpu"):
+        ours = _train(monkeypatch, model_dir, _actor_config(loss_mode, **cfg), entropy=True)
+    counts = call_counts()
+    assert counts == {f"verl.policy_loss.{loss_mode}": 2 * (B // 2)}, counts
+    if loss_mode == "clip_cov":  # some tokens are selected
+        clipfrac = stock[0][1][1]["actor/pg_clipfrac"]
+        assert max(torch.as_tensor(clipfrac, dtype=torch.float64).reshape(-1).tolist()) > 0, clipfrac
     _same_training(ours, stock)
 
 
