@@ -369,7 +369,9 @@ def test_unsupported_loss_mode_strict_and_fallback(monkeypatch, model_dir):
         _train(monkeypatch, model_dir, cfg, entropy=False, steps=1)
     rk.unapply()
     stock = _train(monkeypatch, model_dir, _actor_config("clip_cov"), entropy=False, steps=1)
-    rk.apply(strict=False, logprobs=False)  # verl's own log-probs too: the fallback is then bit for bit
+    # verl's own log-probs and policy-loss registry too (clip_cov's entry is a drop-in): the
+    # fallback is then bit for bit
+    rk.apply(strict=False, logprobs=False, policy_loss=False)
     reset_call_counts()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
