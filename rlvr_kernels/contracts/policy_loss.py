@@ -333,3 +333,23 @@ def cov_selection(
     cand = flat_valid & ~clipped & (cov > cov_lb) & (cov < cov_ub)
     key = cov_hash(cov_seed, cand.numel(), cand.device)
     return _first_k(key, cand, k).reshape(valid.shape)
+
+
+def cov_selection_of(opts, logprobs, old_logprobs, advantages, valid) -> torch.Tensor:
+    """:func:`cov_selection` with the options of ``opts`` (a ``PolicyLossOptions`` with
+    loss_type clip_cov / kl_cov; an unset ``log_ratio_clamp`` is 0), the one mapping the op
+    layer and the reference share. ``advantages`` token-shaped, all in the caller's layout."""
+    return cov_selection(
+        LossType.CLIP_COV if opts.loss_type == "clip_cov" else LossType.KL_COV,
+        logprobs,
+        old_logprobs,
+        advantages,
+        valid,
+        cov_ratio=opts.cov_ratio,
+        cov_lb=opts.cov_lb,
+        cov_ub=opts.cov_ub,
+        clip_low=opts.clip_low,
+        clip_high=opts.clip_high,
+        log_ratio_clamp=float(opts.log_ratio_clamp or 0.0),
+        cov_seed=opts.cov_seed,
+    )

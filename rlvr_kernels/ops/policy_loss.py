@@ -79,7 +79,7 @@ from ..contracts.policy_loss import (
     TokenOut,
     entropy_quantile_threshold,
 )
-from ..contracts.policy_loss import cov_selection as _cov_select
+from ..contracts.policy_loss import cov_selection_of as _cov_select
 from ..options import (
     RS_BOUND_FIELDS,
     PolicyLossMetrics,
@@ -371,20 +371,7 @@ def _cov_selection(opts: PolicyLossOptions, logprobs, old, advantages, mask, cu,
             t = torch.arange(shape[0], device=logprobs.device)
             seq = torch.searchsorted(cu[1:], t, right=True).clamp(max=max(adv.shape[0] - 1, 0))
             adv = adv[seq] if adv.numel() else torch.zeros(shape, dtype=adv.dtype, device=adv.device)
-    return _cov_select(
-        _LOSS_TYPES[opts.loss_type],
-        logprobs,
-        old.to(logprobs.dtype),
-        adv,
-        valid,
-        cov_ratio=opts.cov_ratio,
-        cov_lb=opts.cov_lb,
-        cov_ub=opts.cov_ub,
-        clip_low=opts.clip_low,
-        clip_high=opts.clip_high,
-        log_ratio_clamp=float(opts.log_ratio_clamp or 0.0),
-        cov_seed=opts.cov_seed,
-    )
+    return _cov_select(opts, logprobs, old.to(logprobs.dtype), adv, valid)
 
 
 def _check_needed_inputs(opts: PolicyLossOptions, ref, roll, ent) -> None:
@@ -712,8 +699,6 @@ def policy_loss(
         loss_scale_factor=loss_scale_factor,
     )
     if backend == "reference":
-        if x.cov_selection is not None:
-            raise ValueError("loss_type: clip_cov / kl_cov run on the cpu backend (the reference has no cov term)")
         _check_finite(None, x, validate)
         return _dispatch.kernel("policy_loss", "reference")(
             logprobs,
@@ -726,6 +711,7 @@ def policy_loss(
             entropy=entropy,
             cu_seqlens=x.cu_seqlens,
             entropy_threshold=x.entropy_threshold if entropy_threshold is not None else None,
+            cov_selection=x.cov_selection,
             **agg_kw,
         )
     token_out = TokenOut.LOSS if opts.agg == "none" else TokenOut.NONE

@@ -13,7 +13,8 @@ function by function):
 
 - ``pg_term``: the ratio (``log_ratio``; ``gspo_ratio``) and one ``*_term`` per loss type
   (``ppo_term``, ``gspo_term``, ``cispo_term``, ``sapo_term``, ``reinforce_term``,
-  ``dppo_term`` for dppo_tv and dppo_kl, ``geo_mean_term``, ``dro_term``); ppo and gspo take
+  ``dppo_term`` for dppo_tv and dppo_kl, ``geo_mean_term``, ``dro_term``, ``clip_cov_term``,
+  ``kl_cov_term``); ppo and gspo take
   ``clipped_objective`` then ``dual_clip``, dppo ``dppo_ratio`` and ``dppo_keep``, geo_mean
   ``geo_mean_log_ratio``; ``clip_sides`` for the metrics;
 - ``shaping_weights`` (``polarity_weights`` × ``probability_weights`` × ``a3po_scales`` ×
@@ -37,7 +38,7 @@ import torch
 
 from .._core.layout import packed_mask
 from .._core.layout import safe_div as _safe_div
-from ..contracts.policy_loss import entropy_quantile_threshold
+from ..contracts.policy_loss import cov_selection_of, entropy_quantile_threshold
 from ..options import PolicyLossMetrics, PolicyLossOptions, TokenShaping
 
 
@@ -338,8 +339,32 @@ def dro_term(opts: PolicyLossOptions, logp, old, adv):
     return -(logp * adv - 0.5 * opts.dro_beta * delta.square()), no, no, delta
 
 
-def pg_term(opts: PolicyLossOptions, logp, old, adv, valid):
-    """The policy-gradient term of ``opts.loss_type``: (pg, clipped, clip_lower, δ)."""
+def clip_cov_term(opts: PolicyLossOptions, logp, old, adv, sel):
+    """Clip-Cov: ppo's clipped_objective of ρ = exp(δ) (δ from ``log_ratio``, no dual clip),
+    0 (value and gradient) on the covariance-selected tokens ``sel``; clipped = ``sel`` (the
+    CLIP count is the selected valid tokens, verl's pg_clipfrac of clip_cov)."""
+    delta = log_ratio(opts, logp, old)
+    pg, _ = clipped_objective(opts, torch.exp(delta), adv)
+    return torch.where(sel, torch.zeros_like(pg), pg), sel, torch.zeros_like(sel), delta
+
+
+def kl_cov_term(opts: PolicyLossOptions, logp, old, adv, sel):
+    """KL-Cov: −A·ρ + kl_cov_coef·|δ| on the covariance-selected tokens ``sel`` (∂|δ|/∂δ =
+    sign(δ), 0 at δ = 0); clipped = ``sel``. The δ slot holds −|δ|, so the ppo_kl metric is
+    mean |δ| (verl's ppo_kl of kl_cov)."""
+    delta = log_ratio(opts, logp, old)
+    abs_delta = delta.abs()
+    pg = -adv * torch.exp(delta) + torch.where(sel, opts.kl_cov_coef * abs_delta, torch.zeros_like(abs_delta))
+    return pg, sel, torch.zeros_like(sel), -abs_delta
+
+
+def pg_term(opts: PolicyLossOptions, logp, old, adv, valid, sel=None):
+    """The policy-gradient term of ``opts.loss_type``: (pg, clipped, clip_lower, δ); ``sel``
+    is the covariance selection (padded, bool) of clip_cov / kl_cov."""
+    if opts.loss_type == "clip_cov":
+        return clip_cov_term(opts, logp, old, adv, sel)
+    if opts.loss_type == "kl_cov":
+        return kl_cov_term(opts, logp, old, adv, sel)
     if opts.loss_type == "ppo":
         return ppo_term(opts, logp, old, adv)
     if opts.loss_type == "gspo":
@@ -368,8 +393,8 @@ def importance_ratio(opts: PolicyLossOptions, logp, old, valid):
 
 def clip_sides(opts: PolicyLossOptions, logp, old, adv, valid):
     """(low, high) per token: ρ < 1 − ε_low with A < 0, ρ > 1 + ε_high with A > 0, for the
-    loss types that clip (ppo, gspo, cispo); all False for the others."""
-    if opts.loss_type not in ("ppo", "gspo", "cispo"):
+    loss types that clip (ppo, gspo, cispo, clip_cov); all False for the others."""
+    if opts.loss_type not in ("ppo", "gspo", "cispo", "clip_cov"):
         no = torch.zeros_like(valid)
         return no, no
     lo, hi = _clip_range(opts)
@@ -615,12 +640,15 @@ def policy_loss(
     dp_size: int = 1,
     loss_scale_factor: Optional[float] = None,
     entropy_threshold: Optional[torch.Tensor] = None,
+    cov_selection: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, PolicyLossMetrics]:
     """The GRPO-family policy loss, per docs/policy-loss.md, and its metrics: pg_term → shaping_weights →
     is_weights → kl_term → token_loss → aggregate.
 
     Computes in the dtype of ``logprobs`` promoted to at least fp32 (fp64 stays fp64).
     ``entropy_threshold`` replaces the batch's entropy quantile (shaping.entropy_quantile).
+    ``cov_selection`` (bool, shaped like ``logprobs``) replaces the covariance selection of
+    clip_cov / kl_cov (``cov_tokens``).
     Returns the aggregated loss (0-d; ``[B, L]``/``[T]`` for ``agg="none"``) and metrics.
     """
     dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
@@ -646,7 +674,12 @@ def policy_loss(
         valid = valid0 & rejection_keep(rc, x, valid0)
     m = valid.to(dtype)
 
-    pg, clipped, clip_lower, delta = pg_term(opts, lp, old, adv, valid)
+    sel = None
+    if opts.loss_type in ("clip_cov", "kl_cov"):
+        if cov_selection is None:
+            cov_selection = cov_tokens(opts, logprobs, old_logprobs, adv, mask, cu_seqlens)
+        sel = to_padded(cov_selection.to(torch.int8), cu_seqlens) != 0
+    pg, clipped, clip_lower, delta = pg_term(opts, lp, old, adv, valid, sel)
     thr = None
     if entropy_threshold is not None:
         thr = entropy_threshold.detach().reshape(()).float()
@@ -716,6 +749,17 @@ def policy_loss(
             is_batch_norm_factor=(is_norm * (N_tok > 0)).float(),
         )
     return loss.to(dtype), metrics
+
+
+def cov_tokens(opts: PolicyLossOptions, logprobs, old_logprobs, adv_padded, mask, cu_seqlens):
+    """The covariance selection of clip_cov / kl_cov on this call's inputs, in their layout
+    (flat token indices pick ties and the random choice): the contract's ``cov_selection`` of
+    ``logprobs``, ``old_logprobs`` rounded to its dtype, the token advantages in the compute
+    dtype and the valid tokens."""
+    T = logprobs.shape[0]
+    valid = packed_mask(mask, cu_seqlens, T, logprobs.device) if cu_seqlens is not None else mask != 0
+    adv = from_padded(adv_padded, cu_seqlens, T) if cu_seqlens is not None else adv_padded
+    return cov_selection_of(opts, logprobs, old_logprobs.to(logprobs.dtype), adv, valid)
 
 
 def _seq_stat(f, how):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -152,11 +153,16 @@ def reduction_magnitudes(inputs: Dict, options: Dict) -> Dict[str, Tuple[float, 
     )  # the package re-exports a function of that name
 
     x = as_float64(inputs)
-    option_kw = {k: v for k, v in options.items() if k not in _AGG_KWARGS + ("preset",)}
-    opts = resolve_policy_loss_options(options.get("preset"), **option_kw)
+    given = options.get("options")  # a PolicyLossOptions (the options no keyword reaches)
+    option_kw = {k: v for k, v in options.items() if k not in _AGG_KWARGS + ("preset", "options")}
+    opts = given if given is not None else resolve_policy_loss_options(options.get("preset"), **option_kw)
 
     def per_token(**override):
-        loss, _ = policy_loss(**x, **_call_kwargs(dict(options, agg="none", **override)), backend="reference")
+        if given is not None:
+            kw = dict(options, options=dataclasses.replace(given, agg="none", **override))
+        else:
+            kw = _call_kwargs(dict(options, agg="none", **override))
+        loss, _ = policy_loss(**x, **kw, backend="reference")
         return ref.to_padded(loss.detach(), x.get("cu_seqlens"))
 
     valid = ref._valid_padded(x["logprobs"], x.get("mask"), x.get("cu_seqlens"))

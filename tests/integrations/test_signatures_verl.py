@@ -62,7 +62,7 @@ def test_every_name_is_exported_and_checked():
     public = {n for n in dir(ours) if not n.startswith("_") and callable(getattr(ours, n))}
     assert public == set(ours.__all__)
     assert NOT_DROPINS <= set(ours.__all__)
-    assert len(DROPINS) == 22
+    assert len(DROPINS) == 24
 
 
 def test_use_backend_is_the_one_of_every_integration():

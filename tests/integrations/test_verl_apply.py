@@ -39,6 +39,7 @@ from verl import DataProto
 from verl.trainer.ppo import core_algos
 from verl.utils.kernel import linear_cross_entropy as verl_lce
 from verl.workers.config import FSDPActorConfig
+from verl.workers.config.actor import PolicyLossConfig
 from verl.workers.engine.fsdp import transformer_impl as ti
 from verl.workers.utils import losses as verl_losses
 
@@ -226,6 +227,28 @@ def test_engine_update_with_registry_losses_only(monkeypatch, model_dir):
     _same_training(ours, stock)
 
 
+@pytest.mark.parametrize("loss_mode", ["clip_cov", "kl_cov"])
+def test_engine_update_with_cov_losses(monkeypatch, model_dir, loss_mode):
+    """clip_cov / kl_cov (not fused into ppo_loss: verl's own ppo_loss calls our registry
+    entry) on the cpu backend; the runs are seeded alike, as clip_cov draws torch.randperm."""
+    policy = PolicyLossConfig(
+        loss_mode=loss_mode, clip_cov_ratio=0.05, clip_cov_lb=-1.0, clip_cov_ub=5.0, kl_cov_ratio=0.05, ppo_kl_coef=0.5
+    )
+    cfg = dict(entropy_coeff=0.01, policy_loss=policy)
+    torch.manual_seed(7)
+    stock = _train(monkeypatch, model_dir, _actor_config(loss_mode, **cfg), entropy=True)
+    rk.apply(ppo_loss=False, logprobs=False, count_calls=True)
+    torch.manual_seed(7)
+    with rk.use_backend("cpu"):
+        ours = _train(monkeypatch, model_dir, _actor_config(loss_mode, **cfg), entropy=True)
+    counts = call_counts()
+    assert counts == {f"verl.policy_loss.{loss_mode}": 2 * (B // 2)}, counts
+    if loss_mode == "clip_cov":  # some tokens are selected
+        clipfrac = stock[0][1][1]["actor/pg_clipfrac"]
+        assert max(torch.as_tensor(clipfrac, dtype=torch.float64).reshape(-1).tolist()) > 0, clipfrac
+    _same_training(ours, stock)
+
+
 @pytest.mark.parametrize("torch_compile", [False, True])
 def test_engine_compute_log_prob_matches_stock(monkeypatch, model_dir, torch_compile):
     """infer_batch (verl's compute_log_prob); with use_torch_compile (verl's default) the
@@ -346,7 +369,9 @@ def test_unsupported_loss_mode_strict_and_fallback(monkeypatch, model_dir):
         _train(monkeypatch, model_dir, cfg, entropy=False, steps=1)
     rk.unapply()
     stock = _train(monkeypatch, model_dir, _actor_config("clip_cov"), entropy=False, steps=1)
-    rk.apply(strict=False, logprobs=False)  # verl's own log-probs too: the fallback is then bit for bit
+    # verl's own log-probs and policy-loss registry too (clip_cov's entry is a drop-in): the
+    # fallback is then bit for bit
+    rk.apply(strict=False, logprobs=False, policy_loss=False)
     reset_call_counts()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

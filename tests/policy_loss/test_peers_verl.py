@@ -73,6 +73,8 @@ NEW_NAMES = [
     "compute_policy_loss_dppo_kl",
     "compute_policy_loss_geo_mean",
     "compute_policy_loss_dro",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_kl_cov",
     "kl_penalty",
     "agg_loss",
 ]
@@ -717,3 +719,86 @@ def test_dro_beta_checked():
         ours.compute_policy_loss_dro(
             batch["old_log_prob"], batch["log_prob"], batch["advantages"], batch["response_mask"], config=cfg
         )
+
+
+# clip_cov and kl_cov: the reference and the C++ kernel (the Triton kernel refuses them).
+# verl's clip_cov draws torch.randperm from the global RNG: every run is seeded alike.
+COV_CONFIG = dict(clip_cov_ratio=0.05, clip_cov_lb=0.0, clip_cov_ub=2.0, kl_cov_ratio=0.05, ppo_kl_coef=0.7)
+
+
+def seeded(fn, seed=1234):
+    def run(*args, **kwargs):
+        torch.manual_seed(seed)
+        return fn(*args, **kwargs)
+
+    return run
+
+
+# (the Triton kernel has no clip_cov / kl_cov stage: it refuses them)
+COV_BACKENDS = [p for p in ALL if p.values[0] != "triton"]
+
+
+@pytest.mark.parametrize("backend,device", COV_BACKENDS)
+@pytest.mark.parametrize("loss_mode", ["clip_cov", "kl_cov"])
+def test_clip_cov_kl_cov_match_verl(backend, device, loss_mode):
+    """Loss, gradient and metrics against verl's compute_policy_loss_clip_cov / _kl_cov under
+    the same torch.manual_seed, every agg, with and without token rollout_is_weights."""
+    name = f"compute_policy_loss_{loss_mode}"
+    verl_fn, our_fn = seeded(getattr(core_algos, name)), seeded(getattr(ours, name))
+    for k, agg in enumerate(AGG_MODES):
+        for weighted in (False, True):
+            batch = make_batch(600 + 2 * k + weighted, device)
+            w = {} if not weighted else dict(rollout_is_weights=token_is_weights(batch, 2.0))
+            cfg = actor_config(
+                loss_mode,
+                agg,
+                clip_ratio_low=0.1,
+                clip_ratio_high=0.15,
+                policy_loss=PolicyLossConfig(loss_mode=loss_mode, **COV_CONFIG),
+            )
+            kw = dict(loss_agg_mode=agg, config=cfg)
+            t32 = call_policy_fn(verl_fn, batch, None, **kw, **w)
+            mine = call_policy_fn(our_fn, batch, backend, **kw, **w)
+            what = f"{name} agg={agg} weights={weighted}"
+
+            def compare(mine, t32, t64, what=what):
+                close(mine[0], t32[0], t64[0], what + " loss")
+                close(mine[2], t32[2], t64[2], what + " grad")
+                close_metrics(mine[1], t32[1], t64[1], what)
+
+            w64 = {key: v.double() for key, v in w.items()}
+            against_verl(
+                compare, mine, t32, lambda kw=kw, w64=w64: call_policy_fn(verl_fn, as64(batch), None, **kw, **w64)
+            )
+            if loss_mode == "clip_cov":
+                assert t32[1]["actor/pg_clipfrac"] > 0  # some tokens are selected
+
+
+@pytest.mark.parametrize("backend,device", COV_BACKENDS)
+@pytest.mark.parametrize("loss_mode", ["clip_cov", "kl_cov"])
+def test_clip_cov_kl_cov_empty_and_all_masked_give_zeros(backend, device, loss_mode):
+    """No valid token (all masked, no row, no column): loss, gradient and verl's metric keys
+    are 0, never NaN (verl's token-mean divides by 0 there)."""
+    fn = seeded(getattr(ours, f"compute_policy_loss_{loss_mode}"))
+    keys = {"actor/ppo_kl"} | ({"actor/pg_clipfrac"} if loss_mode == "clip_cov" else set())
+    for B, L in ((4, 7), (0, 7), (3, 0)):
+        for agg in AGG_MODES:
+            lp = (-torch.rand(B, L) * 2).to(device).requires_grad_(True)
+            mask = torch.zeros(B, L, dtype=torch.bool, device=device)
+            cfg = actor_config(loss_mode, agg, policy_loss=PolicyLossConfig(loss_mode=loss_mode, **COV_CONFIG))
+            with ours.use_backend(backend):
+                loss, m = fn(lp.detach() - 0.4, lp, torch.randn(B, L).to(device), mask, agg, cfg)
+            loss.backward()
+            assert float(loss) == 0.0, (B, L, agg)
+            assert lp.grad is not None and float(lp.grad.abs().sum()) == 0.0, (B, L, agg)
+            assert set(m) == keys and all(v == 0.0 for v in m.values()), (B, L, agg, m)
+
+
+def test_cov_ratio_checked():
+    batch = make_batch(7)
+    for loss_mode, field in (("clip_cov", "clip_cov_ratio"), ("kl_cov", "kl_cov_ratio")):
+        cfg = actor_config(loss_mode, policy_loss=PolicyLossConfig(loss_mode=loss_mode, **{field: 0.0}))
+        with pytest.raises(ValueError, match=field):
+            getattr(ours, f"compute_policy_loss_{loss_mode}")(
+                batch["old_log_prob"], batch["log_prob"], batch["advantages"], batch["response_mask"], config=cfg
+            )

@@ -3,7 +3,7 @@
 ==========================  ================================================================
 ``core_algos``              ``verl.trainer.ppo.core_algos``: the outcome-advantage estimators,
                             ``compute_policy_loss_{vanilla,gspo,cispo,sapo,gpg,``
-                            ``dppo_tv,dppo_kl,geo_mean,dro}``,
+                            ``dppo_tv,dppo_kl,geo_mean,dro,clip_cov,kl_cov}``,
                             ``kl_penalty``, ``agg_loss``
 ``losses``                  ``verl.workers.utils.losses.ppo_loss`` as one fused call:
                             :func:`policy_loss_verl` (not a drop-in: padded tensors + config)
@@ -42,12 +42,14 @@ from .core_algos import (
     compute_grpo_vectorized_outcome_advantage,
     compute_opo_outcome_advantage,
     compute_policy_loss_cispo,
+    compute_policy_loss_clip_cov,
     compute_policy_loss_dppo_kl,
     compute_policy_loss_dppo_tv,
     compute_policy_loss_dro,
     compute_policy_loss_geo_mean,
     compute_policy_loss_gpg,
     compute_policy_loss_gspo,
+    compute_policy_loss_kl_cov,
     compute_policy_loss_sapo,
     compute_policy_loss_vanilla,
     compute_reinforce_plus_plus_baseline_outcome_advantage,
@@ -78,6 +80,8 @@ __all__ = [
     "compute_policy_loss_dppo_kl",
     "compute_policy_loss_geo_mean",
     "compute_policy_loss_dro",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_kl_cov",
     "kl_penalty",
     "agg_loss",
     "policy_loss_verl",

@@ -17,6 +17,7 @@ step, so it is read on every call (:func:`batch_info`).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -62,6 +63,7 @@ _OPTION_SOURCES = {
     "rollout_threshold": "rollout_is_threshold",
     "agg": "loss_agg_mode",
     "dro_beta": "config.policy_loss.dro_beta",
+    "kl_cov_coef": "config.policy_loss.ppo_kl_coef",
 }
 
 
@@ -124,7 +126,7 @@ class ActorLossConfig:
     def _options(self, loss_type: str, agg: str, fields: Dict[str, Any]) -> PolicyLossOptions:
         fields = dict(fields, loss_type=loss_type, agg=agg)
         sources = dict(_OPTION_SOURCES)
-        if loss_type in ("ppo", "gspo", "cispo", "dppo_tv", "dppo_kl", "geo_mean"):
+        if loss_type in ("ppo", "gspo", "cispo", "dppo_tv", "dppo_kl", "geo_mean", "clip_cov"):
             (low_name, fields["clip_low"]), (high_name, fields["clip_high"]) = self.clip_eps()
             sources.update(clip_low=f"config.{low_name}", clip_high=f"config.{high_name}")
         if loss_type == "ppo":
@@ -134,7 +136,10 @@ class ActorLossConfig:
         if loss_type == "sapo":
             fields["tau_pos"], fields["tau_neg"] = self.number("tau_pos"), self.number("tau_neg")
         with caller_names(sources):
-            return resolve_policy_loss_options("verl", **fields)
+            opts = resolve_policy_loss_options("verl", **fields)
+        if loss_type in ("clip_cov", "kl_cov"):  # verl's clip_cov / kl_cov do not clamp δ
+            opts = dataclasses.replace(opts, log_ratio_clamp=None)
+        return opts
 
 
 def read_actor_config(config: Any) -> ActorLossConfig:

@@ -339,11 +339,30 @@ def geo_mean_body(old_log_prob, log_prob, advantages, response_mask, config, rol
     )
 
 
-def _dro_beta(config):
+def _policy_loss_field(config, name, default=None):
+    """``config.policy_loss.<name>`` (a dataclass, DictConfig or dict), ``default`` when unset."""
     policy = getattr(config, "policy_loss", None) if not isinstance(config, dict) else config.get("policy_loss")
-    beta = None if policy is None else (policy.get("dro_beta", None) if hasattr(policy, "get") else None)
-    if beta is None and policy is not None:
-        beta = getattr(policy, "dro_beta", None)
+    value = None if policy is None else (policy.get(name, None) if hasattr(policy, "get") else None)
+    if value is None and policy is not None:
+        value = getattr(policy, name, None)
+    return default if value is None else value
+
+
+def aggregate_like(values, response_mask, agg, agg_kw):
+    """``values`` aggregated in lean torch as the ``policy_loss`` call with ``agg_kw`` aggregates."""
+    return aggregate(
+        values,
+        response_mask,
+        agg,
+        agg_kw["dp_size"],
+        agg_kw["global_num_tokens"],
+        agg_kw["global_num_seqs"],
+        agg_kw["loss_scale_factor"],
+    )
+
+
+def _dro_beta(config):
+    beta = _policy_loss_field(config, "dro_beta")
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
         raise ValueError(f"config.policy_loss.dro_beta: DRO needs a positive value, got {beta!r}")
     return float(beta)
@@ -366,14 +385,103 @@ def dro_body(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, c
         )
         if rollout_is_weights is not None:
             rest = 0.5 * beta * (rollout_is_weights.detach() - 1) * (log_prob - old_log_prob).square()
-            loss = loss + aggregate(
-                rest,
-                response_mask,
-                agg,
-                agg_kw["dp_size"],
-                agg_kw["global_num_tokens"],
-                agg_kw["global_num_seqs"],
-                agg_kw["loss_scale_factor"],
-            )
+            loss = loss + aggregate_like(rest, response_mask, agg, agg_kw)
         loss = loss.to(out_dtype(log_prob, old_log_prob, advantages, rollout_is_weights))
     return loss, float_metrics([("actor/ppo_kl", m.ppo_kl)])
+
+
+# clip_cov and kl_cov: the covariance selection is built here with verl's own arithmetic
+# (clip_cov's torch.randperm from the global RNG, kl_cov's torch.topk on the CPU), so that
+# under the same torch seed the same tokens are treated apart, and given to the kernel as
+# cov_selection=. Their defaults are verl's (ratio 2e-4, bounds 1 / 5, coefficient 1).
+
+
+def _cov_field(config, name, default):
+    value = _policy_loss_field(config, name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"config.policy_loss.{name}: expected a number, got {value!r}")
+    return float(value)
+
+
+def _masked_mean(x, mask):
+    """verl's masked_mean: Σ m·x / (Σ m + 1e-8), x zeroed off the mask first (its NaNs too)."""
+    return (torch.where(mask.bool(), x, 0.0) * mask).sum() / (mask.sum() + 1e-8)
+
+
+@torch.no_grad()
+def clip_cov_selection(old_log_prob, log_prob, advantages, response_mask, clip_low, clip_high, ratio, lb, ub):
+    """verl's Clip-Cov choice: the valid tokens the PPO clip leaves alone with
+    lb < cov_t < ub, cov_t = (A − mean A)·(logπ − mean logπ) (masked means); of them
+    max(⌊ratio·N⌋, 1) (at most all) in the order of torch.randperm (the global RNG)."""
+    lp = log_prob.detach()
+    r = torch.exp(lp - old_log_prob)
+    clipped = (-advantages * torch.clamp(r, 1 - clip_low, 1 + clip_high) > -advantages * r) & (response_mask > 0)
+    cov = (advantages - _masked_mean(advantages, response_mask)) * (lp - _masked_mean(lp, response_mask))
+    cand = (cov < ub) & (cov > lb) & (response_mask > 0) & ~clipped
+    idx = torch.nonzero(cand)
+    sel = torch.zeros(cand.shape, dtype=torch.bool, device=cand.device)
+    if len(idx) > 0:
+        k = max(int(ratio * response_mask.sum().item()), 1)
+        idx = idx[torch.randperm(len(idx))[: min(k, len(idx))]]
+        sel[idx[:, 0], idx[:, 1]] = True
+    return sel
+
+
+@torch.no_grad()
+def kl_cov_selection(log_prob, advantages, response_mask, ratio):
+    """verl's KL-Cov choice: of the N valid tokens, the max(1, ⌊N·ratio⌋) with the largest
+    cov_t = (A − mean A)·(logπ − mean logπ) (plain means over the valid tokens, on the CPU),
+    in torch.topk's order; none when N = 0."""
+    valid = response_mask > 0
+    flat_idx = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
+    adv = advantages[valid].detach().reshape(-1).cpu()
+    lp = log_prob[valid].detach().reshape(-1).cpu()
+    sel = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
+    if len(adv) > 0:
+        cov = (adv - adv.mean()) * (lp - lp.mean())
+        top = torch.topk(cov, max(1, int(len(cov) * ratio)), largest=True).indices
+        sel[flat_idx[top.to(flat_idx.device)]] = True
+    return sel.reshape(valid.shape)
+
+
+def cov_body(loss_mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights):
+    """verl's compute_policy_loss_clip_cov / _kl_cov as one ``policy_loss`` call on the
+    selection above. With ``rollout_is_weights`` w: clip_cov's term is positively
+    homogeneous in A (folded, A·w); kl_cov's coef·|δ|, which w scales but A does not, is
+    completed by coef·(w − 1)·|δ| on the selected tokens in lean torch, aggregated alike."""
+    cfg = read_actor_config(config)
+    agg = check_agg_mode(loss_agg_mode)
+    name = "clip_cov_ratio" if loss_mode == "clip_cov" else "kl_cov_ratio"
+    ratio = _cov_field(config, name, 0.0002)
+    if not ratio > 0:
+        raise ValueError(f"config.policy_loss.{name}: expected a value > 0 (as verl), got {ratio!r}")
+    coef = _cov_field(config, "ppo_kl_coef", 1.0) if loss_mode == "kl_cov" else 1.0
+    opts = cfg.options(loss_mode, agg, **({"kl_cov_coef": coef} if loss_mode == "kl_cov" else {}))
+    agg_kw = agg_kwargs(agg, **batch_info(config), prefix="config.global_batch_info.")
+    check_pg_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    if loss_mode == "clip_cov":
+        lb, ub = _cov_field(config, "clip_cov_lb", 1.0), _cov_field(config, "clip_cov_ub", 5.0)
+        sel = clip_cov_selection(
+            old_log_prob, log_prob, advantages, response_mask, opts.clip_low, opts.clip_high, ratio, lb, ub
+        )
+    else:
+        sel = kl_cov_selection(log_prob, advantages, response_mask, ratio)
+    with caller_names(PG_NAMES):
+        adv = fold_is_weights(advantages, rollout_is_weights, response_mask, log_prob.shape)
+        loss, m = policy_loss(
+            log_prob,
+            old_log_prob,
+            adv,
+            response_mask,
+            options=opts,
+            cov_selection=sel,
+            backend=current_backend(),
+            **agg_kw,
+        )
+        if rollout_is_weights is not None and loss_mode == "kl_cov":
+            rest = coef * (rollout_is_weights.detach() - 1) * (log_prob - old_log_prob).abs() * sel
+            loss = loss + aggregate_like(rest, response_mask, agg, agg_kw)
+        loss = loss.to(out_dtype(log_prob, old_log_prob, advantages, rollout_is_weights))
+    if loss_mode == "kl_cov":
+        return loss, float_metrics([("actor/ppo_kl", m.ppo_kl)])
+    return loss, float_metrics([("actor/pg_clipfrac", m.pg_clipfrac), ("actor/ppo_kl", m.ppo_kl)])

@@ -1,5 +1,5 @@
 """Drop-ins for ``verl.trainer.ppo.core_algos`` (verl 0.9): the outcome-advantage
-estimators, ``compute_policy_loss_{vanilla,gspo,cispo,sapo,gpg,dppo_tv,dppo_kl}``,
+estimators, ``compute_policy_loss_{vanilla,gspo,cispo,sapo,gpg,dppo_tv,dppo_kl,geo_mean,dro,clip_cov,kl_cov}``,
 ``kl_penalty`` and
 ``agg_loss``, with verl's signatures and numbers (to 1e-6 in fp32;
 tests/advantages/test_peers_verl.py and tests/policy_loss/test_peers_verl.py run both).
@@ -31,7 +31,7 @@ import torch
 from ..._core.validation import FLOAT_DTYPES, MASK_DTYPES, check_tensor
 from .._torch_math import aggregate, kl_estimate
 from ._advantages import gdpo_outcome, outcome
-from ._losses import agg_kwargs, dro_body, geo_mean_body, policy_loss_body
+from ._losses import agg_kwargs, cov_body, dro_body, geo_mean_body, policy_loss_body
 
 __all__ = [
     "compute_grpo_outcome_advantage",
@@ -51,6 +51,8 @@ __all__ = [
     "compute_policy_loss_dppo_kl",
     "compute_policy_loss_geo_mean",
     "compute_policy_loss_dro",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_kl_cov",
     "kl_penalty",
     "agg_loss",
 ]
@@ -323,6 +325,42 @@ def compute_policy_loss_dro(
     """DRO: −(logπ·A − ½·β·(logπ − logπ_old)²) (·w), β = ``config.policy_loss.dro_beta`` > 0,
     aggregated by ``loss_agg_mode``; metric ``actor/ppo_kl``."""
     return dro_body(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+
+
+def compute_policy_loss_clip_cov(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Optional[Any] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """Clip-Cov: max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high)) (·w), 0 on the tokens verl's
+    covariance rule selects (``config.policy_loss.clip_cov_ratio`` / ``clip_cov_lb`` /
+    ``clip_cov_ub``; torch.randperm from the global RNG, as verl), aggregated by
+    ``loss_agg_mode``; δ unclamped. ``actor/pg_clipfrac``: the selected fraction;
+    ``actor/ppo_kl``."""
+    return cov_body(
+        "clip_cov", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+    )
+
+
+def compute_policy_loss_kl_cov(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Optional[Any] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """KL-Cov: −A·ρ (·w), plus ``config.policy_loss.ppo_kl_coef``·|δ| (·w) on the top
+    ``kl_cov_ratio`` of the valid tokens by covariance (torch.topk, as verl), aggregated by
+    ``loss_agg_mode``; δ unclamped. ``actor/ppo_kl``: mean |δ|."""
+    return cov_body(
+        "kl_cov", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+    )
 
 
 # =======================================================================================

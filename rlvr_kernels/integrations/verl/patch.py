@@ -13,7 +13,7 @@ function when it builds them):
                        reinforce_plus_plus_baseline, gdpo
 ``policy_loss``        verl's policy-loss registry (``POLICY_LOSS_REGISTRY``) and the
                        ``core_algos.compute_policy_loss_*`` functions for vanilla, gspo,
-                       cispo, sapo, gpg, dppo_tv, dppo_kl, geo_mean, dro
+                       cispo, sapo, gpg, dppo_tv, dppo_kl, geo_mean, dro, clip_cov, kl_cov
 ``ppo_loss``           ``verl.workers.utils.losses.ppo_loss`` (the engine workers' actor loss:
                        pg + kl + entropy as one fused ``policy_loss`` call) where verl
                        imported it by name (the engine workers, distillation)
@@ -24,7 +24,7 @@ function when it builds them):
 
 Names: the fused functions are registered under verl's own names, so an existing verl
 config (``algorithm.adv_estimator=grpo``, ``actor.policy_loss.loss_mode=vanilla``) runs
-them with no change; names verl has that are not fused (gae, remax, clip_cov, ...) keep
+them with no change; names verl has that are not fused (gae, remax, ...) keep
 verl's functions. ``unapply()`` puts back the identical objects, registry entries included.
 
 An option the fused path does not support (``NotImplementedError`` from a drop-in, or a
@@ -66,6 +66,8 @@ POLICY_LOSSES: Dict[str, Tuple[str, Callable]] = {
     "dppo_kl": ("compute_policy_loss_dppo_kl", _ours_core.compute_policy_loss_dppo_kl),
     "geo_mean": ("compute_policy_loss_geo_mean", _ours_core.compute_policy_loss_geo_mean),
     "dro": ("compute_policy_loss_dro", _ours_core.compute_policy_loss_dro),
+    "clip_cov": ("compute_policy_loss_clip_cov", _ours_core.compute_policy_loss_clip_cov),
+    "kl_cov": ("compute_policy_loss_kl_cov", _ours_core.compute_policy_loss_kl_cov),
 }
 ADV_ESTIMATORS: Dict[str, Tuple[str, Callable]] = {
     "grpo": ("compute_grpo_outcome_advantage", _ours_core.compute_grpo_outcome_advantage),
