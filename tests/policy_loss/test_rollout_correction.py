@@ -3,11 +3,9 @@ rollout_corr_helper on the same inputs, on the reference and the cpu backend."""
 
 import pytest
 import torch
+import verl.trainer.ppo.rollout_corr_helper as rc_helper
 
 from rlvr_kernels import PolicyLossOptions, RolloutCorrection, policy_loss
-
-rc_helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
-core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 
 
 def _case(seed, B=6, L=9):
