@@ -589,4 +589,122 @@ def dropin_workload(device: str, quick: bool = False) -> Dict:
     return {"name": name, "rows": rows, "targets": targets, "notes": notes}
 
 
-WORKLOADS: Dict[str, Callable] = {"ppo_dualclip_k3_tis": workload, "verl_dropins": dropin_workload}
+# ---------------------------------------------------------------------------------------
+# A chained rollout correction with the PPO loss, against verl's helper plus its pg loss
+# ---------------------------------------------------------------------------------------
+
+# Sequence TIS at C, the geometric-mean sequence mask [GEO_LOW, GEO_HIGH] (SkyRL's default
+# bounds) and seq_mean_k3 rejection at CHAIN_K3: some sequences of the workload are rejected
+# by each criterion.
+GEO_LOW, GEO_HIGH, CHAIN_K3 = 0.99, 1.01, 0.046
+
+
+def chained_correction(device: str, quick: bool = False) -> Dict:
+    """policy_loss with RolloutCorrection(sequence IS + geometric mask + seq_mean_k3) against
+    verl's ``compute_rollout_correction_and_rejection_mask`` followed by
+    ``compute_policy_loss_vanilla`` with its weights and modified mask (what verl's trainer
+    and actor run for the same configuration); ratio = time / the fused op's time."""
+    from ..options import RolloutCorrection
+
+    x = make_inputs(device, quick)
+    B, L = x["B"], x["L"]
+    lp, old, roll, adv, mask = x["logprobs"], x["old"], x["rollout"], x["adv"], x["mask"]
+    adv_tok = adv[:, None] * mask
+    name = (
+        f"chained rollout correction: B={B}, L={L}, ragged, bool mask, fp32; ppo + dual clip, sequence TIS "
+        f"(C={RC_CAP}) + geometric mask [{GEO_LOW}, {GEO_HIGH}] + seq_mean_k3 <= {CHAIN_K3}, token-mean; "
+        "forward + backward"
+    )
+    verl = _verl()
+    if isinstance(verl, Exception):
+        return {"name": name, "rows": [], "targets": [], "notes": [f"verl is not importable: {verl!r}"]}
+    core_algos, rc_helper, _ = verl
+    cfg = _actor_config(dict(ACTOR_FIELDS, use_kl_loss=False))
+    rc = RolloutCorrection(
+        is_level="sequence",
+        is_threshold=RC_CAP,
+        rs="seq_mean_k3",
+        rs_threshold=CHAIN_K3,
+        geo_mean=(GEO_LOW, GEO_HIGH),
+    )
+
+    def fused():
+        lp.grad = None
+        loss, metrics = policy_loss(
+            lp,
+            old,
+            adv,
+            mask,
+            preset="verl",
+            clip_low=CLIP_LOW,
+            clip_high=CLIP_HIGH,
+            rollout_correction=rc,
+            rollout_logprobs=roll,
+        )
+        loss.backward()
+        return loss, lp.grad
+
+    def verl_step():
+        lp.grad = None
+        # verl's seq_mean_k1 bounds of the geometric mask: k1 = −x, so (1/high, 1/low).
+        weights, keep, _ = rc_helper.compute_rollout_correction_and_rejection_mask(
+            old,
+            roll,
+            mask,
+            rollout_is="sequence",
+            rollout_is_threshold=RC_CAP,
+            rollout_rs="seq_mean_k1,seq_mean_k3",
+            rollout_rs_threshold=f"{1 / GEO_HIGH}_{1 / GEO_LOW},{CHAIN_K3}",
+        )
+        loss, _ = core_algos.compute_policy_loss_vanilla(
+            old_log_prob=old,
+            log_prob=lp,
+            advantages=adv_tok,
+            response_mask=keep,
+            loss_agg_mode=cfg.loss_agg_mode,
+            config=cfg,
+            rollout_is_weights=weights.batch["rollout_is_weights"],
+        )
+        loss.backward()
+        return loss, lp.grad
+
+    steps = [
+        ("rlvr_kernels.policy_loss, RolloutCorrection (fused)", fused, "fused"),
+        (
+            "verl compute_rollout_correction_and_rejection_mask + compute_policy_loss_vanilla "
+            "([B, L] advantages, modified mask)",
+            verl_step,
+            "verl",
+        ),
+    ]
+    agreement = check_agreement(steps)
+    with torch.no_grad():
+        _, keep, _ = rc_helper.compute_rollout_correction_and_rejection_mask(
+            old,
+            roll,
+            mask,
+            rollout_rs="seq_mean_k1,seq_mean_k3",
+            rollout_rs_threshold=f"{1 / GEO_HIGH}_{1 / GEO_LOW},{CHAIN_K3}",
+        )
+    rejected = int((keep.sum(-1) < mask.sum(-1)).sum())
+    repeats, warmup = (5, 1) if quick else (21, 3)
+    timed = time_interleaved(steps, device, repeats, warmup, leaves=[lp])
+    rows = [{"method": label, "key": key, **timed[key]} for label, _, key in steps]
+    for r in rows:
+        r["ratio"] = r["ms"] / timed["fused"]["ms"]
+    by_key = {r["key"]: r for r in rows}
+    target = _target("verl / fused", by_key, "verl", "fused", *((">=", 5.0) if device == "cpu" else ("info", None)))
+    notes = [
+        f"{B} x {L} tokens, {int(mask.sum())} valid; {rejected} of {B} sequences rejected by the chain; "
+        f"interleaved rounds ({repeats} rounds, median); verl's .item() metric syncs are timed",
+        "loss / grad agreement with the fused op (max abs diff): "
+        + ", ".join(f"{k} {v['loss_abs_diff']:.1e} / {v['grad_max_abs_diff']:.1e}" for k, v in agreement.items()),
+    ]
+    return {"name": name, "rows": rows, "targets": [target], "notes": notes}
+
+
+WORKLOADS: Dict[str, Callable] = {
+    "ppo_dualclip_k3_tis": workload,
+    "verl_dropins": dropin_workload,
+    "chained_correction": chained_correction,
+}

@@ -40,3 +40,13 @@ def test_verl_dropin_workload_times_every_pair():
     assert keys == [k for i in range(pairs) for k in (f"dropin_{i}", f"verl_{i}")]
     assert all(r["ms"] > 0 for r in res["rows"])
     assert len(res["targets"]) == pairs and all(t["measured"] > 0 for t in res["targets"])
+
+
+def test_chained_correction_workload_agrees_and_rejects():
+    """The chained-correction workload times both sides, agrees with verl (check_agreement
+    raises otherwise) and its chain rejects some sequences but not all."""
+    res = bench.chained_correction("cpu", quick=True)
+    assert [r["key"] for r in res["rows"]] == ["fused", "verl"]
+    assert all(r["ms"] > 0 for r in res["rows"])
+    rejected, total = (int(s) for s in res["notes"][0].split("; ")[1].split(" sequences")[0].split(" of "))
+    assert 0 < rejected < total
