@@ -11,10 +11,12 @@ on a count, a masked reduction and ``torch.where`` give the same value.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Optional
 
 import torch
 
+from ...ops.policy_loss import rollout_correction
 from ...options import RS_BOUND_FIELDS, RolloutCorrection
 
 SAFETY_BOUND = 20.0
@@ -243,3 +245,67 @@ def check_world_for_batch_norm(rc: RolloutCorrection) -> None:
 
 def prefixed(metrics: Dict[str, float]) -> Dict[str, float]:
     return {f"rollout_corr/{k}": v for k, v in metrics.items()}
+
+
+# ------------------------------------------------------------------ bypass mode
+# verl's compute_policy_loss_bypass_mode: old_log_prob is the rollout policy's, the
+# correction is computed inside the loss against the current log-probs (log_ratio="current").
+# loss_type "ppo_clip": verl's vanilla PPO on the kept tokens, no IS weight (its ratio is
+# already current / rollout); "reinforce": −A·logπ·w on the kept tokens.
+BYPASS_LOSS_TYPES = {"ppo_clip": "ppo", "reinforce": "reinforce"}
+
+
+def _field(obj, name, default):
+    if obj is None:
+        return default
+    if hasattr(obj, "get"):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def bypass_correction(config):
+    """``(loss_type, rc, rc_loss)`` of ``config.policy_loss.rollout_correction``: our loss
+    type, the full correction (for the metrics) and the one the loss applies (IS weights
+    only for reinforce; None when nothing applies)."""
+    policy = _field(config, "policy_loss", None)
+    rcc = _field(policy, "rollout_correction", None)
+    if rcc is None:
+        raise ValueError(
+            "rollout_correction config not found in policy_loss. "
+            "When using loss_mode='bypass_mode', ensure rollout_correction config is passed."
+        )
+    loss_type = _field(rcc, "loss_type", "ppo_clip")
+    if loss_type not in BYPASS_LOSS_TYPES:
+        raise ValueError(f"Invalid loss_type: {loss_type}. Must be 'reinforce' or 'ppo_clip'.")
+    level, thr = _field(rcc, "rollout_is", None), _field(rcc, "rollout_is_threshold", 2.0)
+    if thr is None:
+        level = None
+    rs, rs_thr = _field(rcc, "rollout_rs", None), _field(rcc, "rollout_rs_threshold", None)
+    if rs is not None and rs_thr is None:
+        raise ValueError(
+            "rollout_rs_threshold must be explicitly provided when rollout_rs is enabled. "
+            "Set rollout_rs_threshold to the desired threshold value."
+        )
+    rc = RolloutCorrection.from_verl(
+        level,
+        thr if level is not None else 2.0,
+        bool(_field(rcc, "rollout_is_batch_normalize", False)),
+        rs,
+        rs_thr,
+        log_ratio="current",
+    )
+    check_world_for_batch_norm(rc)
+    rc_loss = rc if loss_type == "reinforce" else dataclasses.replace(rc, is_level=None, is_batch_normalize=False)
+    return BYPASS_LOSS_TYPES[loss_type], rc, (rc_loss if rc_loss.active else None)
+
+
+def bypass_metrics(rc: RolloutCorrection, log_prob, rollout_log_prob, mask, backend) -> Metrics:
+    """verl's bypass-mode rollout_corr metrics (unprefixed tensors): the correction's of the
+    current policy against the rollout's, and the off-policy diagnostics."""
+    lp, roll = log_prob.detach(), rollout_log_prob.detach()
+    m: Metrics = {}
+    if rc.active:
+        w, keep, pm = rollout_correction(rc, roll, roll, mask, logprobs=lp, validate=False, backend=backend)
+        m.update(correction_metrics(rc, lp - roll, mask, w, keep, pm.is_batch_norm_factor))
+    m.update(offpolicy_metrics(lp, roll, mask))
+    return m

@@ -32,6 +32,7 @@ from ._losses import (
     fold_is_weights,
     pg_options,
 )
+from ._rollout_corr import bypass_correction, bypass_metrics
 from .core_algos import kl_penalty
 
 __all__ = ["policy_loss_verl"]
@@ -78,7 +79,7 @@ def _plan(cfg: ActorLossConfig, has_entropy: bool, rc: Tuple) -> _Plan:
         raise ValueError(f"config.loss_scale_factor: expected None or a number > 0, got {lsf!r}")
 
     fuse_rest = pg_agg == agg
-    extra = dict(rc)
+    extra = dict(rc)  # (bypass_mode: with "bypass", see _rollout_corr.bypass_correction)
     if fuse_rest and kl_fused is not None:
         extra.update(kl=kl_fused, kl_coef=kl_coef)
     if fuse_rest and ent_coef != 0:
@@ -93,7 +94,7 @@ def _plan(cfg: ActorLossConfig, has_entropy: bool, rc: Tuple) -> _Plan:
         pg_agg=pg_agg,
         fused=pg_options(cfg, loss_mode, pg_agg, **extra),
         rest=rest,
-        clip=pg_options(cfg, loss_mode, pg_agg),
+        clip=pg_options(cfg, loss_mode, pg_agg, bypass=extra.get("bypass")),
         use_kl=use_kl,
         kl_type=kl_type,
         kl_fused=kl_fused,
@@ -195,7 +196,15 @@ def policy_loss_verl(
     """
     backend = current_backend(backend)
     cfg = read_actor_config(config)
+    bypass = None
+    if cfg.get("loss_mode", "vanilla") == "bypass_mode":
+        # verl's bypass loss: old_log_prob is the rollout's, the correction is computed
+        # inside the loss against log_prob, and precomputed rollout_is_weights are ignored.
+        bypass = bypass_correction(config)
+        rollout_is_weights = None
     rc = _rollout_correction(rollout_is_weights, rollout_log_probs, rollout_is, rollout_is_threshold)
+    if bypass is not None:
+        rc = rc + (("bypass", bypass),)
     plan = cfg.memo(("policy_loss_verl", entropy is not None, rc), lambda: _plan(cfg, entropy is not None, rc))
 
     info = batch_info(config)
@@ -218,7 +227,7 @@ def policy_loss_verl(
             response_mask,
             options=fused,
             ref_logprobs=ref_log_prob if fused.kl is not None else None,
-            rollout_logprobs=rollout_log_probs if rc else None,
+            rollout_logprobs=old_log_prob if bypass is not None and fused.rc is not None else rollout_log_probs,
             entropy=entropy if fused.entropy_coef != 0 else None,
             validate=validate,
             backend=backend,
@@ -267,12 +276,18 @@ def policy_loss_verl(
                     **pg_kw,
                 )
     pairs = []
-    if plan.loss_mode != "gpg":
+    if bypass is not None and bypass[0] == "reinforce":  # verl's compute_policy_loss_reinforce
+        pairs.append(("actor/ppo_kl", m.ppo_kl))
+    elif plan.loss_mode != "gpg":
         pairs += [
             ("actor/pg_clipfrac", clip.pg_clipfrac),
             ("actor/ppo_kl", m.ppo_kl),
             ("actor/pg_clipfrac_lower", clip.pg_clipfrac_lower),
         ]
+    if bypass is not None:
+        with torch.no_grad():
+            rc_m = bypass_metrics(bypass[1], log_prob, old_log_prob, response_mask, backend)
+        pairs += [(f"rollout_corr/{k}", v) for k, v in rc_m.items()]
     pairs.append(("actor/pg_loss", pg_loss))
     if entropy is not None:
         with torch.no_grad():
