@@ -128,9 +128,7 @@ def test_all_rejected_batch(backend):
 
 def test_offpolicy_metrics_and_errors():
     old, roll, mask = _case(2)
-    _same_metrics(
-        ours.compute_offpolicy_metrics(old, roll, mask), verl_rch.compute_offpolicy_metrics(old, roll, mask)
-    )
+    _same_metrics(ours.compute_offpolicy_metrics(old, roll, mask), verl_rch.compute_offpolicy_metrics(old, roll, mask))
     _same_metrics(ours.compute_offpolicy_metrics(old, None, mask), verl_rch.compute_offpolicy_metrics(old, None, mask))
     _same_metrics(
         ours.compute_rollout_corr_metrics_from_logprobs(old, roll, mask),
@@ -158,7 +156,11 @@ def test_op_token_outputs_cpu_vs_reference(packed):
     lp = old + 0.1 * torch.randn(B, L, generator=g, dtype=torch.float64)
     mask = torch.rand(B, L, generator=g) > 0.25
     rc = RolloutCorrection(
-        is_level="sequence", is_batch_normalize=True, rs="token_k1,seq_max_k2", rs_threshold="0.7_1.4,0.2", log_ratio="current"
+        is_level="sequence",
+        is_batch_normalize=True,
+        rs="token_k1,seq_max_k2",
+        rs_threshold="0.7_1.4,0.2",
+        log_ratio="current",
     )
     kw = {}
     args = (old, roll, mask)
@@ -221,7 +223,12 @@ def _bypass_config(loss_type, **rc):
 
 
 BYPASS_RC = [
-    dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1,token_k3", rollout_rs_threshold="0.8_1.25,0.3"),
+    dict(
+        rollout_is="sequence",
+        rollout_is_threshold=2.0,
+        rollout_rs="seq_mean_k1,token_k3",
+        rollout_rs_threshold="0.8_1.25,0.3",
+    ),
     dict(rollout_is="token", rollout_is_threshold="0.5_2.0", rollout_is_batch_normalize=True),
     dict(rollout_is=None, rollout_rs="seq_max_k2", rollout_rs_threshold=0.2),
     dict(rollout_is=None),

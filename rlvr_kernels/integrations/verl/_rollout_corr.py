@@ -214,17 +214,28 @@ def offpolicy_metrics(old_log_prob, rollout_log_prob: Optional[torch.Tensor], ma
     return m
 
 
-def correction_metrics(rc: RolloutCorrection, log_ratio, mask, weights, keep, norm) -> Metrics:
+def correction_metrics(rc: RolloutCorrection, log_ratio, mask, keep) -> Metrics:
     """Every metric of verl's compute_rollout_correction_weights / _rejection_mask for ``rc``
-    (without prefix; no off-policy metrics): ``weights`` the kernel's (after batch
-    normalisation by ``norm``, the 0-d factor; 0 when off), ``keep`` its keep mask."""
+    (without prefix; no off-policy metrics); ``keep`` the kernel's keep mask. The IS
+    statistics are verl's formulas on its truncated weights, formed here from the raw ones
+    in verl's order of operations: the kernel's sequence sums run in another order, a few
+    ulps apart, which a ratio such as the effective sample size would magnify."""
     m: Metrics = {}
     if rc.is_level is not None:
         raw, lr_metrics = raw_is_weights(log_ratio, mask, rc.is_level)
-        pre = weights * norm.to(weights.dtype) if rc.is_batch_normalize else weights
-        m.update(is_metrics(pre, raw, lr_metrics, mask, rc.is_level, rc.is_threshold, rc.is_threshold_low))
+        upper, lower = rc.is_threshold, rc.is_threshold_low
+        if lower is None:
+            w = raw.clamp(max=upper)
+        else:
+            w = torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw))
+        m.update(is_metrics(w, raw, lr_metrics, mask, rc.is_level, upper, lower))
         if rc.is_batch_normalize:
-            m["rollout_is_batch_norm_factor"] = torch.where(norm > 1e-8, norm, torch.ones_like(norm))
+            if rc.is_level == "token":
+                mean = masked_mean(w, mask)
+            else:
+                seq_mask = (mask.sum(dim=-1) > 0).to(w.dtype)
+                mean = (masked_mean(w, mask, axis=-1) * seq_mask).sum() / seq_mask.sum().clamp_min(1e-8)
+            m["rollout_is_batch_norm_factor"] = torch.where(mean > 1e-8, mean, torch.ones_like(mean))
     if rc.rs_options:
         m.update(rs_metrics(rc, log_ratio, mask, keep))
     return m
@@ -305,7 +316,7 @@ def bypass_metrics(rc: RolloutCorrection, log_prob, rollout_log_prob, mask, back
     lp, roll = log_prob.detach(), rollout_log_prob.detach()
     m: Metrics = {}
     if rc.active:
-        w, keep, pm = rollout_correction(rc, roll, roll, mask, logprobs=lp, validate=False, backend=backend)
-        m.update(correction_metrics(rc, lp - roll, mask, w, keep, pm.is_batch_norm_factor))
+        _, keep, _ = rollout_correction(rc, roll, roll, mask, logprobs=lp, validate=False, backend=backend)
+        m.update(correction_metrics(rc, lp - roll, mask, keep))
     m.update(offpolicy_metrics(lp, roll, mask))
     return m

@@ -78,8 +78,12 @@ def _plan(cfg: ActorLossConfig, has_entropy: bool, rc: Tuple) -> _Plan:
     if lsf is not None and (isinstance(lsf, bool) or not isinstance(lsf, (int, float)) or not 0 < lsf < float("inf")):
         raise ValueError(f"config.loss_scale_factor: expected None or a number > 0, got {lsf!r}")
 
-    fuse_rest = pg_agg == agg
     extra = dict(rc)  # (bypass_mode: with "bypass", see _rollout_corr.bypass_correction)
+    bypass = extra.get("bypass")
+    # verl's bypass rejection masks the pg term only: ppo_loss aggregates KL and entropy
+    # over the unmodified response_mask, so they take the second call.
+    rejects = bypass is not None and bypass[2] is not None and bypass[2].rs_mask != 0
+    fuse_rest = pg_agg == agg and not rejects
     if fuse_rest and kl_fused is not None:
         extra.update(kl=kl_fused, kl_coef=kl_coef)
     if fuse_rest and ent_coef != 0:
@@ -94,7 +98,7 @@ def _plan(cfg: ActorLossConfig, has_entropy: bool, rc: Tuple) -> _Plan:
         pg_agg=pg_agg,
         fused=pg_options(cfg, loss_mode, pg_agg, **extra),
         rest=rest,
-        clip=pg_options(cfg, loss_mode, pg_agg, bypass=extra.get("bypass")),
+        clip=pg_options(cfg, loss_mode, pg_agg, bypass=bypass),
         use_kl=use_kl,
         kl_type=kl_type,
         kl_fused=kl_fused,
@@ -237,7 +241,8 @@ def policy_loss_verl(
         if plan.rest is not None or (plan.use_kl and plan.kl_fused is None) or entropy is not None:
             kw = agg_kwargs(plan.agg, **info, prefix=prefix)
         if plan.rest is not None:
-            # SAPO with another loss_agg_mode: KL and entropy in a second call (A = 0, no pg term).
+            # SAPO with another loss_agg_mode, or bypass_mode with rejection: KL and entropy in a
+            # second call (A = 0, no pg term) over the unmodified mask.
             zeros = torch.zeros(log_prob.shape[0], dtype=torch.float32, device=log_prob.device)
             loss2, m2 = policy_loss(
                 log_prob,

@@ -33,12 +33,12 @@ _NO_VALID = "response_mask must contain at least one valid token (1)."
 
 
 def _run(rc: RolloutCorrection, log_ratio, response_mask, old=None, rollout=None):
-    """The kernel's (weights, keep, norm) for x = log_ratio (or old − rollout)."""
+    """The kernel's (weights, keep) for x = log_ratio (or old − rollout)."""
     check_world_for_batch_norm(rc)
     if old is None:
         old, rollout = log_ratio, torch.zeros_like(log_ratio)  # x − 0 is x exactly
-    w, keep, m = rollout_correction(rc, old.detach(), rollout.detach(), response_mask, backend=current_backend())
-    return w, keep, m.is_batch_norm_factor
+    w, keep, _ = rollout_correction(rc, old.detach(), rollout.detach(), response_mask, backend=current_backend())
+    return w, keep
 
 
 def _read(pairs, response_mask, error=ValueError):
@@ -63,8 +63,8 @@ def compute_rollout_correction_weights(
     if rollout_is not in ("token", "sequence"):
         raise ValueError(f"Invalid rollout_is: {rollout_is}. Must be one of {{'token', 'sequence'}}.")
     rc = RolloutCorrection.from_verl(rollout_is, rollout_is_threshold, rollout_is_batch_normalize)
-    w, keep, norm = _run(rc, log_ratio, response_mask)
-    metrics = correction_metrics(rc, log_ratio.detach(), response_mask, w, keep, norm)
+    w, keep = _run(rc, log_ratio, response_mask)
+    metrics = correction_metrics(rc, log_ratio.detach(), response_mask, keep)
     return w.to(out_dtype(log_ratio, response_mask)), _read(metrics, response_mask)
 
 
@@ -83,8 +83,8 @@ def compute_rollout_rejection_mask(
     if log_ratio.shape[0] == 0:
         return response_mask, {}
     rc = RolloutCorrection.from_verl(rollout_rs=rollout_rs, rollout_rs_threshold=rollout_rs_threshold)
-    w, keep, norm = _run(rc, log_ratio, response_mask)
-    metrics = correction_metrics(rc, log_ratio.detach(), response_mask, w, keep, norm)
+    w, keep = _run(rc, log_ratio, response_mask)
+    metrics = correction_metrics(rc, log_ratio.detach(), response_mask, keep)
     return (response_mask * keep).to(dtype=response_mask.dtype), _read(metrics, response_mask)
 
 
@@ -134,8 +134,8 @@ def compute_rollout_correction_and_rejection_mask(
             rollout_rs,
             rollout_rs_threshold if rollout_rs is not None else None,
         )
-        w, keep, norm = _run(rc, log_ratio, response_mask, old_log_prob, rollout_log_prob)
-        metrics = correction_metrics(rc, log_ratio, response_mask, w, keep, norm)
+        w, keep = _run(rc, log_ratio, response_mask, old_log_prob, rollout_log_prob)
+        metrics = correction_metrics(rc, log_ratio, response_mask, keep)
         if use_is:
             weights = w.to(out_dtype(log_ratio, response_mask))
         if rollout_rs is not None:
