@@ -174,7 +174,8 @@ def policy_loss_verl(
     call when the modes differ).
 
     ``config`` is read as verl's ActorConfig: ``policy_loss.loss_mode`` (vanilla, gspo,
-    cispo, sapo, gpg, dppo_tv, dppo_kl), clip ratios, ``clip_ratio_c``, ``tau_pos``/``tau_neg``,
+    cispo, sapo, gpg, dppo_tv, dppo_kl, bypass_mode with ``policy_loss.rollout_correction``),
+    clip ratios, ``clip_ratio_c``, ``tau_pos``/``tau_neg``,
     ``loss_agg_mode``, ``loss_scale_factor``, ``entropy_coeff``, ``use_kl_loss``,
     ``kl_loss_coef``, ``kl_loss_type``, ``global_batch_info`` (parsed once per content;
     ``global_batch_info`` on every call). ``dp_size``, ``batch_num_tokens``,

@@ -18,16 +18,16 @@ function when it builds them):
 ``ppo_loss``           ``verl.workers.utils.losses.ppo_loss`` (the engine workers' actor loss:
                        pg + kl + entropy as one fused ``policy_loss`` call) where verl
                        imported it by name (the engine workers, distillation)
-``rollout_correction`` ``verl.trainer.ppo.rollout_corr_helper``'s
-                       ``compute_rollout_correction_weights``, ``_rejection_mask``,
-                       ``_and_rejection_mask``, ``compute_offpolicy_metrics``,
-                       ``compute_rollout_corr_metrics_from_logprobs`` (the trainer's
-                       ``compute_rollout_correction_and_add_to_batch`` and the bypass loss
-                       look them up there)
 ``logprobs``           ``verl.utils.torch_functional.logprobs_from_logits`` /
                        ``entropy_from_logits`` (and the engines that imported them by name),
                        ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy``
 =====================  ====================================================================
+
+``rollout_correction``: ``verl.trainer.ppo.rollout_corr_helper``'s
+``compute_rollout_correction_weights``, ``compute_rollout_rejection_mask``,
+``compute_rollout_correction_and_rejection_mask``, ``compute_offpolicy_metrics`` and
+``compute_rollout_corr_metrics_from_logprobs`` on that module (the trainer's
+``compute_rollout_correction_and_add_to_batch`` and the bypass loss look them up there).
 
 Names: the fused functions are registered under verl's own names, so an existing verl
 config (``algorithm.adv_estimator=grpo``, ``actor.policy_loss.loss_mode=vanilla``) runs
