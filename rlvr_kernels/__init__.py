@@ -11,7 +11,7 @@ from .ops.logprobs import (
     linear_logprobs,
     logprobs_from_logits,
 )
-from .ops.policy_loss import policy_loss, shape_token_advantages
+from .ops.policy_loss import policy_loss, rollout_correction, shape_token_advantages
 from .options import (
     AdvantageOptions,
     GroupAdvantages,
@@ -44,6 +44,7 @@ __all__ = [
     "LogprobsFromLogits",
     "OPTIONAL_OUTPUTS",
     "policy_loss",
+    "rollout_correction",
     "shape_token_advantages",
     "uids_to_group_index",
 ]

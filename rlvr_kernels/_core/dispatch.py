@@ -47,6 +47,7 @@ KERNELS: Dict[Tuple[str, str], str] = {
     # policy_loss and shape_token_advantages
     ("policy_loss", "reference"): "rlvr_kernels.reference.policy_loss:policy_loss",
     ("shape_token_advantages", "reference"): "rlvr_kernels.reference.policy_loss:shape_token_advantages",
+    ("rollout_correction", "reference"): "rlvr_kernels.reference.policy_loss:rollout_correction",
     ("policy_loss_fwd", "cpu"): "torch.ops.rlvr_kernels_C:policy_loss_fwd",
     ("policy_loss_fwd", "triton"): "rlvr_kernels.triton.policy_loss:policy_loss_fwd",
     ("policy_loss_grad", "cpu"): "torch.ops.rlvr_kernels_C:policy_loss_grad",

@@ -901,7 +901,15 @@ RLVR_INLINE void output_stage(const Ctx<in_t, T>& c, const VConst<T, VB>& k, con
     } else if (o.token_out == TokenOut::SHAPED_ADVANTAGES) {
       store<T>(c.tok + t, sel(valid, o.shaping ? tl.shaped_adv[g] : tl.adv[g], k.zero), n);
     } else if (o.token_out == TokenOut::IS_WEIGHTS) {
-      store<T>(c.tok + t, sel(valid, o.rc != RolloutCorrection::NONE ? tl.is_w[g] : k.one, k.zero), n);
+      // On the valid tokens before rejection (verl weighs its unmodified response_mask).
+      using M = typename Lanes<T, VB>::M;
+      M valid0;
+      if (c.mask != nullptr) {
+        load_mask<T, VB>(c.mask + t, n, valid0);
+      } else {
+        valid0 = lanes_below<T, VB>(n);
+      }
+      store<T>(c.tok + t, sel(valid0, o.rc != RolloutCorrection::NONE ? tl.is_w[g] : k.one, k.zero), n);
     } else if (o.token_out == TokenOut::KEEP) {
       store<T>(c.tok + t, sel(valid, k.one, k.zero), n);
     }

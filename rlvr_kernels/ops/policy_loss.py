@@ -84,6 +84,7 @@ from ..options import (
     RS_BOUND_FIELDS,
     PolicyLossMetrics,
     PolicyLossOptions,
+    RolloutCorrection,
     TokenShaping,
     options_or_resolve,
     resolve_policy_loss_options,
@@ -766,6 +767,88 @@ def shape_token_advantages(
     sums, _, _, tok = _run_fwd(x, opts, TokenOut.SHAPED_ADVANTAGES, False, backend)
     _check_finite(sums, x, validate)
     return tok
+
+
+def rollout_correction(
+    correction: RolloutCorrection,
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    *,
+    logprobs: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    validate: bool = True,
+    backend: str = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor, PolicyLossMetrics]:
+    """What ``policy_loss`` applies of a :class:`RolloutCorrection` (docs/policy-loss.md,
+    "Rollout correction"), as tensors: ``(weights, keep, metrics)``, computed by the
+    ``policy_loss_fwd`` kernel (token outputs ``IS_WEIGHTS`` and ``KEEP``).
+
+    weights: the IS weight (after batch normalisation; 1 without ``is_level``) on the valid
+    tokens before rejection, 0 elsewhere (verl's ``rollout_is_weights``). keep: 1 on the
+    valid tokens the rejection chain keeps, 0 elsewhere (verl's modified ``response_mask``).
+    Both shaped like ``old_logprobs``, in the compute dtype (fp32; fp64 for fp64 inputs),
+    without gradient. metrics: :class:`PolicyLossMetrics`, of which the rollout-correction
+    entries are meaningful (``is_weight_mean`` / ``is_weight_max`` over the kept tokens,
+    ``is_masked_frac``, ``rs_masked_frac``, ``rs_seq_masked_frac``, ``num_tokens`` kept), and
+    ``is_batch_norm_factor`` the mean the weights were divided by (1 when it is <= 1e-8; 0
+    without batch normalisation), whatever the rejection kept. x = base − rollout_logprobs, base = ``old_logprobs``, or
+    ``logprobs`` (required then) with ``correction.log_ratio="current"``. Layouts and
+    ``validate`` / ``backend`` as in :func:`policy_loss`; no host sync without ``validate``.
+    """
+    _dispatch.check_backend(backend)
+    if not isinstance(correction, RolloutCorrection):
+        raise TypeError(f"correction: expected a rlvr_kernels.RolloutCorrection, got {type(correction).__name__}")
+    if not correction.active:
+        raise ValueError("correction: neither is_level nor a rejection (rs / geo_mean) is set")
+    current = correction.log_ratio == "current"
+    if current and logprobs is None:
+        raise ValueError("logprobs: correction.log_ratio='current' computes the log ratio from them")
+    if not current and logprobs is not None:
+        raise ValueError("logprobs: only read with correction.log_ratio='current'")
+    base = (logprobs if current else old_logprobs).detach() if old_logprobs is not None else None
+    opts = PolicyLossOptions(loss_type="reinforce", rollout_correction=correction)
+    check_tensor("old_logprobs", old_logprobs, dtypes=FLOAT_DTYPES, ndim=(1, 2))
+    rows = old_logprobs.shape[0] if cu_seqlens is None else max(cu_seqlens.shape[0] - 1, 0)
+    adv = torch.zeros(rows, dtype=_compute_dtype(old_logprobs.dtype), device=old_logprobs.device)
+    x = _validate(
+        base,
+        old_logprobs.detach(),
+        adv,
+        mask,
+        None,
+        rollout_logprobs,
+        None,
+        cu_seqlens,
+        opts,
+        validate,
+        logprobs_name="logprobs" if current else "old_logprobs",
+    )
+    if backend == "reference":
+        _check_finite(None, x, validate)
+        weights, keep, norm = _dispatch.kernel("rollout_correction", "reference")(
+            x.logprobs, x.old_logprobs, x.rollout_logprobs, x.mask, correction, cu_seqlens=x.cu_seqlens
+        )
+        _, metrics = _dispatch.kernel("policy_loss", "reference")(
+            x.logprobs,
+            x.old_logprobs,
+            adv,
+            x.mask,
+            opts,
+            rollout_logprobs=x.rollout_logprobs,
+            cu_seqlens=x.cu_seqlens,
+        )
+        return weights, keep, metrics._replace(is_batch_norm_factor=norm.float())
+    sums, _, _, weights = _run_fwd(x, opts, TokenOut.IS_WEIGHTS, False, backend)
+    _check_finite(sums, x, validate)
+    if correction.rs_mask:
+        _, _, _, keep = _run_fwd(x, opts, TokenOut.KEEP, False, backend)
+    else:  # no rejection: the valid tokens
+        valid = x.mask if x.cu_seqlens is None else packed_mask(x.mask, x.cu_seqlens, base.shape[0], base.device)
+        keep = valid.to(weights.dtype)
+    one = torch.ones((), dtype=sums.dtype, device=sums.device)
+    metrics = _metrics(sums.detach(), one, rows)
+    return weights, keep, metrics._replace(is_batch_norm_factor=sums[S.IS_NORM].detach().float())
 
 
 # ------------------------------------------------------------------ helpers

@@ -751,6 +751,44 @@ def policy_loss(
     return loss.to(dtype), metrics
 
 
+def rollout_correction(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    rc,
+    *,
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The token outputs ``TokenOut.IS_WEIGHTS`` and ``KEEP`` of a :class:`RolloutCorrection`
+    ``rc``: ``(weights, keep, norm)`` in ``logprobs``' layout and compute dtype, norm the 0-d
+    ``PolicyLossSum.IS_NORM`` (the batch-normalisation mean; 0 when off). weights: the
+    rollout-correction weight (is_weights, after is_batch_norm; 1 without ``is_level``) on
+    the valid tokens before rejection, else 0; keep: 1 on the valid tokens rejection_keep
+    keeps, else 0 (verl's modified ``response_mask``). The same stages as :func:`policy_loss`."""
+    dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
+    T = logprobs.shape[0]
+    valid0 = _valid_padded(logprobs, mask, cu_seqlens)
+
+    def padded(x):
+        return to_padded(x.detach().to(logprobs.dtype), cu_seqlens).to(dtype)
+
+    lp, old, roll = padded(logprobs), padded(old_logprobs), padded(rollout_logprobs)
+    x = rc_log_ratio(rc, lp, old, roll)
+    keep = valid0 & rejection_keep(rc, x, valid0)
+    is_w, norm = torch.ones_like(lp), lp.new_zeros(())
+    if rc.is_level is not None:
+        is_w, _ = is_weights(rc, x, valid0.to(dtype))
+        if rc.is_batch_normalize:
+            norm = is_batch_norm(rc, is_w, valid0)
+            is_w = is_w / norm
+    weights = torch.where(valid0, is_w, 0.0)
+    keep = keep.to(dtype)
+    if cu_seqlens is not None:
+        return from_padded(weights, cu_seqlens, T), from_padded(keep, cu_seqlens, T), norm
+    return weights, keep, norm
+
+
 def cov_tokens(opts: PolicyLossOptions, logprobs, old_logprobs, adv_padded, mask, cu_seqlens):
     """The covariance selection of clip_cov / kl_cov on this call's inputs, in their layout
     (flat token indices pick ties and the random choice): the contract's ``cov_selection`` of

@@ -10,6 +10,7 @@ import inspect
 import pytest
 import verl.utils.torch_functional as verl_F
 from verl.trainer.ppo import core_algos as verl_core_algos
+from verl.trainer.ppo import rollout_corr_helper as verl_rch
 from verl.utils.kernel import linear_cross_entropy as verl_lce
 
 from rlvr_kernels.integrations import verl as ours
@@ -23,6 +24,8 @@ def _verl_function(name):
     """(our module, verl's function) for a drop-in name."""
     if hasattr(verl_core_algos, name):
         return "core_algos", getattr(verl_core_algos, name)
+    if hasattr(verl_rch, name):
+        return "rollout_corr_helper", getattr(verl_rch, name)
     if name in ("logprobs_from_logits", "entropy_from_logits"):
         return "torch_functional", getattr(verl_F, name)
     if name == "linear_cross_entropy":
@@ -62,7 +65,7 @@ def test_every_name_is_exported_and_checked():
     public = {n for n in dir(ours) if not n.startswith("_") and callable(getattr(ours, n))}
     assert public == set(ours.__all__)
     assert NOT_DROPINS <= set(ours.__all__)
-    assert len(DROPINS) == 24
+    assert len(DROPINS) == 30
 
 
 def test_use_backend_is_the_one_of_every_integration():
@@ -75,7 +78,12 @@ def test_dropin_modules_hold_only_verls_names():
     """A module of ours named after a verl module defines, as public names, only names of
     that verl module (with verl's signatures, above); shared helpers live in private
     modules (``_advantages``, ``_losses``, ``integrations._torch_math``)."""
-    theirs = {"core_algos": verl_core_algos, "torch_functional": verl_F, "kernel": verl_lce}
+    theirs = {
+        "core_algos": verl_core_algos,
+        "torch_functional": verl_F,
+        "kernel": verl_lce,
+        "rollout_corr_helper": verl_rch,
+    }
     for module, verl_module in theirs.items():
         mod = importlib.import_module(f"rlvr_kernels.integrations.verl.{module}")
         defined = {

@@ -249,6 +249,39 @@ def test_engine_update_with_cov_losses(monkeypatch, model_dir, loss_mode):
     _same_training(ours, stock)
 
 
+@pytest.mark.parametrize("loss_type", ["reinforce", "ppo_clip"])
+def test_engine_update_bypass_mode(monkeypatch, model_dir, loss_type):
+    """loss_mode="bypass_mode" (old_log_probs are the rollout's) with sequence IS and a
+    chained rejection: fused into ppo_loss, the correction inside the kernel. One step: the
+    rollout log-probs already differ from the policy's there, and verl's *_std metrics
+    (E[s²] − E[s]² in fp32) move ~5e-4 for a 1e-6 change of the log-probs, more than a
+    second step's tolerance allows for the rounding-level difference of the moved policies."""
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+    def config():
+        rcc = RolloutCorrectionConfig(
+            loss_type=loss_type,
+            rollout_is="sequence",
+            rollout_is_threshold=2.0,
+            rollout_rs="token_k1,seq_max_k3",
+            rollout_rs_threshold="0.001_1000.0,8.0",
+        )
+        policy = PolicyLossConfig(loss_mode="bypass_mode", rollout_correction=rcc)
+        return _actor_config("bypass_mode", policy_loss=policy, entropy_coeff=0.01)
+
+    stock = _train(monkeypatch, model_dir, config(), entropy=True, steps=1)
+    assert call_counts() == {}
+    rk.apply(count_calls=True)
+    ours = _train(monkeypatch, model_dir, config(), entropy=True, steps=1)
+    counts = call_counts()
+    assert counts["verl.ppo_loss"] == B // 2, counts
+    assert not any(k.endswith("[verl]") for k in counts), counts
+    fracs = stock[0][0][1]["rollout_corr/rollout_rs_masked_fraction"]
+    assert "rollout_corr/rollout_is_mean" in stock[0][0][1]
+    assert max(torch.as_tensor(fracs, dtype=torch.float64).reshape(-1).tolist()) > 0, fracs  # something rejected
+    _same_training(ours, stock)
+
+
 @pytest.mark.parametrize("torch_compile", [False, True])
 def test_engine_compute_log_prob_matches_stock(monkeypatch, model_dir, torch_compile):
     """infer_batch (verl's compute_log_prob); with use_torch_compile (verl's default) the

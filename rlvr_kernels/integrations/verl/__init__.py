@@ -3,10 +3,12 @@
 ==========================  ================================================================
 ``core_algos``              ``verl.trainer.ppo.core_algos``: the outcome-advantage estimators,
                             ``compute_policy_loss_{vanilla,gspo,cispo,sapo,gpg,``
-                            ``dppo_tv,dppo_kl,geo_mean,dro,clip_cov,kl_cov}``,
+                            ``dppo_tv,dppo_kl,geo_mean,dro,clip_cov,kl_cov,bypass_mode}``,
                             ``kl_penalty``, ``agg_loss``
 ``losses``                  ``verl.workers.utils.losses.ppo_loss`` as one fused call:
                             :func:`policy_loss_verl` (not a drop-in: padded tensors + config)
+``rollout_corr_helper``     ``verl.trainer.ppo.rollout_corr_helper``: the rollout-correction
+                            weights, rejection mask, both at once, and the off-policy metrics
 ``torch_functional``        ``verl.utils.torch_functional``: ``logprobs_from_logits``,
                             ``entropy_from_logits``
 ``kernel``                  ``verl.utils.kernel.linear_cross_entropy``
@@ -14,6 +16,8 @@
 ``_advantages``             the body the advantage drop-ins share
 ``_losses``                 what the policy-loss drop-ins, ``losses`` and ``patch`` share
                             (the loss body, verl's names for the op's arguments)
+``_rollout_corr``           verl's rollout-correction metrics as device tensors, and the
+                            reading of bypass mode's ``rollout_correction`` config
 ``patch``                   :func:`apply` / :func:`unapply`: the drop-ins inside verl's trainer
                             and workers (registries, ``ppo_loss``, log-probs)
 ==========================  ================================================================
@@ -41,6 +45,7 @@ from .core_algos import (
     compute_grpo_outcome_advantage,
     compute_grpo_vectorized_outcome_advantage,
     compute_opo_outcome_advantage,
+    compute_policy_loss_bypass_mode,
     compute_policy_loss_cispo,
     compute_policy_loss_clip_cov,
     compute_policy_loss_dppo_kl,
@@ -60,6 +65,13 @@ from .core_algos import (
 from .kernel import linear_cross_entropy
 from .losses import policy_loss_verl
 from .patch import apply, is_applied, unapply
+from .rollout_corr_helper import (
+    compute_offpolicy_metrics,
+    compute_rollout_corr_metrics_from_logprobs,
+    compute_rollout_correction_and_rejection_mask,
+    compute_rollout_correction_weights,
+    compute_rollout_rejection_mask,
+)
 from .torch_functional import entropy_from_logits, logprobs_from_logits
 
 __all__ = [
@@ -82,6 +94,12 @@ __all__ = [
     "compute_policy_loss_dro",
     "compute_policy_loss_clip_cov",
     "compute_policy_loss_kl_cov",
+    "compute_policy_loss_bypass_mode",
+    "compute_rollout_correction_weights",
+    "compute_rollout_rejection_mask",
+    "compute_rollout_correction_and_rejection_mask",
+    "compute_offpolicy_metrics",
+    "compute_rollout_corr_metrics_from_logprobs",
     "kl_penalty",
     "agg_loss",
     "policy_loss_verl",

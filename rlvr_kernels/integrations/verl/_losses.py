@@ -16,6 +16,7 @@ from .._backend import current_backend
 from .._errors import caller_names
 from .._torch_math import AGG_MODES, aggregate, times_mask
 from ._config import ActorLossConfig, batch_info, read_actor_config
+from ._rollout_corr import bypass_correction, bypass_metrics
 
 # policy_loss' argument names -> verl's.
 PG_NAMES = {
@@ -81,15 +82,21 @@ LOSS_MODES = {
     "dppo_tv": "dppo_tv",
     "dppo_kl": "dppo_kl",
 }
+# bypass_mode: the loss type and the correction come from config.policy_loss.rollout_correction
+# (``_rollout_corr.bypass_correction``), given to pg_options as ``bypass``.
+LOSS_MODES["bypass_mode"] = None
 
 
-def pg_options(cfg: ActorLossConfig, loss_mode: str, agg: str, **extra):
+def pg_options(cfg: ActorLossConfig, loss_mode: str, agg: str, bypass=None, **extra):
     """The ``PolicyLossOptions`` of verl's ``loss_mode`` with the config's clip ratios /
     temperatures (memoised per config content)."""
     if loss_mode not in LOSS_MODES:
         raise NotImplementedError(
             f"config.policy_loss.loss_mode: rlvr_kernels fuses verl's {tuple(LOSS_MODES)}, got {loss_mode!r}"
         )
+    if loss_mode == "bypass_mode":
+        loss_type, _, rc_loss = bypass
+        return cfg.options(loss_type, agg, **extra, **({"rollout_correction": rc_loss} if rc_loss else {}))
     return cfg.options(LOSS_MODES[loss_mode], agg, **extra)
 
 
@@ -485,3 +492,35 @@ def cov_body(loss_mode, old_log_prob, log_prob, advantages, response_mask, loss_
     if loss_mode == "kl_cov":
         return loss, float_metrics([("actor/ppo_kl", m.ppo_kl)])
     return loss, float_metrics([("actor/pg_clipfrac", m.pg_clipfrac), ("actor/ppo_kl", m.ppo_kl)])
+
+
+def bypass_body(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights):
+    """verl's compute_policy_loss_bypass_mode as one ``policy_loss`` call (the rejection and,
+    for reinforce, the IS weights inside the kernel, against the current log-probs) and the
+    rollout_corr metrics (:func:`_rollout_corr.bypass_metrics`); ``rollout_is_weights`` is
+    ignored, as verl does."""
+    bypass = bypass_correction(config)
+    cfg = read_actor_config(config)
+    agg = check_agg_mode(loss_agg_mode)
+    opts = pg_options(cfg, "bypass_mode", agg, bypass=bypass)
+    agg_kw = agg_kwargs(agg, **batch_info(config), prefix="config.global_batch_info.")
+    check_pg_inputs(old_log_prob, log_prob, advantages, response_mask)
+    backend = current_backend()
+    with caller_names(PG_NAMES):
+        loss, m = policy_loss(
+            log_prob,
+            old_log_prob,
+            advantages,
+            response_mask,
+            options=opts,
+            rollout_logprobs=old_log_prob if opts.rc is not None else None,
+            backend=backend,
+            **agg_kw,
+        )
+        loss = loss.to(out_dtype(log_prob, old_log_prob, advantages))
+        rc_m = bypass_metrics(bypass[1], log_prob, old_log_prob, response_mask, backend)
+    pairs = [("actor/ppo_kl", m.ppo_kl)]
+    if bypass[0] == "ppo":
+        pairs = [("actor/pg_clipfrac", m.pg_clipfrac), pairs[0], ("actor/pg_clipfrac_lower", m.pg_clipfrac_lower)]
+    metrics = float_metrics(pairs + [(f"rollout_corr/{k}", v) for k, v in rc_m.items()])
+    return loss, metrics

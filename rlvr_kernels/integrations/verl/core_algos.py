@@ -31,7 +31,7 @@ import torch
 from ..._core.validation import FLOAT_DTYPES, MASK_DTYPES, check_tensor
 from .._torch_math import aggregate, kl_estimate
 from ._advantages import gdpo_outcome, outcome
-from ._losses import agg_kwargs, cov_body, dro_body, geo_mean_body, policy_loss_body
+from ._losses import agg_kwargs, bypass_body, cov_body, dro_body, geo_mean_body, policy_loss_body
 
 __all__ = [
     "compute_grpo_outcome_advantage",
@@ -43,6 +43,7 @@ __all__ = [
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_gdpo_outcome_advantage",
     "compute_policy_loss_vanilla",
+    "compute_policy_loss_bypass_mode",
     "compute_policy_loss_gspo",
     "compute_policy_loss_cispo",
     "compute_policy_loss_sapo",
@@ -361,6 +362,24 @@ def compute_policy_loss_kl_cov(
     return cov_body(
         "kl_cov", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
     )
+
+
+def compute_policy_loss_bypass_mode(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Optional[Any] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """verl's bypass mode (``old_log_prob`` is the rollout policy's): the rollout correction
+    of ``config.policy_loss.rollout_correction`` against the current log-probs inside the
+    loss (its rejection always; its IS weights with ``loss_type="reinforce"``), then PPO clip
+    (``"ppo_clip"``, as ``compute_policy_loss_vanilla``) or −A·logπ·w (``"reinforce"``) on the
+    kept tokens; ``rollout_is_weights`` ignored (verl). Metrics: the loss's and verl's
+    "rollout_corr/..." of the current policy."""
+    return bypass_body(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
 
 
 # =======================================================================================

@@ -32,6 +32,7 @@ from ._losses import (
     fold_is_weights,
     pg_options,
 )
+from ._rollout_corr import bypass_correction, bypass_metrics
 from .core_algos import kl_penalty
 
 __all__ = ["policy_loss_verl"]
@@ -77,8 +78,12 @@ def _plan(cfg: ActorLossConfig, has_entropy: bool, rc: Tuple) -> _Plan:
     if lsf is not None and (isinstance(lsf, bool) or not isinstance(lsf, (int, float)) or not 0 < lsf < float("inf")):
         raise ValueError(f"config.loss_scale_factor: expected None or a number > 0, got {lsf!r}")
 
-    fuse_rest = pg_agg == agg
-    extra = dict(rc)
+    extra = dict(rc)  # (bypass_mode: with "bypass", see _rollout_corr.bypass_correction)
+    bypass = extra.get("bypass")
+    # verl's bypass rejection masks the pg term only: ppo_loss aggregates KL and entropy
+    # over the unmodified response_mask, so they take the second call.
+    rejects = bypass is not None and bypass[2] is not None and bypass[2].rs_mask != 0
+    fuse_rest = pg_agg == agg and not rejects
     if fuse_rest and kl_fused is not None:
         extra.update(kl=kl_fused, kl_coef=kl_coef)
     if fuse_rest and ent_coef != 0:
@@ -93,7 +98,7 @@ def _plan(cfg: ActorLossConfig, has_entropy: bool, rc: Tuple) -> _Plan:
         pg_agg=pg_agg,
         fused=pg_options(cfg, loss_mode, pg_agg, **extra),
         rest=rest,
-        clip=pg_options(cfg, loss_mode, pg_agg),
+        clip=pg_options(cfg, loss_mode, pg_agg, bypass=bypass),
         use_kl=use_kl,
         kl_type=kl_type,
         kl_fused=kl_fused,
@@ -169,7 +174,8 @@ def policy_loss_verl(
     call when the modes differ).
 
     ``config`` is read as verl's ActorConfig: ``policy_loss.loss_mode`` (vanilla, gspo,
-    cispo, sapo, gpg, dppo_tv, dppo_kl), clip ratios, ``clip_ratio_c``, ``tau_pos``/``tau_neg``,
+    cispo, sapo, gpg, dppo_tv, dppo_kl, bypass_mode with ``policy_loss.rollout_correction``),
+    clip ratios, ``clip_ratio_c``, ``tau_pos``/``tau_neg``,
     ``loss_agg_mode``, ``loss_scale_factor``, ``entropy_coeff``, ``use_kl_loss``,
     ``kl_loss_coef``, ``kl_loss_type``, ``global_batch_info`` (parsed once per content;
     ``global_batch_info`` on every call). ``dp_size``, ``batch_num_tokens``,
@@ -195,7 +201,15 @@ def policy_loss_verl(
     """
     backend = current_backend(backend)
     cfg = read_actor_config(config)
+    bypass = None
+    if cfg.get("loss_mode", "vanilla") == "bypass_mode":
+        # verl's bypass loss: old_log_prob is the rollout's, the correction is computed
+        # inside the loss against log_prob, and precomputed rollout_is_weights are ignored.
+        bypass = bypass_correction(config)
+        rollout_is_weights = None
     rc = _rollout_correction(rollout_is_weights, rollout_log_probs, rollout_is, rollout_is_threshold)
+    if bypass is not None:
+        rc = rc + (("bypass", bypass),)
     plan = cfg.memo(("policy_loss_verl", entropy is not None, rc), lambda: _plan(cfg, entropy is not None, rc))
 
     info = batch_info(config)
@@ -218,7 +232,7 @@ def policy_loss_verl(
             response_mask,
             options=fused,
             ref_logprobs=ref_log_prob if fused.kl is not None else None,
-            rollout_logprobs=rollout_log_probs if rc else None,
+            rollout_logprobs=old_log_prob if bypass is not None and fused.rc is not None else rollout_log_probs,
             entropy=entropy if fused.entropy_coef != 0 else None,
             validate=validate,
             backend=backend,
@@ -228,7 +242,8 @@ def policy_loss_verl(
         if plan.rest is not None or (plan.use_kl and plan.kl_fused is None) or entropy is not None:
             kw = agg_kwargs(plan.agg, **info, prefix=prefix)
         if plan.rest is not None:
-            # SAPO with another loss_agg_mode: KL and entropy in a second call (A = 0, no pg term).
+            # SAPO with another loss_agg_mode, or bypass_mode with rejection: KL and entropy in a
+            # second call (A = 0, no pg term) over the unmodified mask.
             zeros = torch.zeros(log_prob.shape[0], dtype=torch.float32, device=log_prob.device)
             loss2, m2 = policy_loss(
                 log_prob,
@@ -267,12 +282,18 @@ def policy_loss_verl(
                     **pg_kw,
                 )
     pairs = []
-    if plan.loss_mode != "gpg":
+    if bypass is not None and bypass[0] == "reinforce":  # verl's compute_policy_loss_reinforce
+        pairs.append(("actor/ppo_kl", m.ppo_kl))
+    elif plan.loss_mode != "gpg":
         pairs += [
             ("actor/pg_clipfrac", clip.pg_clipfrac),
             ("actor/ppo_kl", m.ppo_kl),
             ("actor/pg_clipfrac_lower", clip.pg_clipfrac_lower),
         ]
+    if bypass is not None:
+        with torch.no_grad():
+            rc_m = bypass_metrics(bypass[1], log_prob, old_log_prob, response_mask, backend)
+        pairs += [(f"rollout_corr/{k}", v) for k, v in rc_m.items()]
     pairs.append(("actor/pg_loss", pg_loss))
     if entropy is not None:
         with torch.no_grad():

@@ -13,7 +13,8 @@ function when it builds them):
                        reinforce_plus_plus_baseline, gdpo
 ``policy_loss``        verl's policy-loss registry (``POLICY_LOSS_REGISTRY``) and the
                        ``core_algos.compute_policy_loss_*`` functions for vanilla, gspo,
-                       cispo, sapo, gpg, dppo_tv, dppo_kl, geo_mean, dro, clip_cov, kl_cov
+                       cispo, sapo, gpg, dppo_tv, dppo_kl, geo_mean, dro, clip_cov, kl_cov,
+                       bypass_mode
 ``ppo_loss``           ``verl.workers.utils.losses.ppo_loss`` (the engine workers' actor loss:
                        pg + kl + entropy as one fused ``policy_loss`` call) where verl
                        imported it by name (the engine workers, distillation)
@@ -21,6 +22,12 @@ function when it builds them):
                        ``entropy_from_logits`` (and the engines that imported them by name),
                        ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy``
 =====================  ====================================================================
+
+``rollout_correction``: ``verl.trainer.ppo.rollout_corr_helper``'s
+``compute_rollout_correction_weights``, ``compute_rollout_rejection_mask``,
+``compute_rollout_correction_and_rejection_mask``, ``compute_offpolicy_metrics`` and
+``compute_rollout_corr_metrics_from_logprobs`` on that module (the trainer's
+``compute_rollout_correction_and_add_to_batch`` and the bypass loss look them up there).
 
 Names: the fused functions are registered under verl's own names, so an existing verl
 config (``algorithm.adv_estimator=grpo``, ``actor.policy_loss.loss_mode=vanilla``) runs
@@ -45,6 +52,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import rlvr_kernels.integrations.verl.core_algos as _ours_core
 import rlvr_kernels.integrations.verl.kernel as _ours_kernel
+import rlvr_kernels.integrations.verl.rollout_corr_helper as _ours_rch
 import rlvr_kernels.integrations.verl.torch_functional as _ours_tf
 
 from .._patch import Build, Integration, Target, record
@@ -68,6 +76,19 @@ POLICY_LOSSES: Dict[str, Tuple[str, Callable]] = {
     "dro": ("compute_policy_loss_dro", _ours_core.compute_policy_loss_dro),
     "clip_cov": ("compute_policy_loss_clip_cov", _ours_core.compute_policy_loss_clip_cov),
     "kl_cov": ("compute_policy_loss_kl_cov", _ours_core.compute_policy_loss_kl_cov),
+    "bypass_mode": ("compute_policy_loss_bypass_mode", _ours_core.compute_policy_loss_bypass_mode),
+}
+# verl.trainer.ppo.rollout_corr_helper functions (verl's callers look them up on the module
+# or import them by name inside functions) -> our drop-in.
+ROLLOUT_CORR = {
+    name: getattr(_ours_rch, name)
+    for name in (
+        "compute_rollout_correction_weights",
+        "compute_rollout_rejection_mask",
+        "compute_rollout_correction_and_rejection_mask",
+        "compute_offpolicy_metrics",
+        "compute_rollout_corr_metrics_from_logprobs",
+    )
 }
 ADV_ESTIMATORS: Dict[str, Tuple[str, Callable]] = {
     "grpo": ("compute_grpo_outcome_advantage", _ours_core.compute_grpo_outcome_advantage),
@@ -93,6 +114,7 @@ _CORE = "verl.trainer.ppo.core_algos"
 _TF = "verl.utils.torch_functional"
 _LCE = "verl.utils.kernel.linear_cross_entropy"
 _LOSSES = "verl.workers.utils.losses"
+_RCH = "verl.trainer.ppo.rollout_corr_helper"
 # Modules that import a patched function by name, besides the one where verl defines it
 # (which must import). These are patched when they import (one that cannot, for want of
 # another engine's or the rollout server's packages, cannot run either; imported later,
@@ -213,6 +235,7 @@ def _make_ppo_loss(fallback: _Fallback, original: Callable) -> Callable:
 
         # ---- verl's metrics, in verl's order and aggregation
         pg_keys = [k for k in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower") if k in values]
+        pg_keys += [k for k in values if k.startswith("rollout_corr/")]  # bypass_mode
         metrics = dict(Metric.from_dict({k: values[k] for k in pg_keys}, aggregation=AggregationType.MEAN))
         for key in ("actor/pg_loss", "actor/entropy_loss", "kl_loss"):
             if key in values:
@@ -237,6 +260,7 @@ def apply(
     policy_loss: bool = True,
     ppo_loss: bool = True,
     logprobs: bool = True,
+    rollout_correction: bool = True,
     strict: bool = True,
     count_calls: Optional[bool] = None,
 ) -> None:
@@ -251,9 +275,16 @@ def apply(
     the previous call. Every name is looked up, and every replacement built, before the
     first one is set: a failure leaves verl untouched.
     """
-    options = dict(advantages=advantages, policy_loss=policy_loss, ppo_loss=ppo_loss, logprobs=logprobs, strict=strict)
+    options = dict(
+        advantages=advantages,
+        policy_loss=policy_loss,
+        ppo_loss=ppo_loss,
+        logprobs=logprobs,
+        rollout_correction=rollout_correction,
+        strict=strict,
+    )
     _VERL.apply(
-        lambda: _targets(advantages, policy_loss, ppo_loss, logprobs, _Fallback(strict)),
+        lambda: _targets(advantages, policy_loss, ppo_loss, logprobs, _Fallback(strict), rollout_correction),
         strict=strict,
         count_calls=count_calls,
         options=options,
@@ -266,7 +297,9 @@ def unapply() -> None:
     _VERL.unapply()
 
 
-def _targets(advantages: bool, policy_loss: bool, ppo_loss: bool, logprobs: bool, fallback: _Fallback) -> List[Target]:
+def _targets(
+    advantages: bool, policy_loss: bool, ppo_loss: bool, logprobs: bool, fallback: _Fallback, rollout_correction=True
+) -> List[Target]:
     """Every replacement. A Build shared by several targets gives them one object, and
     they must hold the identical original (verl's registry entry is its core_algos
     function; a module importing a function by name holds verl's)."""
@@ -293,4 +326,8 @@ def _targets(advantages: bool, policy_loss: bool, ppo_loss: bool, logprobs: bool
             functools.partial(_entry, "verl.linear_cross_entropy", _ours_kernel.linear_cross_entropy, fallback)
         )
         out += [Target(_LCE, "linear_cross_entropy", entry)]
+    if rollout_correction:
+        for name, ours in ROLLOUT_CORR.items():
+            entry = Build(functools.partial(_entry, f"verl.rollout_corr.{name}", ours, fallback))
+            out += [Target(_RCH, name, entry)]
     return out
