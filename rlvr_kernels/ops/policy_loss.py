@@ -18,7 +18,8 @@ Kernel contract (C++ ``csrc/policy_loss.cpp``, Triton ``triton/policy_loss.py``;
 
   policy_loss_fwd(logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_logprobs,
                   entropy, cu_seqlens, entropy_threshold,
-                  fparams, iparams (PolicyLossParams.pack()), need_entropy_grad)
+                  fparams, iparams (PolicyLossParams.pack()), need_entropy_grad,
+                  cov_selection=None, seq_stats=None)
       -> (sums [NUM_SUMS] (PolicyLossSum entries), grad_logprobs (token-shaped),
           grad_entropy (token-shaped if need_entropy_grad else [0]),
           token_out (token-shaped unless TokenOut.NONE, else [0]): ℓ·m for agg="none", or
@@ -31,6 +32,10 @@ Kernel contract (C++ ``csrc/policy_loss.cpp``, Triton ``triton/policy_loss.py``;
     cu_seqlens[-1] is valid). cu_seqlens: int64 [B + 1] or None (padded).
     entropy_threshold: 0-d fp32 (:func:`~rlvr_kernels.contracts.policy_loss.entropy_quantile_threshold`,
     or the caller's ``entropy_threshold=``) or None. Every output is in the compute dtype.
+  - seq_stats: None, or [B, NUM_SEQ_STATS] fp64 (contracts ``SeqStat``): the whole sequences'
+    statistics under ``cp_group`` (reference ``seq_statistics`` reduced over the group, then
+    ``seq_rejection``); every sequence-level quantity comes from it instead of the kernel's
+    own per-sequence pass (A3PO refused).
   - The per-sequence clip statistics (PolicyLossSum.SEQ_CLIP_*) are exact integer counts
     per sequence, reduced in sequence order: deterministic as every other sum.
   - Packed spans follow the one cu_seqlens rule (``csrc/spans.h``): in bounds and disjoint

@@ -25,6 +25,10 @@ function by function):
 - ``token_loss``: ℓ = pg·w·is_w + β·kl − c_H·H;
 - ``aggregate``: the per-token loss (and the pg / kl metrics) over the valid tokens, by ``agg``.
 
+Context parallelism (``cp_group``): ``seq_statistics`` (a rank's per-sequence sums over its
+slice), ``seq_rejection`` (the rejection chain's sequence options on the reduced sums) and
+``policy_loss(seq_stats=...)``, which reads every sequence-level quantity from them.
+
 The entropy-quantile threshold and the packed layout's validity are the kernel contract's own
 definitions (:mod:`rlvr_kernels.contracts.policy_loss`), shared with the op layer.
 """

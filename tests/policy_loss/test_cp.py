@@ -52,3 +52,64 @@ def test_cp_group_is_eager_only(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     with pytest.raises(RuntimeError, match="eager only"):
         rlvr_kernels.policy_loss(lp, lp, torch.zeros(2), torch.ones(2, 3, dtype=torch.bool), cp_group=object())
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_own_seq_stats_change_nothing(backend, layout):
+    """The kernels given the call's own statistics (what a one-rank group passes) return the
+    same sums and per-token derivatives as their own per-sequence pass."""
+    from _workers.policy_loss_cp import _case, cp_options
+
+    from rlvr_kernels.ops import policy_loss as op
+    from rlvr_kernels.reference.policy_loss import seq_rejection, seq_statistics
+
+    inputs = _case(layout, F64, 3, False)
+    for kw in cp_options(backend):
+        kw = {k: v for k, v in kw.items() if k != "backend"}
+        opts = op._resolve(kw.pop("preset"), None, **kw)
+        x = op._validate(
+            inputs["logprobs"],
+            inputs["old_logprobs"],
+            inputs["advantages"],
+            inputs["mask"],
+            inputs["ref_logprobs"],
+            inputs["rollout_logprobs"],
+            inputs["entropy"],
+            inputs.get("cu_seqlens"),
+            opts,
+            True,
+        )
+        stats = seq_rejection(
+            opts,
+            seq_statistics(
+                opts,
+                x.logprobs,
+                x.old_logprobs,
+                x.advantages,
+                x.mask,
+                rollout_logprobs=x.rollout_logprobs,
+                cu_seqlens=x.cu_seqlens,
+            ),
+        )
+        want = op._run_fwd(x, opts, rlvr_kernels.contracts.policy_loss.TokenOut.NONE, True, backend)
+        got = op._run_fwd(x, opts, rlvr_kernels.contracts.policy_loss.TokenOut.NONE, True, backend, stats)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12, msg=lambda m: f"{kw}: {m}")
+        for a, b in zip(got[1:3], want[1:3]):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"{kw}: {m}")
+
+
+def test_cpu_kernel_checks_seq_stats():
+    from rlvr_kernels._core import dispatch as _dispatch
+    from rlvr_kernels.contracts.policy_loss import NUM_SEQ_STATS
+    from rlvr_kernels.ops import policy_loss as op
+
+    lp = torch.zeros(2, 3, dtype=F64)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+
+    fparams, iparams = op._packed_params(rlvr_kernels.PolicyLossOptions(), True, op.TokenOut.NONE)
+    bad = torch.zeros(3, NUM_SEQ_STATS, dtype=F64)
+    with pytest.raises(RuntimeError, match="seq_stats must be float64"):
+        _dispatch.kernel("policy_loss_fwd", "cpu")(
+            lp, lp, torch.zeros(2, dtype=F64), mask, None, None, None, None, None, fparams, iparams, False, None, bad
+        )
