@@ -101,7 +101,14 @@ def cp_options(backend: str) -> List[Dict]:
         norm = RolloutCorrection(is_level="token", is_batch_normalize=True)
         cases += [
             dict(loss_type="gspo", agg="token-mean", rollout_correction=rs),
-            dict(loss_type="ppo", agg="seq-mean-token-sum", rollout_correction=norm, kl="k1", kl_coef=0.1),
+            dict(
+                loss_type="ppo",
+                agg="seq-mean-token-sum-norm",
+                loss_scale_factor=16.0,
+                rollout_correction=norm,
+                kl="k1",
+                kl_coef=0.1,
+            ),
         ]
     return [dict(preset="verl", backend=backend, **c) for c in cases]
 
