@@ -74,7 +74,7 @@ def _run(inputs: Dict, options: Dict, **kw):
     lp = args.pop("logprobs").detach().clone().requires_grad_(True)
     ent = args.pop("entropy").detach().clone().requires_grad_(True)
     loss, metrics = policy_loss(lp, entropy=ent, **args, **options, **kw)
-    loss.backward()
+    loss.sum().backward()  # (agg="none": the sum of the per-token losses)
     grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (lp, ent)]
     return loss.detach(), grads[0], grads[1], metrics
 
@@ -100,6 +100,7 @@ def cp_options(backend: str) -> List[Dict]:
         rs = RolloutCorrection(is_level="sequence", rs="token_k2,seq_mean_k1", rs_threshold="0.5,0.8_1.25")
         norm = RolloutCorrection(is_level="token", is_batch_normalize=True)
         cases += [
+            dict(loss_type="gspo", agg="none", kl="k2", kl_coef=0.1),
             dict(loss_type="gspo", agg="token-mean", rollout_correction=rs),
             dict(
                 loss_type="ppo",
@@ -134,7 +135,8 @@ def cp_equivalence_worker(rank: int, world: int, port: int, combos, dp: bool = F
                 what = f"rank {rank}/{world} {backend} {layout} {dtype} token_adv={token_adv} {opts}"
                 s = 100 * seed + j
                 rc = opts.get("rollout_correction")
-                if dp and not (rc is not None and rc.is_batch_normalize):  # (the IS batch is each replica's call)
+                # (the IS batch is each replica's call; agg="none" is refused with process_group)
+                if dp and not (rc is not None and rc.is_batch_normalize) and opts["agg"] != "none":
                     _check_dp(rank, cp, pg, cp_rank, replica, layout, dtype, token_adv, opts, s, what)
                 if dp:
                     continue
@@ -142,9 +144,12 @@ def cp_equivalence_worker(rank: int, world: int, port: int, combos, dp: bool = F
                 local, idx = _split(inputs, cp_world, s)[cp_rank]
                 full_loss, full_g, full_ge, full_m = _run(inputs, opts)
                 loss, g, ge, m = _run(local, opts, cp_group=cp)
-                total = loss.double().clone()
-                dist.all_reduce(total, group=cp)
-                _close(total.to(full_loss.dtype), full_loss, dtype, what + " loss (sum over ranks)")
+                if opts["agg"] == "none":  # per-token losses: this rank's tokens' one-process losses
+                    _close(loss.reshape(-1), full_loss.reshape(-1)[idx], dtype, what + " per-token loss")
+                else:
+                    total = loss.double().clone()
+                    dist.all_reduce(total, group=cp)
+                    _close(total.to(full_loss.dtype), full_loss, dtype, what + " loss (sum over ranks)")
                 _close(g.reshape(-1), full_g.reshape(-1)[idx], dtype, what + " logprobs grad")
                 _close(ge.reshape(-1), full_ge.reshape(-1)[idx], dtype, what + " entropy grad")
                 for name in type(m)._fields:

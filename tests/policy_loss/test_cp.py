@@ -5,7 +5,8 @@ against one process holding the whole sequences: the ranks' losses sum to the on
 each rank's logprobs and entropy gradients are the one-process gradients of its tokens, and the
 metrics are the one-process metrics; for ppo / gspo / geo_mean / cispo, token-mean,
 seq-mean-token-mean and seq-mean-token-sum, KL and entropy terms, sequence IS weights, the
-rejection chain (token and seq_mean options) and the IS batch normalisation, on the reference,
+rejection chain (token and seq_mean options), the IS batch normalisation, seq-mean-token-sum-norm
+and agg="none" (per-token losses), on the reference,
 cpu and Triton (interpreter) backends; DP × CP; and what cp_group cannot reduce raises."""
 
 import pytest
