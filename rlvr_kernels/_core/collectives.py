@@ -136,6 +136,7 @@ def handshake(
     *,
     device: torch.device,
     check: bool = True,
+    arg: str = "process_group",
 ) -> Optional[torch.Tensor]:
     """The cross-rank handshake of ``op`` (module docstring): one all-reduce, then, with
     ``check``, the status and agreement checks on the host (a sync on CUDA).
@@ -143,9 +144,10 @@ def handshake(
     ``values``: this rank's value of each field (Python numbers, or 0-d tensors that stay on
     the device), or None when this rank failed its own checks: it joins, gets None back and
     its caller raises its own error. Returns the ``[world, len(fields)]`` fp64 table of
-    every rank's fields on ``device``. Without ``check`` the table is not read (no host
-    sync): a failed rank or a disagreement then goes unnoticed by the others, so only a
-    caller that runs no further collective may skip it."""
+    every rank's fields on ``device``; ``arg`` names the group argument in the errors.
+    Without ``check`` the table is not read (no host sync): a failed rank or a disagreement
+    then goes unnoticed by the others, so only a caller that runs no further collective
+    may skip it."""
     dist = _dist()
     world, me = dist.get_world_size(group), dist.get_rank(group)
     table = torch.zeros((world, 1 + len(fields)), dtype=torch.float64, device=device)
@@ -164,7 +166,7 @@ def handshake(
     if values is None:
         return None
     if check:
-        _check_rows(op, fields, table.tolist())
+        _check_rows(f"{op}({arg})", fields, table.tolist())
     return table[:, 1:]
 
 
@@ -173,7 +175,7 @@ def _check_rows(op: str, fields: Sequence[Field], rows) -> None:
     failed = [r for r, row in enumerate(rows) if row[0] != OK]
     if failed:
         raise RuntimeError(
-            f"{op}(process_group): rank(s) {failed} of the process group failed their own argument checks "
+            f"{op}: rank(s) {failed} of the process group failed their own argument checks "
             f"(see the error raised there); every rank stops here"
         )
     for slot, field in enumerate(fields, 1):
@@ -188,4 +190,4 @@ def _check_rows(op: str, fields: Sequence[Field], rows) -> None:
                 f"{field.name}: differs between rank 0 ({rows[0][slot]:g}) and rank {r} ({rows[r][slot]:g}) "
                 f"of the process group{hint}"
             )
-        raise ValueError(f"{op}(process_group): {field.name} differ between rank 0 and rank {r}{hint}")
+        raise ValueError(f"{op}: {field.name} differ between rank 0 and rank {r}{hint}")

@@ -131,6 +131,37 @@ class PolicyLossSum(enum.IntEnum):
 NUM_SUMS = len(PolicyLossSum)
 
 
+class SeqStat(enum.IntEnum):
+    """The columns of the optional ``seq_stats`` input of ``policy_loss_fwd`` ([B, NUM_SEQ_STATS]
+    fp64): per-sequence sums (and two maxima) over the tokens of a sequence, which the op layer
+    reduces over a context-parallel group (``cp_group=``) so that a rank holding a slice of each
+    sequence sees the whole sequence's statistics. m⁰ is the valid flag before rejection, m the
+    flag after the rejection chain's token options (``reference.seq_statistics``); after the
+    reduction ``reference.seq_rejection`` applies the sequence options by setting N to 0 for a
+    rejected sequence, so a kernel keeps a token iff its token options pass and N_i > 0. Given
+    ``seq_stats``, a kernel takes every sequence-level quantity (n_i, GSPO's s_i, geo_mean's share,
+    the sequence IS weight, the batch-normalisation mean) from it instead of from its own tokens."""
+
+    N = 0  # Σ m (the sequence's n_i; 0 for a sequence the rejection chain removes)
+    N_RAW = 1  # Σ m⁰
+    DELTA = 2  # Σ m·(logp − old) (GSPO)
+    DMIN = 3  # Σ m·δ_min (geo_mean)
+    ADV = 4  # Σ m·A (geo_mean)
+    LOGW = 5  # Σ m⁰·x, x the rollout log-ratio (sequence IS weights)
+    IS_W = 6  # Σ m⁰·(token IS weight before normalisation) (token-level batch normalisation)
+    K1 = 7  # Σ m⁰·k1 (rejection chain; k1, k2, k3 of rs_statistics)
+    K2 = 8  # Σ m⁰·k2
+    K3 = 9  # Σ m⁰·k3
+    CLIP_LOW = 10  # Σ m·low (GSPO: Σ m·[A < 0]; the sequence ratio decides after the reduction)
+    CLIP_HIGH = 11  # Σ m·high (GSPO: Σ m·[A > 0])
+    K2_MAX = 12  # max over m⁰ of k2 (−inf without a valid token): reduced by MAX, the columns before by SUM
+    K3_MAX = 13  # max over m⁰ of k3
+
+
+NUM_SEQ_STATS = len(SeqStat)
+SEQ_STAT_MAX_FROM = SeqStat.K2_MAX  # the columns from here on are maxima
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicyLossParams(KernelParams):
     """Scalar parameters of ``policy_loss_fwd`` (both kernels read them by name). Options
@@ -207,6 +238,7 @@ CPP_CODES = {
     "RLVR_TOKEN_OUT_CODES": TokenOut,
     "RLVR_A3PO_METRIC_CODES": A3poMetric,
     "RLVR_POLICY_LOSS_SUM_CODES": PolicyLossSum,
+    "RLVR_SEQ_STAT_CODES": SeqStat,
 }
 
 

@@ -24,7 +24,8 @@ TORCH_LIBRARY(rlvr_kernels_C, m) {
   m.def(
       "policy_loss_fwd(Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor? mask, Tensor? ref_logprobs, "
       "Tensor? rollout_logprobs, Tensor? entropy, Tensor? cu_seqlens, Tensor? entropy_threshold, float[] fparams, "
-      "int[] iparams, bool need_entropy_grad, Tensor? cov_selection=None) -> (Tensor, Tensor, Tensor, Tensor)");
+      "int[] iparams, bool need_entropy_grad, Tensor? cov_selection=None, Tensor? seq_stats=None) -> (Tensor, Tensor, "
+      "Tensor, Tensor)");
   m.def("policy_loss_grad(Tensor coef, Tensor up, ScalarType dtype) -> Tensor");
   m.def(
       "linear_logprobs_stats(Tensor hidden, Tensor weight, Tensor? bias, Tensor inv_temperature, Tensor row_ptr, "

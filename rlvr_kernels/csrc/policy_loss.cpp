@@ -72,6 +72,7 @@ namespace {
 using Sum = PolicyLossSum;
 constexpr int NUM_SUMS = kNumPolicyLossSums;
 constexpr int idx(Sum s) { return int(s); }
+constexpr int idx(SeqStat s) { return int(s); }
 
 // Token slots per work item: small enough to balance ragged rows over threads, large enough
 // that the per-block partial sums cost nothing.
@@ -134,6 +135,7 @@ struct Ctx {
   const SeqInfo<T>* seq;  // nullptr without pre-pass
   uint8_t* has_valid;     // without pre-pass: sequences with a valid token
   int64_t* seq_counts;    // clip_sides: per sequence (n_i, Σ m·low, Σ m·high), integer atomics
+  const double* stats;    // given sequence statistics [B, kNumSeqStats] (contracts SeqStat; cp_group), else nullptr
 
   void span(int64_t i, int64_t& b, int64_t& e) const {
     if (L > 0 || offsets == nullptr) {
@@ -1151,7 +1153,22 @@ void prepass(const Ctx<in_t, T>& c, SeqInfo<T>& s) {
         }
         if (o.a3po) polarity += double(o.seq_adv ? c.adv[i] : c.adv[t]);
       }
-      if (o.rs != 0) {
+      if (c.stats != nullptr) {
+        // The group's statistics of the whole sequence (cp_group) replace this slice's; the
+        // sequence options of the rejection chain were applied to them (N = 0: rejected).
+        const double* st = c.stats + i * kNumSeqStats;
+        n = static_cast<int64_t>(st[idx(SeqStat::N)]);
+        n_raw = static_cast<int64_t>(st[idx(SeqStat::N_RAW)]);
+        sum_delta = st[idx(SeqStat::DELTA)];
+        sum_dmin = st[idx(SeqStat::DMIN)];
+        sum_adv = st[idx(SeqStat::ADV)];
+        sum_logw = st[idx(SeqStat::LOGW)];
+        sum_w = st[idx(SeqStat::IS_W)];
+        if (o.rs != 0) {
+          if (n == 0) std::fill(s.keep.begin() + b, s.keep.begin() + e, uint8_t(0));
+          s.n_raw[i] = n_raw;
+        }
+      } else if (o.rs != 0) {
         const T sum[3] = {T(ksum[0]), T(ksum[1]), T(ksum[2])};
         const T nr = static_cast<T>(std::max<int64_t>(n_raw, 1));
         const T mean[3] = {n_raw > 0 ? sum[0] / nr : T(0), n_raw > 0 ? sum[1] / nr : T(0),
@@ -1500,11 +1517,23 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> policy_lo
     const c10::optional<torch::Tensor>& rollout_logprobs, const c10::optional<torch::Tensor>& entropy,
     const c10::optional<torch::Tensor>& cu_seqlens, const c10::optional<torch::Tensor>& entropy_threshold,
     c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams, bool need_entropy_grad,
-    const c10::optional<torch::Tensor>& cov_selection) {
+    const c10::optional<torch::Tensor>& cov_selection, const c10::optional<torch::Tensor>& seq_stats) {
   const PolicyLossParams p = PolicyLossParams::unpack(fparams, iparams);
-  const Options o = decode_options(p, need_entropy_grad, entropy.has_value());
+  Options o = decode_options(p, need_entropy_grad, entropy.has_value());
   const Inputs in = check_inputs(o, logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_logprobs, entropy,
                                  cu_seqlens, entropy_threshold, cov_selection);
+  torch::Tensor stats;
+  if (seq_stats.has_value()) {
+    check_cpu("seq_stats", *seq_stats);
+    TORCH_CHECK(seq_stats->scalar_type() == torch::kFloat64 && seq_stats->dim() == 2 &&
+                    seq_stats->size(0) == in.B && seq_stats->size(1) == kNumSeqStats,
+                "policy_loss_fwd: seq_stats must be float64 [B = ", in.B, ", ", kNumSeqStats, "], got ",
+                seq_stats->scalar_type(), " ", seq_stats->sizes());
+    // (A3PO ranks the tokens of a sequence: not a statistic a group can sum; the op layer refuses it)
+    TORCH_CHECK(!o.a3po, "policy_loss_fwd: seq_stats does not carry the A3PO selection");
+    stats = seq_stats->contiguous();
+    o.prepass = true;  // every sequence-level quantity comes from the given statistics
+  }
   const auto dtype = in.lp.scalar_type();
   const auto cdt = dtype == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
 
@@ -1519,6 +1548,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> policy_lo
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "rlvr_policy_loss_fwd", [&] {
     using T = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
     Ctx<scalar_t, T> c = make_ctx<scalar_t, T>(o, p, in, grad, grad_ent, tok);
+    c.stats = stats.defined() ? stats.data_ptr<double>() : nullptr;
     forward(c, sums);
   });
 

@@ -40,6 +40,10 @@
   X(IS, 9) X(IS_MAX, 10) X(REJECT, 11) X(SHAPED, 12) X(ENT, 13) X(NONFINITE, 14) X(CLIP_LOW, 15) X(CLIP_HIGH, 16) \
   X(SEQ_CLIP_LOW, 17) X(SEQ_CLIP_HIGH, 18) X(SEQ_CLIP_LOW_MIN, 19) X(SEQ_CLIP_HIGH_MAX, 20) X(NTOK_RAW, 21)      \
   X(RS_REJECT, 22) X(RS_SEQ_REJECT, 23) X(IS_NORM, 24)
+// Columns of the optional seq_stats input ([B, kNumSeqStats] fp64; contracts SeqStat).
+#define RLVR_SEQ_STAT_CODES(X)                                                                                 \
+  X(N, 0) X(N_RAW, 1) X(DELTA, 2) X(DMIN, 3) X(ADV, 4) X(LOGW, 5) X(IS_W, 6) X(K1, 7) X(K2, 8) X(K3, 9)         \
+  X(CLIP_LOW, 10) X(CLIP_HIGH, 11) X(K2_MAX, 12) X(K3_MAX, 13)
 
 namespace rlvr {
 
@@ -51,9 +55,11 @@ RLVR_DEFINE_ENUM(RolloutCorrection, RLVR_ROLLOUT_CORRECTION_CODES)
 RLVR_DEFINE_ENUM(TokenOut, RLVR_TOKEN_OUT_CODES)
 RLVR_DEFINE_ENUM(A3poMetric, RLVR_A3PO_METRIC_CODES)
 RLVR_DEFINE_ENUM(PolicyLossSum, RLVR_POLICY_LOSS_SUM_CODES)
+RLVR_DEFINE_ENUM(SeqStat, RLVR_SEQ_STAT_CODES)
 
 #define RLVR_COUNT_CODE(name, value) +1
 constexpr int kNumPolicyLossSums = 0 RLVR_POLICY_LOSS_SUM_CODES(RLVR_COUNT_CODE);
+constexpr int kNumSeqStats = 0 RLVR_SEQ_STAT_CODES(RLVR_COUNT_CODE);
 #undef RLVR_COUNT_CODE
 
 // (sums, grad_logprobs, grad_entropy, token_out); see rlvr_kernels/ops/policy_loss.py.
@@ -63,7 +69,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> policy_lo
     const c10::optional<torch::Tensor>& rollout_logprobs, const c10::optional<torch::Tensor>& entropy,
     const c10::optional<torch::Tensor>& cu_seqlens, const c10::optional<torch::Tensor>& entropy_threshold,
     c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams, bool need_entropy_grad,
-    const c10::optional<torch::Tensor>& cov_selection);
+    const c10::optional<torch::Tensor>& cov_selection, const c10::optional<torch::Tensor>& seq_stats);
 
 // The backward: (coef · up).to(dtype), coef contiguous fp32/fp64, up 1-element or coef-shaped;
 // the output comes from the huge-page cache (empty_output). See policy_loss.cpp.

@@ -18,7 +18,8 @@ Kernel contract (C++ ``csrc/policy_loss.cpp``, Triton ``triton/policy_loss.py``;
 
   policy_loss_fwd(logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_logprobs,
                   entropy, cu_seqlens, entropy_threshold,
-                  fparams, iparams (PolicyLossParams.pack()), need_entropy_grad)
+                  fparams, iparams (PolicyLossParams.pack()), need_entropy_grad,
+                  cov_selection=None, seq_stats=None)
       -> (sums [NUM_SUMS] (PolicyLossSum entries), grad_logprobs (token-shaped),
           grad_entropy (token-shaped if need_entropy_grad else [0]),
           token_out (token-shaped unless TokenOut.NONE, else [0]): ℓ·m for agg="none", or
@@ -31,6 +32,10 @@ Kernel contract (C++ ``csrc/policy_loss.cpp``, Triton ``triton/policy_loss.py``;
     cu_seqlens[-1] is valid). cu_seqlens: int64 [B + 1] or None (padded).
     entropy_threshold: 0-d fp32 (:func:`~rlvr_kernels.contracts.policy_loss.entropy_quantile_threshold`,
     or the caller's ``entropy_threshold=``) or None. Every output is in the compute dtype.
+  - seq_stats: None, or [B, NUM_SEQ_STATS] fp64 (contracts ``SeqStat``): the whole sequences'
+    statistics under ``cp_group`` (reference ``seq_statistics`` reduced over the group, then
+    ``seq_rejection``); every sequence-level quantity comes from it instead of the kernel's
+    own per-sequence pass (A3PO refused).
   - The per-sequence clip statistics (PolicyLossSum.SEQ_CLIP_*) are exact integer counts
     per sequence, reduced in sequence order: deterministic as every other sum.
   - Packed spans follow the one cu_seqlens rule (``csrc/spans.h``): in bounds and disjoint
@@ -69,6 +74,7 @@ from .._core.validation import (
 )
 from ..contracts.policy_loss import (
     NUM_SUMS,
+    SEQ_STAT_MAX_FROM,
     A3poMetric,
     KlClamp,
     KlEstimator,
@@ -76,6 +82,7 @@ from ..contracts.policy_loss import (
     PolicyLossParams,
     PolicyLossSum,
     RolloutCorrectionCode,
+    SeqStat,
     TokenOut,
     entropy_quantile_threshold,
 )
@@ -89,6 +96,7 @@ from ..options import (
     options_or_resolve,
     resolve_policy_loss_options,
 )
+from ..reference.policy_loss import seq_clip_fractions, seq_rejection, seq_stat, seq_statistics
 
 S = PolicyLossSum
 _RS_OFF = tuple(float("-inf") if f.endswith("_low") else float("inf") for f in RS_BOUND_FIELDS)
@@ -114,6 +122,7 @@ class _FwdArgs(NamedTuple):
     need_entropy_grad: bool
     backend: str
     cov_selection: Optional[torch.Tensor] = None
+    seq_stats: Optional[torch.Tensor] = None
 
 
 @torch.library.custom_op("rlvr_kernels::policy_loss_fwd", mutates_args=())
@@ -132,6 +141,7 @@ def _policy_loss_fwd(
     need_entropy_grad: bool,
     backend: str,
     cov_selection: Optional[torch.Tensor] = None,
+    seq_stats: Optional[torch.Tensor] = None,
 ) -> _Out:
     """(sums, grad_logprobs, grad_entropy, token_out); see the module docstring."""
     return _dispatch.run(
@@ -151,6 +161,7 @@ def _policy_loss_fwd(
         iparams,
         need_entropy_grad,
         cov_selection,
+        seq_stats,
     )
 
 
@@ -170,6 +181,7 @@ def _(
     need_entropy_grad,
     backend,
     cov_selection=None,
+    seq_stats=None,
 ):
     dt = _compute_dtype(logprobs.dtype)
     shape = logprobs.shape
@@ -492,6 +504,7 @@ class _GroupCall(NamedTuple):
     loss_scale_factor: Optional[float]
     global_num_tokens: object  # None, a number or a 1-element tensor
     global_num_seqs: object
+    counts: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (tokens, sequences) of the cp group, else this call's
 
 
 def _group_size(process_group) -> Optional[int]:
@@ -517,7 +530,7 @@ def _group_reduce(process_group, call: Optional[_GroupCall], like, validate: boo
     values = None
     if call is not None:
         x, opts = call.x, call.opts
-        ntok, nseq = local_counts(x.mask, x.cu_seqlens, x.logprobs.shape[0])
+        ntok, nseq = call.counts if call.counts is not None else local_counts(x.mask, x.cu_seqlens, x.logprobs.shape[0])
         lsf = _loss_scale_factor(call.loss_scale_factor, x.logprobs) if opts.agg == "seq-mean-token-sum-norm" else 0.0
         given = [-1.0 if v is None else v for v in (call.global_num_tokens, call.global_num_seqs)]
         values = [ntok, nseq, collectives.fingerprint(opts, call.dp_size), lsf, *given]
@@ -544,6 +557,130 @@ def _check_given_counts(rows) -> None:
                 f"{name}: {rows[0][slot]:g} is less than this call's {total:g} over the process group; with "
                 f"process_group pass the whole step's global count (rlvr_kernels.distributed.global_counts) or omit it"
             )
+
+
+# ------------------------------------------------------------------ context parallel (cp_group)
+# Every rank of a context-parallel group holds a slice of the same B sequences. Each
+# sequence-level quantity of the loss is a detached sum (or maximum) over a sequence's tokens
+# (contracts SeqStat), so: a handshake (the same B and options on every rank), each rank's
+# statistics of its slice (reference seq_statistics), ONE all-gather of them, summed (maxima:
+# max) in rank order, so every rank holds the same bits; then the rejection chain's sequence
+# options (reference seq_rejection). The kernels take the result (seq_stats) in place of their
+# own per-sequence pass; the counts it gives are the normalisation's. After the kernel, one
+# more all-gather reduces the metrics. Reducing the statistics is exact, so a rank's token
+# gradients are those of one process holding the whole sequences.
+_CP_FIELDS = (
+    collectives.Field("the number of sequences B", hint="every rank of cp_group passes a slice of the same sequences"),
+    collectives.Field(
+        "the loss options (loss type, agg, clipping, KL, shaping, loss_scale_factor, ...)",
+        show=False,
+        hint="every rank of cp_group must pass the same options",
+    ),
+)
+# Metrics that are means over the valid tokens (reduced as sums of mean·count), sums, maxima.
+_CP_MEANS = (
+    "pg_clipfrac",
+    "pg_clipfrac_lower",
+    "ppo_kl",
+    "kl",
+    "is_weight_mean",
+    "is_masked_frac",
+    "shaped_frac",
+    "entropy_mean",
+    "pg_clipfrac_low",
+    "pg_clipfrac_high",
+)
+_CP_SUMS = ("pg_loss", "kl_loss", "num_tokens")
+_CP_MAXES = ("is_weight_max", "is_batch_norm_factor")
+
+
+def _check_cp(opts: PolicyLossOptions, cp_group, process_group, entropy_threshold, cov_selection, loss_scale_factor):
+    """The options a context-parallel group cannot reduce exactly raise, naming the option."""
+    if process_group is not None and process_group is cp_group:
+        raise ValueError("cp_group: the context-parallel group must differ from process_group (the data-parallel one)")
+    sh = opts.shaping
+    if sh.a3po_active:
+        raise NotImplementedError(
+            "shaping (A3PO knobs): A3PO ranks the tokens within a sequence, which cp_group cannot reduce from "
+            "slices; gather the sequences or drop the A3PO knobs"
+        )
+    if sh.entropy_quantile is not None and entropy_threshold is None:
+        raise NotImplementedError(
+            "shaping.entropy_quantile: the quantile of a slice is not the batch's; with cp_group pass "
+            "entropy_threshold= (the quantile over the group's tokens)"
+        )
+    if opts.loss_type in ("clip_cov", "kl_cov") and cov_selection is None:
+        raise NotImplementedError(
+            f"loss_type={opts.loss_type!r}: the covariance selection is a top-k over the whole batch, which "
+            f"cp_group cannot reduce; pass cov_selection= (this rank's tokens of the batch's selection)"
+        )
+    if opts.agg == "seq-mean-token-sum-norm" and loss_scale_factor is None:
+        raise ValueError(
+            "loss_scale_factor: agg='seq-mean-token-sum-norm' with cp_group needs it (a rank's L is its slice's)"
+        )
+
+
+def _cp_seq_stats(cp_group, x: Optional[_Inputs], opts: Optional[PolicyLossOptions], like, lsf):
+    """The handshake and the group's per-sequence statistics ([B, NUM_SEQ_STATS] fp64 on
+    ``like``'s device, seq_rejection applied); ``x`` None: this rank failed its checks (it
+    joins the handshake; the caller raises its own error)."""
+    device = collectives.group_device(cp_group, like)
+    values = None if x is None else [_num_seqs(x), collectives.fingerprint(opts, lsf)]
+    # (always read: the all-gathers that follow must not wait for a rank that failed)
+    collectives.handshake("policy_loss", cp_group, _CP_FIELDS, values, device=device, check=True, arg="cp_group")
+    if x is None:
+        return None
+    local = seq_statistics(
+        opts,
+        x.logprobs.detach(),
+        x.old_logprobs,
+        x.advantages,
+        x.mask,
+        rollout_logprobs=x.rollout_logprobs,
+        cu_seqlens=x.cu_seqlens,
+    )
+    parts = torch.stack(collectives.all_gather(local.to(device), cp_group))
+    stats = torch.cat([parts[:, :, :SEQ_STAT_MAX_FROM].sum(0), parts[:, :, SEQ_STAT_MAX_FROM:].amax(0)], 1)
+    return seq_rejection(opts, stats.to(like.device))
+
+
+def _num_seqs(x: _Inputs) -> int:
+    return x.cu_seqlens.shape[0] - 1 if x.cu_seqlens is not None else x.logprobs.shape[0]
+
+
+def _cp_counts(stats: torch.Tensor, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(valid tokens, sequences with one) of the whole sequences, 0-d in the compute dtype."""
+    n = stats[:, SeqStat.N]
+    dt = _compute_dtype(like.dtype)
+    return n.sum().to(dt), (n > 0).sum().to(dt)
+
+
+def _cp_metrics(m: PolicyLossMetrics, stats: torch.Tensor, opts: PolicyLossOptions, cp_group, rows: int):
+    """The metrics of one process holding the group's whole sequences: token means from the
+    ranks' sums (mean·count), sums, maxima (one all-gather); the sequence metrics from the
+    group's statistics. pg_loss / kl_loss: the sum of the ranks' shares."""
+    device = collectives.group_device(cp_group, m.num_tokens)
+    ntok = m.num_tokens.double()
+    row = [getattr(m, f).double() * ntok for f in _CP_MEANS] + [getattr(m, f).double() for f in _CP_SUMS + _CP_MAXES]
+    parts = torch.stack(collectives.all_gather(torch.stack(row).to(device), cp_group)).to(m.num_tokens.device)
+    k = len(_CP_MEANS) + len(_CP_SUMS)
+    tot, mx = parts[:, :k].sum(0), parts[:, k:].amax(0)
+    total_tok = tot[_CP_MEANS.__len__() + _CP_SUMS.index("num_tokens")]
+    out = {f: _safe_div(tot[j], total_tok).float() for j, f in enumerate(_CP_MEANS)}
+    out.update({f: tot[len(_CP_MEANS) + j].float() for j, f in enumerate(_CP_SUMS)})
+    out.update({f: mx[j].float() for j, f in enumerate(_CP_MAXES)})
+    n, n_raw = stats[:, SeqStat.N], stats[:, SeqStat.N_RAW]
+    f_low, f_high = seq_clip_fractions(opts, stats)
+    out.update(
+        num_seqs=(n > 0).sum().float(),
+        seq_clipfrac_low_mean=seq_stat(f_low, "mean"),
+        seq_clipfrac_high_mean=seq_stat(f_high, "mean"),
+        seq_clipfrac_low_min=seq_stat(f_low, "min"),
+        seq_clipfrac_high_max=seq_stat(f_high, "max"),
+        rs_masked_frac=_safe_div((n_raw - n).sum(), n_raw.sum()).float(),
+        rs_seq_masked_frac=((n_raw > n).sum().double() / max(rows, 1)).float(),
+    )
+    return m._replace(**out)
 
 
 # ------------------------------------------------------------------ public functions
@@ -579,6 +716,7 @@ def policy_loss(
     entropy_threshold: Optional[torch.Tensor] = None,
     cov_selection: Optional[torch.Tensor] = None,
     process_group=None,
+    cp_group=None,
     validate: bool = True,
     backend: str = "auto",
 ) -> Tuple[torch.Tensor, PolicyLossMetrics]:
@@ -636,6 +774,24 @@ def policy_loss(
             collective) raise on every rank instead of hanging. Not with ``agg="none"``.
             GSPO's sequence ratios stay per sequence (no collective). Eager only: under
             torch.compile pass the counts and ``dp_size`` instead.
+        cp_group: the context-parallel group (docs/distributed.md): every rank of it passes its
+            slice (a contiguous chunk of tokens, any split, possibly empty) of the SAME B
+            sequences, in the same order and layout (padded ``[B, L_local]`` or packed with its
+            own ``cu_seqlens``; ``advantages`` per sequence or per token of the slice). Every
+            sequence-level quantity (n_i, GSPO's s_i, geo_mean's L_i / n_i, the sequence IS
+            weights, the rejection chain's sequence options, the IS batch normalisation) and
+            the counts are those of the whole sequences (two all-gathers: the per-sequence
+            statistics before the kernel, the metrics after it). The loss is this rank's share
+            (its tokens' terms over the group's counts): the ranks' losses sum to the one-process
+            loss, and each rank's gradients of its ``logprobs`` / ``entropy`` are the one-process
+            gradients of those tokens, so the sum over the group of the parameter gradients is
+            the one-process gradient (a trainer that averages over the DP × CP ranks multiplies
+            the loss by the CP size). The metrics are the group's (the same on every rank;
+            ``pg_loss`` / ``kl_loss`` the sum of the shares). With ``process_group`` (the
+            data-parallel group, of the ranks holding the same slice index) the counts are
+            global over both. A3PO, the entropy quantile without ``entropy_threshold`` and
+            clip_cov / kl_cov without ``cov_selection`` raise NotImplementedError;
+            ``seq-mean-token-sum-norm`` needs ``loss_scale_factor``. Eager only.
         validate: check values (finite log-probs on valid tokens, ``cu_seqlens``), a host
             sync on CUDA; skipped under torch.compile and for meta tensors.
         backend: ``"auto"``, or ``"reference"``, ``"cpu"``, ``"triton"``.
@@ -651,6 +807,8 @@ def policy_loss(
     """
     _dispatch.check_backend(backend)
     group_size = _group_size(process_group)
+    _group_size(cp_group)
+    failed = None
     try:
         opts = _resolve(
             preset,
@@ -686,22 +844,40 @@ def policy_loss(
         dp_size = _check_agg_args(
             opts, cu_seqlens, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor, group_size
         )
-    except Exception:
+        if cp_group is not None:
+            _check_cp(opts, cp_group, process_group, entropy_threshold, cov_selection, loss_scale_factor)
+    except Exception as e:
+        failed = e
+    stats = counts = None
+    if cp_group is not None:  # the whole sequences' statistics (a rank that failed joins, then raises)
+        try:
+            stats = _cp_seq_stats(
+                cp_group, None if failed else x, None if failed else opts, logprobs, loss_scale_factor
+            )
+        except Exception as e:
+            failed = e
+        if stats is not None:
+            counts = _cp_counts(stats, logprobs)
+    if failed is not None:
         if group_size is not None:
             _group_reduce(process_group, None, logprobs, validate)  # joins the collective, then raises here
-        raise
+        raise failed
     if group_size is not None:  # the one all-reduce: global counts (and the cross-rank checks)
-        call = _GroupCall(x, opts, dp_size, loss_scale_factor, global_num_tokens, global_num_seqs)
+        call = _GroupCall(x, opts, dp_size, loss_scale_factor, global_num_tokens, global_num_seqs, counts)
         global_num_tokens, global_num_seqs = _group_reduce(process_group, call, logprobs, validate)
+    elif counts is not None:  # the group's counts, unless the caller gave the step's
+        global_num_tokens = counts[0] if global_num_tokens is None else global_num_tokens
+        global_num_seqs = counts[1] if global_num_seqs is None else global_num_seqs
     agg_kw = dict(
         global_num_tokens=global_num_tokens,
         global_num_seqs=global_num_seqs,
         dp_size=dp_size,
         loss_scale_factor=loss_scale_factor,
     )
+    rows = x.cu_seqlens.numel() - 1 if x.cu_seqlens is not None else logprobs.shape[0]
     if backend == "reference":
         _check_finite(None, x, validate)
-        return _dispatch.kernel("policy_loss", "reference")(
+        loss, metrics = _dispatch.kernel("policy_loss", "reference")(
             logprobs,
             old_logprobs,
             advantages,
@@ -713,15 +889,19 @@ def policy_loss(
             cu_seqlens=x.cu_seqlens,
             entropy_threshold=x.entropy_threshold if entropy_threshold is not None else None,
             cov_selection=x.cov_selection,
+            seq_stats=stats,
             **agg_kw,
         )
-    token_out = TokenOut.LOSS if opts.agg == "none" else TokenOut.NONE
-    need_entropy_grad = x.entropy is not None and opts.entropy_coef != 0 and entropy.requires_grad
-    sums, _, _, tok = _run_fwd(x, opts, token_out, need_entropy_grad, backend)
-    _check_finite(sums, x, validate)
-    loss, norm = _aggregate(opts, sums, tok, logprobs, **agg_kw)
-    rows = x.cu_seqlens.numel() - 1 if x.cu_seqlens is not None else logprobs.shape[0]
-    return loss, _metrics(sums.detach(), norm.detach(), rows)
+    else:
+        token_out = TokenOut.LOSS if opts.agg == "none" else TokenOut.NONE
+        need_entropy_grad = x.entropy is not None and opts.entropy_coef != 0 and entropy.requires_grad
+        sums, _, _, tok = _run_fwd(x, opts, token_out, need_entropy_grad, backend, stats)
+        _check_finite(sums, x, validate)
+        loss, norm = _aggregate(opts, sums, tok, logprobs, **agg_kw)
+        metrics = _metrics(sums.detach(), norm.detach(), rows)
+    if stats is not None:
+        metrics = _cp_metrics(metrics, stats, opts, cp_group, rows)
+    return loss, metrics
 
 
 def shape_token_advantages(
@@ -957,7 +1137,14 @@ def _packed_params_cached(o: PolicyLossOptions, seq_adv: bool, token_out: TokenO
     return _kernel_params(o, seq_adv, token_out).pack()
 
 
-def _run_fwd(x: _Inputs, opts: PolicyLossOptions, token_out: TokenOut, need_entropy_grad: bool, backend: str) -> _Out:
+def _run_fwd(
+    x: _Inputs,
+    opts: PolicyLossOptions,
+    token_out: TokenOut,
+    need_entropy_grad: bool,
+    backend: str,
+    seq_stats: Optional[torch.Tensor] = None,
+) -> _Out:
     fparams, iparams = _packed_params(opts, x.seq_adv, token_out)
     return _policy_loss_fwd(
         x.logprobs,
@@ -974,6 +1161,7 @@ def _run_fwd(x: _Inputs, opts: PolicyLossOptions, token_out: TokenOut, need_entr
         need_entropy_grad,
         backend,
         x.cov_selection,
+        seq_stats,
     )
 
 

@@ -25,6 +25,10 @@ function by function):
 - ``token_loss``: ℓ = pg·w·is_w + β·kl − c_H·H;
 - ``aggregate``: the per-token loss (and the pg / kl metrics) over the valid tokens, by ``agg``.
 
+Context parallelism (``cp_group``): ``seq_statistics`` (a rank's per-sequence sums over its
+slice), ``seq_rejection`` (the rejection chain's sequence options on the reduced sums) and
+``policy_loss(seq_stats=...)``, which reads every sequence-level quantity from them.
+
 The entropy-quantile threshold and the packed layout's validity are the kernel contract's own
 definitions (:mod:`rlvr_kernels.contracts.policy_loss`), shared with the op layer.
 """
@@ -38,7 +42,7 @@ import torch
 
 from .._core.layout import packed_mask
 from .._core.layout import safe_div as _safe_div
-from ..contracts.policy_loss import cov_selection_of, entropy_quantile_threshold
+from ..contracts.policy_loss import NUM_SEQ_STATS, SeqStat, cov_selection_of, entropy_quantile_threshold
 from ..options import PolicyLossMetrics, PolicyLossOptions, TokenShaping
 
 
@@ -192,12 +196,16 @@ def _clip_range(opts: PolicyLossOptions):
     return 1 - opts.clip_low, 1 + opts.clip_high
 
 
-def gspo_ratio(opts: PolicyLossOptions, logp, old, valid):
+def gspo_ratio(opts: PolicyLossOptions, logp, old, valid, seq_stats=None):
     """GSPO's token ratio s_{i,t} = exp(log s_{i,t}), log s_{i,t} = logp − sg(logp) + sg(log s_i):
     the value of the sequence ratio s_i = exp(mean δ) (verl: the sequence mean of the
-    unclamped δ), the gradient of the token's own log-prob; log s_{i,t} clamped above."""
-    n = valid.sum(-1).clamp(min=1)
-    log_s = ((logp - old) * valid).sum(-1) / n
+    unclamped δ), the gradient of the token's own log-prob; log s_{i,t} clamped above.
+    With ``seq_stats`` (``seq_statistics`` over the whole sequences) the mean is theirs."""
+    if seq_stats is not None:
+        log_s = (seq_stats[:, SeqStat.DELTA] / seq_stats[:, SeqStat.N].clamp(min=1)).to(logp.dtype)
+    else:
+        n = valid.sum(-1).clamp(min=1)
+        log_s = ((logp - old) * valid).sum(-1) / n
     log_st = logp - logp.detach() + log_s.detach()[:, None]
     return torch.exp(torch.clamp(log_st, max=opts.gspo_log_clamp) if opts.gspo_log_clamp is not None else log_st)
 
@@ -227,9 +235,9 @@ def ppo_term(opts: PolicyLossOptions, logp, old, adv):
     return pg, clipped, clip_lower, delta
 
 
-def gspo_term(opts: PolicyLossOptions, logp, old, adv, valid):
+def gspo_term(opts: PolicyLossOptions, logp, old, adv, valid, seq_stats=None):
     """clipped_objective of gspo_ratio; with ``gspo_dual_clip``, then dual_clip."""
-    pg, clipped = clipped_objective(opts, gspo_ratio(opts, logp, old, valid), adv)
+    pg, clipped = clipped_objective(opts, gspo_ratio(opts, logp, old, valid, seq_stats), adv)
     if opts.gspo_dual_clip:
         pg, clip_lower = dual_clip(opts, pg, adv)
     else:
@@ -311,7 +319,7 @@ def geo_mean_log_ratio(opts: PolicyLossOptions, delta, adv):
     return sgn * torch.minimum(sgn * delta, sgn * clamped), delta != clamped
 
 
-def geo_mean_term(opts: PolicyLossOptions, logp, old, adv, valid):
+def geo_mean_term(opts: PolicyLossOptions, logp, old, adv, valid, seq_stats=None):
     """GMPO (geo_mean), a sequence-level term spread over the sequence's valid tokens: with
     δ_min = geo_mean_log_ratio, n_i the valid count, r_i = exp(Σ_t m·δ_min / n_i) and
     Ā_i = Σ_t m·A / n_i, the sequence loss is L_i = −Ā_i·r_i; each valid token carries the
@@ -320,13 +328,20 @@ def geo_mean_term(opts: PolicyLossOptions, logp, old, adv, valid):
     ∂L_i/∂logp_t = (L_i / n_i)·∂δ_min,t/∂δ_t of the token's own log-prob (the shaping and IS
     weights multiply a token's share and its gradient, as for GSPO). No ``log_ratio_clamp``
     (verl). clipped = δ outside [−ε_low, ε_high] with A > 0, clip_lower the same with A < 0
-    (verl's pg_clipfrac / pg_clipfrac_lower)."""
+    (verl's pg_clipfrac / pg_clipfrac_lower). With ``seq_stats`` n_i, Σ m·δ_min and Σ m·A are
+    those of the whole sequences (``seq_statistics``)."""
     delta = logp - old
     d_min, outside = geo_mean_log_ratio(opts, delta, adv)
-    m = valid.to(logp.dtype)
-    n = m.sum(-1).clamp(min=1)
-    r = torch.exp((d_min * m).sum(-1) / n)
-    adv_mean = (adv * m).sum(-1) / n
+    if seq_stats is not None:
+        n = seq_stats[:, SeqStat.N].clamp(min=1)
+        r = torch.exp((seq_stats[:, SeqStat.DMIN] / n).to(logp.dtype))
+        adv_mean = (seq_stats[:, SeqStat.ADV] / n).to(logp.dtype)
+        n = n.to(logp.dtype)
+    else:
+        m = valid.to(logp.dtype)
+        n = m.sum(-1).clamp(min=1)
+        r = torch.exp((d_min * m).sum(-1) / n)
+        adv_mean = (adv * m).sum(-1) / n
     share = (-adv_mean * r / n).detach()[:, None]
     pg = share * (1 + (d_min - d_min.detach()))
     return pg, outside & (adv > 0), outside & (adv < 0), delta
@@ -358,9 +373,10 @@ def kl_cov_term(opts: PolicyLossOptions, logp, old, adv, sel):
     return pg, sel, torch.zeros_like(sel), -abs_delta
 
 
-def pg_term(opts: PolicyLossOptions, logp, old, adv, valid, sel=None):
+def pg_term(opts: PolicyLossOptions, logp, old, adv, valid, sel=None, seq_stats=None):
     """The policy-gradient term of ``opts.loss_type``: (pg, clipped, clip_lower, δ); ``sel``
-    is the covariance selection (padded, bool) of clip_cov / kl_cov."""
+    is the covariance selection (padded, bool) of clip_cov / kl_cov; ``seq_stats`` the
+    statistics of the whole sequences (``seq_statistics``; cp_group)."""
     if opts.loss_type == "clip_cov":
         return clip_cov_term(opts, logp, old, adv, sel)
     if opts.loss_type == "kl_cov":
@@ -368,7 +384,7 @@ def pg_term(opts: PolicyLossOptions, logp, old, adv, valid, sel=None):
     if opts.loss_type == "ppo":
         return ppo_term(opts, logp, old, adv)
     if opts.loss_type == "gspo":
-        return gspo_term(opts, logp, old, adv, valid)
+        return gspo_term(opts, logp, old, adv, valid, seq_stats)
     if opts.loss_type == "cispo":
         return cispo_term(opts, logp, old, adv)
     if opts.loss_type == "sapo":
@@ -376,29 +392,29 @@ def pg_term(opts: PolicyLossOptions, logp, old, adv, valid, sel=None):
     if opts.loss_type in ("dppo_tv", "dppo_kl"):
         return dppo_term(opts, logp, old, adv)
     if opts.loss_type == "geo_mean":
-        return geo_mean_term(opts, logp, old, adv, valid)
+        return geo_mean_term(opts, logp, old, adv, valid, seq_stats)
     if opts.loss_type == "dro":
         return dro_term(opts, logp, old, adv)
     return reinforce_term(opts, logp, old, adv)
 
 
-def importance_ratio(opts: PolicyLossOptions, logp, old, valid):
+def importance_ratio(opts: PolicyLossOptions, logp, old, valid, seq_stats=None):
     """The ratio r the loss type is built on, with its token-form gradient: exp(δ) (δ from
     ``log_ratio``), GSPO's s_{i,t} (value s_i, gradient through the token's own log-prob).
     Used by the clip-side metrics and by ``kl_ratio_correction``."""
     if opts.loss_type == "gspo":
-        return gspo_ratio(opts, logp, old, valid)
+        return gspo_ratio(opts, logp, old, valid, seq_stats)
     return torch.exp(log_ratio(opts, logp, old))
 
 
-def clip_sides(opts: PolicyLossOptions, logp, old, adv, valid):
+def clip_sides(opts: PolicyLossOptions, logp, old, adv, valid, seq_stats=None):
     """(low, high) per token: ρ < 1 − ε_low with A < 0, ρ > 1 + ε_high with A > 0, for the
     loss types that clip (ppo, gspo, cispo, clip_cov); all False for the others."""
     if opts.loss_type not in ("ppo", "gspo", "cispo", "clip_cov"):
         no = torch.zeros_like(valid)
         return no, no
     lo, hi = _clip_range(opts)
-    r = importance_ratio(opts, logp, old, valid).detach()
+    r = importance_ratio(opts, logp, old, valid, seq_stats).detach()
     return valid & (r < lo) & (adv < 0), valid & (r > hi) & (adv > 0)
 
 
@@ -432,24 +448,35 @@ def corrected_weight(rc, w):
     return torch.where(rejected, 0.0, 1.0).to(w.dtype), rejected  # mask: rejection sampling
 
 
-def is_weights(rc, x, valid):
+def is_weights(rc, x, valid, seq_stats=None):
     """Detached rollout-correction weights (padded layout, before batch normalisation) and the
     flags a bound zeroed, from x = rc_log_ratio: per token exp(clamp(x, ±20)), per sequence
-    exp(clamp(Σ_t x·m, ±20)) (verl clamps the masked sum)."""
+    exp(clamp(Σ_t x·m, ±20)) (verl clamps the masked sum; with ``seq_stats``, the sum over the
+    whole sequence)."""
     if rc.is_level == "token":
         w = torch.exp(torch.clamp(x, -20, 20))
     else:
-        s = torch.clamp((x * valid).sum(-1, keepdim=True), -20, 20)
+        total = (x * valid).sum(-1, keepdim=True) if seq_stats is None else seq_stats[:, SeqStat.LOGW, None].to(x.dtype)
+        s = torch.clamp(total, -20, 20)
         w = torch.exp(s).expand_as(x)
     return corrected_weight(rc, w)
 
 
-def is_batch_norm(rc, is_w, valid):
+def is_batch_norm(rc, is_w, valid, seq_stats=None):
     """The batch-normalisation mean μ of the IS weights over the valid tokens (token level) or
     over the sequences with a valid token (sequence level); 1 when it is <= 1e-8 (verl then
-    leaves the weights as they are)."""
+    leaves the weights as they are). With ``seq_stats``, over the whole sequences."""
     m = valid.to(is_w.dtype)
-    if rc.is_level == "token":
+    if seq_stats is not None:
+        n_raw = seq_stats[:, SeqStat.N_RAW]
+        if rc.is_level == "token":
+            mu = _safe_div(seq_stats[:, SeqStat.IS_W].sum(), n_raw.sum())
+        else:
+            seq_w = is_weights(rc, is_w.new_zeros((is_w.shape[0], 1)), None, seq_stats)[0][:, 0].double()
+            has = (n_raw > 0).double()
+            mu = _safe_div((seq_w * has).sum(), has.sum())
+        mu = mu.to(is_w.dtype)
+    elif rc.is_level == "token":
         mu = _safe_div((is_w * m).sum(), m.sum())
     else:
         has = valid.any(-1)
@@ -478,28 +505,43 @@ def rs_statistics(x, valid):
     return stats
 
 
-def rejection_keep(rc, x, valid):
-    """verl's rejection chain: True where every option of ``rc`` (rs and geo_mean, as the
-    bounds ``rc.rs_bounds``) passes; token options per token, sequence options for every
-    token of the sequence. k1 options keep low <= stat <= high (log space), the others
-    stat <= bound. Statistics over the valid tokens before rejection."""
+def rs_pass(rc, stats, level: str):
+    """The options of ``rc``'s rejection chain of one ``level`` ("token" or "seq") on the
+    statistics ``stats`` (rs_statistics' names): True where all pass, None without such an
+    option. k1 options keep low <= stat <= high (log space), the others stat <= bound."""
     from ..options import RS_BOUND_FIELDS, RS_OPTIONS
 
-    keep = torch.ones_like(valid)
-    if not rc.rs_mask:
-        return keep
-    stats = rs_statistics(x, valid)
     bounds = dict(zip(RS_BOUND_FIELDS, rc.rs_bounds))
+    keep = None
     for j, opt in enumerate(RS_OPTIONS):
-        if not (rc.rs_mask >> j) & 1:
+        if not (rc.rs_mask >> j) & 1 or not opt.startswith(level):
             continue
         v = stats[opt]
         if opt.endswith("k1"):
             ok = (v >= bounds[f"rs_{opt}_low"]) & (v <= bounds[f"rs_{opt}_high"])
         else:
             ok = v <= bounds[f"rs_{opt}"]
-        keep = keep & (ok if opt.startswith("token") else ok[:, None])
+        keep = ok if keep is None else keep & ok
     return keep
+
+
+def rejection_keep(rc, x, valid, seq_stats=None):
+    """verl's rejection chain: True where every option of ``rc`` (rs and geo_mean, as the
+    bounds ``rc.rs_bounds``) passes (rs_pass); token options per token, sequence options for
+    every token of the sequence. Statistics over the valid tokens before rejection. With
+    ``seq_stats`` (the whole sequences' statistics, ``seq_rejection`` applied: N = 0 for a
+    rejected sequence) the sequence options are read from it."""
+    keep = torch.ones_like(valid)
+    if not rc.rs_mask:
+        return keep
+    stats = rs_statistics(x, valid)
+    tok = rs_pass(rc, stats, "token")
+    if tok is not None:
+        keep = keep & tok
+    if seq_stats is not None:
+        return keep & (seq_stats[:, SeqStat.N] > 0)[:, None]
+    seq = rs_pass(rc, stats, "seq")
+    return keep if seq is None else keep & seq[:, None]
 
 
 def _kl_clamps(opts: PolicyLossOptions, estimator: str):
@@ -560,13 +602,13 @@ def kl_clamped(opts: PolicyLossOptions, logp, ref):
     return out
 
 
-def kl_term(opts: PolicyLossOptions, logp, old, ref, valid):
+def kl_term(opts: PolicyLossOptions, logp, old, ref, valid, seq_stats=None):
     """The KL term: kl_estimate, times the loss type's importance_ratio (with its token-form
     gradient) when ``kl_ratio_correction``; with ``kl_score_grad`` times w = exp(logp −
     sg(logp)) (value 1) where no clamp is active (``kl_clamped``): ∂/∂logp gains kl there."""
     kl = kl_estimate(opts, logp, ref)
     if opts.kl_ratio_correction:
-        kl = kl * importance_ratio(opts, logp, old, valid)
+        kl = kl * importance_ratio(opts, logp, old, valid, seq_stats)
     if opts.kl_score_grad:
         live = torch.where(kl_clamped(opts, logp, ref), 0.0, kl.detach())
         kl = kl + live * (logp - logp.detach())
@@ -596,12 +638,14 @@ def aggregate(
     global_num_seqs=None,
     dp_size: int = 1,
     loss_scale_factor: Optional[float] = None,
+    n_i: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``agg`` of the per-token ``x`` over the valid tokens ``m`` (padded layout, compute dtype);
     a count of 0 gives 0. ``seq-mean-token-sum-norm`` divides by ``loss_scale_factor``,
-    default L (1 when L = 0: no token, a loss of 0)."""
+    default L (1 when L = 0: no token, a loss of 0). ``n_i``: the sequences' valid counts
+    (default: ``m``'s; the whole sequences' with cp_group)."""
     dtype = m.dtype
-    n_i = m.sum(-1)
+    n_i = m.sum(-1) if n_i is None else n_i.to(dtype)
     if opts.agg == "none":
         return x * m
     if opts.agg == "token-sum":
@@ -641,6 +685,7 @@ def policy_loss(
     loss_scale_factor: Optional[float] = None,
     entropy_threshold: Optional[torch.Tensor] = None,
     cov_selection: Optional[torch.Tensor] = None,
+    seq_stats: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, PolicyLossMetrics]:
     """The GRPO-family policy loss, per docs/policy-loss.md, and its metrics: pg_term → shaping_weights →
     is_weights → kl_term → token_loss → aggregate.
@@ -649,6 +694,10 @@ def policy_loss(
     ``entropy_threshold`` replaces the batch's entropy quantile (shaping.entropy_quantile).
     ``cov_selection`` (bool, shaped like ``logprobs``) replaces the covariance selection of
     clip_cov / kl_cov (``cov_tokens``).
+    ``seq_stats`` ([B, NUM_SEQ_STATS] fp64, ``seq_statistics`` reduced over a context-parallel
+    group, then ``seq_rejection``) replaces every sequence-level quantity of this call's tokens
+    with the whole sequences' (n_i, GSPO's s_i, geo_mean's share, the sequence IS weights, the
+    rejection chain's sequence options, the IS batch normalisation); the metrics stay this call's.
     Returns the aggregated loss (0-d; ``[B, L]``/``[T]`` for ``agg="none"``) and metrics.
     """
     dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
@@ -671,7 +720,7 @@ def policy_loss(
     valid0 = valid
     if rc is not None:  # verl: rejection modifies response_mask, the IS weights use the unmodified one
         x = rc_log_ratio(rc, lp, old, roll.to(dtype))
-        valid = valid0 & rejection_keep(rc, x, valid0)
+        valid = valid0 & rejection_keep(rc, x, valid0, seq_stats)
     m = valid.to(dtype)
 
     sel = None
@@ -679,7 +728,7 @@ def policy_loss(
         if cov_selection is None:
             cov_selection = cov_tokens(opts, logprobs, old_logprobs, adv, mask, cu_seqlens)
         sel = to_padded(cov_selection.to(torch.int8), cu_seqlens) != 0
-    pg, clipped, clip_lower, delta = pg_term(opts, lp, old, adv, valid, sel)
+    pg, clipped, clip_lower, delta = pg_term(opts, lp, old, adv, valid, sel, seq_stats)
     thr = None
     if entropy_threshold is not None:
         thr = entropy_threshold.detach().reshape(()).float()
@@ -689,12 +738,12 @@ def policy_loss(
     is_w, rejected = torch.ones_like(lp), torch.zeros_like(valid)
     is_norm = lp.new_ones(())
     if rc is not None and rc.is_level is not None:
-        is_w, rejected = is_weights(rc, x, valid0.to(dtype))
+        is_w, rejected = is_weights(rc, x, valid0.to(dtype), seq_stats)
         if rc.is_batch_normalize:
-            is_norm = is_batch_norm(rc, is_w, valid0)
+            is_norm = is_batch_norm(rc, is_w, valid0, seq_stats)
             is_w = is_w / is_norm
-    kl_tok = kl_term(opts, lp, old, ref.to(dtype), valid) if opts.kl is not None else None
-    low, high = clip_sides(opts, lp, old, adv, valid)
+    kl_tok = kl_term(opts, lp, old, ref.to(dtype), valid, seq_stats) if opts.kl is not None else None
+    low, high = clip_sides(opts, lp, old, adv, valid, seq_stats)
     f_low, f_high = seq_fractions(low, valid), seq_fractions(high, valid)
     use_is = rc is not None and rc.is_level is not None
     loss_tok, pg_tok = token_loss(opts, pg, shape_w, is_w if use_is else None, kl_tok, ent)
@@ -705,6 +754,7 @@ def policy_loss(
         global_num_seqs=global_num_seqs,
         dp_size=dp_size,
         loss_scale_factor=loss_scale_factor,
+        n_i=None if seq_stats is None else seq_stats[:, SeqStat.N],
     )
     loss = aggregate(opts, loss_tok, m, **agg_kw)
     if opts.agg == "none":
@@ -737,10 +787,10 @@ def policy_loss(
             num_seqs=(m.sum(-1) > 0).to(dtype).sum().float(),
             pg_clipfrac_low=mean(low),
             pg_clipfrac_high=mean(high),
-            seq_clipfrac_low_mean=_seq_stat(f_low, "mean"),
-            seq_clipfrac_high_mean=_seq_stat(f_high, "mean"),
-            seq_clipfrac_low_min=_seq_stat(f_low, "min"),
-            seq_clipfrac_high_max=_seq_stat(f_high, "max"),
+            seq_clipfrac_low_mean=seq_stat(f_low, "mean"),
+            seq_clipfrac_high_mean=seq_stat(f_high, "mean"),
+            seq_clipfrac_low_min=seq_stat(f_low, "min"),
+            seq_clipfrac_high_max=seq_stat(f_high, "max"),
             rs_masked_frac=_safe_div((valid0 & ~valid).sum().to(dtype), valid0.sum().to(dtype)).float(),
             rs_seq_masked_frac=_safe_div(
                 (valid0 & ~valid).any(-1).sum().to(dtype) if valid.numel() else lp.new_zeros(()),
@@ -800,8 +850,113 @@ def cov_tokens(opts: PolicyLossOptions, logprobs, old_logprobs, adv_padded, mask
     return cov_selection_of(opts, logprobs, old_logprobs.to(logprobs.dtype), adv, valid)
 
 
-def _seq_stat(f, how):
+def seq_stat(f, how):
     """mean / min / max of the per-sequence values ``f`` as fp32, 0 when there is none."""
     if f.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=f.device)
     return getattr(f, how)().float()
+
+
+# ------------------------------------------------------------------ context parallelism (cp_group)
+# A rank of a context-parallel group holds a slice of every sequence. The sequence-level
+# quantities are all detached sums (and two maxima) over a sequence's tokens: each rank computes
+# them over its slice (seq_statistics), the op layer reduces them over the group, seq_rejection
+# applies the rejection chain's sequence options, and policy_loss(seq_stats=...) uses them.
+def seq_statistics(
+    opts: PolicyLossOptions,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    *,
+    rollout_logprobs: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """This call's per-sequence statistics ([B, NUM_SEQ_STATS] fp64, the columns of
+    contracts ``SeqStat``) over the tokens it holds: token terms in the compute dtype (as
+    ``policy_loss`` forms them), summed in fp64. Columns the options do not read are 0 (the
+    maxima −inf)."""
+    dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
+    valid0 = _valid_padded(logprobs, mask, cu_seqlens)
+    lp = to_padded(logprobs.detach(), cu_seqlens).to(dtype)
+    old = to_padded(old_logprobs.detach().to(logprobs.dtype), cu_seqlens).to(dtype)
+    adv = _adv_padded(advantages.detach(), logprobs, cu_seqlens).to(dtype)
+    out = torch.zeros((valid0.shape[0], NUM_SEQ_STATS), dtype=torch.float64, device=logprobs.device)
+    out[:, SeqStat.K2_MAX :] = float("-inf")
+
+    def total(v, m):
+        return torch.where(m, v.double(), 0.0).sum(-1)
+
+    valid, rc = valid0, opts.rc
+    if rc is not None:
+        roll = to_padded(rollout_logprobs.detach().to(logprobs.dtype), cu_seqlens).to(dtype)
+        x = rc_log_ratio(rc, lp, old, roll)
+        if rc.rs_mask:
+            k = rs_statistics(x, valid0)
+            tok = rs_pass(rc, k, "token")
+            valid = valid0 if tok is None else valid0 & tok
+            for col, j in ((SeqStat.K1, "k1"), (SeqStat.K2, "k2"), (SeqStat.K3, "k3")):
+                out[:, col] = total(k[f"token_{j}"], valid0)
+            if valid0.shape[-1]:
+                out[:, SeqStat.K2_MAX] = torch.where(valid0, k["token_k2"].double(), float("-inf")).amax(-1)
+                out[:, SeqStat.K3_MAX] = torch.where(valid0, k["token_k3"].double(), float("-inf")).amax(-1)
+        if rc.is_level == "sequence":
+            out[:, SeqStat.LOGW] = total(x, valid0)
+        elif rc.is_level == "token" and rc.is_batch_normalize:
+            out[:, SeqStat.IS_W] = total(is_weights(rc, x, valid0)[0], valid0)
+    out[:, SeqStat.N] = valid.sum(-1).double()
+    out[:, SeqStat.N_RAW] = valid0.sum(-1).double()
+    delta = lp - old
+    if opts.loss_type == "gspo":
+        out[:, SeqStat.DELTA] = total(delta, valid)
+        # the clip sides of a GSPO sequence are all or none of its A < 0 / A > 0 tokens
+        out[:, SeqStat.CLIP_LOW] = total(adv < 0, valid)
+        out[:, SeqStat.CLIP_HIGH] = total(adv > 0, valid)
+    else:
+        low, high = clip_sides(opts, lp, old, adv, valid)
+        out[:, SeqStat.CLIP_LOW] = total(low, valid)
+        out[:, SeqStat.CLIP_HIGH] = total(high, valid)
+    if opts.loss_type == "geo_mean":
+        out[:, SeqStat.DMIN] = total(geo_mean_log_ratio(opts, delta, adv)[0], valid)
+        out[:, SeqStat.ADV] = total(adv, valid)
+    return out
+
+
+def seq_rejection(opts: PolicyLossOptions, seq_stats: torch.Tensor) -> torch.Tensor:
+    """``seq_stats`` (whole sequences) with the rejection chain's sequence options applied:
+    N = 0 for a sequence they reject (rejection_keep's sequence part, on the sums, the means
+    over the valid tokens and the maxima; 0 for a sequence without a valid token)."""
+    rc = opts.rc
+    if rc is None or not rc.rs_mask:
+        return seq_stats
+    n_raw = seq_stats[:, SeqStat.N_RAW]
+    has = n_raw > 0
+    stats = {}
+    for col, j in ((SeqStat.K1, "k1"), (SeqStat.K2, "k2"), (SeqStat.K3, "k3")):
+        stats[f"seq_sum_{j}"] = seq_stats[:, col]
+        stats[f"seq_mean_{j}"] = torch.where(has, seq_stats[:, col] / n_raw.clamp(min=1), 0.0)
+    stats["seq_max_k2"] = torch.where(has, seq_stats[:, SeqStat.K2_MAX], 0.0)
+    stats["seq_max_k3"] = torch.where(has, seq_stats[:, SeqStat.K3_MAX], 0.0)
+    ok = rs_pass(rc, stats, "seq")
+    if ok is None:
+        return seq_stats
+    out = seq_stats.clone()
+    out[:, SeqStat.N] = torch.where(ok, out[:, SeqStat.N], 0.0)
+    return out
+
+
+def seq_clip_fractions(opts: PolicyLossOptions, seq_stats: torch.Tensor):
+    """(f_low, f_high): the per-sequence clip fractions (seq_fractions) of the sequences with
+    n_i > 0, from the whole sequences' statistics; GSPO's sides are decided by its sequence
+    ratio s_i (gspo_ratio's value)."""
+    n = seq_stats[:, SeqStat.N]
+    low, high = seq_stats[:, SeqStat.CLIP_LOW], seq_stats[:, SeqStat.CLIP_HIGH]
+    if opts.loss_type == "gspo":
+        lo, hi = _clip_range(opts)
+        log_s = seq_stats[:, SeqStat.DELTA] / n.clamp(min=1)
+        if opts.gspo_log_clamp is not None:
+            log_s = torch.clamp(log_s, max=opts.gspo_log_clamp)
+        r = torch.exp(log_s)
+        low, high = torch.where(r < lo, low, 0.0), torch.where(r > hi, high, 0.0)
+    has = n > 0
+    return (low / n.clamp(min=1))[has], (high / n.clamp(min=1))[has]

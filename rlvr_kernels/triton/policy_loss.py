@@ -61,6 +61,7 @@ import triton.language as tl
 
 from .._core.layout import sanitized_offsets
 from ..contracts.policy_loss import (
+    NUM_SEQ_STATS,
     NUM_SUMS,
     A3poMetric,
     KlClamp,
@@ -69,6 +70,7 @@ from ..contracts.policy_loss import (
     PolicyLossParams,
     PolicyLossSum,
     RolloutCorrectionCode,
+    SeqStat,
     TokenOut,
 )
 
@@ -1494,9 +1496,11 @@ def policy_loss_fwd(
     iparams,
     need_entropy_grad,
     cov_selection=None,
+    seq_stats=None,
 ):
     """The Triton kernels under the contract of ``rlvr_kernels_C::policy_loss_fwd``: returns
-    ``(sums, grad_logprobs, grad_entropy, token_out)``."""
+    ``(sums, grad_logprobs, grad_entropy, token_out)``. ``seq_stats`` (contracts SeqStat, the
+    whole sequences' statistics under cp_group) replaces ``_seq_stats_kernel``'s rows."""
     p = PolicyLossParams.unpack(fparams, iparams)
     # (clip_cov / kl_cov: the C++ kernel only, so far)
     _check(
@@ -1555,10 +1559,16 @@ def policy_loss_fwd(
         T, NBL = B * L, triton.cdiv(L, tb)
         P = B * NBL
         cu = boff = grad  # unused
-    n_from_stats = bool(p.seq_mean) and (k["HAS_MASK"] or not k["PACKED"])
-    stats = (n_from_stats or p.loss_type in (LossType.GSPO, LossType.GEO_MEAN) or _seq_rc(p) or k["A3PO"]) and B > 0
+    given = seq_stats is not None
+    _check(not (given and k["A3PO"]), "seq_stats does not carry the A3PO selection")
+    n_from_stats = bool(p.seq_mean) and (k["HAS_MASK"] or not k["PACKED"] or given)
+    stats = (
+        n_from_stats or given or p.loss_type in (LossType.GSPO, LossType.GEO_MEAN) or _seq_rc(p) or k["A3PO"]
+    ) and B > 0
     seqf, a3po_rows = grad, grad
-    if stats:
+    if stats and given:
+        seqf = _seq_rows(seq_stats, B, cdt).reshape(-1).contiguous()
+    elif stats:
         seqf = torch.empty(B * 4, dtype=cdt, device=dev)
         if k["A3PO"]:
             a3po_rows = torch.empty(B * 5, dtype=torch.int64, device=dev)
@@ -1587,6 +1597,29 @@ def policy_loss_fwd(
     c = dict(CDT=k["CDT"], PACKED=k["PACKED"], HAS_STATS=stats, ROWS=32, SEQS=128)
     _finalize_kernel[(1,)](part, seqf, boff, sums, P, B, NBL, **c)
     return sums, grad, gent, tok
+
+
+def _seq_rows(seq_stats, B: int, cdt):
+    """``_seq_stats_kernel``'s [B, 4] rows (n_i, log s_i, Σ log w·m, L_i / n_i) from given
+    statistics (contracts SeqStat), rounded as the kernel rounds them."""
+    st = seq_stats
+    _check(
+        st.dtype == torch.float64 and tuple(st.shape) == (B, NUM_SEQ_STATS),
+        "seq_stats must be float64 [B = ",
+        B,
+        ", ",
+        NUM_SEQ_STATS,
+        "], got ",
+        st.dtype,
+        " ",
+        tuple(st.shape),
+    )
+    n = st[:, SeqStat.N]
+    nn = n.clamp(min=1)
+    r = torch.exp((st[:, SeqStat.DMIN] / nn).to(cdt))
+    share = -(st[:, SeqStat.ADV] / nn).to(cdt) * r / nn.to(cdt)
+    log_s = st[:, SeqStat.DELTA].to(cdt) / nn.to(cdt)
+    return torch.stack([n.to(cdt), log_s, st[:, SeqStat.LOGW].to(cdt), share], 1)
 
 
 def _seq_rc(p: PolicyLossParams) -> bool:
