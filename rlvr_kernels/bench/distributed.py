@@ -127,6 +127,22 @@ def _measure(rank: int, world: int, scale: float) -> List[Dict]:
         loss, _ = policy_loss(logp, old, adv, mask, **loss_kwargs)
         loss.backward()
     rows.append(_row("policy_loss", world, calls, _nbytes(mask), "response mask [B, L] bool", needed=1))
+    # policy_loss under context parallelism: every rank a contiguous slice of every sequence.
+    lengths = torch.randint(1, length + 1, (seqs,), generator=gen)
+    lo, hi = length * rank // world, length * (rank + 1) // world
+    cp_mask = (torch.arange(length)[None, :] < lengths[:, None])[:, lo:hi]
+    cp_logp = (-torch.rand(seqs, length, generator=gen))[:, lo:hi].requires_grad_()
+    cp_old = cp_logp.detach() + 0.1 * torch.randn(seqs, hi - lo, generator=gen)
+    cp_adv = torch.randn(seqs, generator=gen)
+    cp_kwargs = dict(loss_type="gspo", agg="seq-mean-token-mean", cp_group=pg)
+    policy_loss(cp_logp, cp_old, cp_adv, cp_mask, **cp_kwargs)
+    with count_collectives(world) as calls:
+        loss, _ = policy_loss(cp_logp, cp_old, cp_adv, cp_mask, **cp_kwargs)
+        loss.backward()
+    naive = _nbytes([cp_logp, cp_old, cp_mask])
+    rows.append(
+        _row("policy_loss(cp_group=...)", world, calls, naive, "log-probs + old fp32 + mask of the slice", needed=2)
+    )
     with count_collectives(world) as calls:
         global_counts(mask, process_group=pg)
     rows.append(_row("global_counts", world, calls, _nbytes(mask), "response mask [B, L] bool", needed=1))

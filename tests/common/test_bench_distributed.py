@@ -12,6 +12,7 @@ def test_collectives_and_bytes():
     assert set(rows) == {
         "group_advantages",
         "policy_loss",
+        "policy_loss(cp_group=...)",
         "global_counts",
         "linear_logprobs forward",
         "linear_logprobs backward",
@@ -20,6 +21,8 @@ def test_collectives_and_bytes():
         assert r["needed"] <= r["collectives"] <= r["needed"] + 1, (op, r["names"])
     assert rows["policy_loss"]["names"] == ["all_reduce"]
     assert rows["policy_loss"]["local_bytes"] == 7 * 8 * 2  # [world, 7] float64
+    cp = rows["policy_loss(cp_group=...)"]  # the handshake, the sequence statistics, the metrics
+    assert len(cp["names"]) == 3 and cp["received_bytes"] < cp["naive_received_bytes"], cp
     assert rows["global_counts"]["local_bytes"] == 16
     groups = int(GROUPS * scale)
     assert rows["group_advantages"]["local_bytes"] == 2 * 4 * 8 + 5 * 8 * groups  # W = 2
