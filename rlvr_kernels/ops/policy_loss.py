@@ -206,6 +206,9 @@ def _setup_context(ctx, inputs, output):
     args = _FwdArgs(*inputs)
     _, grad_logprobs, grad_entropy, _ = output  # the saved per-token derivatives
     ctx.save_for_backward(grad_logprobs, grad_entropy)
+    # The saved derivatives are outputs nobody differentiates: without this, autograd would
+    # fill a [B, L] tensor of zeros as their incoming gradient on every backward.
+    ctx.set_materialize_grads(False)
     ctx.backend = args.backend
     ctx.logprobs_dtype = args.logprobs.dtype
     has_entropy_grad = args.entropy is not None and args.need_entropy_grad
@@ -221,10 +224,12 @@ def _backward(ctx, g_sums, g_logp, g_ent, g_tok):
     # Only sums[TOTAL] and token_out (agg="none") carry gradient; the other sums are metrics
     # and the saved per-token derivatives are not differentiated again.
     coef_logp, coef_ent = ctx.saved_tensors
-    up = g_sums[S.TOTAL]
+    up = None if g_sums is None else g_sums[S.TOTAL]  # (None: only token_out is used)
     if g_tok is not None and g_tok.numel():
-        up = up + g_tok
+        up = g_tok if up is None else up + g_tok
     grads = list(_NO_GRADS)
+    if up is None:  # only the metrics or the saved derivatives were used
+        return tuple(grads)
     grads[_LOGPROBS] = _policy_loss_grad(coef_logp, up, ctx.logprobs_dtype, ctx.backend)
     if ctx.entropy_dtype is not None:
         grads[_ENTROPY] = _policy_loss_grad(coef_ent, up, ctx.entropy_dtype, ctx.backend)
