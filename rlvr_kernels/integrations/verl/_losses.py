@@ -493,8 +493,10 @@ def kl_cov_selection(log_prob, advantages, response_mask, ratio):
     in torch.topk's order; none when N = 0."""
     valid = response_mask > 0
     flat_idx = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
-    adv = advantages[valid].detach().reshape(-1).cpu()
-    lp = log_prob[valid].detach().reshape(-1).cpu()
+    # (verl's advantages[valid] / log_prob[valid]: the same values in the same order, taken
+    # with the one nonzero above instead of a boolean index's own each)
+    adv = advantages.detach().expand(valid.shape).reshape(-1)[flat_idx].cpu()
+    lp = log_prob.detach().reshape(-1)[flat_idx].cpu()
     sel = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
     if len(adv) > 0:
         cov = (adv - adv.mean()) * (lp - lp.mean())
