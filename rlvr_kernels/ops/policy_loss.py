@@ -227,9 +227,9 @@ def _backward(ctx, g_sums, g_logp, g_ent, g_tok):
     up = None if g_sums is None else g_sums[S.TOTAL]  # (None: only token_out is used)
     if g_tok is not None and g_tok.numel():
         up = g_tok if up is None else up + g_tok
+    if up is None:  # an empty token_out, or only the saved derivatives: a zero gradient
+        up = torch.zeros((), dtype=coef_logp.dtype, device=coef_logp.device)
     grads = list(_NO_GRADS)
-    if up is None:  # only the metrics or the saved derivatives were used
-        return tuple(grads)
     grads[_LOGPROBS] = _policy_loss_grad(coef_logp, up, ctx.logprobs_dtype, ctx.backend)
     if ctx.entropy_dtype is not None:
         grads[_ENTROPY] = _policy_loss_grad(coef_ent, up, ctx.entropy_dtype, ctx.backend)
@@ -939,9 +939,12 @@ def _aggregate(
 def _metrics(sums: torch.Tensor, norm: torch.Tensor, rows: int) -> PolicyLossMetrics:
     s = sums.float()
     ntok = s[S.NTOK]
+    # every sum divided by the valid-token count in one vector division (the same numbers as
+    # one scalar division per metric, a sixth of the small ops)
+    per_token = _safe_div(s, ntok)
 
     def mean(i):
-        return _safe_div(s[i], ntok)
+        return per_token[i]
 
     has = (ntok > 0).float()
     return PolicyLossMetrics(
