@@ -447,8 +447,10 @@ def workload(device: str, quick: bool = False) -> Dict:
 # Function-level verl drop-ins against verl's own functions
 # ---------------------------------------------------------------------------------------
 
-DROPIN_LOSS_MODES = ("vanilla", "gspo", "cispo", "sapo", "gpg", "geo_mean", "dro")
+DROPIN_LOSS_MODES = ("vanilla", "gspo", "cispo", "sapo", "gpg", "geo_mean", "dro", "clip_cov", "kl_cov")
 DRO_BETA = 0.1  # dro's β (config.policy_loss.dro_beta; verl has no default)
+COV_SEED = 0  # clip_cov draws torch.randperm from the global RNG: both sides seed it alike
+_COV_LABELS = ("compute_policy_loss_clip_cov", "compute_policy_loss_kl_cov")
 
 
 def dropin_pairs(x: Dict):
@@ -469,10 +471,16 @@ def dropin_pairs(x: Dict):
 
     from verl.workers.config.actor import PolicyLossConfig
 
-    cfg_dro = _actor_config(dict(ACTOR_FIELDS, policy_loss=PolicyLossConfig(dro_beta=DRO_BETA)))
+    # (clip_cov / kl_cov: verl's default ratios, bounds and coefficient)
+    configs = {
+        mode: _actor_config(dict(ACTOR_FIELDS, policy_loss=PolicyLossConfig(loss_mode=mode, **kw)))
+        for mode, kw in (("dro", dict(dro_beta=DRO_BETA)), ("clip_cov", {}), ("kl_cov", {}))
+    }
 
-    def policy_step(fn, config=cfg):
+    def policy_step(fn, config=cfg, seed=None):
         def step():
+            if seed is not None:
+                torch.manual_seed(seed)
             lp.grad = None
             loss, _ = fn(old, lp, adv_tok, mask, "token-mean", config)
             loss.backward()
@@ -532,8 +540,10 @@ def dropin_pairs(x: Dict):
     pairs = []
     for mode in DROPIN_LOSS_MODES:
         name = f"compute_policy_loss_{mode}"
-        config = cfg_dro if mode == "dro" else cfg
-        pairs.append((name, policy_step(getattr(ours, name), config), policy_step(getattr(core_algos, name), config)))
+        config, seed = configs.get(mode, cfg), (COV_SEED if mode == "clip_cov" else None)
+        pairs.append(
+            (name, policy_step(getattr(ours, name), config, seed), policy_step(getattr(core_algos, name), config, seed))
+        )
     pairs += [
         ("kl_penalty (low_var_kl)", kl_step(ours), kl_step(core_algos)),
         ("agg_loss (token-mean)", agg_step(ours, "token-mean"), agg_step(core_algos, "token-mean")),
@@ -560,15 +570,23 @@ def dropin_workload(device: str, quick: bool = False) -> Dict:
     pairs = dropin_pairs(x)
     if pairs is None:
         return {"name": name, "rows": [], "targets": [], "notes": [f"verl is not importable: {_verl()!r}"]}
-    steps, agreement = [], {}
+    steps, agreement, kept, refused = [], {}, [], []
     for i, (label, ours_step, verl_step) in enumerate(pairs):
         pair = [(f"rlvr_kernels {label}", ours_step, f"dropin_{i}"), (f"verl {label}", verl_step, f"verl_{i}")]
-        agreement[label] = check_agreement(pair)[f"verl_{i}"]
+        try:
+            agreement[label] = check_agreement(pair)[f"verl_{i}"]
+        except RuntimeError as e:
+            # the Triton kernel refuses clip_cov / kl_cov (docs/policy-loss.md): said in the notes
+            if x["logprobs"].device.type == "cpu" or label not in _COV_LABELS:
+                raise
+            refused.append(f"{label}: {e}")
+            continue
+        kept.append((i, label))
         steps += pair
     repeats, warmup = (5, 1) if quick else (21, 3)
     timed = time_interleaved(steps, device, repeats, warmup, leaves=[x["logprobs"], x["agg_matrix"]])
     rows, targets = [], []
-    for i, (label, _, _) in enumerate(pairs):
+    for i, label in kept:
         mine, theirs = timed[f"dropin_{i}"], timed[f"verl_{i}"]
         rows.append({"method": f"rlvr_kernels {label}", "key": f"dropin_{i}", **mine, "ratio": 1.0})
         rows.append({"method": f"verl {label}", "key": f"verl_{i}", **theirs, "ratio": theirs["ms"] / mine["ms"]})
@@ -586,6 +604,7 @@ def dropin_workload(device: str, quick: bool = False) -> Dict:
         "loss / grad agreement, verl vs drop-in (max abs diff): "
         + ", ".join(f"{k} {v['loss_abs_diff']:.1e} / {v['grad_max_abs_diff']:.1e}" for k, v in agreement.items()),
     ]
+    notes += [f"not run on {device}: {r}" for r in refused]
     return {"name": name, "rows": rows, "targets": targets, "notes": notes}
 
 

@@ -219,6 +219,9 @@ def _setup_context(ctx, inputs, output):
     args = _FwdArgs(*inputs)
     _, grad_logprobs, grad_entropy, _ = output  # the saved per-token derivatives
     ctx.save_for_backward(grad_logprobs, grad_entropy)
+    # The saved derivatives are outputs nobody differentiates: without this, autograd would
+    # fill a [B, L] tensor of zeros as their incoming gradient on every backward.
+    ctx.set_materialize_grads(False)
     ctx.backend = args.backend
     ctx.logprobs_dtype = args.logprobs.dtype
     has_entropy_grad = args.entropy is not None and args.need_entropy_grad
@@ -234,9 +237,11 @@ def _backward(ctx, g_sums, g_logp, g_ent, g_tok):
     # Only sums[TOTAL] and token_out (agg="none") carry gradient; the other sums are metrics
     # and the saved per-token derivatives are not differentiated again.
     coef_logp, coef_ent = ctx.saved_tensors
-    up = g_sums[S.TOTAL]
+    up = None if g_sums is None else g_sums[S.TOTAL]  # (None: only token_out is used)
     if g_tok is not None and g_tok.numel():
-        up = up + g_tok
+        up = g_tok if up is None else up + g_tok
+    if up is None:  # an empty token_out, or only the saved derivatives: a zero gradient
+        up = torch.zeros((), dtype=coef_logp.dtype, device=coef_logp.device)
     grads = list(_NO_GRADS)
     grads[_LOGPROBS] = _policy_loss_grad(coef_logp, up, ctx.logprobs_dtype, ctx.backend)
     if ctx.entropy_dtype is not None:
@@ -1205,9 +1210,12 @@ def _aggregate(
 def _metrics(sums: torch.Tensor, norm: torch.Tensor, rows: int) -> PolicyLossMetrics:
     s = sums.float()
     ntok = s[S.NTOK]
+    # every sum divided by the valid-token count in one vector division (the same numbers as
+    # one scalar division per metric, a sixth of the small ops)
+    per_token = _safe_div(s, ntok)
 
     def mean(i):
-        return _safe_div(s[i], ntok)
+        return per_token[i]
 
     has = (ntok > 0).float()
     return PolicyLossMetrics(

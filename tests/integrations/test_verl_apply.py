@@ -174,16 +174,71 @@ TRAIN_CASES = [
     # (thresholds small enough that the moved policy of step 2 leaves the trust region)
     ("dppo_tv", "token-mean", dict(clip_ratio_low=1e-4, clip_ratio_high=2e-4, clip_ratio_c=1.001), True, True),
     ("dppo_kl", "seq-mean-token-mean", dict(clip_ratio_low=1e-7, clip_ratio_high=1e-6, use_kl_loss=True), False, False),
+    # (geo_mean's pg term is a mean over the rows: KL / entropy take a second call, also under its own agg)
+    ("geo_mean", "token-mean", dict(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1), True, True),
+    ("geo_mean", "seq-mean-token-sum", dict(use_kl_loss=True, kl_loss_type="k2", kl_loss_coef=0.05), False, False),
+    (
+        "dro",
+        "token-mean",
+        dict(policy_loss=PolicyLossConfig(loss_mode="dro", dro_beta=0.5), entropy_coeff=0.01),
+        True,
+        True,
+    ),
+    (
+        "dro",
+        "seq-mean-token-mean",
+        dict(policy_loss=PolicyLossConfig(loss_mode="dro", dro_beta=2.0), use_kl_loss=True, kl_loss_coef=0.1),
+        False,
+        False,
+    ),
+    (
+        "clip_cov",
+        "token-mean",
+        dict(
+            policy_loss=PolicyLossConfig(loss_mode="clip_cov", clip_cov_ratio=0.05, clip_cov_lb=-1.0, clip_cov_ub=5.0),
+            entropy_coeff=0.01,
+            use_kl_loss=True,
+            kl_loss_coef=0.1,
+        ),
+        True,
+        True,
+    ),
+    (
+        "clip_cov",
+        "seq-mean-token-sum",
+        dict(policy_loss=PolicyLossConfig(loss_mode="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-1.0)),
+        False,
+        False,
+    ),
+    (
+        "kl_cov",
+        "seq-mean-token-sum",
+        dict(policy_loss=PolicyLossConfig(loss_mode="kl_cov", kl_cov_ratio=0.05, ppo_kl_coef=0.5), use_kl_loss=True),
+        False,
+        True,
+    ),
+    (
+        "kl_cov",
+        "token-mean",
+        dict(policy_loss=PolicyLossConfig(loss_mode="kl_cov", kl_cov_ratio=0.1), entropy_coeff=0.02),
+        True,
+        False,
+    ),
 ]
+# every mode of verl's registry but bypass_mode (a rollout correction: its own tests)
+assert {case[0] for case in TRAIN_CASES} == set(core_algos.POLICY_LOSS_REGISTRY) - {"bypass_mode"}
 
 
 @pytest.mark.parametrize("loss_mode,agg,extra,entropy,is_weights", TRAIN_CASES)
 def test_engine_update_matches_stock(monkeypatch, model_dir, loss_mode, agg, extra, entropy, is_weights):
+    """The fused ppo_loss against verl's; the runs are seeded alike (clip_cov draws torch.randperm)."""
+    torch.manual_seed(7)
     stock = _train(
         monkeypatch, model_dir, _actor_config(loss_mode, agg, **extra), entropy=entropy, is_weights=is_weights
     )
     assert call_counts() == {}
     rk.apply(count_calls=True)
+    torch.manual_seed(7)
     ours = _train(
         monkeypatch, model_dir, _actor_config(loss_mode, agg, **extra), entropy=entropy, is_weights=is_weights
     )
@@ -193,7 +248,8 @@ def test_engine_update_matches_stock(monkeypatch, model_dir, loss_mode, agg, ext
     assert counts["verl.logprobs_from_logits"] == micro
     assert counts.get("verl.entropy_from_logits", 0) == (micro if entropy else 0)
     assert not any(k.endswith("[verl]") for k in counts), counts
-    if loss_mode.startswith("dppo"):  # the moved policy of step 2 leaves the trust region somewhere
+    # dppo: the moved policy of step 2 leaves the trust region somewhere; clip_cov: some tokens are selected
+    if loss_mode.startswith("dppo") or loss_mode == "clip_cov":
         clipfrac = stock[0][1][1]["actor/pg_clipfrac"]
         assert max(torch.as_tensor(clipfrac, dtype=torch.float64).reshape(-1).tolist()) > 0, clipfrac
     _same_training(ours, stock)
@@ -216,25 +272,20 @@ def _same_training(ours, stock):
     assert worst <= 1e-5 * scale, (worst, scale)
 
 
-def test_engine_update_with_registry_losses_only(monkeypatch, model_dir):
-    """ppo_loss=False: verl's own ppo_loss runs and picks our vanilla from its registry."""
-    cfg = dict(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
-    stock = _train(monkeypatch, model_dir, _actor_config("vanilla", **cfg), entropy=True, steps=1)
-    rk.apply(ppo_loss=False, logprobs=False)
-    ours = _train(monkeypatch, model_dir, _actor_config("vanilla", **cfg), entropy=True, steps=1)
-    counts = call_counts()
-    assert counts == {"verl.policy_loss.vanilla": B // 2}, counts
-    _same_training(ours, stock)
+REGISTRY_CASES = {
+    "vanilla": {},
+    "geo_mean": {},
+    "dro": dict(policy_loss=PolicyLossConfig(loss_mode="dro", dro_beta=0.5)),
+    "clip_cov": dict(policy_loss=PolicyLossConfig(loss_mode="clip_cov", clip_cov_ratio=0.05, clip_cov_lb=-1.0)),
+    "kl_cov": dict(policy_loss=PolicyLossConfig(loss_mode="kl_cov", kl_cov_ratio=0.05, ppo_kl_coef=0.5)),
+}
 
 
-@pytest.mark.parametrize("loss_mode", ["clip_cov", "kl_cov"])
-def test_engine_update_with_cov_losses(monkeypatch, model_dir, loss_mode):
-    """clip_cov / kl_cov (not fused into ppo_loss: verl's own ppo_loss calls our registry
-    entry) on the cpu backend; the runs are seeded alike, as clip_cov draws torch.randperm."""
-    policy = PolicyLossConfig(
-        loss_mode=loss_mode, clip_cov_ratio=0.05, clip_cov_lb=-1.0, clip_cov_ub=5.0, kl_cov_ratio=0.05, ppo_kl_coef=0.5
-    )
-    cfg = dict(entropy_coeff=0.01, policy_loss=policy)
+@pytest.mark.parametrize("loss_mode", sorted(REGISTRY_CASES))
+def test_engine_update_with_registry_losses_only(monkeypatch, model_dir, loss_mode):
+    """ppo_loss=False: verl's own ppo_loss runs and picks our drop-in from its registry (on
+    the cpu backend); the runs are seeded alike, as clip_cov draws torch.randperm."""
+    cfg = dict(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1, **REGISTRY_CASES[loss_mode])
     torch.manual_seed(7)
     stock = _train(monkeypatch, model_dir, _actor_config(loss_mode, **cfg), entropy=True)
     rk.apply(ppo_loss=False, logprobs=False, count_calls=True)
@@ -396,20 +447,21 @@ def test_advantages_match_stock(name):
 
 
 def test_unsupported_loss_mode_strict_and_fallback(monkeypatch, model_dir):
-    cfg = _actor_config("clip_cov")
+    """A loss mode the user registered in verl's registry (every one of verl's is fused)."""
+    monkeypatch.setitem(core_algos.POLICY_LOSS_REGISTRY, "my_loss", core_algos.compute_policy_loss_vanilla)
+    cfg = _actor_config("my_loss")
     rk.apply(strict=True)
-    with pytest.raises(NotImplementedError, match=r"config\.policy_loss\.loss_mode='clip_cov'"):
+    with pytest.raises(NotImplementedError, match=r"config\.policy_loss\.loss_mode='my_loss'"):
         _train(monkeypatch, model_dir, cfg, entropy=False, steps=1)
     rk.unapply()
-    stock = _train(monkeypatch, model_dir, _actor_config("clip_cov"), entropy=False, steps=1)
-    # verl's own log-probs and policy-loss registry too (clip_cov's entry is a drop-in): the
-    # fallback is then bit for bit
+    stock = _train(monkeypatch, model_dir, _actor_config("my_loss"), entropy=False, steps=1)
+    # verl's own log-probs too: the fallback is then bit for bit
     rk.apply(strict=False, logprobs=False, policy_loss=False)
     reset_call_counts()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ours = _train(monkeypatch, model_dir, _actor_config("clip_cov"), entropy=False, steps=1)
-    assert len([w for w in caught if "clip_cov" in str(w.message)]) == 1  # once
+        ours = _train(monkeypatch, model_dir, _actor_config("my_loss"), entropy=False, steps=1)
+    assert len([w for w in caught if "my_loss" in str(w.message)]) == 1  # once
     assert call_counts()["verl.ppo_loss[verl]"] == B // 2
     _close(ours[0], stock[0], tol=0)
     _close(ours[1], stock[1], tol=0)

@@ -262,7 +262,17 @@ def _bad_calls():
         ("config.clip_ratio_c", lambda: vanilla(old, lp, adv, mask, config=actor_config(clip_ratio_c=0.5))),
         (
             "config.policy_loss.loss_mode",
+            lambda: ours.policy_loss_verl(old, lp, adv, mask, {"policy_loss": {"loss_mode": "no_such_mode"}, **FIELDS}),
+        ),
+        (
+            "config.policy_loss.dro_beta",
             lambda: ours.policy_loss_verl(old, lp, adv, mask, {"policy_loss": {"loss_mode": "dro"}, **FIELDS}),
+        ),
+        (
+            "config.policy_loss.kl_cov_ratio",
+            lambda: ours.policy_loss_verl(
+                old, lp, adv, mask, {"policy_loss": {"loss_mode": "kl_cov", "kl_cov_ratio": -1.0}, **FIELDS}
+            ),
         ),
         (
             "config.global_batch_info.dp_size",

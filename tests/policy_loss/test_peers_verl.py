@@ -622,6 +622,58 @@ def test_actor_loss_matches_verl(backend, device, loss_mode):
         compare_actor(mine, cfg, batch, info, what, entropy=entropy)
 
 
+# (the Triton kernel refuses clip_cov / kl_cov; on its CPU interpreter dro stands for the rest)
+NEW_ACTOR_MODES = [
+    c for c in backend_modes(["geo_mean", "dro", "clip_cov", "kl_cov"], ("dro",)) if not c.values[-1].endswith("cov")
+] + [
+    pytest.param(*p.values, m, id=f"{p.id}-{m}", marks=p.marks)
+    for p in ALL
+    if p.values[0] != "triton"
+    for m in ("clip_cov", "kl_cov")
+]
+
+
+@pytest.mark.parametrize("backend,device,loss_mode", NEW_ACTOR_MODES)
+def test_actor_loss_geo_mean_dro_cov_match_verl(backend, device, loss_mode):
+    """policy_loss_verl for geo_mean / dro / clip_cov / kl_cov vs verl's ppo_loss calling
+    verl's compute_policy_loss_<mode>: every aggregation, a fused and an unfused KL
+    estimator and none, the entropy term present or not, local and global batch info, with
+    and without token rollout_is_weights; each pair of runs under the same torch seed
+    (clip_cov draws torch.randperm)."""
+    policy = PolicyLossConfig(loss_mode=loss_mode, dro_beta=0.3, **COV_CONFIG)
+    grid = [(agg, kl) for agg in AGG_MODES for kl in ("low_var_kl", "abs", None)]
+    for case, (agg, kl_type) in subsample(backend, device, list(enumerate(grid, start=1))):
+        info_kind = ("local", "int", "tensor")[case % 3]
+        entropy, weighted = case % 5 != 0, case % 2 == 0
+        batch = make_batch(2000 + 13 * case, device)
+        info = batch_info(info_kind, batch)
+        cfg = actor_config(
+            loss_mode,
+            agg,
+            clip_ratio_low=0.1,
+            clip_ratio_high=0.15,
+            use_kl_loss=kl_type is not None,
+            kl_loss_type=kl_type or "low_var_kl",
+            kl_loss_coef=0.05,
+            entropy_coeff=0.01 if case % 4 else 0.0,
+            loss_scale_factor=info.get("loss_scale_factor"),
+            policy_loss=policy,
+        )
+        w = token_is_weights(batch, 2.0) if weighted else None
+        kw = {} if w is None else dict(rollout_is_weights=w.clone())
+        mine = seeded(our_actor_loss)(cfg, batch, info, backend, entropy=entropy, **kw)
+        t32 = seeded(verl_actor_loss)(cfg, batch, info, entropy=entropy, rollout_is_weights=w)
+        what = f"{loss_mode} agg={agg} kl={kl_type} entropy={entropy} info={info_kind} weights={weighted}"
+
+        def run64(batch=batch, info=info, entropy=entropy, w=w, cfg=cfg):
+            w64 = None if w is None else w.double()
+            return seeded(verl_actor_loss)(cfg, as64(batch), info, entropy=entropy, rollout_is_weights=w64)
+
+        against_verl(lambda m, a, e, what=what: compare_actor_runs(m, a, e, what), mine, t32, run64)
+        if loss_mode == "clip_cov":
+            assert t32[1]["actor/pg_clipfrac"] > 0, what  # some tokens are selected
+
+
 @pytest.mark.parametrize("backend,device,loss_mode", backend_modes(["vanilla", "gspo", "sapo"], ("sapo",)))
 def test_actor_loss_rollout_correction_matches_verl(backend, device, loss_mode):
     """verl's TIS weights (token / sequence, float threshold) computed inside our kernel

@@ -6,7 +6,7 @@ the advantages, and the one body of every ``compute_policy_loss_*``."""
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List, NamedTuple, Tuple
 
 import torch
 
@@ -57,16 +57,20 @@ KL_UNFUSED = ("abs", "kl+", "k1+", "abs+")
 #   gspo → "gspo", cispo → "cispo", sapo → "sapo" (always aggregated seq-mean-token-mean,
 #   as verl does), gpg → "reinforce", dppo_tv → "dppo_tv" and dppo_kl → "dppo_kl" (the
 #   divergence thresholds from clip_ratio / clip_ratio_low / clip_ratio_high, the truncation
-#   cap config.get("clip_ratio_c", 20.0));
+#   cap config.get("clip_ratio_c", 20.0)), geo_mean → "geo_mean", dro → "dro" (dro_beta),
+#   clip_cov → "clip_cov", kl_cov → "kl_cov" (kl_cov_coef = ppo_kl_coef), with verl's
+#   covariance selection as cov_selection= (the note before _geo_seq_weights);
 #   agg_loss(**config.global_batch_info) → agg, dp_size, global_num_tokens
 #   (batch_num_tokens), global_num_seqs (global_batch_size), loss_scale_factor.
 #
 # ``rollout_is_weights`` (a tensor verl computes before the actor) is folded into the
-# advantages: every loss type above is positively homogeneous in A per token —
+# advantages (geo_mean: a sequence weight instead, pg_inputs): the loss types above are
+# positively homogeneous in A per token —
 # pg(w·A) = w·pg(A) for w >= 0 (the clip and dual-clip branches and SAPO's temperature
 # depend only on the sign of A, CISPO and GPG are linear, DPPO's trust region depends only
 # on the sign of A and its truncated ratio not on A at all) — so the loss and its gradient
-# are exact for any non-negative weights (verl's are exp(...) or 0). Negative weights
+# are exact for any non-negative weights (verl's are exp(...) or 0); dro's and kl_cov's
+# terms that A does not scale are completed by pg_remainder. Negative weights
 # would flip PPO's max/min and SAPO's temperature: they are rejected. The clip-fraction
 # metrics see sign(w·A), which is 0 where w = 0 (IcePop); verl counts those tokens with
 # their own A, so the float-metric drop-ins recompute the clip fractions with the raw
@@ -81,23 +85,67 @@ LOSS_MODES = {
     "gpg": "reinforce",
     "dppo_tv": "dppo_tv",
     "dppo_kl": "dppo_kl",
+    "geo_mean": "geo_mean",
+    "dro": "dro",
+    "clip_cov": "clip_cov",
+    "kl_cov": "kl_cov",
 }
 # bypass_mode: the loss type and the correction come from config.policy_loss.rollout_correction
 # (``_rollout_corr.bypass_correction``), given to pg_options as ``bypass``.
 LOSS_MODES["bypass_mode"] = None
+# The modes whose pg term verl aggregates its own way, whatever loss_agg_mode says.
+OWN_AGG = {"sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-sum"}
+# The modes whose clip-fraction metrics read sign(A) (recounted with the raw advantages
+# when a valid weight is 0; see the note above).
+CLIP_BY_SIGN = ("vanilla", "gspo", "cispo", "dppo_tv", "dppo_kl")
 
 
-def pg_options(cfg: ActorLossConfig, loss_mode: str, agg: str, bypass=None, **extra):
-    """The ``PolicyLossOptions`` of verl's ``loss_mode`` with the config's clip ratios /
-    temperatures (memoised per config content)."""
+class PgTerm(NamedTuple):
+    """What one call's verl ``loss_mode`` reads from ``config.policy_loss`` besides the
+    cached fields (checked; hashable, so a memo can key on it): ``options``, the extra
+    ``PolicyLossOptions`` fields (dro_beta, kl_cov_coef); ``cov``, the covariance
+    selection's (ratio, lb, ub) for clip_cov, (ratio,) for kl_cov."""
+
+    loss_mode: str
+    options: Tuple[Tuple[str, float], ...] = ()
+    cov: Tuple[float, ...] = ()
+
+
+def pg_term(config, loss_mode: str) -> PgTerm:
+    """The :class:`PgTerm` of ``loss_mode`` (read on every call: these fields are not part of
+    the cached config content). An unfused mode raises NotImplementedError naming it."""
     if loss_mode not in LOSS_MODES:
         raise NotImplementedError(
             f"config.policy_loss.loss_mode: rlvr_kernels fuses verl's {tuple(LOSS_MODES)}, got {loss_mode!r}"
         )
-    if loss_mode == "bypass_mode":
+    if loss_mode == "dro":
+        return PgTerm(loss_mode, (("dro_beta", _dro_beta(config)),))
+    if loss_mode in ("clip_cov", "kl_cov"):
+        name = f"{loss_mode}_ratio"
+        ratio = _cov_field(config, name, 0.0002)
+        if not ratio > 0:
+            raise ValueError(f"config.policy_loss.{name}: expected a value > 0 (as verl), got {ratio!r}")
+        if loss_mode == "kl_cov":
+            return PgTerm(loss_mode, (("kl_cov_coef", _cov_field(config, "ppo_kl_coef", 1.0)),), (ratio,))
+        return PgTerm(
+            loss_mode, (), (ratio, _cov_field(config, "clip_cov_lb", 1.0), _cov_field(config, "clip_cov_ub", 5.0))
+        )
+    return PgTerm(loss_mode)
+
+
+def pg_agg(loss_mode: str, loss_agg_mode) -> str:
+    """The pg term's aggregation: ``loss_agg_mode`` (checked) or the mode's own (OWN_AGG)."""
+    return OWN_AGG.get(loss_mode) or check_agg_mode(loss_agg_mode)
+
+
+def pg_options(cfg: ActorLossConfig, term: PgTerm, agg: str, bypass=None, **extra):
+    """The ``PolicyLossOptions`` of the term's ``loss_mode`` with the config's clip ratios /
+    temperatures and the term's fields (memoised per config content); bypass_mode's loss
+    type and correction from ``bypass`` (``_rollout_corr.bypass_correction``)."""
+    if term.loss_mode == "bypass_mode":
         loss_type, _, rc_loss = bypass
         return cfg.options(loss_type, agg, **extra, **({"rollout_correction": rc_loss} if rc_loss else {}))
-    return cfg.options(LOSS_MODES[loss_mode], agg, **extra)
+    return cfg.options(LOSS_MODES[term.loss_mode], agg, **dict(term.options), **extra)
 
 
 def check_agg_mode(loss_agg_mode, name: str = "loss_agg_mode") -> str:
@@ -205,35 +253,104 @@ def float_metrics(pairs) -> Dict[str, float]:
     return {k: v for (k, _), v in zip(pairs, values)}
 
 
+def pg_agg_kwargs(loss_mode: str, agg: str, info: Dict[str, Any], log_prob, prefix: str = "") -> Dict[str, Any]:
+    """The ``policy_loss`` aggregation arguments of the pg term: verl's geo_mean is
+    torch.mean over the micro-batch's B rows (empty ones included) whatever
+    ``global_batch_info`` says, i.e. seq-mean-token-sum of the L_i / n_i shares with
+    global_num_seqs = B and dp_size = 1; every other mode ``agg_loss(**global_batch_info)``."""
+    if loss_mode == "geo_mean":
+        return dict(dp_size=1, global_num_tokens=None, global_num_seqs=log_prob.shape[0], loss_scale_factor=None)
+    return agg_kwargs(agg, **info, prefix=prefix)
+
+
+def pg_inputs(term: PgTerm, opts, old_log_prob, log_prob, advantages, response_mask, weights, validate=True):
+    """The op's advantages and ``cov_selection`` for the term: A·w folded (see the note),
+    geo_mean's A·s_i with its sequence weight s_i, and clip_cov's / kl_cov's selection built
+    with verl's arithmetic (clip_cov draws torch.randperm from the global RNG exactly when
+    verl does)."""
+    if term.loss_mode == "geo_mean":
+        adv = advantages
+        if weights is not None:
+            fold_is_weights(advantages, weights, response_mask, log_prob.shape, validate)  # (the checks)
+            adv = advantages * _geo_seq_weights(weights.expand(log_prob.shape), response_mask)[:, None]
+    else:
+        adv = fold_is_weights(advantages, weights, response_mask, log_prob.shape, validate)
+    sel = None
+    if term.loss_mode == "clip_cov":
+        ratio, lb, ub = term.cov
+        sel = clip_cov_selection(
+            old_log_prob, log_prob, advantages, response_mask, opts.clip_low, opts.clip_high, ratio, lb, ub
+        )
+    elif term.loss_mode == "kl_cov":
+        sel = kl_cov_selection(log_prob, advantages, response_mask, term.cov[0])
+    return adv, sel
+
+
+def pg_remainder(term: PgTerm, old_log_prob, log_prob, response_mask, weights, sel, agg, agg_kw):
+    """What the fold leaves out, aggregated as the op's call (None when nothing): with
+    ``rollout_is_weights`` w, dro's ½·β·δ² and kl_cov's coef·|δ| on the selected tokens
+    are scaled by w but not by A, so (w − 1) times them is added in lean torch."""
+    if weights is None or term.loss_mode not in ("dro", "kl_cov"):
+        return None
+    w1 = weights.detach() - 1
+    if term.loss_mode == "dro":
+        values = 0.5 * dict(term.options)["dro_beta"] * w1 * (log_prob - old_log_prob).square()
+    else:
+        values = dict(term.options)["kl_cov_coef"] * w1 * (log_prob - old_log_prob).abs() * sel
+    return aggregate_like(values, response_mask, agg, agg_kw)
+
+
+def recounts_clip(loss_mode: str, weights, mask) -> bool:
+    """Whether verl's clip fractions need the gradient-free call with the raw advantages."""
+    return loss_mode in CLIP_BY_SIGN and any_zero_weight(weights, mask)
+
+
+def pg_metric_pairs(loss_mode: str, m, clip) -> List[Tuple[str, torch.Tensor]]:
+    """The pg metrics verl's ``compute_policy_loss_<loss_mode>`` returns, in its order
+    (``clip``: the metrics to take the clip fractions from)."""
+    if loss_mode == "gpg":
+        return []
+    if loss_mode in ("dro", "kl_cov"):
+        return [("actor/ppo_kl", m.ppo_kl)]
+    if loss_mode == "clip_cov":
+        return [("actor/pg_clipfrac", clip.pg_clipfrac), ("actor/ppo_kl", m.ppo_kl)]
+    return [
+        ("actor/pg_clipfrac", clip.pg_clipfrac),
+        ("actor/ppo_kl", m.ppo_kl),
+        ("actor/pg_clipfrac_lower", clip.pg_clipfrac_lower),
+    ]
+
+
 def policy_loss_body(
     loss_mode: str, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
 ):
     """The one body of every ``compute_policy_loss_*`` drop-in."""
     cfg = read_actor_config(config)
-    agg = "seq-mean-token-mean" if loss_mode == "sapo" else check_agg_mode(loss_agg_mode)  # verl's SAPO ignores it
-    opts = pg_options(cfg, loss_mode, agg)
-    agg_kw = agg_kwargs(agg, **batch_info(config), prefix="config.global_batch_info.")
+    term = pg_term(config, loss_mode)
+    agg = pg_agg(loss_mode, loss_agg_mode)
+    opts = pg_options(cfg, term, agg)
+    info = {} if loss_mode == "geo_mean" else batch_info(config)  # verl's geo_mean does not read it
+    agg_kw = pg_agg_kwargs(loss_mode, agg, info, log_prob, prefix="config.global_batch_info.")
     check_pg_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     if loss_mode == "gpg":
         return _gpg_loss(log_prob, advantages, response_mask, agg, rollout_is_weights, agg_kw), {}
     backend = current_backend()
     with caller_names(PG_NAMES):
-        adv = fold_is_weights(advantages, rollout_is_weights, response_mask, log_prob.shape)
-        loss, m = policy_loss(log_prob, old_log_prob, adv, response_mask, options=opts, backend=backend, **agg_kw)
+        adv, sel = pg_inputs(term, opts, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+        loss, m = policy_loss(
+            log_prob, old_log_prob, adv, response_mask, options=opts, cov_selection=sel, backend=backend, **agg_kw
+        )
+        rest = pg_remainder(term, old_log_prob, log_prob, response_mask, rollout_is_weights, sel, agg, agg_kw)
+        if rest is not None:
+            loss = loss + rest
         loss = loss.to(out_dtype(log_prob, old_log_prob, advantages, rollout_is_weights))
         clip = m
-        if loss_mode != "sapo" and any_zero_weight(rollout_is_weights, response_mask):
+        if recounts_clip(loss_mode, rollout_is_weights, response_mask):
             with torch.no_grad():  # verl's clip fractions count zero-weight tokens with their own A
                 _, clip = policy_loss(
                     log_prob.detach(), old_log_prob, advantages, response_mask, options=opts, backend=backend, **agg_kw
                 )
-    return loss, float_metrics(
-        [
-            ("actor/pg_clipfrac", clip.pg_clipfrac),
-            ("actor/ppo_kl", m.ppo_kl),
-            ("actor/pg_clipfrac_lower", clip.pg_clipfrac_lower),
-        ]
-    )
+    return loss, float_metrics(pg_metric_pairs(loss_mode, m, clip))
 
 
 class _NegLogpTimesAdv(torch.autograd.Function):
@@ -299,10 +416,15 @@ def _gpg_loss(log_prob, advantages, response_mask, agg, rollout_is_weights, agg_
     return aggregate(pg_losses, response_mask, agg, *agg_args)
 
 
-# geo_mean and dro do not fit the fold above: verl's geo_mean is a sequence-level term
-# aggregated as torch.mean over the B rows of the micro-batch whatever loss_agg_mode and
-# global_batch_info say, with a sequence IS weight (the geometric mean of the token weights);
-# dro's ½·β·δ² is not scaled by A. Their bodies below.
+# geo_mean, dro, clip_cov and kl_cov: what pg_inputs / pg_remainder build for them.
+# verl's geo_mean is a sequence-level term (see pg_agg_kwargs) with a sequence IS weight,
+# the geometric mean of the token weights s_i > 0, which multiplies Ā_i, hence the
+# advantages (exact: Ā_i is linear in A and sign(s·A) = sign(A)). dro's ½·β·δ² and
+# kl_cov's coef·|δ| are not scaled by A (pg_remainder). clip_cov's and kl_cov's covariance
+# selection is built with verl's own arithmetic (clip_cov's torch.randperm from the global
+# RNG, kl_cov's torch.topk on the CPU), so that under the same torch seed the same tokens
+# are treated apart, and given to the kernel as cov_selection=. Their defaults are verl's
+# (ratio 2e-4, bounds 1 / 5, coefficient 1).
 
 
 def _geo_seq_weights(weights, mask):
@@ -310,40 +432,6 @@ def _geo_seq_weights(weights, mask):
     m = mask.to(weights.dtype)
     n = m.sum(-1)
     return torch.exp((torch.log(weights.detach() + 1e-10) * m).sum(-1) / (n + 1e-8))
-
-
-def geo_mean_body(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights):
-    """verl's compute_policy_loss_geo_mean as one ``policy_loss`` call: loss_type="geo_mean"
-    spreads L_i over the sequence's valid tokens as L_i / n_i, so agg="seq-mean-token-sum"
-    with global_num_seqs = B (the micro-batch's rows, empty ones included) and dp_size = 1 is
-    verl's torch.mean over rows. The sequence IS weight s_i > 0 multiplies Ā_i, hence the
-    advantages (exact: Ā_i is linear in A and sign(s·A) = sign(A))."""
-    cfg = read_actor_config(config)
-    opts = cfg.options("geo_mean", "seq-mean-token-sum")
-    check_pg_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
-    with caller_names(PG_NAMES):
-        adv = advantages
-        if rollout_is_weights is not None:
-            fold_is_weights(advantages, rollout_is_weights, response_mask, log_prob.shape)  # (the checks)
-            adv = advantages * _geo_seq_weights(rollout_is_weights.expand(log_prob.shape), response_mask)[:, None]
-        loss, m = policy_loss(
-            log_prob,
-            old_log_prob,
-            adv,
-            response_mask,
-            options=opts,
-            backend=current_backend(),
-            global_num_seqs=log_prob.shape[0],
-            dp_size=1,
-        )
-        loss = loss.to(out_dtype(log_prob, old_log_prob, advantages, rollout_is_weights))
-    return loss, float_metrics(
-        [
-            ("actor/pg_clipfrac", m.pg_clipfrac),
-            ("actor/ppo_kl", m.ppo_kl),
-            ("actor/pg_clipfrac_lower", m.pg_clipfrac_lower),
-        ]
-    )
 
 
 def _policy_loss_field(config, name, default=None):
@@ -373,34 +461,6 @@ def _dro_beta(config):
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
         raise ValueError(f"config.policy_loss.dro_beta: DRO needs a positive value, got {beta!r}")
     return float(beta)
-
-
-def dro_body(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights):
-    """verl's compute_policy_loss_dro as one ``policy_loss`` call (loss_type="dro"). With
-    ``rollout_is_weights`` w the linear part is folded (A·w) and the quadratic part, which w
-    scales but A does not, is completed by ½·β·(w − 1)·δ² in lean torch, aggregated alike."""
-    beta = _dro_beta(config)
-    cfg = read_actor_config(config)
-    agg = check_agg_mode(loss_agg_mode)
-    opts = cfg.options("dro", agg, dro_beta=beta)
-    agg_kw = agg_kwargs(agg, **batch_info(config), prefix="config.global_batch_info.")
-    check_pg_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
-    with caller_names(PG_NAMES):
-        adv = fold_is_weights(advantages, rollout_is_weights, response_mask, log_prob.shape)
-        loss, m = policy_loss(
-            log_prob, old_log_prob, adv, response_mask, options=opts, backend=current_backend(), **agg_kw
-        )
-        if rollout_is_weights is not None:
-            rest = 0.5 * beta * (rollout_is_weights.detach() - 1) * (log_prob - old_log_prob).square()
-            loss = loss + aggregate_like(rest, response_mask, agg, agg_kw)
-        loss = loss.to(out_dtype(log_prob, old_log_prob, advantages, rollout_is_weights))
-    return loss, float_metrics([("actor/ppo_kl", m.ppo_kl)])
-
-
-# clip_cov and kl_cov: the covariance selection is built here with verl's own arithmetic
-# (clip_cov's torch.randperm from the global RNG, kl_cov's torch.topk on the CPU), so that
-# under the same torch seed the same tokens are treated apart, and given to the kernel as
-# cov_selection=. Their defaults are verl's (ratio 2e-4, bounds 1 / 5, coefficient 1).
 
 
 def _cov_field(config, name, default):
@@ -441,57 +501,16 @@ def kl_cov_selection(log_prob, advantages, response_mask, ratio):
     in torch.topk's order; none when N = 0."""
     valid = response_mask > 0
     flat_idx = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
-    adv = advantages[valid].detach().reshape(-1).cpu()
-    lp = log_prob[valid].detach().reshape(-1).cpu()
+    # (verl's advantages[valid] / log_prob[valid]: the same values in the same order, taken
+    # with the one nonzero above instead of a boolean index's own each)
+    adv = advantages.detach().expand(valid.shape).reshape(-1)[flat_idx].cpu()
+    lp = log_prob.detach().reshape(-1)[flat_idx].cpu()
     sel = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
     if len(adv) > 0:
         cov = (adv - adv.mean()) * (lp - lp.mean())
         top = torch.topk(cov, max(1, int(len(cov) * ratio)), largest=True).indices
         sel[flat_idx[top.to(flat_idx.device)]] = True
     return sel.reshape(valid.shape)
-
-
-def cov_body(loss_mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights):
-    """verl's compute_policy_loss_clip_cov / _kl_cov as one ``policy_loss`` call on the
-    selection above. With ``rollout_is_weights`` w: clip_cov's term is positively
-    homogeneous in A (folded, A·w); kl_cov's coef·|δ|, which w scales but A does not, is
-    completed by coef·(w − 1)·|δ| on the selected tokens in lean torch, aggregated alike."""
-    cfg = read_actor_config(config)
-    agg = check_agg_mode(loss_agg_mode)
-    name = "clip_cov_ratio" if loss_mode == "clip_cov" else "kl_cov_ratio"
-    ratio = _cov_field(config, name, 0.0002)
-    if not ratio > 0:
-        raise ValueError(f"config.policy_loss.{name}: expected a value > 0 (as verl), got {ratio!r}")
-    coef = _cov_field(config, "ppo_kl_coef", 1.0) if loss_mode == "kl_cov" else 1.0
-    opts = cfg.options(loss_mode, agg, **({"kl_cov_coef": coef} if loss_mode == "kl_cov" else {}))
-    agg_kw = agg_kwargs(agg, **batch_info(config), prefix="config.global_batch_info.")
-    check_pg_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
-    if loss_mode == "clip_cov":
-        lb, ub = _cov_field(config, "clip_cov_lb", 1.0), _cov_field(config, "clip_cov_ub", 5.0)
-        sel = clip_cov_selection(
-            old_log_prob, log_prob, advantages, response_mask, opts.clip_low, opts.clip_high, ratio, lb, ub
-        )
-    else:
-        sel = kl_cov_selection(log_prob, advantages, response_mask, ratio)
-    with caller_names(PG_NAMES):
-        adv = fold_is_weights(advantages, rollout_is_weights, response_mask, log_prob.shape)
-        loss, m = policy_loss(
-            log_prob,
-            old_log_prob,
-            adv,
-            response_mask,
-            options=opts,
-            cov_selection=sel,
-            backend=current_backend(),
-            **agg_kw,
-        )
-        if rollout_is_weights is not None and loss_mode == "kl_cov":
-            rest = coef * (rollout_is_weights.detach() - 1) * (log_prob - old_log_prob).abs() * sel
-            loss = loss + aggregate_like(rest, response_mask, agg, agg_kw)
-        loss = loss.to(out_dtype(log_prob, old_log_prob, advantages, rollout_is_weights))
-    if loss_mode == "kl_cov":
-        return loss, float_metrics([("actor/ppo_kl", m.ppo_kl)])
-    return loss, float_metrics([("actor/pg_clipfrac", m.pg_clipfrac), ("actor/ppo_kl", m.ppo_kl)])
 
 
 def bypass_body(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights):
@@ -502,7 +521,7 @@ def bypass_body(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode
     bypass = bypass_correction(config)
     cfg = read_actor_config(config)
     agg = check_agg_mode(loss_agg_mode)
-    opts = pg_options(cfg, "bypass_mode", agg, bypass=bypass)
+    opts = pg_options(cfg, PgTerm("bypass_mode"), agg, bypass=bypass)
     agg_kw = agg_kwargs(agg, **batch_info(config), prefix="config.global_batch_info.")
     check_pg_inputs(old_log_prob, log_prob, advantages, response_mask)
     backend = current_backend()

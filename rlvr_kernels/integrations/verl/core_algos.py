@@ -31,7 +31,7 @@ import torch
 from ..._core.validation import FLOAT_DTYPES, MASK_DTYPES, check_tensor
 from .._torch_math import aggregate, kl_estimate
 from ._advantages import gdpo_outcome, outcome
-from ._losses import agg_kwargs, bypass_body, cov_body, dro_body, geo_mean_body, policy_loss_body
+from ._losses import agg_kwargs, bypass_body, policy_loss_body
 
 __all__ = [
     "compute_grpo_outcome_advantage",
@@ -311,7 +311,9 @@ def compute_policy_loss_geo_mean(
     Ā_i = Σ_t m·A / n_i; ``loss_agg_mode`` and ``global_batch_info`` unused (verl); the
     sequence IS weight is the geometric mean of ``rollout_is_weights``.
     ``actor/pg_clipfrac`` / ``_lower``: δ outside [−ε_low, ε_high] with A > 0 / A < 0."""
-    return geo_mean_body(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights)
+    return policy_loss_body(
+        "geo_mean", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+    )
 
 
 def compute_policy_loss_dro(
@@ -325,7 +327,9 @@ def compute_policy_loss_dro(
 ) -> Tuple[torch.Tensor, Dict[str, Any]]:
     """DRO: −(logπ·A − ½·β·(logπ − logπ_old)²) (·w), β = ``config.policy_loss.dro_beta`` > 0,
     aggregated by ``loss_agg_mode``; metric ``actor/ppo_kl``."""
-    return dro_body(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+    return policy_loss_body(
+        "dro", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+    )
 
 
 def compute_policy_loss_clip_cov(
@@ -342,7 +346,7 @@ def compute_policy_loss_clip_cov(
     ``clip_cov_ub``; torch.randperm from the global RNG, as verl), aggregated by
     ``loss_agg_mode``; δ unclamped. ``actor/pg_clipfrac``: the selected fraction;
     ``actor/ppo_kl``."""
-    return cov_body(
+    return policy_loss_body(
         "clip_cov", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
     )
 
@@ -359,7 +363,7 @@ def compute_policy_loss_kl_cov(
     """KL-Cov: −A·ρ (·w), plus ``config.policy_loss.ppo_kl_coef``·|δ| (·w) on the top
     ``kl_cov_ratio`` of the valid tokens by covariance (torch.topk, as verl), aggregated by
     ``loss_agg_mode``; δ unclamped. ``actor/ppo_kl``: mean |δ|."""
-    return cov_body(
+    return policy_loss_body(
         "kl_cov", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
     )
 

@@ -24,13 +24,19 @@ from ._losses import (
     KL_FUSED,
     KL_UNFUSED,
     PG_NAMES,
+    PgTerm,
     agg_kwargs,
-    any_zero_weight,
     check_agg_mode,
     check_pg_inputs,
     float_metrics,
-    fold_is_weights,
+    pg_agg,
+    pg_agg_kwargs,
+    pg_inputs,
+    pg_metric_pairs,
     pg_options,
+    pg_remainder,
+    pg_term,
+    recounts_clip,
 )
 from ._rollout_corr import bypass_correction, bypass_metrics
 from .core_algos import kl_penalty
@@ -43,11 +49,11 @@ class _Plan:
     """Everything ``policy_loss_verl`` derives from one config content and the call's
     kind (entropy given or not, fused rollout correction): built once, memoised."""
 
-    loss_mode: str
+    term: PgTerm  # the loss_mode and what it reads from config.policy_loss
     agg: str  # config.loss_agg_mode: the KL and entropy terms
-    pg_agg: str  # the pg term's (SAPO: always seq-mean-token-mean)
+    pg_agg: str  # the pg term's (SAPO, geo_mean: their own)
     fused: PolicyLossOptions  # the one fused call (pg, and KL / entropy when they share its agg)
-    rest: Optional[PolicyLossOptions]  # SAPO with another agg: KL / entropy in a second call
+    rest: Optional[PolicyLossOptions]  # SAPO with another agg, geo_mean: KL / entropy in a second call
     clip: PolicyLossOptions  # pg alone: the clip fractions with raw advantages (IcePop weights)
     use_kl: bool
     kl_type: Optional[str]
@@ -58,10 +64,9 @@ class _Plan:
     loss_scale_factor: Any
 
 
-def _plan(cfg: ActorLossConfig, has_entropy: bool, rc: Tuple) -> _Plan:
-    loss_mode = cfg.get("loss_mode", "vanilla")
+def _plan(cfg: ActorLossConfig, term: PgTerm, has_entropy: bool, rc: Tuple) -> _Plan:
     agg = check_agg_mode(cfg.get("loss_agg_mode", "token-mean"), "config.loss_agg_mode")
-    pg_agg = "seq-mean-token-mean" if loss_mode == "sapo" else agg
+    term_agg = pg_agg(term.loss_mode, agg)
     use_kl = cfg.get("use_kl_loss", False)
     if not isinstance(use_kl, (bool, int)):
         raise ValueError(f"config.use_kl_loss: expected a bool, got {use_kl!r}")
@@ -81,9 +86,10 @@ def _plan(cfg: ActorLossConfig, has_entropy: bool, rc: Tuple) -> _Plan:
     extra = dict(rc)  # (bypass_mode: with "bypass", see _rollout_corr.bypass_correction)
     bypass = extra.get("bypass")
     # verl's bypass rejection masks the pg term only: ppo_loss aggregates KL and entropy
-    # over the unmodified response_mask, so they take the second call.
+    # over the unmodified response_mask, so they take the second call; geo_mean's pg term
+    # is a mean over the micro-batch's rows, never the KL / entropy terms'.
     rejects = bypass is not None and bypass[2] is not None and bypass[2].rs_mask != 0
-    fuse_rest = pg_agg == agg and not rejects
+    fuse_rest = term_agg == agg and term.loss_mode != "geo_mean" and not rejects
     if fuse_rest and kl_fused is not None:
         extra.update(kl=kl_fused, kl_coef=kl_coef)
     if fuse_rest and ent_coef != 0:
@@ -93,12 +99,12 @@ def _plan(cfg: ActorLossConfig, has_entropy: bool, rc: Tuple) -> _Plan:
         kl = {"kl": kl_fused, "kl_coef": kl_coef} if kl_fused else {}
         rest = cfg.options("reinforce", agg, entropy_coef=ent_coef or None, **kl)
     return _Plan(
-        loss_mode=loss_mode,
+        term=term,
         agg=agg,
-        pg_agg=pg_agg,
-        fused=pg_options(cfg, loss_mode, pg_agg, **extra),
+        pg_agg=term_agg,
+        fused=pg_options(cfg, term, term_agg, **extra),
         rest=rest,
-        clip=pg_options(cfg, loss_mode, pg_agg, bypass=bypass),
+        clip=pg_options(cfg, term, term_agg, bypass=bypass),
         use_kl=use_kl,
         kl_type=kl_type,
         kl_fused=kl_fused,
@@ -170,12 +176,15 @@ def policy_loss_verl(
     """verl's actor loss (``verl.workers.utils.losses.ppo_loss``) in one fused call:
     ``pg_loss − entropy_coeff·agg(entropy) + kl_loss_coef·agg(kl_penalty)``, every term
     aggregated with ``config.loss_agg_mode`` and ``config.global_batch_info`` (SAPO's pg
-    term always seq-mean-token-mean, as verl; then the KL/entropy terms take a second
-    call when the modes differ).
+    term always seq-mean-token-mean and geo_mean's a mean over the rows, as verl; then the
+    KL/entropy terms take a second call when the aggregations differ). clip_cov draws
+    verl's torch.randperm from the global RNG, as verl's does.
 
     ``config`` is read as verl's ActorConfig: ``policy_loss.loss_mode`` (vanilla, gspo,
-    cispo, sapo, gpg, dppo_tv, dppo_kl, bypass_mode with ``policy_loss.rollout_correction``),
-    clip ratios, ``clip_ratio_c``, ``tau_pos``/``tau_neg``,
+    cispo, sapo, gpg, dppo_tv, dppo_kl, geo_mean, dro, clip_cov, kl_cov; with their
+    ``policy_loss`` fields dro_beta, clip_cov_ratio / clip_cov_lb / clip_cov_ub,
+    kl_cov_ratio, ppo_kl_coef, read on every call; bypass_mode with
+    ``policy_loss.rollout_correction``), clip ratios, ``clip_ratio_c``, ``tau_pos``/``tau_neg``,
     ``loss_agg_mode``, ``loss_scale_factor``, ``entropy_coeff``, ``use_kl_loss``,
     ``kl_loss_coef``, ``kl_loss_type``, ``global_batch_info`` (parsed once per content;
     ``global_batch_info`` on every call). ``dp_size``, ``batch_num_tokens``,
@@ -193,7 +202,8 @@ def policy_loss_verl(
         ``rollout_is_batch_normalize`` are not fused: pass their weights as a tensor.
 
     Returns ``(loss, metrics)`` with ppo_loss's keys: "actor/pg_clipfrac",
-    "actor/ppo_kl", "actor/pg_clipfrac_lower" (not for gpg), "actor/pg_loss",
+    "actor/ppo_kl", "actor/pg_clipfrac_lower" (the pg ones of the verl function: none for
+    gpg, ppo_kl for dro / kl_cov, no pg_clipfrac_lower for clip_cov), "actor/pg_loss",
     "actor/entropy_loss" (with ``entropy``), "kl_loss" and "kl_coef" (with use_kl_loss).
     Floats by default (one host sync); ``return_tensors=True`` gives detached 0-d tensors
     and no sync — then, with zero entries in ``rollout_is_weights``, the clip fractions
@@ -210,20 +220,25 @@ def policy_loss_verl(
     rc = _rollout_correction(rollout_is_weights, rollout_log_probs, rollout_is, rollout_is_threshold)
     if bypass is not None:
         rc = rc + (("bypass", bypass),)
-    plan = cfg.memo(("policy_loss_verl", entropy is not None, rc), lambda: _plan(cfg, entropy is not None, rc))
+    term = pg_term(config, cfg.get("loss_mode", "vanilla"))
+    plan = cfg.memo(
+        ("policy_loss_verl", term, entropy is not None, rc), lambda: _plan(cfg, term, entropy is not None, rc)
+    )
 
     info = batch_info(config)
     given = dict(dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
     prefix = "" if any(v is not None for v in given.values()) else "config.global_batch_info."
     info.update({k: v for k, v in given.items() if v is not None})
     info["loss_scale_factor"] = plan.loss_scale_factor  # as ppo_loss does
-    pg_kw = agg_kwargs(plan.pg_agg, **info, prefix=prefix)
+    pg_kw = pg_agg_kwargs(term.loss_mode, plan.pg_agg, info, log_prob, prefix)
 
     if plan.use_kl and ref_log_prob is None:
         raise ValueError("ref_log_prob: config.use_kl_loss needs the reference log-probs")
     check_pg_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     with caller_names(PG_NAMES):
-        adv = fold_is_weights(advantages, rollout_is_weights, response_mask, log_prob.shape, validate)
+        adv, sel = pg_inputs(
+            term, plan.fused, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights, validate
+        )
         fused = plan.fused
         loss, m = policy_loss(
             log_prob,
@@ -234,16 +249,21 @@ def policy_loss_verl(
             ref_logprobs=ref_log_prob if fused.kl is not None else None,
             rollout_logprobs=old_log_prob if bypass is not None and fused.rc is not None else rollout_log_probs,
             entropy=entropy if fused.entropy_coef != 0 else None,
+            cov_selection=sel,
             validate=validate,
             backend=backend,
             **pg_kw,
         )
         pg_loss, kl_loss = m.pg_loss, m.kl_loss
+        pg_rest = pg_remainder(term, old_log_prob, log_prob, response_mask, rollout_is_weights, sel, plan.pg_agg, pg_kw)
+        if pg_rest is not None:
+            loss = loss + pg_rest
+            pg_loss = pg_loss + pg_rest.detach()
         if plan.rest is not None or (plan.use_kl and plan.kl_fused is None) or entropy is not None:
             kw = agg_kwargs(plan.agg, **info, prefix=prefix)
         if plan.rest is not None:
-            # SAPO with another loss_agg_mode, or bypass_mode with rejection: KL and entropy in a
-            # second call (A = 0, no pg term) over the unmodified mask.
+            # SAPO with another loss_agg_mode, geo_mean, or bypass_mode with rejection: KL and
+            # entropy in a second call (A = 0, no pg term) over the unmodified mask.
             zeros = torch.zeros(log_prob.shape[0], dtype=torch.float32, device=log_prob.device)
             loss2, m2 = policy_loss(
                 log_prob,
@@ -265,11 +285,7 @@ def policy_loss_verl(
             kl_loss = kl_val.detach()
 
         clip = m
-        if (
-            not return_tensors
-            and plan.loss_mode not in ("sapo", "gpg")
-            and any_zero_weight(rollout_is_weights, response_mask)
-        ):
+        if not return_tensors and recounts_clip(term.loss_mode, rollout_is_weights, response_mask):
             with torch.no_grad():  # verl's clip fractions count zero-weight tokens with their own A
                 _, clip = policy_loss(
                     log_prob.detach(),
@@ -281,15 +297,10 @@ def policy_loss_verl(
                     backend=backend,
                     **pg_kw,
                 )
-    pairs = []
     if bypass is not None and bypass[0] == "reinforce":  # verl's compute_policy_loss_reinforce
-        pairs.append(("actor/ppo_kl", m.ppo_kl))
-    elif plan.loss_mode != "gpg":
-        pairs += [
-            ("actor/pg_clipfrac", clip.pg_clipfrac),
-            ("actor/ppo_kl", m.ppo_kl),
-            ("actor/pg_clipfrac_lower", clip.pg_clipfrac_lower),
-        ]
+        pairs = [("actor/ppo_kl", m.ppo_kl)]
+    else:
+        pairs = pg_metric_pairs(term.loss_mode, m, clip)
     if bypass is not None:
         with torch.no_grad():
             rc_m = bypass_metrics(bypass[1], log_prob, old_log_prob, response_mask, backend)
