@@ -51,6 +51,7 @@ used option, so this favours exactness and simplicity over speed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from typing import NamedTuple, Optional
@@ -83,6 +84,8 @@ DPPO_TV = tl.constexpr(int(LossType.DPPO_TV))
 DPPO_KL = tl.constexpr(int(LossType.DPPO_KL))
 GEO_MEAN = tl.constexpr(int(LossType.GEO_MEAN))
 DRO = tl.constexpr(int(LossType.DRO))
+CLIP_COV = tl.constexpr(int(LossType.CLIP_COV))
+KL_COV = tl.constexpr(int(LossType.KL_COV))
 KL_NONE = tl.constexpr(int(KlEstimator.NONE))
 K1 = tl.constexpr(int(KlEstimator.K1))
 K2 = tl.constexpr(int(KlEstimator.K2))
@@ -96,8 +99,12 @@ SEQ_TIS = tl.constexpr(int(RolloutCorrectionCode.SEQ_TIS))
 TOKEN_MIS = tl.constexpr(int(RolloutCorrectionCode.TOKEN_MIS))
 SEQ_MIS = tl.constexpr(int(RolloutCorrectionCode.SEQ_MIS))
 DECOUPLED = tl.constexpr(int(RolloutCorrectionCode.DECOUPLED))
+TOKEN_ICEPOP = tl.constexpr(int(RolloutCorrectionCode.TOKEN_ICEPOP))
+SEQ_ICEPOP = tl.constexpr(int(RolloutCorrectionCode.SEQ_ICEPOP))
 TOKEN_OUT_LOSS = tl.constexpr(int(TokenOut.LOSS))
 TOKEN_OUT_SHAPED = tl.constexpr(int(TokenOut.SHAPED_ADVANTAGES))
+TOKEN_OUT_IS_WEIGHTS = tl.constexpr(int(TokenOut.IS_WEIGHTS))
+TOKEN_OUT_KEEP = tl.constexpr(int(TokenOut.KEEP))
 # Columns of a partial-sums row (PolicyLossSum), padded to a power of two.
 _NP = tl.constexpr(32)
 _C_TOTAL = tl.constexpr(int(PolicyLossSum.TOTAL))
@@ -122,10 +129,24 @@ _C_SEQ_CLIP_HIGH = tl.constexpr(int(PolicyLossSum.SEQ_CLIP_HIGH))
 _C_SEQ_CLIP_LOW_MIN = tl.constexpr(int(PolicyLossSum.SEQ_CLIP_LOW_MIN))
 _C_SEQ_CLIP_HIGH_MAX = tl.constexpr(int(PolicyLossSum.SEQ_CLIP_HIGH_MAX))
 _C_NTOK_RAW = tl.constexpr(int(PolicyLossSum.NTOK_RAW))
+_C_RS_REJECT = tl.constexpr(int(PolicyLossSum.RS_REJECT))
+_C_RS_SEQ_REJECT = tl.constexpr(int(PolicyLossSum.RS_SEQ_REJECT))
+_C_IS_NORM = tl.constexpr(int(PolicyLossSum.IS_NORM))
 _C_NUM_SUMS = tl.constexpr(NUM_SUMS)
 assert NUM_SUMS <= 32
-# per-sequence stats row: n_i, log s_i (gspo), Σ log w·m (seq IS), the share L_i / n_i (geo_mean)
-_NSTAT = tl.constexpr(4)
+# Per-sequence stats row (_seq_stats_kernel): n_i (the kept valid tokens), log s_i (gspo),
+# Σ x·m⁰ (sequence IS), the share L_i / n_i (geo_mean), keep_i (1: the rejection's sequence
+# options pass), n⁰_i (the valid tokens before rejection), the batch-normalisation weight
+# (token level: Σ w·m⁰; sequence level: w_i), unused. Row B holds the batch's values:
+# column 0 the IS batch-normalisation mean (_is_batch_norm_kernel).
+_NSTAT = tl.constexpr(8)
+_S_N = tl.constexpr(0)
+_S_LOG_S = tl.constexpr(1)
+_S_LOGW = tl.constexpr(2)
+_S_GEO = tl.constexpr(3)
+_S_KEEP = tl.constexpr(4)
+_S_N_RAW = tl.constexpr(5)
+_S_NORM_W = tl.constexpr(6)
 _NA3 = tl.constexpr(5)  # per-sequence A3PO row: polarity, K_high, cut_high, K_low, cut_low
 _I64_MAX = tl.constexpr(0x7FFFFFFFFFFFFFFF)
 _I64_MIN = tl.constexpr(-0x7FFFFFFFFFFFFFFF - 1)
@@ -313,21 +334,117 @@ def _a3po_select(
 
 
 @triton.jit
+def _corrected_weight(raw, rc_low, rc_high, CDT: tl.constexpr, RC: tl.constexpr):
+    """Mirrors reference corrected_weight (the C++ corrected_weight), for token lanes and a
+    sequence's scalar alike: the IS weight from the raw weight and the flag of a weight a bound
+    zeroed. TIS caps at C; decoupled drops weights above C; IcePop keeps the raw weight inside
+    [low, C]; MIS keeps 1 inside [low, C]; 0 (rejected) outside."""
+    cap = _param(rc_high, CDT)
+    if (RC == TOKEN_TIS) or (RC == SEQ_TIS):
+        rejected = tl.zeros(raw.shape, tl.int1)
+        is_w = tl.minimum(raw, cap)
+    elif RC == DECOUPLED:  # drop tokens whose behaviour weight exceeds the cap
+        rejected = raw > cap
+        is_w = tl.where(rejected, 0.0, raw)
+    elif (RC == TOKEN_ICEPOP) or (RC == SEQ_ICEPOP):
+        rejected = (raw < _param(rc_low, CDT)) | (raw > cap)
+        is_w = tl.where(rejected, 0.0, raw)
+    else:  # MIS: 1 inside [low, C], rejected outside
+        rejected = (raw < _param(rc_low, CDT)) | (raw > cap)
+        is_w = tl.where(rejected, 0.0, 1.0).to(CDT)
+    return is_w, rejected
+
+
+@triton.jit
+def _rs_divergences(x):
+    """Mirrors reference rs_statistics, per token: x clamped to ±20, k1 = −x, k2 = x²/2,
+    k3 = eˣ − 1 − x."""
+    xs = tl.minimum(tl.maximum(x, -20.0), 20.0)
+    return -xs, 0.5 * (xs * xs), (tl.exp(xs) - 1.0) - xs
+
+
+@triton.jit
+def _within(v, lo, hi, ok, CDT: tl.constexpr, ON: tl.constexpr):
+    # a k1 option: lo <= v <= hi (log space; bounds rounded to the compute dtype, as torch
+    # compares a tensor with a Python scalar)
+    if ON:
+        ok = ok & (v >= _param(lo, CDT)) & (v <= _param(hi, CDT))
+    return ok
+
+
+@triton.jit
+def _below(v, hi, ok, CDT: tl.constexpr, ON: tl.constexpr):
+    # a k2 / k3 option: v <= hi
+    if ON:
+        ok = ok & (v <= _param(hi, CDT))
+    return ok
+
+
+@triton.jit
+def _token_keep(k1, k2, k3, k1_low, k1_high, k2_max, k3_max, CDT: tl.constexpr, RS_TOK: tl.constexpr):
+    """Mirrors reference rejection_keep, its token options (RS_TOK: bits 0..2 of rs_options) on
+    the token's _rs_divergences."""
+    keep = tl.full(k1.shape, 1, tl.int1)
+    keep = _within(k1, k1_low, k1_high, keep, CDT, (RS_TOK & 1) != 0)
+    keep = _below(k2, k2_max, keep, CDT, (RS_TOK & 2) != 0)
+    keep = _below(k3, k3_max, keep, CDT, (RS_TOK & 4) != 0)
+    return keep
+
+
+@triton.jit
+def _seq_keep(
+    s1,  # Σ k1, Σ k2, Σ k3 over the sequence's valid tokens (compute dtype)
+    s2,
+    s3,
+    m1,  # their means
+    m2,
+    m3,
+    x2,  # max k2, max k3
+    x3,
+    sum_k1_low,
+    sum_k1_high,
+    sum_k2,
+    sum_k3,
+    mean_k1_low,
+    mean_k1_high,
+    mean_k2,
+    mean_k3,
+    max_k2,
+    max_k3,
+    CDT: tl.constexpr,
+    RS: tl.constexpr,
+):
+    """Mirrors reference rejection_keep, its sequence options (bits 3..10 of rs_options)."""
+    ok = tl.full([], 1, tl.int1)
+    ok = _within(s1, sum_k1_low, sum_k1_high, ok, CDT, (RS & 8) != 0)
+    ok = _below(s2, sum_k2, ok, CDT, (RS & 16) != 0)
+    ok = _below(s3, sum_k3, ok, CDT, (RS & 32) != 0)
+    ok = _within(m1, mean_k1_low, mean_k1_high, ok, CDT, (RS & 64) != 0)
+    ok = _below(m2, mean_k2, ok, CDT, (RS & 128) != 0)
+    ok = _below(m3, mean_k3, ok, CDT, (RS & 256) != 0)
+    ok = _below(x2, max_k2, ok, CDT, (RS & 512) != 0)
+    ok = _below(x3, max_k3, ok, CDT, (RS & 1024) != 0)
+    return ok
+
+
+@triton.jit
 def _seq_stats_kernel(
     logp_ptr,
     old_ptr,  # token-shaped, input dtype
     adv_ptr,  # [B] or token-shaped, compute dtype
     mask_ptr,  # token-shaped bool (HAS_MASK)
     roll_ptr,
-    ent_ptr,  # token-shaped, input dtype (NEED_LOGW / A3PO entropy metric)
+    ent_ptr,  # token-shaped, input dtype (NEED_ROLL / A3PO entropy metric)
     cu_ptr,  # [B + 1] int64, sanitised (PACKED)
-    seqf_ptr,  # [B, 4] compute dtype output: n_i, log s_i, Σ log w·m, L_i / n_i
+    seqf_ptr,  # [B + 1, _NSTAT] compute dtype output: the per-sequence stats row (_NSTAT)
     a3po_ptr,  # [B, 5] int64 output (A3PO): polarity, K_high, cut_high, K_low, cut_low
     B,
     L,
     T,
     clip_lo: tl.float64,  # geo_mean: ε_low, ε_high
     clip_hi: tl.float64,
+    rc_low: tl.float64,
+    rc_high: tl.float64,
     r_pos_high: tl.float64,
     s_pos_high: tl.float64,
     r_pos_low: tl.float64,
@@ -336,6 +453,20 @@ def _seq_stats_kernel(
     s_neg_high: tl.float64,
     r_neg_low: tl.float64,
     s_neg_low: tl.float64,
+    rs_token_k1_low: tl.float64,  # the rejection bounds (PolicyLossParams rs_*, in order)
+    rs_token_k1_high: tl.float64,
+    rs_token_k2: tl.float64,
+    rs_token_k3: tl.float64,
+    rs_seq_sum_k1_low: tl.float64,
+    rs_seq_sum_k1_high: tl.float64,
+    rs_seq_sum_k2: tl.float64,
+    rs_seq_sum_k3: tl.float64,
+    rs_seq_mean_k1_low: tl.float64,
+    rs_seq_mean_k1_high: tl.float64,
+    rs_seq_mean_k2: tl.float64,
+    rs_seq_mean_k3: tl.float64,
+    rs_seq_max_k2: tl.float64,
+    rs_seq_max_k3: tl.float64,
     CDT: tl.constexpr,
     PACKED: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -345,13 +476,21 @@ def _seq_stats_kernel(
     NEED_GEO: tl.constexpr,
     A3PO: tl.constexpr,
     A3PO_ENT: tl.constexpr,
+    RC: tl.constexpr,  # the rollout-correction code (NORM_TOK's corrected weights)
+    RS: tl.constexpr,  # rs_options (0: no rejection)
+    RC_CURRENT: tl.constexpr,  # x = logprobs − rollout, else old − rollout
+    NORM_TOK: tl.constexpr,  # token-level batch normalisation: Σ w·m⁰
     BLOCK: tl.constexpr,
 ):
-    """One program per sequence: n_i, GSPO's log s_i = Σ δ·m / max(n, 1) (reference
-    gspo_term), geo_mean's share L_i / n_i = −Ā_i·r_i / n_i with r_i = exp(Σ δ_min·m / n_i),
-    Ā_i = Σ A·m / n_i, n_i floored at 1 (reference geo_mean_term; the sums in fp64), the
-    sequence IS log-weight Σ log w·m (reference is_weights) and the A3PO row (_a3po_select).
-    (Long for its signature and the argument list of _a3po_select.)"""
+    """One program per sequence (the C++ prepass): the rejection chain (reference
+    rejection_keep: the token options per token, the sequence options on the sums, means and
+    maxima of _rs_divergences over the valid tokens m⁰; n_i and every sum below over the kept
+    tokens m, n_i = 0 for a rejected sequence), n_i, GSPO's log s_i = Σ δ·m / max(n, 1)
+    (reference gspo_term), geo_mean's share L_i / n_i = −Ā_i·r_i / n_i with
+    r_i = exp(Σ δ_min·m / n_i), Ā_i = Σ A·m / n_i, n_i floored at 1 (reference geo_mean_term;
+    the sums in fp64), the sequence IS log-weight Σ x·m⁰ (reference is_weights), the batch-norm
+    weight (reference is_batch_norm) and the A3PO row (_a3po_select).
+    (Long for its signature and the argument lists of the stage helpers.)"""
     i = tl.program_id(0).to(tl.int64)
     if PACKED:
         begin, end = _segment(cu_ptr, i + 1, B, T, True)
@@ -359,32 +498,61 @@ def _seq_stats_kernel(
         begin = i * L
         end = begin + L
     lanes = tl.arange(0, BLOCK)
+    NEED_ROLL: tl.constexpr = NEED_LOGW or (RS != 0) or NORM_TOK
+    NEED_LP: tl.constexpr = NEED_DELTA or NEED_GEO or (RC_CURRENT and NEED_ROLL)
 
     acc_n = tl.zeros([BLOCK], tl.int32)
+    acc_n0 = tl.zeros([BLOCK], tl.int32)
     acc_d = tl.zeros([BLOCK], CDT)
     acc_w = tl.zeros([BLOCK], CDT)
     acc_a = tl.zeros([BLOCK], tl.float64)
     acc_c = tl.zeros([BLOCK], tl.int32)
     acc_g = tl.zeros([BLOCK], tl.float64)  # geo_mean: Σ δ_min·m
+    acc_k1 = tl.zeros([BLOCK], tl.float64)  # rejection: Σ k1·m⁰, Σ k2·m⁰, Σ k3·m⁰
+    acc_k2 = tl.zeros([BLOCK], tl.float64)
+    acc_k3 = tl.zeros([BLOCK], tl.float64)
+    max_k2 = tl.full([BLOCK], float("-inf"), CDT)
+    max_k3 = tl.full([BLOCK], float("-inf"), CDT)
+    acc_nw = tl.zeros([BLOCK], tl.float64)  # token-level batch norm: Σ w·m⁰
     kmin = tl.full([BLOCK], _I64_MAX, tl.int64)
     kmax = tl.full([BLOCK], _I64_MIN, tl.int64)
     for start in range(begin, end, BLOCK):
         t = start + lanes
         inside = t < end
-        valid = _token_valid(mask_ptr, t, inside, HAS_MASK)
-        acc_n += valid.to(tl.int32)
+        valid0 = _token_valid(mask_ptr, t, inside, HAS_MASK)
         old = tl.load(old_ptr + t, mask=inside, other=0.0).to(CDT)
-        if NEED_DELTA:  # GSPO: the sequence mean of the unclamped δ
+        lp = old
+        if NEED_LP:
             lp = tl.load(logp_ptr + t, mask=inside, other=0.0).to(CDT)
-            acc_d += tl.where(valid, lp - old, 0.0)
-        if NEED_LOGW:
+        valid = valid0
+        if NEED_ROLL:
             roll = tl.load(roll_ptr + t, mask=inside, other=0.0).to(CDT)
-            acc_w += tl.where(valid, old - roll, 0.0)
+            if RC_CURRENT:
+                x = lp - roll
+            else:
+                x = old - roll
+            if NEED_LOGW:
+                acc_w += tl.where(valid0, x, 0.0)
+            if RS != 0:
+                k1, k2, k3 = _rs_divergences(x)
+                acc_n0 += valid0.to(tl.int32)
+                acc_k1 += tl.where(valid0, k1.to(tl.float64), 0.0)
+                acc_k2 += tl.where(valid0, k2.to(tl.float64), 0.0)
+                acc_k3 += tl.where(valid0, k3.to(tl.float64), 0.0)
+                max_k2 = tl.maximum(max_k2, tl.where(valid0, k2, float("-inf")))
+                max_k3 = tl.maximum(max_k3, tl.where(valid0, k3, float("-inf")))
+                keep = _token_keep(k1, k2, k3, rs_token_k1_low, rs_token_k1_high, rs_token_k2, rs_token_k3, CDT, RS & 7)
+                valid = valid0 & keep
+            if NORM_TOK:
+                w, _ = _corrected_weight(tl.exp(tl.minimum(tl.maximum(x, -20.0), 20.0)), rc_low, rc_high, CDT, RC)
+                acc_nw += tl.where(valid0, w.to(tl.float64), 0.0)
+        acc_n += valid.to(tl.int32)
+        if NEED_DELTA:  # GSPO: the sequence mean of the unclamped δ
+            acc_d += tl.where(valid, lp - old, 0.0)
         if (A3PO or NEED_GEO) and (not SEQ_ADV):  # Σ A·m in fp64: A3PO's polarity, geo_mean's Ā_i
             adv = tl.load(adv_ptr + t, mask=inside, other=0.0)
             acc_a += tl.where(valid, adv.to(tl.float64), 0.0)
         if NEED_GEO:
-            lp = tl.load(logp_ptr + t, mask=inside, other=0.0).to(CDT)
             if SEQ_ADV:
                 adv = tl.load(adv_ptr + i) + tl.zeros([BLOCK], CDT)
             d_min = _geo_mean_log_ratio(lp - old, adv, _param(clip_lo, CDT), _param(clip_hi, CDT))
@@ -397,13 +565,52 @@ def _seq_stats_kernel(
             acc_c += cand.to(tl.int32)
             kmin = tl.minimum(kmin, tl.where(cand, key, _I64_MAX))
             kmax = tl.maximum(kmax, tl.where(cand, key, _I64_MIN))
+    row = seqf_ptr + i * _NSTAT
     n = tl.sum(acc_n, 0)
+    n_raw = n
+    if RS != 0:  # the sequence options, on the statistics over m⁰
+        n_raw = tl.sum(acc_n0, 0)
+        has = n_raw > 0
+        nr = tl.maximum(n_raw, 1).to(CDT)
+        s1 = tl.sum(acc_k1, 0).to(CDT)
+        s2 = tl.sum(acc_k2, 0).to(CDT)
+        s3 = tl.sum(acc_k3, 0).to(CDT)
+        seq_ok = _seq_keep(
+            s1,
+            s2,
+            s3,
+            tl.where(has, s1 / nr, 0.0),
+            tl.where(has, s2 / nr, 0.0),
+            tl.where(has, s3 / nr, 0.0),
+            tl.where(has, tl.max(max_k2, 0), 0.0),
+            tl.where(has, tl.max(max_k3, 0), 0.0),
+            rs_seq_sum_k1_low,
+            rs_seq_sum_k1_high,
+            rs_seq_sum_k2,
+            rs_seq_sum_k3,
+            rs_seq_mean_k1_low,
+            rs_seq_mean_k1_high,
+            rs_seq_mean_k2,
+            rs_seq_mean_k3,
+            rs_seq_max_k2,
+            rs_seq_max_k3,
+            CDT,
+            RS,
+        )
+        n = tl.where(seq_ok, n, 0)
+        tl.store(row + _S_KEEP, tl.where(seq_ok, 1.0, 0.0).to(CDT))
     nf = n.to(CDT)
-    tl.store(seqf_ptr + i * _NSTAT + 0, nf)
+    tl.store(row + _S_N, nf)
+    tl.store(row + _S_N_RAW, n_raw.to(CDT))
     if NEED_DELTA:
-        tl.store(seqf_ptr + i * _NSTAT + 1, tl.sum(acc_d, 0) / tl.maximum(nf, 1.0))
+        tl.store(row + _S_LOG_S, tl.sum(acc_d, 0) / tl.maximum(nf, 1.0))
     if NEED_LOGW:
-        tl.store(seqf_ptr + i * _NSTAT + 2, tl.sum(acc_w, 0))
+        logw = tl.sum(acc_w, 0)
+        tl.store(row + _S_LOGW, logw)
+        seq_w, _ = _corrected_weight(tl.exp(tl.minimum(tl.maximum(logw, -20.0), 20.0)), rc_low, rc_high, CDT, RC)
+        tl.store(row + _S_NORM_W, seq_w)
+    if NORM_TOK:
+        tl.store(row + _S_NORM_W, tl.sum(acc_nw, 0).to(CDT))
     if NEED_GEO:
         nn = tl.maximum(n, 1).to(tl.float64)
         if SEQ_ADV:  # Σ A·m = A_i · n_i
@@ -412,7 +619,7 @@ def _seq_stats_kernel(
             sum_adv = tl.sum(acc_a, 0)
         r = tl.exp((tl.sum(acc_g, 0) / nn).to(CDT))
         adv_mean = (sum_adv / nn).to(CDT)
-        tl.store(seqf_ptr + i * _NSTAT + 3, -adv_mean * r / nn.to(CDT))
+        tl.store(row + _S_GEO, -adv_mean * r / nn.to(CDT))
 
     if A3PO:
         # Polarity = sign of Σ_t A·m in fp64 (a [B] advantage: A_i · n_i).
@@ -420,7 +627,7 @@ def _seq_stats_kernel(
             pol = tl.load(adv_ptr + i).to(tl.float64) * n.to(tl.float64)
         else:
             pol = tl.sum(acc_a, 0)
-        row = _a3po_select(
+        a3 = _a3po_select(
             mask_ptr,
             old_ptr,
             ent_ptr,
@@ -444,7 +651,41 @@ def _seq_stats_kernel(
             BLOCK,
         )
         cols = tl.arange(0, 8)
-        tl.store(a3po_ptr + i * _NA3 + cols, row, mask=cols < _NA3)
+        tl.store(a3po_ptr + i * _NA3 + cols, a3, mask=cols < _NA3)
+
+
+@triton.jit
+def _is_batch_norm_kernel(
+    seqf_ptr,  # [B + 1, _NSTAT]: reads the rows 0..B-1, writes the mean to row B, column 0
+    B,
+    CDT: tl.constexpr,
+    SEQ_LEVEL: tl.constexpr,
+    SEQS: tl.constexpr,
+):
+    """Mirrors reference is_batch_norm (the C++ forward's batch mean), one program, in sequence
+    order: the mean of the IS weights over the valid tokens m⁰ (token level: Σ_i Σ w·m⁰ / Σ_i
+    n⁰_i) or over the sequences with a valid token (sequence level); 1 when it is <= 1e-8."""
+    lanes = tl.arange(0, SEQS).to(tl.int64)
+    num = tl.zeros([SEQS], tl.float64)
+    den = tl.zeros([SEQS], tl.float64)
+    for start in range(0, B, SEQS):
+        s = start + lanes
+        ok = s < B
+        w = tl.load(seqf_ptr + s * _NSTAT + _S_NORM_W, mask=ok, other=0.0).to(tl.float64)
+        n0 = tl.load(seqf_ptr + s * _NSTAT + _S_N_RAW, mask=ok, other=0.0).to(tl.float64)
+        if SEQ_LEVEL:
+            num += tl.where(n0 > 0.0, w, 0.0)
+            den += tl.where(n0 > 0.0, 1.0, 0.0)
+        else:
+            num += w
+            den += n0
+    num_t = tl.sum(num, 0)
+    den_t = tl.sum(den, 0)
+    mu = tl.where(den_t > 0.0, num_t.to(CDT) / tl.maximum(den_t, 1.0).to(CDT), 0.0)
+    # 1e-8 rounded once to the compute dtype (a float literal is an fp32 constant even in
+    # fp64 code; 1e8 is exact in both, the division correctly rounded)
+    eps = 1.0 / tl.full([], 1e8, CDT)
+    tl.store(seqf_ptr + B * _NSTAT, tl.where(mu > eps, mu, 1.0).to(CDT))
 
 
 # ------------------------------------------------------------------ token stages
@@ -703,6 +944,36 @@ def _dro_term(lp, old, adv, valid, half_dro_beta, CDT: tl.constexpr):
 
 
 @triton.jit
+def _clip_cov_term(
+    lp, old, adv, valid, sel, lo, hi, lr_clamp, CDT: tl.constexpr, LR_CLAMP: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Mirrors reference clip_cov_term: ppo's _clipped_objective of exp(δ) without the dual
+    clip, 0 (value and gradient) on the covariance-selected tokens ``sel``; clipped = sel (the
+    CLIP count is the selected valid tokens), the clip sides are ppo's."""
+    delta, d_delta = _log_ratio(lp, old, lr_clamp, CDT, LR_CLAMP, BLOCK)
+    ratio = tl.exp(delta)
+    pg, dpg, _ = _clipped_objective(adv, ratio, -adv * ratio * d_delta, lo, hi)
+    low, high = _clip_sides(ratio, adv, valid, lo, hi)
+    return tl.where(sel, 0.0, pg), tl.where(sel, 0.0, dpg), sel, valid & False, delta, low, high
+
+
+@triton.jit
+def _kl_cov_term(
+    lp, old, adv, valid, sel, kl_cov_coef, lr_clamp, CDT: tl.constexpr, LR_CLAMP: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Mirrors reference kl_cov_term: −A·ρ + kl_cov_coef·|δ| on the selected tokens (∂|δ|/∂δ =
+    sign(δ), 0 at δ = 0, as torch.abs); clipped = sel; the δ slot holds −|δ| (NEG_DELTA: Σ m·|δ|)."""
+    delta, d_delta = _log_ratio(lp, old, lr_clamp, CDT, LR_CLAMP, BLOCK)
+    ratio = tl.exp(delta)
+    coef = _param(kl_cov_coef, CDT)
+    abs_delta = tl.where(delta < 0.0, -delta, delta)
+    sign = tl.where(delta > 0.0, 1.0, tl.where(delta < 0.0, -1.0, 0.0)).to(CDT)
+    pg = -adv * ratio + tl.where(sel, coef * abs_delta, 0.0)
+    dpg = (-adv * ratio + tl.where(sel, coef * sign, 0.0)) * d_delta
+    return pg, dpg, sel, valid & False, -abs_delta, valid & False, valid & False
+
+
+@triton.jit
 def _pg_term(
     lp,
     old,
@@ -718,6 +989,8 @@ def _pg_term(
     tau_pos,
     tau_neg,
     half_dro_beta,
+    sel,  # clip_cov / kl_cov: the covariance selection
+    kl_cov_coef,
     CDT: tl.constexpr,
     LOSS: tl.constexpr,
     DUAL_CLIP: tl.constexpr,
@@ -728,7 +1001,11 @@ def _pg_term(
     clip sides (low, high) of reference clip_sides."""
     lo = _param(clip_lo, CDT)
     hi = _param(clip_hi, CDT)
-    if LOSS == PPO:
+    if LOSS == CLIP_COV:
+        return _clip_cov_term(lp, old, adv, valid, sel, lo, hi, lr_clamp, CDT, LR_CLAMP, BLOCK)
+    elif LOSS == KL_COV:
+        return _kl_cov_term(lp, old, adv, valid, sel, kl_cov_coef, lr_clamp, CDT, LR_CLAMP, BLOCK)
+    elif LOSS == PPO:
         return _ppo_term(lp, old, adv, valid, lo, hi, clip_c, lr_clamp, CDT, LR_CLAMP, DUAL_CLIP, BLOCK)
     elif LOSS == GSPO:
         return _gspo_term(lp, old, adv, valid, log_s, lo, hi, clip_c, gspo_clamp, CDT, DUAL_CLIP)
@@ -809,24 +1086,20 @@ def _shaping_weights(
 
 
 @triton.jit
-def _is_weights(old, roll, seq_logw, rc_low, rc_high, valid, CDT: tl.constexpr, RC: tl.constexpr, BLOCK: tl.constexpr):
-    """Mirrors reference is_weights: the detached rollout-correction weight and the rejected
-    flag. Token level from old − rollout; sequence level from Σ log w·m (stats pass); both
-    clamped to ±20 before exp."""
-    cap = _param(rc_high, CDT)
-    if (RC == SEQ_TIS) or (RC == SEQ_MIS):
-        raw = tl.exp(tl.minimum(tl.maximum(seq_logw, -20.0), 20.0)) + tl.zeros([BLOCK], CDT)
+def _is_weights(
+    base, roll, seq_logw, is_mu, rc_low, rc_high, CDT: tl.constexpr, RC: tl.constexpr, IS_NORM: tl.constexpr
+):
+    """Mirrors reference is_weights (and is_batch_norm's division): the detached
+    rollout-correction weight and the rejected flag. Token level from x = base − rollout (base:
+    old, or logprobs with rc_current); sequence level from Σ x·m⁰ (stats pass); both clamped to
+    ±20 before exp, then _corrected_weight; over the batch mean is_mu with IS_NORM."""
+    if (RC == SEQ_TIS) or (RC == SEQ_MIS) or (RC == SEQ_ICEPOP):
+        raw = tl.exp(tl.minimum(tl.maximum(seq_logw, -20.0), 20.0)) + tl.zeros(base.shape, CDT)
     else:
-        raw = tl.exp(tl.minimum(tl.maximum(old - roll, -20.0), 20.0))
-    rejected = valid & False
-    if (RC == TOKEN_TIS) or (RC == SEQ_TIS):
-        is_w = tl.minimum(raw, cap)
-    elif RC == DECOUPLED:  # drop tokens whose behaviour weight exceeds the cap
-        rejected = raw > cap
-        is_w = tl.where(rejected, 0.0, raw)
-    else:  # MIS: 1 inside [low, C], rejected outside
-        rejected = (raw < _param(rc_low, CDT)) | (raw > cap)
-        is_w = tl.where(rejected, 0.0, 1.0).to(CDT)
+        raw = tl.exp(tl.minimum(tl.maximum(base - roll, -20.0), 20.0))
+    is_w, rejected = _corrected_weight(raw, rc_low, rc_high, CDT, RC)
+    if IS_NORM:
+        is_w = is_w / is_mu
     return is_w, rejected
 
 
@@ -1059,7 +1332,8 @@ def _partial_sums(
     ntok = tl.sum(tl.where(valid, one, zero), 0)
     part = tl.where(cols == _C_NTOK, ntok, part)
     CLIPS: tl.constexpr = (LOSS == PPO) or (LOSS == GSPO) or (LOSS == CISPO) or (LOSS == DPPO_TV) or (LOSS == DPPO_KL)
-    if CLIPS or (LOSS == GEO_MEAN):  # these clip
+    COV: tl.constexpr = (LOSS == CLIP_COV) or (LOSS == KL_COV)  # (CLIP: the selected tokens)
+    if CLIPS or COV or (LOSS == GEO_MEAN):  # these clip
         part = tl.where(cols == _C_CLIP, tl.sum(tl.where(valid & clipped, one, zero), 0), part)
         part = tl.where(cols == _C_CLIP_LOW, tl.sum(tl.where(low, one, zero), 0), part)
         part = tl.where(cols == _C_CLIP_HIGH, tl.sum(tl.where(high, one, zero), 0), part)
@@ -1075,7 +1349,8 @@ def _partial_sums(
     if KL != KL_NONE:
         part = tl.where(cols == _C_KL, tl.sum(tl.where(valid, kl_a, zero), 0), part)
         part = tl.where(cols == _C_KL_RAW, tl.sum(tl.where(valid, kl, zero), 0), part)
-    if (RC == TOKEN_MIS) or (RC == SEQ_MIS) or (RC == DECOUPLED):  # these reject
+    REJECTS: tl.constexpr = (RC == TOKEN_MIS) or (RC == SEQ_MIS) or (RC == DECOUPLED)
+    if REJECTS or (RC == TOKEN_ICEPOP) or (RC == SEQ_ICEPOP):  # these reject
         part = tl.where(cols == _C_REJECT, tl.sum(tl.where(valid & rejected, one, zero), 0), part)
     if SHAPING:
         part = tl.where(cols == _C_SHAPED, tl.sum(tl.where(valid & (w != 1.0), one, zero), 0), part)
@@ -1096,13 +1371,14 @@ def _token_kernel(
     roll_ptr,
     ent_ptr,  # token-shaped, input dtype (KL / RC / HAS_ENT)
     thr_ptr,  # 0-d fp32 entropy threshold (ENT_Q)
+    cov_ptr,  # token-shaped bool: the covariance selection (clip_cov / kl_cov)
     cu_ptr,  # [B + 1] int64, sanitised (PACKED)
     boff_ptr,  # [B + 3] int64 program offsets of the packed segments (PACKED)
-    seqf_ptr,  # [B, 4] compute dtype, from _seq_stats_kernel
+    seqf_ptr,  # [B + 1, _NSTAT] compute dtype, from _seq_stats_kernel (and _is_batch_norm_kernel)
     a3po_ptr,  # [B, 5] int64, from _seq_stats_kernel (A3PO)
     grad_ptr,  # token-shaped compute dtype: agg_w · ∂ℓ/∂logp
     gent_ptr,  # token-shaped compute dtype: agg_w · ∂ℓ/∂entropy (ENT_GRAD)
-    tok_ptr,  # token-shaped compute dtype: ℓ·m (TOKEN_OUT_LOSS) or A·w·m (TOKEN_OUT_SHAPED)
+    tok_ptr,  # token-shaped compute dtype: the TOKEN_OUT output (TokenOut)
     part_ptr,  # [programs, 32] compute dtype: per-program partial sums (PolicyLossSum columns)
     B,
     L,
@@ -1127,6 +1403,11 @@ def _token_kernel(
     s_neg_high: tl.float64,
     s_neg_low: tl.float64,
     half_dro_beta: tl.float64,
+    kl_cov_coef: tl.float64,
+    rs_token_k1_low: tl.float64,  # the rejection's token bounds (PolicyLossParams rs_token_*)
+    rs_token_k1_high: tl.float64,
+    rs_token_k2: tl.float64,
+    rs_token_k3: tl.float64,
     CDT: tl.constexpr,
     PACKED: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -1154,8 +1435,13 @@ def _token_kernel(
     KL_IN: tl.constexpr,
     KL_OUT: tl.constexpr,
     KL_SCORE: tl.constexpr,
+    RS_TOK: tl.constexpr,  # the rejection's token options (bits 0..2 of rs_options)
+    RS_SEQ: tl.constexpr,  # a sequence option of the rejection is on (keep_i from the stats pass)
+    RC_CURRENT: tl.constexpr,  # the rollout log-ratio from logprobs, else from old_logprobs
+    IS_NORM: tl.constexpr,  # the IS weights over their batch mean (seqf row B)
 ):
-    """One block of one sequence through every stage: inputs → _pg_term → _shaping_weights →
+    """One block of one sequence through every stage: inputs (the rejection's keep:
+    _rs_divergences → _token_keep, with the sequence's keep_i) → _pg_term → _shaping_weights →
     _is_weights → _kl_term → _token_loss → _aggregate → the token outputs and _partial_sums.
     (Long for its signature — every pointer, hyper-parameter and constexpr of the fused pass —
     and the argument lists of the stage calls; the body is the stage sequence.)"""
@@ -1179,16 +1465,32 @@ def _token_kernel(
     if KL != KL_NONE:
         ref = tl.load(ref_ptr + t, mask=inside, other=0.0).to(CDT)
     roll = tl.zeros([BLOCK], CDT)
-    if RC != RC_NONE:  # (the sequence-level weights use it in the stats pass; read here for the value check)
+    NEED_ROLL: tl.constexpr = (RC != RC_NONE) or (RS_TOK != 0) or RS_SEQ
+    if NEED_ROLL:  # (the sequence-level weights use it in the stats pass; read here for the value check)
         roll = tl.load(roll_ptr + t, mask=inside, other=0.0).to(CDT)
+    base = old  # the rollout log-ratio x = base − rollout
+    if RC_CURRENT:
+        base = lp
+    if RS_TOK != 0:  # verl's rejection modifies the mask (reference rejection_keep)
+        k1, k2, k3 = _rs_divergences(base - roll)
+        valid = valid & _token_keep(
+            k1, k2, k3, rs_token_k1_low, rs_token_k1_high, rs_token_k2, rs_token_k3, CDT, RS_TOK
+        )
+    if RS_SEQ:
+        # (splat: the interpreter mishandles scalar & vector bools)
+        keep_i = tl.load(seqf_ptr + row * _NSTAT + _S_KEEP, mask=is_seq, other=0.0) + tl.zeros([BLOCK], CDT)
+        valid = valid & (keep_i != 0.0)
+    sel = valid & False
+    if (LOSS == CLIP_COV) or (LOSS == KL_COV):
+        sel = tl.load(cov_ptr + t, mask=inside, other=0).to(tl.int1)
 
     # ---- the stages
     log_s = tl.zeros([BLOCK], CDT)
     if LOSS == GSPO:
-        log_s = tl.load(seqf_ptr + row * _NSTAT + 1, mask=is_seq, other=0.0) + log_s
+        log_s = tl.load(seqf_ptr + row * _NSTAT + _S_LOG_S, mask=is_seq, other=0.0) + log_s
     geo_share = tl.zeros([BLOCK], CDT)
     if LOSS == GEO_MEAN:
-        geo_share = tl.load(seqf_ptr + row * _NSTAT + 3, mask=is_seq, other=0.0) + geo_share
+        geo_share = tl.load(seqf_ptr + row * _NSTAT + _S_GEO, mask=is_seq, other=0.0) + geo_share
     pg, dpg, clipped, clip_lower, delta, low, high = _pg_term(
         lp,
         old,
@@ -1204,6 +1506,8 @@ def _token_kernel(
         tau_pos,
         tau_neg,
         half_dro_beta,
+        sel,
+        kl_cov_coef,
         CDT,
         LOSS,
         DUAL_CLIP,
@@ -1240,9 +1544,12 @@ def _token_kernel(
     rejected = valid & False
     if RC != RC_NONE:
         seq_logw = 0.0
-        if (RC == SEQ_TIS) or (RC == SEQ_MIS):
-            seq_logw = tl.load(seqf_ptr + row * _NSTAT + 2, mask=is_seq, other=0.0)
-        is_w, rejected = _is_weights(old, roll, seq_logw, rc_low, rc_high, valid, CDT, RC, BLOCK)
+        if (RC == SEQ_TIS) or (RC == SEQ_MIS) or (RC == SEQ_ICEPOP):
+            seq_logw = tl.load(seqf_ptr + row * _NSTAT + _S_LOGW, mask=is_seq, other=0.0)
+        is_mu = 1.0
+        if IS_NORM:
+            is_mu = tl.load(seqf_ptr + B * _NSTAT)
+        is_w, rejected = _is_weights(base, roll, seq_logw, is_mu, rc_low, rc_high, CDT, RC, IS_NORM)
     kl = tl.zeros([BLOCK], CDT)
     dkl = tl.zeros([BLOCK], CDT)
     if KL != KL_NONE:
@@ -1280,6 +1587,10 @@ def _token_kernel(
         tl.store(tok_ptr + t, tl.where(valid, ell, zero), mask=inside)
     elif TOKEN_OUT == TOKEN_OUT_SHAPED:  # the shaped advantage A·w, formed in fp64 as the reference
         tl.store(tok_ptr + t, tl.where(valid, (adv64 * w64).to(CDT), zero), mask=inside)
+    elif TOKEN_OUT == TOKEN_OUT_IS_WEIGHTS:  # (is_w = 1 without a correction weight)
+        tl.store(tok_ptr + t, tl.where(valid, is_w, zero), mask=inside)
+    elif TOKEN_OUT == TOKEN_OUT_KEEP:  # the valid tokens the rejection keeps
+        tl.store(tok_ptr + t, tl.where(valid, 1.0, zero), mask=inside)
 
     # The value check: x − x is NaN iff x is NaN or ±inf, so one sum over the inputs flags a
     # valid token with any non-finite input (the op layer raises on a count > 0).
@@ -1288,7 +1599,7 @@ def _token_kernel(
         chk += ent - ent
     if KL != KL_NONE:
         chk += ref - ref
-    if RC != RC_NONE:
+    if NEED_ROLL:
         chk += roll - roll
     part = _partial_sums(
         valid,
@@ -1321,7 +1632,7 @@ def _token_kernel(
 @triton.jit
 def _finalize_kernel(
     part_ptr,  # [P, 32] compute dtype partial sums
-    seqf_ptr,  # [B, 4] per-sequence stats (HAS_STATS: column 0 is n_i)
+    seqf_ptr,  # [B + 1, _NSTAT] per-sequence stats (HAS_STATS: n_i, n⁰_i; row B: the IS_NORM mean)
     boff_ptr,  # [B + 3] int64 program offsets (PACKED)
     sums_ptr,  # [NUM_SUMS] compute dtype output
     P,
@@ -1330,6 +1641,8 @@ def _finalize_kernel(
     CDT: tl.constexpr,
     PACKED: tl.constexpr,
     HAS_STATS: tl.constexpr,
+    RS: tl.constexpr,  # the rejection is on: NTOK_RAW, RS_REJECT, RS_SEQ_REJECT from n⁰_i and n_i
+    IS_NORM: tl.constexpr,
     ROWS: tl.constexpr,
     SEQS: tl.constexpr,
 ):
@@ -1352,6 +1665,9 @@ def _finalize_kernel(
     f_hi_sum = tl.zeros([SEQS], tl.float64)
     f_lo_min = tl.full([SEQS], float("inf"), tl.float64)
     f_hi_max = tl.zeros([SEQS], tl.float64)
+    n_raw_sum = tl.zeros([SEQS], tl.float64)
+    rs_rej = tl.zeros([SEQS], tl.float64)
+    rs_seq_rej = tl.zeros([SEQS], tl.float64)
     for start in range(0, B, SEQS):
         s = start + lanes
         ok = s < B
@@ -1372,7 +1688,12 @@ def _finalize_kernel(
             c_lo += tl.load(rp + _C_CLIP_LOW, mask=rmask, other=0.0)
             c_hi += tl.load(rp + _C_CLIP_HIGH, mask=rmask, other=0.0)
         if HAS_STATS:
-            n = tl.load(seqf_ptr + s * _NSTAT, mask=ok, other=0.0)
+            n = tl.load(seqf_ptr + s * _NSTAT + _S_N, mask=ok, other=0.0)
+        if RS:
+            n0 = tl.load(seqf_ptr + s * _NSTAT + _S_N_RAW, mask=ok, other=0.0).to(tl.float64)
+            n_raw_sum += n0
+            rs_rej += n0 - n.to(tl.float64)
+            rs_seq_rej += tl.where(n0 > n.to(tl.float64), 1.0, 0.0)
         has = ok & (n > 0.0)
         nseq += has.to(tl.int32)
         n64 = tl.maximum(n.to(tl.float64), 1.0)
@@ -1388,9 +1709,16 @@ def _finalize_kernel(
     out = tl.where(cols == _C_SEQ_CLIP_HIGH, tl.sum(f_hi_sum, 0), out)
     out = tl.where(cols == _C_SEQ_CLIP_LOW_MIN, tl.where(n_all > 0, tl.min(f_lo_min, 0), 0.0), out)
     out = tl.where(cols == _C_SEQ_CLIP_HIGH_MAX, tl.max(f_hi_max, 0), out)
-    # No rejection nor batch normalisation here (policy_loss_fwd refuses them): every valid
-    # token is kept (RS_REJECT, RS_SEQ_REJECT, IS_NORM stay 0).
-    out = tl.where(cols == _C_NTOK_RAW, tl.sum(tl.where(cols == _C_NTOK, acc, 0.0), 0), out)
+    # The rejection's counts (without it every valid token is kept: NTOK_RAW = NTOK, the
+    # others 0) and the batch-normalisation mean (0 when off).
+    if RS:
+        out = tl.where(cols == _C_NTOK_RAW, tl.sum(n_raw_sum, 0), out)
+        out = tl.where(cols == _C_RS_REJECT, tl.sum(rs_rej, 0), out)
+        out = tl.where(cols == _C_RS_SEQ_REJECT, tl.sum(rs_seq_rej, 0), out)
+    else:
+        out = tl.where(cols == _C_NTOK_RAW, tl.sum(tl.where(cols == _C_NTOK, acc, 0.0), 0), out)
+    if IS_NORM:
+        out = tl.where(cols == _C_IS_NORM, tl.load(seqf_ptr + B * _NSTAT).to(tl.float64), out)
     tl.store(sums_ptr + cols, out.to(CDT), mask=cols < _C_NUM_SUMS)
 
 
@@ -1433,6 +1761,7 @@ class _Inputs(NamedTuple):
     entropy: Optional[torch.Tensor]
     cu_seqlens: Optional[torch.Tensor]
     entropy_threshold: Optional[torch.Tensor]
+    cov_selection: Optional[torch.Tensor]
 
 
 def _check_inputs(x: _Inputs, p: PolicyLossParams, need_entropy_grad: bool) -> int:
@@ -1444,13 +1773,21 @@ def _check_inputs(x: _Inputs, p: PolicyLossParams, need_entropy_grad: bool) -> i
     layout = "[T] with cu_seqlens" if packed else "[B, L] without cu_seqlens"
     _check(lp.dim() == (1 if packed else 2), "logprobs must be ", layout, ", got shape ", shape)
     _check(packed or x.mask is not None, "the padded layout needs a mask")
+    cov = p.loss_type in (LossType.CLIP_COV, LossType.KL_COV)
+    _check(
+        (x.cov_selection is not None) == cov,
+        "cov_selection is ",
+        "required by" if cov else "only read by",
+        " the clip_cov / kl_cov loss types",
+    )
     needs_entropy = p.entropy_quantile or (p.a3po and p.a3po_metric == A3poMetric.ENTROPY) or need_entropy_grad
     for name, t, needed, dtype in (
         ("old_logprobs", x.old_logprobs, True, lp.dtype),
         ("ref_logprobs", x.ref_logprobs, p.kl != KlEstimator.NONE, lp.dtype),
-        ("rollout_logprobs", x.rollout_logprobs, p.rollout_correction != RolloutCorrectionCode.NONE, lp.dtype),
+        ("rollout_logprobs", x.rollout_logprobs, _needs_rollout(p), lp.dtype),
         ("entropy", x.entropy, needs_entropy, lp.dtype),
         ("mask", x.mask, False, torch.bool),
+        ("cov_selection", x.cov_selection, cov, torch.bool),
         ("advantages", x.advantages if not p.seq_adv else None, False, None),
     ):
         _check(t is not None or not needed, "these options need ", name)
@@ -1498,24 +1835,8 @@ def policy_loss_fwd(
     """The Triton kernels under the contract of ``rlvr_kernels_C::policy_loss_fwd``: returns
     ``(sums, grad_logprobs, grad_entropy, token_out)``."""
     p = PolicyLossParams.unpack(fparams, iparams)
-    # (clip_cov / kl_cov: the C++ kernel only, so far)
-    _check(
-        p.loss_type not in (LossType.CLIP_COV, LossType.KL_COV), "loss_type clip_cov / kl_cov runs on the cpu backend"
-    )
-    _check(cov_selection is None, "cov_selection is only read by the clip_cov / kl_cov loss types")
-    unsupported = (
-        p.rs_options != 0
-        or p.rc_current
-        or p.is_batch_normalize
-        or p.rollout_correction in (RolloutCorrectionCode.TOKEN_ICEPOP, RolloutCorrectionCode.SEQ_ICEPOP)
-        or p.token_out in (TokenOut.IS_WEIGHTS, TokenOut.KEEP)
-    )
-    if unsupported:
-        raise ValueError(
-            "rollout_correction: rejection (rs / geo_mean), IcePop, batch normalisation and "
-            "log_ratio='current' are fused in the reference and cpu backends only; use backend='cpu' "
-            "(tensors on the CPU) or backend='reference'"
-        )
+    # (the bits above the 11 options are ignored, as the C++ kernel does)
+    p = dataclasses.replace(p, rs_options=int(p.rs_options) & 0x7FF)
     # The kernels index flat, contiguous buffers (a no-op for what the op layer passes).
     x = _Inputs(
         *(
@@ -1524,6 +1845,7 @@ def policy_loss_fwd(
         ),
         cu_seqlens,
         entropy_threshold,
+        None if cov_selection is None else cov_selection.contiguous(),
     )
     fp64 = x.logprobs.dtype == torch.float64
     cdt = torch.float64 if fp64 else torch.float32
@@ -1555,14 +1877,19 @@ def policy_loss_fwd(
         T, NBL = B * L, triton.cdiv(L, tb)
         P = B * NBL
         cu = boff = grad  # unused
-    n_from_stats = bool(p.seq_mean) and (k["HAS_MASK"] or not k["PACKED"])
-    stats = (n_from_stats or p.loss_type in (LossType.GSPO, LossType.GEO_MEAN) or _seq_rc(p) or k["A3PO"]) and B > 0
+    rs = p.rs_options != 0
+    # (with rejection n_i is the kept count: from the stats pass in every layout)
+    n_from_stats = bool(p.seq_mean) and (k["HAS_MASK"] or not k["PACKED"] or rs)
+    seq_pass = n_from_stats or p.loss_type in (LossType.GSPO, LossType.GEO_MEAN) or _seq_rc(p) or k["A3PO"]
+    stats = (seq_pass or rs or _is_norm(p)) and B > 0
     seqf, a3po_rows = grad, grad
     if stats:
-        seqf = torch.empty(B * 4, dtype=cdt, device=dev)
+        seqf = torch.empty((B + 1) * int(_NSTAT), dtype=cdt, device=dev)
         if k["A3PO"]:
             a3po_rows = torch.empty(B * 5, dtype=torch.int64, device=dev)
         _launch_seq_stats(p, k, x, cu, seqf, a3po_rows, B, L, T)
+        if _is_norm(p):
+            _is_batch_norm_kernel[(1,)](seqf, B, CDT=k["CDT"], SEQ_LEVEL=_seq_rc(p), SEQS=128)
     part = torch.empty(max(P, 1) * 32, dtype=cdt, device=dev)
     if P > 0:
         _token_kernel[(P,)](
@@ -1584,13 +1911,37 @@ def policy_loss_fwd(
             BLOCK=tb,
             num_warps=_WARPS,
         )
-    c = dict(CDT=k["CDT"], PACKED=k["PACKED"], HAS_STATS=stats, ROWS=32, SEQS=128)
+    c = dict(
+        CDT=k["CDT"],
+        PACKED=k["PACKED"],
+        HAS_STATS=stats,
+        RS=rs and stats,
+        IS_NORM=_is_norm(p) and stats,
+        ROWS=32,
+        SEQS=128,
+    )
     _finalize_kernel[(1,)](part, seqf, boff, sums, P, B, NBL, **c)
     return sums, grad, gent, tok
 
 
 def _seq_rc(p: PolicyLossParams) -> bool:
-    return p.rollout_correction in (RolloutCorrectionCode.SEQ_TIS, RolloutCorrectionCode.SEQ_MIS)
+    seq = (RolloutCorrectionCode.SEQ_TIS, RolloutCorrectionCode.SEQ_MIS, RolloutCorrectionCode.SEQ_ICEPOP)
+    return p.rollout_correction in seq
+
+
+def _is_norm(p: PolicyLossParams) -> bool:
+    return bool(p.is_batch_normalize) and p.rollout_correction != RolloutCorrectionCode.NONE
+
+
+def _needs_rollout(p: PolicyLossParams) -> bool:
+    return p.rollout_correction != RolloutCorrectionCode.NONE or p.rs_options != 0
+
+
+def _rs_bounds(p: PolicyLossParams):
+    """The rejection bounds (PolicyLossParams rs_*, in order)."""
+    return tuple(
+        getattr(p, f.name) for f in dataclasses.fields(p) if f.name.startswith("rs_") and f.name != "rs_options"
+    )
 
 
 def _a3po_knobs(p: PolicyLossParams):
@@ -1613,7 +1964,7 @@ def _launch_seq_stats(p: PolicyLossParams, k, x: _Inputs, cu, seqf, a3po_rows, B
         x.old_logprobs,
         x.advantages,
         dummy if x.mask is None else x.mask,
-        x.rollout_logprobs if _seq_rc(p) else dummy,
+        x.rollout_logprobs if _needs_rollout(p) else dummy,
         dummy if x.entropy is None else x.entropy,
         cu,
         seqf,
@@ -1623,10 +1974,17 @@ def _launch_seq_stats(p: PolicyLossParams, k, x: _Inputs, cu, seqf, a3po_rows, B
         T,
         p.ratio_low,
         p.ratio_high,
+        p.rc_low,
+        p.rc_high,
         *_a3po_knobs(p),
+        *_rs_bounds(p),
         NEED_DELTA=p.loss_type == LossType.GSPO,
         NEED_LOGW=_seq_rc(p),
         NEED_GEO=p.loss_type == LossType.GEO_MEAN,
+        RC=int(p.rollout_correction),
+        RS=int(p.rs_options),
+        RC_CURRENT=bool(p.rc_current),
+        NORM_TOK=_is_norm(p) and not _seq_rc(p),
         BLOCK=seq_block(k["CDT"] is tl.float64, k["A3PO"]),
         num_warps=_WARPS,
         **k,
@@ -1641,9 +1999,10 @@ def _token_pointers(p: PolicyLossParams, x: _Inputs, dummy):
         x.advantages,
         dummy if x.mask is None else x.mask,
         x.ref_logprobs if p.kl != KlEstimator.NONE else dummy,
-        x.rollout_logprobs if p.rollout_correction != RolloutCorrectionCode.NONE else dummy,
+        x.rollout_logprobs if _needs_rollout(p) else dummy,
         dummy if x.entropy is None else x.entropy,
         x.entropy_threshold if p.entropy_quantile else dummy,
+        x.cov_selection if x.cov_selection is not None else dummy,
     )
 
 
@@ -1669,6 +2028,8 @@ def _token_floats(p: PolicyLossParams):
         p.a3po_neg_high_scale,
         p.a3po_neg_low_scale,
         0.5 * p.dro_beta,  # (Python's 0.5·β, as the reference forms it)
+        p.kl_cov_coef,
+        *_rs_bounds(p)[:4],  # the token options' bounds
     )
 
 
@@ -1697,6 +2058,10 @@ def _token_constexprs(p: PolicyLossParams, k, has_entropy: bool, need_entropy_gr
         ENT_Q=bool(p.entropy_quantile),
         KL_RATIO=p.kl != KlEstimator.NONE and bool(p.kl_ratio_correction),
         SEARCH_STEPS=max(1, math.ceil(math.log2(B + 2)) + 1) if k["PACKED"] else 1,
+        RS_TOK=int(p.rs_options) & 7,
+        RS_SEQ=(int(p.rs_options) >> 3) != 0,
+        RC_CURRENT=bool(p.rc_current),
+        IS_NORM=_is_norm(p) and B > 0,  # (B = 0: no stats pass, no valid token)
     )
 
 
