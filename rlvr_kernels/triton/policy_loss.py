@@ -1726,7 +1726,8 @@ def _finalize_kernel(
 # Tokens per program of the token kernel / lanes of the per-sequence kernel (tests shrink
 # them to exercise multi-block sequences under the interpreter). fp64 and the fp64
 # shaping math (probability, A3PO) hold twice the registers per token: half the block
-# keeps them spill-free at 4 warps (python -m rlvr_kernels.triton.aot).
+# keeps them spill-free at 4 warps (python -m rlvr_kernels.triton.aot); so do the rejection's
+# statistics (five more accumulators per lane) in the per-sequence pass.
 _TOKEN_BLOCK = 1024
 _SEQ_BLOCK = 1024
 _WARPS = 4
@@ -1736,8 +1737,8 @@ def token_block(fp64: bool, heavy: bool) -> int:
     return max(16, _TOKEN_BLOCK // 2) if (fp64 or heavy) else _TOKEN_BLOCK
 
 
-def seq_block(fp64: bool, a3po: bool) -> int:
-    return max(16, _SEQ_BLOCK // 2) if (fp64 or a3po) else _SEQ_BLOCK
+def seq_block(fp64: bool, heavy: bool) -> int:
+    return max(16, _SEQ_BLOCK // 2) if (fp64 or heavy) else _SEQ_BLOCK
 
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -1937,11 +1938,14 @@ def _needs_rollout(p: PolicyLossParams) -> bool:
     return p.rollout_correction != RolloutCorrectionCode.NONE or p.rs_options != 0
 
 
+# The rejection bounds: the PolicyLossParams fields rs_* (the kernels' argument names), in order.
+_RS_BOUNDS = tuple(
+    f.name for f in dataclasses.fields(PolicyLossParams) if f.name.startswith("rs_") and f.name != "rs_options"
+)
+
+
 def _rs_bounds(p: PolicyLossParams):
-    """The rejection bounds (PolicyLossParams rs_*, in order)."""
-    return tuple(
-        getattr(p, f.name) for f in dataclasses.fields(p) if f.name.startswith("rs_") and f.name != "rs_options"
-    )
+    return tuple(getattr(p, name) for name in _RS_BOUNDS)
 
 
 def _a3po_knobs(p: PolicyLossParams):
@@ -1985,7 +1989,7 @@ def _launch_seq_stats(p: PolicyLossParams, k, x: _Inputs, cu, seqf, a3po_rows, B
         RS=int(p.rs_options),
         RC_CURRENT=bool(p.rc_current),
         NORM_TOK=_is_norm(p) and not _seq_rc(p),
-        BLOCK=seq_block(k["CDT"] is tl.float64, k["A3PO"]),
+        BLOCK=seq_block(k["CDT"] is tl.float64, k["A3PO"] or p.rs_options != 0),
         num_warps=_WARPS,
         **k,
     )
@@ -2097,7 +2101,15 @@ def aot_specs():
             f"_finalize_kernel[{name}]",
             k._finalize_kernel,
             sig,
-            dict(CDT=cdt, PACKED=packed, HAS_STATS=stats, ROWS=32, SEQS=128),
+            dict(CDT=cdt, PACKED=packed, HAS_STATS=stats, RS=stats, IS_NORM=stats, ROWS=32, SEQS=128),
+        )
+    for name, cdt, seq_level in (("token", tl.float32, False), ("sequence,fp64", tl.float64, True)):
+        c = "*fp64" if cdt is tl.float64 else "*fp32"
+        yield (
+            f"_is_batch_norm_kernel[{name}]",
+            k._is_batch_norm_kernel,
+            dict(seqf_ptr=c, B="i32"),
+            dict(CDT=cdt, SEQ_LEVEL=seq_level, SEQS=128),
         )
 
 
@@ -2119,9 +2131,12 @@ def _aot_seq_stats_specs():
             T="i32",
             clip_lo="fp64",
             clip_hi="fp64",
+            rc_low="fp64",
+            rc_high="fp64",
         )
         for knob in ("pos_high", "pos_low", "neg_high", "neg_low"):
             sig.update({f"r_{knob}": "fp64", f"s_{knob}": "fp64"})
+        sig.update({n: "fp64" for n in _RS_BOUNDS})
         full = dict(
             CDT=cdt,
             PACKED=False,
@@ -2132,9 +2147,13 @@ def _aot_seq_stats_specs():
             NEED_GEO=False,
             A3PO=False,
             A3PO_ENT=False,
+            RC=int(RolloutCorrectionCode.NONE),
+            RS=0,
+            RC_CURRENT=False,
+            NORM_TOK=False,
         )
         full.update(const)
-        full["BLOCK"] = seq_block(cdt is tl.float64, full["A3PO"])
+        full["BLOCK"] = seq_block(cdt is tl.float64, full["A3PO"] or full["RS"] != 0)
         return f"_seq_stats_kernel[{name}]", _seq_stats_kernel, sig, full
 
     yield spec("seq_mean,packed", "*bf16", tl.float32, PACKED=True)
@@ -2144,8 +2163,24 @@ def _aot_seq_stats_specs():
     yield spec("fp64,all", "*fp64", tl.float64, NEED_DELTA=True, NEED_LOGW=True, A3PO=True)
     yield spec("geo_mean,token_adv", "*bf16", tl.float32, NEED_GEO=True, SEQ_ADV=False)
     yield spec("geo_mean,a3po,fp64", "*fp64", tl.float64, NEED_GEO=True, A3PO=True, SEQ_ADV=False)
+    # RolloutCorrection: every rejection option, with the IS weights' batch normalisation
+    seq_icepop = int(RolloutCorrectionCode.SEQ_ICEPOP)
+    yield spec("rs_all,seq_icepop,norm", "*bf16", tl.float32, RS=_RS_ALL, RC=seq_icepop, NEED_LOGW=True)
+    yield spec(
+        "rs_all,token_icepop,norm_tok,current,gspo,packed",
+        "*bf16",
+        tl.float32,
+        RS=_RS_ALL,
+        RC=int(RolloutCorrectionCode.TOKEN_ICEPOP),
+        NORM_TOK=True,
+        RC_CURRENT=True,
+        NEED_DELTA=True,
+        PACKED=True,
+    )
+    yield spec("rs_seq,geo_mean,fp64", "*fp64", tl.float64, RS=_RS_ALL & ~7, NEED_GEO=True, SEQ_ADV=False)
 
 
+_RS_ALL = (1 << 11) - 1  # every rejection option (options.RS_OPTIONS)
 _AOT_TOKEN_FLOATS = (
     "clip_lo",
     "clip_hi",
@@ -2166,6 +2201,11 @@ _AOT_TOKEN_FLOATS = (
     "s_neg_high",
     "s_neg_low",
     "half_dro_beta",
+    "kl_cov_coef",
+    "rs_token_k1_low",
+    "rs_token_k1_high",
+    "rs_token_k2",
+    "rs_token_k3",
 )
 
 
@@ -2180,6 +2220,7 @@ def _aot_token_spec(name, inp, cdt, **const):
         roll_ptr=inp,
         ent_ptr=inp,
         thr_ptr="*fp32",
+        cov_ptr="*i1",
         cu_ptr="*i64",
         boff_ptr="*i64",
         seqf_ptr=c,
@@ -2221,6 +2262,10 @@ def _aot_token_spec(name, inp, cdt, **const):
         KL_IN=20.0,
         KL_OUT=10.0,
         KL_SCORE=False,
+        RS_TOK=0,
+        RS_SEQ=False,
+        RC_CURRENT=False,
+        IS_NORM=False,
     )
     full.update(const)
     full["BLOCK"] = token_block(cdt is tl.float64, full["A3PO"] or full["SHAPE_PROB"])
@@ -2289,8 +2334,59 @@ def _aot_token_specs():
         LR_CLAMP=False,
         SEQ_ADV=False,
     )
+    geo_seq_tis_k3 = dict(
+        LOSS=int(LossType.GEO_MEAN), RC=int(RolloutCorrectionCode.SEQ_TIS), KL=int(KlEstimator.K3), LR_CLAMP=False
+    )
+    yield spec("geo_mean,seq_tis,k3,seq_adv", "*bf16", tl.float32, **geo_seq_tis_k3)
     yield spec(
         "geo_mean,fp64,seq_mean", "*fp64", tl.float64, LOSS=int(LossType.GEO_MEAN), SEQ_MEAN=True, N_FROM_STATS=True
+    )
+    # verl's Clip-Cov / KL-Cov drop-ins: token advantages, no log-ratio clamp
+    yield spec("clip_cov", "*bf16", tl.float32, LOSS=int(LossType.CLIP_COV), LR_CLAMP=False, SEQ_ADV=False)
+    yield spec(
+        "kl_cov,k3,seq_mean",
+        "*bf16",
+        tl.float32,
+        LOSS=int(LossType.KL_COV),
+        KL=int(KlEstimator.K3),
+        SEQ_MEAN=True,
+        N_FROM_STATS=True,
+        SEQ_ADV=False,
+    )
+    yield spec("clip_cov,fp64,packed", "*fp64", tl.float64, LOSS=int(LossType.CLIP_COV), PACKED=True, SEARCH_STEPS=8)
+    # RolloutCorrection: the rejection chain (token and sequence options), IcePop, the batch
+    # normalisation, log_ratio="current", and the token outputs of verl's bypass (weights, keep)
+    rejection = dict(RS_TOK=7, RS_SEQ=True, IS_NORM=True)
+    yield spec(
+        "ppo,k3,token_icepop,rs,norm,current,token_out=3",
+        "*bf16",
+        tl.float32,
+        KL=int(KlEstimator.K3),
+        RC=int(RolloutCorrectionCode.TOKEN_ICEPOP),
+        RC_CURRENT=True,
+        TOKEN_OUT=int(TokenOut.IS_WEIGHTS),
+        **rejection,
+    )
+    yield spec(
+        "gspo,seq_icepop,rs,norm,seq_mean,packed,token_out=4",
+        "*bf16",
+        tl.float32,
+        LOSS=int(LossType.GSPO),
+        RC=int(RolloutCorrectionCode.SEQ_ICEPOP),
+        SEQ_MEAN=True,
+        N_FROM_STATS=True,
+        PACKED=True,
+        SEARCH_STEPS=8,
+        TOKEN_OUT=int(TokenOut.KEEP),
+        **rejection,
+    )
+    yield spec("ppo,rs_only", "*bf16", tl.float32, RS_TOK=2, RS_SEQ=True, DUAL_CLIP=True)
+    yield spec(
+        "geo_mean,seq_tis,k3,rs,norm,fp64",
+        "*fp64",
+        tl.float64,
+        SEQ_ADV=False,
+        **dict(geo_seq_tis_k3, **rejection),
     )
     yield spec(
         "dro,token_tis",
