@@ -135,18 +135,18 @@ _C_IS_NORM = tl.constexpr(int(PolicyLossSum.IS_NORM))
 _C_NUM_SUMS = tl.constexpr(NUM_SUMS)
 assert NUM_SUMS <= 32
 # Per-sequence stats row (_seq_stats_kernel): n_i (the kept valid tokens), log s_i (gspo),
-# Σ x·m⁰ (sequence IS), the share L_i / n_i (geo_mean), keep_i (1: the rejection's sequence
-# options pass), n⁰_i (the valid tokens before rejection), the batch-normalisation weight
-# (token level: Σ w·m⁰; sequence level: w_i), unused. Row B holds the batch's values:
-# column 0 the IS batch-normalisation mean (_is_batch_norm_kernel).
+# the IS weight (sequence level: w_i, the token kernel's weight; token level: Σ w·m⁰, the
+# batch normalisation's), the share L_i / n_i (geo_mean), keep_i (1: the rejection's sequence
+# options pass), n⁰_i (the valid tokens before rejection), w_i's rejected flag, unused. Row B
+# holds the batch's values: column 0 the IS batch-normalisation mean (_is_batch_norm_kernel).
 _NSTAT = tl.constexpr(8)
 _S_N = tl.constexpr(0)
 _S_LOG_S = tl.constexpr(1)
-_S_LOGW = tl.constexpr(2)
+_S_IS_W = tl.constexpr(2)
 _S_GEO = tl.constexpr(3)
 _S_KEEP = tl.constexpr(4)
 _S_N_RAW = tl.constexpr(5)
-_S_NORM_W = tl.constexpr(6)
+_S_SEQ_REJ = tl.constexpr(6)
 _NA3 = tl.constexpr(5)  # per-sequence A3PO row: polarity, K_high, cut_high, K_low, cut_low
 _I64_MAX = tl.constexpr(0x7FFFFFFFFFFFFFFF)
 _I64_MIN = tl.constexpr(-0x7FFFFFFFFFFFFFFF - 1)
@@ -604,13 +604,13 @@ def _seq_stats_kernel(
     tl.store(row + _S_N_RAW, n_raw.to(CDT))
     if NEED_DELTA:
         tl.store(row + _S_LOG_S, tl.sum(acc_d, 0) / tl.maximum(nf, 1.0))
-    if NEED_LOGW:
-        logw = tl.sum(acc_w, 0)
-        tl.store(row + _S_LOGW, logw)
-        seq_w, _ = _corrected_weight(tl.exp(tl.minimum(tl.maximum(logw, -20.0), 20.0)), rc_low, rc_high, CDT, RC)
-        tl.store(row + _S_NORM_W, seq_w)
+    if NEED_LOGW:  # the sequence IS weight (reference is_weights): once per sequence, here
+        logw = tl.minimum(tl.maximum(tl.sum(acc_w, 0), -20.0), 20.0)
+        seq_w, seq_rej = _corrected_weight(tl.exp(logw), rc_low, rc_high, CDT, RC)
+        tl.store(row + _S_IS_W, seq_w)
+        tl.store(row + _S_SEQ_REJ, tl.where(seq_rej, 1.0, 0.0).to(CDT))
     if NORM_TOK:
-        tl.store(row + _S_NORM_W, tl.sum(acc_nw, 0).to(CDT))
+        tl.store(row + _S_IS_W, tl.sum(acc_nw, 0).to(CDT))
     if NEED_GEO:
         nn = tl.maximum(n, 1).to(tl.float64)
         if SEQ_ADV:  # Σ A·m = A_i · n_i
@@ -671,7 +671,7 @@ def _is_batch_norm_kernel(
     for start in range(0, B, SEQS):
         s = start + lanes
         ok = s < B
-        w = tl.load(seqf_ptr + s * _NSTAT + _S_NORM_W, mask=ok, other=0.0).to(tl.float64)
+        w = tl.load(seqf_ptr + s * _NSTAT + _S_IS_W, mask=ok, other=0.0).to(tl.float64)
         n0 = tl.load(seqf_ptr + s * _NSTAT + _S_N_RAW, mask=ok, other=0.0).to(tl.float64)
         if SEQ_LEVEL:
             num += tl.where(n0 > 0.0, w, 0.0)
@@ -1087,17 +1087,30 @@ def _shaping_weights(
 
 @triton.jit
 def _is_weights(
-    base, roll, seq_logw, is_mu, rc_low, rc_high, CDT: tl.constexpr, RC: tl.constexpr, IS_NORM: tl.constexpr
+    base,
+    roll,
+    seq_w,
+    seq_rej,
+    is_mu,
+    rc_low,
+    rc_high,
+    CDT: tl.constexpr,
+    RC: tl.constexpr,
+    SEQ_RC: tl.constexpr,
+    IS_NORM: tl.constexpr,
 ):
     """Mirrors reference is_weights (and is_batch_norm's division): the detached
-    rollout-correction weight and the rejected flag. Token level from x = base − rollout (base:
-    old, or logprobs with rc_current); sequence level from Σ x·m⁰ (stats pass); both clamped to
-    ±20 before exp, then _corrected_weight; over the batch mean is_mu with IS_NORM."""
-    if (RC == SEQ_TIS) or (RC == SEQ_MIS) or (RC == SEQ_ICEPOP):
-        raw = tl.exp(tl.minimum(tl.maximum(seq_logw, -20.0), 20.0)) + tl.zeros(base.shape, CDT)
+    rollout-correction weight and the rejected flag. Token level: _corrected_weight of
+    exp(clamp(x, ±20)), x = base − rollout (base: old, or logprobs with rc_current); sequence
+    level (SEQ_RC): the sequence's weight and flag from the stats pass (the same
+    _corrected_weight of exp(clamp(Σ x·m⁰, ±20))); over the batch mean is_mu with IS_NORM."""
+    if SEQ_RC:
+        is_w = seq_w
+        rejected = seq_rej
     else:
-        raw = tl.exp(tl.minimum(tl.maximum(base - roll, -20.0), 20.0))
-    is_w, rejected = _corrected_weight(raw, rc_low, rc_high, CDT, RC)
+        is_w, rejected = _corrected_weight(
+            tl.exp(tl.minimum(tl.maximum(base - roll, -20.0), 20.0)), rc_low, rc_high, CDT, RC
+        )
     if IS_NORM:
         is_w = is_w / is_mu
     return is_w, rejected
@@ -1267,23 +1280,14 @@ def _aggregate(
     kl,
     dlp,
     ec,
-    seqf_ptr,
-    row,
-    is_seq,
-    seq_len,
-    CDT: tl.constexpr,
+    n_i,
     SEQ_MEAN: tl.constexpr,
-    N_FROM_STATS: tl.constexpr,
 ):
     """Mirrors reference aggregate, the kernel's share of it: ℓ, pg·w·is_w, kl, ∂ℓ/∂logp and
     ∂ℓ/∂H = −c_H times the aggregation weight agg_w (1/n_i for seq-mean-token-mean, else 1;
     the valid selection is _partial_sums' and the stores'). The scalar normalisation (1/N_tok,
     1/N_seq, dp_size, loss_scale_factor) is the op layer's _aggregate."""
     if SEQ_MEAN:
-        if N_FROM_STATS:
-            n_i = tl.load(seqf_ptr + row * _NSTAT, mask=is_seq, other=0.0)
-        else:  # packed without a mask: every token of the sequence is valid
-            n_i = seq_len.to(CDT)
         agg_w = 1.0 / tl.maximum(n_i, 1.0)
         ell = ell * agg_w
         pgw = pgw * agg_w
@@ -1451,12 +1455,36 @@ def _token_kernel(
     inside = t < end
     valid = _token_valid(mask_ptr, t, inside, HAS_MASK) & is_seq
 
+    # ---- the sequence's values: one scalar load each per program, up front (so that the row's
+    # address is not live through the token math), splat (the interpreter mishandles scalar &
+    # vector bools)
+    zero = tl.zeros([BLOCK], CDT)
+    stats = seqf_ptr + row * _NSTAT
+    if SEQ_ADV:
+        adv = tl.load(adv_ptr + row, mask=is_seq, other=0.0).to(CDT) + zero
+    log_s = zero
+    if LOSS == GSPO:
+        log_s = tl.load(stats + _S_LOG_S, mask=is_seq, other=0.0) + zero
+    geo_share = zero
+    if LOSS == GEO_MEAN:
+        geo_share = tl.load(stats + _S_GEO, mask=is_seq, other=0.0) + zero
+    SEQ_RC: tl.constexpr = (RC == SEQ_TIS) or (RC == SEQ_MIS) or (RC == SEQ_ICEPOP)
+    seq_w = zero
+    seq_rej = valid & False
+    if SEQ_RC:
+        seq_w = tl.load(stats + _S_IS_W, mask=is_seq, other=0.0) + zero
+        seq_rej = (tl.load(stats + _S_SEQ_REJ, mask=is_seq, other=0.0) + zero) != 0.0
+    keep_i = valid | True
+    if RS_SEQ:
+        keep_i = (tl.load(stats + _S_KEEP, mask=is_seq, other=0.0) + zero) != 0.0
+    n_i = seq_len.to(CDT)  # seq-mean-token-mean's n_i (packed without a mask: every token is valid)
+    if SEQ_MEAN and N_FROM_STATS:
+        n_i = tl.load(stats + _S_N, mask=is_seq, other=0.0)
+
     # ---- inputs in the compute dtype
     lp = tl.load(logp_ptr + t, mask=inside, other=0.0).to(CDT)
     old = tl.load(old_ptr + t, mask=inside, other=0.0).to(CDT)
-    if SEQ_ADV:  # one load per program, splat (the interpreter mishandles scalar & vector bools)
-        adv = tl.load(adv_ptr + row, mask=is_seq, other=0.0).to(CDT) + tl.zeros([BLOCK], CDT)
-    else:
+    if not SEQ_ADV:
         adv = tl.load(adv_ptr + t, mask=inside, other=0.0).to(CDT)
     ent = tl.zeros([BLOCK], CDT)
     if HAS_ENT:
@@ -1477,20 +1505,12 @@ def _token_kernel(
             k1, k2, k3, rs_token_k1_low, rs_token_k1_high, rs_token_k2, rs_token_k3, CDT, RS_TOK
         )
     if RS_SEQ:
-        # (splat: the interpreter mishandles scalar & vector bools)
-        keep_i = tl.load(seqf_ptr + row * _NSTAT + _S_KEEP, mask=is_seq, other=0.0) + tl.zeros([BLOCK], CDT)
-        valid = valid & (keep_i != 0.0)
+        valid = valid & keep_i
     sel = valid & False
     if (LOSS == CLIP_COV) or (LOSS == KL_COV):
         sel = tl.load(cov_ptr + t, mask=inside, other=0).to(tl.int1)
 
     # ---- the stages
-    log_s = tl.zeros([BLOCK], CDT)
-    if LOSS == GSPO:
-        log_s = tl.load(seqf_ptr + row * _NSTAT + _S_LOG_S, mask=is_seq, other=0.0) + log_s
-    geo_share = tl.zeros([BLOCK], CDT)
-    if LOSS == GEO_MEAN:
-        geo_share = tl.load(seqf_ptr + row * _NSTAT + _S_GEO, mask=is_seq, other=0.0) + geo_share
     pg, dpg, clipped, clip_lower, delta, low, high = _pg_term(
         lp,
         old,
@@ -1543,13 +1563,10 @@ def _token_kernel(
     is_w = tl.full([BLOCK], 1.0, CDT)
     rejected = valid & False
     if RC != RC_NONE:
-        seq_logw = 0.0
-        if (RC == SEQ_TIS) or (RC == SEQ_MIS) or (RC == SEQ_ICEPOP):
-            seq_logw = tl.load(seqf_ptr + row * _NSTAT + _S_LOGW, mask=is_seq, other=0.0)
         is_mu = 1.0
         if IS_NORM:
             is_mu = tl.load(seqf_ptr + B * _NSTAT)
-        is_w, rejected = _is_weights(base, roll, seq_logw, is_mu, rc_low, rc_high, CDT, RC, IS_NORM)
+        is_w, rejected = _is_weights(base, roll, seq_w, seq_rej, is_mu, rc_low, rc_high, CDT, RC, SEQ_RC, IS_NORM)
     kl = tl.zeros([BLOCK], CDT)
     dkl = tl.zeros([BLOCK], CDT)
     if KL != KL_NONE:
@@ -1574,12 +1591,9 @@ def _token_kernel(
     ec = _param(ent_coef, CDT)
     ell, pgw, dlp = _token_loss(pg, dpg, w, is_w, kl, dkl, ent, _param(kl_coef, CDT), ec, SHAPING, RC, KL, ENT_TERM)
 
-    ell_a, pgw_a, kl_a, dlp, grad_ent = _aggregate(
-        ell, pgw, kl, dlp, ec, seqf_ptr, row, is_seq, seq_len, CDT, SEQ_MEAN, N_FROM_STATS
-    )
+    ell_a, pgw_a, kl_a, dlp, grad_ent = _aggregate(ell, pgw, kl, dlp, ec, n_i, SEQ_MEAN)
 
     # ---- the outputs
-    zero = tl.zeros([BLOCK], CDT)
     tl.store(grad_ptr + t, tl.where(valid, dlp, zero), mask=inside)
     if ENT_GRAD:
         tl.store(gent_ptr + t, tl.where(valid, grad_ent + zero, zero), mask=inside)
