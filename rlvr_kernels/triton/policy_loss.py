@@ -19,25 +19,40 @@ Design:
   of per-program partial sums. Options are constexpr, so unused features compile away.
   Its stages are inlined helpers that mirror the functions of the reference, one by one,
   under the same names with a leading underscore (the C++ kernel's helpers carry them too):
-  ``_pg_term``: ``_log_ratio`` (``_gspo_ratio``) and ``_ppo_term`` | ``_gspo_term`` |
+  the inputs (the rejection chain of ``RolloutCorrection`` removes tokens from the valid
+  set: ``_rs_divergences`` → ``_token_keep``, and the sequence's keep_i from the stats
+  pass) → ``_pg_term``: ``_log_ratio`` (``_gspo_ratio``) and ``_ppo_term`` | ``_gspo_term`` |
   ``_cispo_term`` | ``_sapo_term`` | ``_reinforce_term`` | ``_dppo_term`` |
-  ``_geo_mean_term`` | ``_dro_term`` (ppo and gspo: ``_clipped_objective`` then
-  ``_dual_clip``; dppo_tv / dppo_kl: ``_dppo_keep``; geo_mean: ``_geo_mean_log_ratio`` in
-  the per-sequence pass; ``_clip_sides``) → ``_shaping_weights`` →
-  ``_is_weights`` → ``_kl_term`` (``_kl_estimate`` × ``_importance_ratio``) →
-  ``_token_loss`` → ``_aggregate`` → ``_partial_sums`` (the metrics' sums). Names:
-  ``adv`` is the advantage A, ``agg_w`` the aggregation weight (1/n_i for
-  seq-mean-token-mean).
-- ``_seq_stats_kernel`` (one program per sequence), only when needed: n_i
+  ``_geo_mean_term`` | ``_dro_term`` | ``_clip_cov_term`` | ``_kl_cov_term`` (ppo, gspo
+  and clip_cov: ``_clipped_objective``, ppo and gspo then ``_dual_clip``; dppo_tv / dppo_kl:
+  ``_dppo_keep``; geo_mean: ``_geo_mean_log_ratio`` in the per-sequence pass; clip_cov /
+  kl_cov read the ``cov_selection`` input, computed outside the kernels by
+  ``contracts.policy_loss.cov_selection``; ``_clip_sides``) → ``_shaping_weights`` →
+  ``_is_weights`` (``_corrected_weight``; IcePop, mask, truncate, decoupled; over the
+  batch mean with batch normalisation) → ``_kl_term`` (``_kl_estimate`` ×
+  ``_importance_ratio``) → ``_token_loss`` → ``_aggregate`` → ``_partial_sums`` (the
+  metrics' sums). The per-sequence values (a [B] advantage, log s_i, L_i / n_i, the
+  sequence IS weight, keep_i, n_i) are loaded once, up front, so that no sequence address
+  stays live through the token math (without that, geo_mean + seq_tis + k3 with [B]
+  advantages spilled on sm_80). Names: ``adv`` is the advantage A, ``agg_w`` the
+  aggregation weight (1/n_i for seq-mean-token-mean), m⁰ the valid flag before rejection.
+- ``_seq_stats_kernel`` (one program per sequence, the C++ pre-pass), only when needed: the
+  rejection chain (sums, means and maxima of k1 / k2 / k3 over m⁰: ``_seq_keep``; the
+  token options per token; n_i and every sum below over the kept tokens), n_i
   (seq-mean-token-mean), Σ δ·m (GSPO), Σ δ_min·m and Σ A·m (geo_mean's share of the
-  sequence loss), Σ log w·m (seq_tis / seq_mis) and the A3PO
+  sequence loss), the sequence IS weight from Σ x·m⁰ (seq_tis / seq_mis / seq_icepop),
+  Σ w·m⁰ (token-level batch normalisation), n⁰_i, and the A3PO
   selection (``_a3po_select``): the k-th highest / lowest metric by bisection on an
   order-preserving int64 image of the fp64 metric (≤ 64 passes, both knobs in lockstep),
   then one running-cumsum pass over the candidates equal to the threshold for the tie cut
   (lower index first). The token kernel recomputes the metric bitwise identically
   (``_a3po_candidates``) and selects ``key > K or (key == K and t < cut)``.
+- ``_is_batch_norm_kernel`` (one program, only with ``is_batch_normalize``): the mean of the
+  IS weights over m⁰ (token level) or over the sequences with a valid token (sequence
+  level), in sequence order, for the token kernel to divide by.
 - ``_finalize_kernel``: one program sums the partial rows in a fixed order in fp64
-  (no atomics: bitwise reproducible) and counts the sequences with n_i > 0.
+  (no atomics: bitwise reproducible), counts the sequences with n_i > 0 and forms the
+  rejection's counts (NTOK_RAW, RS_REJECT, RS_SEQ_REJECT from n⁰_i and n_i) and IS_NORM.
 Numerics follow the reference: compute in fp64 for fp64 inputs, else fp32; shaping
 weights in fp64, rounded once; torch's derivative conventions (clamp passes the gradient
 on the closed interval; maximum / minimum split it in half on ties). Hyper-parameters are
