@@ -811,6 +811,12 @@ def policy_loss(
         follow the loss convention.
     """
     _dispatch.check_backend(backend)
+    if cp_group is not None and (backend == "triton" or (backend == "auto" and logprobs.device.type == "cuda")):
+        # (every rank resolves the same backend: raised before any collective, on each)
+        raise NotImplementedError(
+            "cp_group: the Triton kernel does not take the group's sequence statistics yet; "
+            "use backend='cpu' or backend='reference'"
+        )
     group_size = _group_size(process_group)
     _group_size(cp_group)
     failed = None

@@ -19,25 +19,40 @@ Design:
   of per-program partial sums. Options are constexpr, so unused features compile away.
   Its stages are inlined helpers that mirror the functions of the reference, one by one,
   under the same names with a leading underscore (the C++ kernel's helpers carry them too):
-  ``_pg_term``: ``_log_ratio`` (``_gspo_ratio``) and ``_ppo_term`` | ``_gspo_term`` |
+  the inputs (the rejection chain of ``RolloutCorrection`` removes tokens from the valid
+  set: ``_rs_divergences`` → ``_token_keep``, and the sequence's keep_i from the stats
+  pass) → ``_pg_term``: ``_log_ratio`` (``_gspo_ratio``) and ``_ppo_term`` | ``_gspo_term`` |
   ``_cispo_term`` | ``_sapo_term`` | ``_reinforce_term`` | ``_dppo_term`` |
-  ``_geo_mean_term`` | ``_dro_term`` (ppo and gspo: ``_clipped_objective`` then
-  ``_dual_clip``; dppo_tv / dppo_kl: ``_dppo_keep``; geo_mean: ``_geo_mean_log_ratio`` in
-  the per-sequence pass; ``_clip_sides``) → ``_shaping_weights`` →
-  ``_is_weights`` → ``_kl_term`` (``_kl_estimate`` × ``_importance_ratio``) →
-  ``_token_loss`` → ``_aggregate`` → ``_partial_sums`` (the metrics' sums). Names:
-  ``adv`` is the advantage A, ``agg_w`` the aggregation weight (1/n_i for
-  seq-mean-token-mean).
-- ``_seq_stats_kernel`` (one program per sequence), only when needed: n_i
+  ``_geo_mean_term`` | ``_dro_term`` | ``_clip_cov_term`` | ``_kl_cov_term`` (ppo, gspo
+  and clip_cov: ``_clipped_objective``, ppo and gspo then ``_dual_clip``; dppo_tv / dppo_kl:
+  ``_dppo_keep``; geo_mean: ``_geo_mean_log_ratio`` in the per-sequence pass; clip_cov /
+  kl_cov read the ``cov_selection`` input, computed outside the kernels by
+  ``contracts.policy_loss.cov_selection``; ``_clip_sides``) → ``_shaping_weights`` →
+  ``_is_weights`` (``_corrected_weight``; IcePop, mask, truncate, decoupled; over the
+  batch mean with batch normalisation) → ``_kl_term`` (``_kl_estimate`` ×
+  ``_importance_ratio``) → ``_token_loss`` → ``_aggregate`` → ``_partial_sums`` (the
+  metrics' sums). The per-sequence values (a [B] advantage, log s_i, L_i / n_i, the
+  sequence IS weight, keep_i, n_i) are loaded once, up front, so that no sequence address
+  stays live through the token math (without that, geo_mean + seq_tis + k3 with [B]
+  advantages spilled on sm_80). Names: ``adv`` is the advantage A, ``agg_w`` the
+  aggregation weight (1/n_i for seq-mean-token-mean), m⁰ the valid flag before rejection.
+- ``_seq_stats_kernel`` (one program per sequence, the C++ pre-pass), only when needed: the
+  rejection chain (sums, means and maxima of k1 / k2 / k3 over m⁰: ``_seq_keep``; the
+  token options per token; n_i and every sum below over the kept tokens), n_i
   (seq-mean-token-mean), Σ δ·m (GSPO), Σ δ_min·m and Σ A·m (geo_mean's share of the
-  sequence loss), Σ log w·m (seq_tis / seq_mis) and the A3PO
+  sequence loss), the sequence IS weight from Σ x·m⁰ (seq_tis / seq_mis / seq_icepop),
+  Σ w·m⁰ (token-level batch normalisation), n⁰_i, and the A3PO
   selection (``_a3po_select``): the k-th highest / lowest metric by bisection on an
   order-preserving int64 image of the fp64 metric (≤ 64 passes, both knobs in lockstep),
   then one running-cumsum pass over the candidates equal to the threshold for the tie cut
   (lower index first). The token kernel recomputes the metric bitwise identically
   (``_a3po_candidates``) and selects ``key > K or (key == K and t < cut)``.
+- ``_is_batch_norm_kernel`` (one program, only with ``is_batch_normalize``): the mean of the
+  IS weights over m⁰ (token level) or over the sequences with a valid token (sequence
+  level), in sequence order, for the token kernel to divide by.
 - ``_finalize_kernel``: one program sums the partial rows in a fixed order in fp64
-  (no atomics: bitwise reproducible) and counts the sequences with n_i > 0.
+  (no atomics: bitwise reproducible), counts the sequences with n_i > 0 and forms the
+  rejection's counts (NTOK_RAW, RS_REJECT, RS_SEQ_REJECT from n⁰_i and n_i) and IS_NORM.
 Numerics follow the reference: compute in fp64 for fp64 inputs, else fp32; shaping
 weights in fp64, rounded once; torch's derivative conventions (clamp passes the gradient
 on the closed interval; maximum / minimum split it in half on ties). Hyper-parameters are
@@ -51,6 +66,7 @@ used option, so this favours exactness and simplicity over speed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from typing import NamedTuple, Optional
@@ -85,6 +101,8 @@ DPPO_TV = tl.constexpr(int(LossType.DPPO_TV))
 DPPO_KL = tl.constexpr(int(LossType.DPPO_KL))
 GEO_MEAN = tl.constexpr(int(LossType.GEO_MEAN))
 DRO = tl.constexpr(int(LossType.DRO))
+CLIP_COV = tl.constexpr(int(LossType.CLIP_COV))
+KL_COV = tl.constexpr(int(LossType.KL_COV))
 KL_NONE = tl.constexpr(int(KlEstimator.NONE))
 K1 = tl.constexpr(int(KlEstimator.K1))
 K2 = tl.constexpr(int(KlEstimator.K2))
@@ -98,8 +116,12 @@ SEQ_TIS = tl.constexpr(int(RolloutCorrectionCode.SEQ_TIS))
 TOKEN_MIS = tl.constexpr(int(RolloutCorrectionCode.TOKEN_MIS))
 SEQ_MIS = tl.constexpr(int(RolloutCorrectionCode.SEQ_MIS))
 DECOUPLED = tl.constexpr(int(RolloutCorrectionCode.DECOUPLED))
+TOKEN_ICEPOP = tl.constexpr(int(RolloutCorrectionCode.TOKEN_ICEPOP))
+SEQ_ICEPOP = tl.constexpr(int(RolloutCorrectionCode.SEQ_ICEPOP))
 TOKEN_OUT_LOSS = tl.constexpr(int(TokenOut.LOSS))
 TOKEN_OUT_SHAPED = tl.constexpr(int(TokenOut.SHAPED_ADVANTAGES))
+TOKEN_OUT_IS_WEIGHTS = tl.constexpr(int(TokenOut.IS_WEIGHTS))
+TOKEN_OUT_KEEP = tl.constexpr(int(TokenOut.KEEP))
 # Columns of a partial-sums row (PolicyLossSum), padded to a power of two.
 _NP = tl.constexpr(32)
 _C_TOTAL = tl.constexpr(int(PolicyLossSum.TOTAL))
@@ -124,10 +146,24 @@ _C_SEQ_CLIP_HIGH = tl.constexpr(int(PolicyLossSum.SEQ_CLIP_HIGH))
 _C_SEQ_CLIP_LOW_MIN = tl.constexpr(int(PolicyLossSum.SEQ_CLIP_LOW_MIN))
 _C_SEQ_CLIP_HIGH_MAX = tl.constexpr(int(PolicyLossSum.SEQ_CLIP_HIGH_MAX))
 _C_NTOK_RAW = tl.constexpr(int(PolicyLossSum.NTOK_RAW))
+_C_RS_REJECT = tl.constexpr(int(PolicyLossSum.RS_REJECT))
+_C_RS_SEQ_REJECT = tl.constexpr(int(PolicyLossSum.RS_SEQ_REJECT))
+_C_IS_NORM = tl.constexpr(int(PolicyLossSum.IS_NORM))
 _C_NUM_SUMS = tl.constexpr(NUM_SUMS)
 assert NUM_SUMS <= 32
-# per-sequence stats row: n_i, log s_i (gspo), Σ log w·m (seq IS), the share L_i / n_i (geo_mean)
-_NSTAT = tl.constexpr(4)
+# Per-sequence stats row (_seq_stats_kernel): n_i (the kept valid tokens), log s_i (gspo),
+# the IS weight (sequence level: w_i, the token kernel's weight; token level: Σ w·m⁰, the
+# batch normalisation's), the share L_i / n_i (geo_mean), keep_i (1: the rejection's sequence
+# options pass), n⁰_i (the valid tokens before rejection), w_i's rejected flag, unused. Row B
+# holds the batch's values: column 0 the IS batch-normalisation mean (_is_batch_norm_kernel).
+_NSTAT = tl.constexpr(8)
+_S_N = tl.constexpr(0)
+_S_LOG_S = tl.constexpr(1)
+_S_IS_W = tl.constexpr(2)
+_S_GEO = tl.constexpr(3)
+_S_KEEP = tl.constexpr(4)
+_S_N_RAW = tl.constexpr(5)
+_S_SEQ_REJ = tl.constexpr(6)
 _NA3 = tl.constexpr(5)  # per-sequence A3PO row: polarity, K_high, cut_high, K_low, cut_low
 _I64_MAX = tl.constexpr(0x7FFFFFFFFFFFFFFF)
 _I64_MIN = tl.constexpr(-0x7FFFFFFFFFFFFFFF - 1)
@@ -315,21 +351,117 @@ def _a3po_select(
 
 
 @triton.jit
+def _corrected_weight(raw, rc_low, rc_high, CDT: tl.constexpr, RC: tl.constexpr):
+    """Mirrors reference corrected_weight (the C++ corrected_weight), for token lanes and a
+    sequence's scalar alike: the IS weight from the raw weight and the flag of a weight a bound
+    zeroed. TIS caps at C; decoupled drops weights above C; IcePop keeps the raw weight inside
+    [low, C]; MIS keeps 1 inside [low, C]; 0 (rejected) outside."""
+    cap = _param(rc_high, CDT)
+    if (RC == TOKEN_TIS) or (RC == SEQ_TIS):
+        rejected = tl.zeros(raw.shape, tl.int1)
+        is_w = tl.minimum(raw, cap)
+    elif RC == DECOUPLED:  # drop tokens whose behaviour weight exceeds the cap
+        rejected = raw > cap
+        is_w = tl.where(rejected, 0.0, raw)
+    elif (RC == TOKEN_ICEPOP) or (RC == SEQ_ICEPOP):
+        rejected = (raw < _param(rc_low, CDT)) | (raw > cap)
+        is_w = tl.where(rejected, 0.0, raw)
+    else:  # MIS: 1 inside [low, C], rejected outside
+        rejected = (raw < _param(rc_low, CDT)) | (raw > cap)
+        is_w = tl.where(rejected, 0.0, 1.0).to(CDT)
+    return is_w, rejected
+
+
+@triton.jit
+def _rs_divergences(x):
+    """Mirrors reference rs_statistics, per token: x clamped to ±20, k1 = −x, k2 = x²/2,
+    k3 = eˣ − 1 − x."""
+    xs = tl.minimum(tl.maximum(x, -20.0), 20.0)
+    return -xs, 0.5 * (xs * xs), (tl.exp(xs) - 1.0) - xs
+
+
+@triton.jit
+def _within(v, lo, hi, ok, CDT: tl.constexpr, ON: tl.constexpr):
+    # a k1 option: lo <= v <= hi (log space; bounds rounded to the compute dtype, as torch
+    # compares a tensor with a Python scalar)
+    if ON:
+        ok = ok & (v >= _param(lo, CDT)) & (v <= _param(hi, CDT))
+    return ok
+
+
+@triton.jit
+def _below(v, hi, ok, CDT: tl.constexpr, ON: tl.constexpr):
+    # a k2 / k3 option: v <= hi
+    if ON:
+        ok = ok & (v <= _param(hi, CDT))
+    return ok
+
+
+@triton.jit
+def _token_keep(k1, k2, k3, k1_low, k1_high, k2_max, k3_max, CDT: tl.constexpr, RS_TOK: tl.constexpr):
+    """Mirrors reference rejection_keep, its token options (RS_TOK: bits 0..2 of rs_options) on
+    the token's _rs_divergences."""
+    keep = tl.full(k1.shape, 1, tl.int1)
+    keep = _within(k1, k1_low, k1_high, keep, CDT, (RS_TOK & 1) != 0)
+    keep = _below(k2, k2_max, keep, CDT, (RS_TOK & 2) != 0)
+    keep = _below(k3, k3_max, keep, CDT, (RS_TOK & 4) != 0)
+    return keep
+
+
+@triton.jit
+def _seq_keep(
+    s1,  # Σ k1, Σ k2, Σ k3 over the sequence's valid tokens (compute dtype)
+    s2,
+    s3,
+    m1,  # their means
+    m2,
+    m3,
+    x2,  # max k2, max k3
+    x3,
+    sum_k1_low,
+    sum_k1_high,
+    sum_k2,
+    sum_k3,
+    mean_k1_low,
+    mean_k1_high,
+    mean_k2,
+    mean_k3,
+    max_k2,
+    max_k3,
+    CDT: tl.constexpr,
+    RS: tl.constexpr,
+):
+    """Mirrors reference rejection_keep, its sequence options (bits 3..10 of rs_options)."""
+    ok = tl.full([], 1, tl.int1)
+    ok = _within(s1, sum_k1_low, sum_k1_high, ok, CDT, (RS & 8) != 0)
+    ok = _below(s2, sum_k2, ok, CDT, (RS & 16) != 0)
+    ok = _below(s3, sum_k3, ok, CDT, (RS & 32) != 0)
+    ok = _within(m1, mean_k1_low, mean_k1_high, ok, CDT, (RS & 64) != 0)
+    ok = _below(m2, mean_k2, ok, CDT, (RS & 128) != 0)
+    ok = _below(m3, mean_k3, ok, CDT, (RS & 256) != 0)
+    ok = _below(x2, max_k2, ok, CDT, (RS & 512) != 0)
+    ok = _below(x3, max_k3, ok, CDT, (RS & 1024) != 0)
+    return ok
+
+
+@triton.jit
 def _seq_stats_kernel(
     logp_ptr,
     old_ptr,  # token-shaped, input dtype
     adv_ptr,  # [B] or token-shaped, compute dtype
     mask_ptr,  # token-shaped bool (HAS_MASK)
     roll_ptr,
-    ent_ptr,  # token-shaped, input dtype (NEED_LOGW / A3PO entropy metric)
+    ent_ptr,  # token-shaped, input dtype (NEED_ROLL / A3PO entropy metric)
     cu_ptr,  # [B + 1] int64, sanitised (PACKED)
-    seqf_ptr,  # [B, 4] compute dtype output: n_i, log s_i, Σ log w·m, L_i / n_i
+    seqf_ptr,  # [B + 1, _NSTAT] compute dtype output: the per-sequence stats row (_NSTAT)
     a3po_ptr,  # [B, 5] int64 output (A3PO): polarity, K_high, cut_high, K_low, cut_low
     B,
     L,
     T,
     clip_lo: tl.float64,  # geo_mean: ε_low, ε_high
     clip_hi: tl.float64,
+    rc_low: tl.float64,
+    rc_high: tl.float64,
     r_pos_high: tl.float64,
     s_pos_high: tl.float64,
     r_pos_low: tl.float64,
@@ -338,6 +470,20 @@ def _seq_stats_kernel(
     s_neg_high: tl.float64,
     r_neg_low: tl.float64,
     s_neg_low: tl.float64,
+    rs_token_k1_low: tl.float64,  # the rejection bounds (PolicyLossParams rs_*, in order)
+    rs_token_k1_high: tl.float64,
+    rs_token_k2: tl.float64,
+    rs_token_k3: tl.float64,
+    rs_seq_sum_k1_low: tl.float64,
+    rs_seq_sum_k1_high: tl.float64,
+    rs_seq_sum_k2: tl.float64,
+    rs_seq_sum_k3: tl.float64,
+    rs_seq_mean_k1_low: tl.float64,
+    rs_seq_mean_k1_high: tl.float64,
+    rs_seq_mean_k2: tl.float64,
+    rs_seq_mean_k3: tl.float64,
+    rs_seq_max_k2: tl.float64,
+    rs_seq_max_k3: tl.float64,
     CDT: tl.constexpr,
     PACKED: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -347,13 +493,21 @@ def _seq_stats_kernel(
     NEED_GEO: tl.constexpr,
     A3PO: tl.constexpr,
     A3PO_ENT: tl.constexpr,
+    RC: tl.constexpr,  # the rollout-correction code (NORM_TOK's corrected weights)
+    RS: tl.constexpr,  # rs_options (0: no rejection)
+    RC_CURRENT: tl.constexpr,  # x = logprobs − rollout, else old − rollout
+    NORM_TOK: tl.constexpr,  # token-level batch normalisation: Σ w·m⁰
     BLOCK: tl.constexpr,
 ):
-    """One program per sequence: n_i, GSPO's log s_i = Σ δ·m / max(n, 1) (reference
-    gspo_term), geo_mean's share L_i / n_i = −Ā_i·r_i / n_i with r_i = exp(Σ δ_min·m / n_i),
-    Ā_i = Σ A·m / n_i, n_i floored at 1 (reference geo_mean_term; the sums in fp64), the
-    sequence IS log-weight Σ log w·m (reference is_weights) and the A3PO row (_a3po_select).
-    (Long for its signature and the argument list of _a3po_select.)"""
+    """One program per sequence (the C++ prepass): the rejection chain (reference
+    rejection_keep: the token options per token, the sequence options on the sums, means and
+    maxima of _rs_divergences over the valid tokens m⁰; n_i and every sum below over the kept
+    tokens m, n_i = 0 for a rejected sequence), n_i, GSPO's log s_i = Σ δ·m / max(n, 1)
+    (reference gspo_term), geo_mean's share L_i / n_i = −Ā_i·r_i / n_i with
+    r_i = exp(Σ δ_min·m / n_i), Ā_i = Σ A·m / n_i, n_i floored at 1 (reference geo_mean_term;
+    the sums in fp64), the sequence IS log-weight Σ x·m⁰ (reference is_weights), the batch-norm
+    weight (reference is_batch_norm) and the A3PO row (_a3po_select).
+    (Long for its signature and the argument lists of the stage helpers.)"""
     i = tl.program_id(0).to(tl.int64)
     if PACKED:
         begin, end = _segment(cu_ptr, i + 1, B, T, True)
@@ -361,32 +515,61 @@ def _seq_stats_kernel(
         begin = i * L
         end = begin + L
     lanes = tl.arange(0, BLOCK)
+    NEED_ROLL: tl.constexpr = NEED_LOGW or (RS != 0) or NORM_TOK
+    NEED_LP: tl.constexpr = NEED_DELTA or NEED_GEO or (RC_CURRENT and NEED_ROLL)
 
     acc_n = tl.zeros([BLOCK], tl.int32)
+    acc_n0 = tl.zeros([BLOCK], tl.int32)
     acc_d = tl.zeros([BLOCK], CDT)
     acc_w = tl.zeros([BLOCK], CDT)
     acc_a = tl.zeros([BLOCK], tl.float64)
     acc_c = tl.zeros([BLOCK], tl.int32)
     acc_g = tl.zeros([BLOCK], tl.float64)  # geo_mean: Σ δ_min·m
+    acc_k1 = tl.zeros([BLOCK], tl.float64)  # rejection: Σ k1·m⁰, Σ k2·m⁰, Σ k3·m⁰
+    acc_k2 = tl.zeros([BLOCK], tl.float64)
+    acc_k3 = tl.zeros([BLOCK], tl.float64)
+    max_k2 = tl.full([BLOCK], float("-inf"), CDT)
+    max_k3 = tl.full([BLOCK], float("-inf"), CDT)
+    acc_nw = tl.zeros([BLOCK], tl.float64)  # token-level batch norm: Σ w·m⁰
     kmin = tl.full([BLOCK], _I64_MAX, tl.int64)
     kmax = tl.full([BLOCK], _I64_MIN, tl.int64)
     for start in range(begin, end, BLOCK):
         t = start + lanes
         inside = t < end
-        valid = _token_valid(mask_ptr, t, inside, HAS_MASK)
-        acc_n += valid.to(tl.int32)
+        valid0 = _token_valid(mask_ptr, t, inside, HAS_MASK)
         old = tl.load(old_ptr + t, mask=inside, other=0.0).to(CDT)
-        if NEED_DELTA:  # GSPO: the sequence mean of the unclamped δ
+        lp = old
+        if NEED_LP:
             lp = tl.load(logp_ptr + t, mask=inside, other=0.0).to(CDT)
-            acc_d += tl.where(valid, lp - old, 0.0)
-        if NEED_LOGW:
+        valid = valid0
+        if NEED_ROLL:
             roll = tl.load(roll_ptr + t, mask=inside, other=0.0).to(CDT)
-            acc_w += tl.where(valid, old - roll, 0.0)
+            if RC_CURRENT:
+                x = lp - roll
+            else:
+                x = old - roll
+            if NEED_LOGW:
+                acc_w += tl.where(valid0, x, 0.0)
+            if RS != 0:
+                k1, k2, k3 = _rs_divergences(x)
+                acc_n0 += valid0.to(tl.int32)
+                acc_k1 += tl.where(valid0, k1.to(tl.float64), 0.0)
+                acc_k2 += tl.where(valid0, k2.to(tl.float64), 0.0)
+                acc_k3 += tl.where(valid0, k3.to(tl.float64), 0.0)
+                max_k2 = tl.maximum(max_k2, tl.where(valid0, k2, float("-inf")))
+                max_k3 = tl.maximum(max_k3, tl.where(valid0, k3, float("-inf")))
+                keep = _token_keep(k1, k2, k3, rs_token_k1_low, rs_token_k1_high, rs_token_k2, rs_token_k3, CDT, RS & 7)
+                valid = valid0 & keep
+            if NORM_TOK:
+                w, _ = _corrected_weight(tl.exp(tl.minimum(tl.maximum(x, -20.0), 20.0)), rc_low, rc_high, CDT, RC)
+                acc_nw += tl.where(valid0, w.to(tl.float64), 0.0)
+        acc_n += valid.to(tl.int32)
+        if NEED_DELTA:  # GSPO: the sequence mean of the unclamped δ
+            acc_d += tl.where(valid, lp - old, 0.0)
         if (A3PO or NEED_GEO) and (not SEQ_ADV):  # Σ A·m in fp64: A3PO's polarity, geo_mean's Ā_i
             adv = tl.load(adv_ptr + t, mask=inside, other=0.0)
             acc_a += tl.where(valid, adv.to(tl.float64), 0.0)
         if NEED_GEO:
-            lp = tl.load(logp_ptr + t, mask=inside, other=0.0).to(CDT)
             if SEQ_ADV:
                 adv = tl.load(adv_ptr + i) + tl.zeros([BLOCK], CDT)
             d_min = _geo_mean_log_ratio(lp - old, adv, _param(clip_lo, CDT), _param(clip_hi, CDT))
@@ -399,13 +582,52 @@ def _seq_stats_kernel(
             acc_c += cand.to(tl.int32)
             kmin = tl.minimum(kmin, tl.where(cand, key, _I64_MAX))
             kmax = tl.maximum(kmax, tl.where(cand, key, _I64_MIN))
+    row = seqf_ptr + i * _NSTAT
     n = tl.sum(acc_n, 0)
+    n_raw = n
+    if RS != 0:  # the sequence options, on the statistics over m⁰
+        n_raw = tl.sum(acc_n0, 0)
+        has = n_raw > 0
+        nr = tl.maximum(n_raw, 1).to(CDT)
+        s1 = tl.sum(acc_k1, 0).to(CDT)
+        s2 = tl.sum(acc_k2, 0).to(CDT)
+        s3 = tl.sum(acc_k3, 0).to(CDT)
+        seq_ok = _seq_keep(
+            s1,
+            s2,
+            s3,
+            tl.where(has, s1 / nr, 0.0),
+            tl.where(has, s2 / nr, 0.0),
+            tl.where(has, s3 / nr, 0.0),
+            tl.where(has, tl.max(max_k2, 0), 0.0),
+            tl.where(has, tl.max(max_k3, 0), 0.0),
+            rs_seq_sum_k1_low,
+            rs_seq_sum_k1_high,
+            rs_seq_sum_k2,
+            rs_seq_sum_k3,
+            rs_seq_mean_k1_low,
+            rs_seq_mean_k1_high,
+            rs_seq_mean_k2,
+            rs_seq_mean_k3,
+            rs_seq_max_k2,
+            rs_seq_max_k3,
+            CDT,
+            RS,
+        )
+        n = tl.where(seq_ok, n, 0)
+        tl.store(row + _S_KEEP, tl.where(seq_ok, 1.0, 0.0).to(CDT))
     nf = n.to(CDT)
-    tl.store(seqf_ptr + i * _NSTAT + 0, nf)
+    tl.store(row + _S_N, nf)
+    tl.store(row + _S_N_RAW, n_raw.to(CDT))
     if NEED_DELTA:
-        tl.store(seqf_ptr + i * _NSTAT + 1, tl.sum(acc_d, 0) / tl.maximum(nf, 1.0))
-    if NEED_LOGW:
-        tl.store(seqf_ptr + i * _NSTAT + 2, tl.sum(acc_w, 0))
+        tl.store(row + _S_LOG_S, tl.sum(acc_d, 0) / tl.maximum(nf, 1.0))
+    if NEED_LOGW:  # the sequence IS weight (reference is_weights): once per sequence, here
+        logw = tl.minimum(tl.maximum(tl.sum(acc_w, 0), -20.0), 20.0)
+        seq_w, seq_rej = _corrected_weight(tl.exp(logw), rc_low, rc_high, CDT, RC)
+        tl.store(row + _S_IS_W, seq_w)
+        tl.store(row + _S_SEQ_REJ, tl.where(seq_rej, 1.0, 0.0).to(CDT))
+    if NORM_TOK:
+        tl.store(row + _S_IS_W, tl.sum(acc_nw, 0).to(CDT))
     if NEED_GEO:
         nn = tl.maximum(n, 1).to(tl.float64)
         if SEQ_ADV:  # Σ A·m = A_i · n_i
@@ -414,7 +636,7 @@ def _seq_stats_kernel(
             sum_adv = tl.sum(acc_a, 0)
         r = tl.exp((tl.sum(acc_g, 0) / nn).to(CDT))
         adv_mean = (sum_adv / nn).to(CDT)
-        tl.store(seqf_ptr + i * _NSTAT + 3, -adv_mean * r / nn.to(CDT))
+        tl.store(row + _S_GEO, -adv_mean * r / nn.to(CDT))
 
     if A3PO:
         # Polarity = sign of Σ_t A·m in fp64 (a [B] advantage: A_i · n_i).
@@ -422,7 +644,7 @@ def _seq_stats_kernel(
             pol = tl.load(adv_ptr + i).to(tl.float64) * n.to(tl.float64)
         else:
             pol = tl.sum(acc_a, 0)
-        row = _a3po_select(
+        a3 = _a3po_select(
             mask_ptr,
             old_ptr,
             ent_ptr,
@@ -446,7 +668,41 @@ def _seq_stats_kernel(
             BLOCK,
         )
         cols = tl.arange(0, 8)
-        tl.store(a3po_ptr + i * _NA3 + cols, row, mask=cols < _NA3)
+        tl.store(a3po_ptr + i * _NA3 + cols, a3, mask=cols < _NA3)
+
+
+@triton.jit
+def _is_batch_norm_kernel(
+    seqf_ptr,  # [B + 1, _NSTAT]: reads the rows 0..B-1, writes the mean to row B, column 0
+    B,
+    CDT: tl.constexpr,
+    SEQ_LEVEL: tl.constexpr,
+    SEQS: tl.constexpr,
+):
+    """Mirrors reference is_batch_norm (the C++ forward's batch mean), one program, in sequence
+    order: the mean of the IS weights over the valid tokens m⁰ (token level: Σ_i Σ w·m⁰ / Σ_i
+    n⁰_i) or over the sequences with a valid token (sequence level); 1 when it is <= 1e-8."""
+    lanes = tl.arange(0, SEQS).to(tl.int64)
+    num = tl.zeros([SEQS], tl.float64)
+    den = tl.zeros([SEQS], tl.float64)
+    for start in range(0, B, SEQS):
+        s = start + lanes
+        ok = s < B
+        w = tl.load(seqf_ptr + s * _NSTAT + _S_IS_W, mask=ok, other=0.0).to(tl.float64)
+        n0 = tl.load(seqf_ptr + s * _NSTAT + _S_N_RAW, mask=ok, other=0.0).to(tl.float64)
+        if SEQ_LEVEL:
+            num += tl.where(n0 > 0.0, w, 0.0)
+            den += tl.where(n0 > 0.0, 1.0, 0.0)
+        else:
+            num += w
+            den += n0
+    num_t = tl.sum(num, 0)
+    den_t = tl.sum(den, 0)
+    mu = tl.where(den_t > 0.0, num_t.to(CDT) / tl.maximum(den_t, 1.0).to(CDT), 0.0)
+    # 1e-8 rounded once to the compute dtype (a float literal is an fp32 constant even in
+    # fp64 code; 1e8 is exact in both, the division correctly rounded)
+    eps = 1.0 / tl.full([], 1e8, CDT)
+    tl.store(seqf_ptr + B * _NSTAT, tl.where(mu > eps, mu, 1.0).to(CDT))
 
 
 # ------------------------------------------------------------------ token stages
@@ -705,6 +961,36 @@ def _dro_term(lp, old, adv, valid, half_dro_beta, CDT: tl.constexpr):
 
 
 @triton.jit
+def _clip_cov_term(
+    lp, old, adv, valid, sel, lo, hi, lr_clamp, CDT: tl.constexpr, LR_CLAMP: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Mirrors reference clip_cov_term: ppo's _clipped_objective of exp(δ) without the dual
+    clip, 0 (value and gradient) on the covariance-selected tokens ``sel``; clipped = sel (the
+    CLIP count is the selected valid tokens), the clip sides are ppo's."""
+    delta, d_delta = _log_ratio(lp, old, lr_clamp, CDT, LR_CLAMP, BLOCK)
+    ratio = tl.exp(delta)
+    pg, dpg, _ = _clipped_objective(adv, ratio, -adv * ratio * d_delta, lo, hi)
+    low, high = _clip_sides(ratio, adv, valid, lo, hi)
+    return tl.where(sel, 0.0, pg), tl.where(sel, 0.0, dpg), sel, valid & False, delta, low, high
+
+
+@triton.jit
+def _kl_cov_term(
+    lp, old, adv, valid, sel, kl_cov_coef, lr_clamp, CDT: tl.constexpr, LR_CLAMP: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Mirrors reference kl_cov_term: −A·ρ + kl_cov_coef·|δ| on the selected tokens (∂|δ|/∂δ =
+    sign(δ), 0 at δ = 0, as torch.abs); clipped = sel; the δ slot holds −|δ| (NEG_DELTA: Σ m·|δ|)."""
+    delta, d_delta = _log_ratio(lp, old, lr_clamp, CDT, LR_CLAMP, BLOCK)
+    ratio = tl.exp(delta)
+    coef = _param(kl_cov_coef, CDT)
+    abs_delta = tl.where(delta < 0.0, -delta, delta)
+    sign = tl.where(delta > 0.0, 1.0, tl.where(delta < 0.0, -1.0, 0.0)).to(CDT)
+    pg = -adv * ratio + tl.where(sel, coef * abs_delta, 0.0)
+    dpg = (-adv * ratio + tl.where(sel, coef * sign, 0.0)) * d_delta
+    return pg, dpg, sel, valid & False, -abs_delta, valid & False, valid & False
+
+
+@triton.jit
 def _pg_term(
     lp,
     old,
@@ -720,6 +1006,8 @@ def _pg_term(
     tau_pos,
     tau_neg,
     half_dro_beta,
+    sel,  # clip_cov / kl_cov: the covariance selection
+    kl_cov_coef,
     CDT: tl.constexpr,
     LOSS: tl.constexpr,
     DUAL_CLIP: tl.constexpr,
@@ -730,7 +1018,11 @@ def _pg_term(
     clip sides (low, high) of reference clip_sides."""
     lo = _param(clip_lo, CDT)
     hi = _param(clip_hi, CDT)
-    if LOSS == PPO:
+    if LOSS == CLIP_COV:
+        return _clip_cov_term(lp, old, adv, valid, sel, lo, hi, lr_clamp, CDT, LR_CLAMP, BLOCK)
+    elif LOSS == KL_COV:
+        return _kl_cov_term(lp, old, adv, valid, sel, kl_cov_coef, lr_clamp, CDT, LR_CLAMP, BLOCK)
+    elif LOSS == PPO:
         return _ppo_term(lp, old, adv, valid, lo, hi, clip_c, lr_clamp, CDT, LR_CLAMP, DUAL_CLIP, BLOCK)
     elif LOSS == GSPO:
         return _gspo_term(lp, old, adv, valid, log_s, lo, hi, clip_c, gspo_clamp, CDT, DUAL_CLIP)
@@ -811,24 +1103,33 @@ def _shaping_weights(
 
 
 @triton.jit
-def _is_weights(old, roll, seq_logw, rc_low, rc_high, valid, CDT: tl.constexpr, RC: tl.constexpr, BLOCK: tl.constexpr):
-    """Mirrors reference is_weights: the detached rollout-correction weight and the rejected
-    flag. Token level from old − rollout; sequence level from Σ log w·m (stats pass); both
-    clamped to ±20 before exp."""
-    cap = _param(rc_high, CDT)
-    if (RC == SEQ_TIS) or (RC == SEQ_MIS):
-        raw = tl.exp(tl.minimum(tl.maximum(seq_logw, -20.0), 20.0)) + tl.zeros([BLOCK], CDT)
+def _is_weights(
+    base,
+    roll,
+    seq_w,
+    seq_rej,
+    is_mu,
+    rc_low,
+    rc_high,
+    CDT: tl.constexpr,
+    RC: tl.constexpr,
+    SEQ_RC: tl.constexpr,
+    IS_NORM: tl.constexpr,
+):
+    """Mirrors reference is_weights (and is_batch_norm's division): the detached
+    rollout-correction weight and the rejected flag. Token level: _corrected_weight of
+    exp(clamp(x, ±20)), x = base − rollout (base: old, or logprobs with rc_current); sequence
+    level (SEQ_RC): the sequence's weight and flag from the stats pass (the same
+    _corrected_weight of exp(clamp(Σ x·m⁰, ±20))); over the batch mean is_mu with IS_NORM."""
+    if SEQ_RC:
+        is_w = seq_w
+        rejected = seq_rej
     else:
-        raw = tl.exp(tl.minimum(tl.maximum(old - roll, -20.0), 20.0))
-    rejected = valid & False
-    if (RC == TOKEN_TIS) or (RC == SEQ_TIS):
-        is_w = tl.minimum(raw, cap)
-    elif RC == DECOUPLED:  # drop tokens whose behaviour weight exceeds the cap
-        rejected = raw > cap
-        is_w = tl.where(rejected, 0.0, raw)
-    else:  # MIS: 1 inside [low, C], rejected outside
-        rejected = (raw < _param(rc_low, CDT)) | (raw > cap)
-        is_w = tl.where(rejected, 0.0, 1.0).to(CDT)
+        is_w, rejected = _corrected_weight(
+            tl.exp(tl.minimum(tl.maximum(base - roll, -20.0), 20.0)), rc_low, rc_high, CDT, RC
+        )
+    if IS_NORM:
+        is_w = is_w / is_mu
     return is_w, rejected
 
 
@@ -996,23 +1297,14 @@ def _aggregate(
     kl,
     dlp,
     ec,
-    seqf_ptr,
-    row,
-    is_seq,
-    seq_len,
-    CDT: tl.constexpr,
+    n_i,
     SEQ_MEAN: tl.constexpr,
-    N_FROM_STATS: tl.constexpr,
 ):
     """Mirrors reference aggregate, the kernel's share of it: ℓ, pg·w·is_w, kl, ∂ℓ/∂logp and
     ∂ℓ/∂H = −c_H times the aggregation weight agg_w (1/n_i for seq-mean-token-mean, else 1;
     the valid selection is _partial_sums' and the stores'). The scalar normalisation (1/N_tok,
     1/N_seq, dp_size, loss_scale_factor) is the op layer's _aggregate."""
     if SEQ_MEAN:
-        if N_FROM_STATS:
-            n_i = tl.load(seqf_ptr + row * _NSTAT, mask=is_seq, other=0.0)
-        else:  # packed without a mask: every token of the sequence is valid
-            n_i = seq_len.to(CDT)
         agg_w = 1.0 / tl.maximum(n_i, 1.0)
         ell = ell * agg_w
         pgw = pgw * agg_w
@@ -1061,7 +1353,8 @@ def _partial_sums(
     ntok = tl.sum(tl.where(valid, one, zero), 0)
     part = tl.where(cols == _C_NTOK, ntok, part)
     CLIPS: tl.constexpr = (LOSS == PPO) or (LOSS == GSPO) or (LOSS == CISPO) or (LOSS == DPPO_TV) or (LOSS == DPPO_KL)
-    if CLIPS or (LOSS == GEO_MEAN):  # these clip
+    COV: tl.constexpr = (LOSS == CLIP_COV) or (LOSS == KL_COV)  # (CLIP: the selected tokens)
+    if CLIPS or COV or (LOSS == GEO_MEAN):  # these clip
         part = tl.where(cols == _C_CLIP, tl.sum(tl.where(valid & clipped, one, zero), 0), part)
         part = tl.where(cols == _C_CLIP_LOW, tl.sum(tl.where(low, one, zero), 0), part)
         part = tl.where(cols == _C_CLIP_HIGH, tl.sum(tl.where(high, one, zero), 0), part)
@@ -1077,7 +1370,8 @@ def _partial_sums(
     if KL != KL_NONE:
         part = tl.where(cols == _C_KL, tl.sum(tl.where(valid, kl_a, zero), 0), part)
         part = tl.where(cols == _C_KL_RAW, tl.sum(tl.where(valid, kl, zero), 0), part)
-    if (RC == TOKEN_MIS) or (RC == SEQ_MIS) or (RC == DECOUPLED):  # these reject
+    REJECTS: tl.constexpr = (RC == TOKEN_MIS) or (RC == SEQ_MIS) or (RC == DECOUPLED)
+    if REJECTS or (RC == TOKEN_ICEPOP) or (RC == SEQ_ICEPOP):  # these reject
         part = tl.where(cols == _C_REJECT, tl.sum(tl.where(valid & rejected, one, zero), 0), part)
     if SHAPING:
         part = tl.where(cols == _C_SHAPED, tl.sum(tl.where(valid & (w != 1.0), one, zero), 0), part)
@@ -1098,13 +1392,14 @@ def _token_kernel(
     roll_ptr,
     ent_ptr,  # token-shaped, input dtype (KL / RC / HAS_ENT)
     thr_ptr,  # 0-d fp32 entropy threshold (ENT_Q)
+    cov_ptr,  # token-shaped bool: the covariance selection (clip_cov / kl_cov)
     cu_ptr,  # [B + 1] int64, sanitised (PACKED)
     boff_ptr,  # [B + 3] int64 program offsets of the packed segments (PACKED)
-    seqf_ptr,  # [B, 4] compute dtype, from _seq_stats_kernel
+    seqf_ptr,  # [B + 1, _NSTAT] compute dtype, from _seq_stats_kernel (and _is_batch_norm_kernel)
     a3po_ptr,  # [B, 5] int64, from _seq_stats_kernel (A3PO)
     grad_ptr,  # token-shaped compute dtype: agg_w · ∂ℓ/∂logp
     gent_ptr,  # token-shaped compute dtype: agg_w · ∂ℓ/∂entropy (ENT_GRAD)
-    tok_ptr,  # token-shaped compute dtype: ℓ·m (TOKEN_OUT_LOSS) or A·w·m (TOKEN_OUT_SHAPED)
+    tok_ptr,  # token-shaped compute dtype: the TOKEN_OUT output (TokenOut)
     part_ptr,  # [programs, 32] compute dtype: per-program partial sums (PolicyLossSum columns)
     B,
     L,
@@ -1129,6 +1424,11 @@ def _token_kernel(
     s_neg_high: tl.float64,
     s_neg_low: tl.float64,
     half_dro_beta: tl.float64,
+    kl_cov_coef: tl.float64,
+    rs_token_k1_low: tl.float64,  # the rejection's token bounds (PolicyLossParams rs_token_*)
+    rs_token_k1_high: tl.float64,
+    rs_token_k2: tl.float64,
+    rs_token_k3: tl.float64,
     CDT: tl.constexpr,
     PACKED: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -1156,8 +1456,13 @@ def _token_kernel(
     KL_IN: tl.constexpr,
     KL_OUT: tl.constexpr,
     KL_SCORE: tl.constexpr,
+    RS_TOK: tl.constexpr,  # the rejection's token options (bits 0..2 of rs_options)
+    RS_SEQ: tl.constexpr,  # a sequence option of the rejection is on (keep_i from the stats pass)
+    RC_CURRENT: tl.constexpr,  # the rollout log-ratio from logprobs, else from old_logprobs
+    IS_NORM: tl.constexpr,  # the IS weights over their batch mean (seqf row B)
 ):
-    """One block of one sequence through every stage: inputs → _pg_term → _shaping_weights →
+    """One block of one sequence through every stage: inputs (the rejection's keep:
+    _rs_divergences → _token_keep, with the sequence's keep_i) → _pg_term → _shaping_weights →
     _is_weights → _kl_term → _token_loss → _aggregate → the token outputs and _partial_sums.
     (Long for its signature — every pointer, hyper-parameter and constexpr of the fused pass —
     and the argument lists of the stage calls; the body is the stage sequence.)"""
@@ -1167,12 +1472,36 @@ def _token_kernel(
     inside = t < end
     valid = _token_valid(mask_ptr, t, inside, HAS_MASK) & is_seq
 
+    # ---- the sequence's values: one scalar load each per program, up front (so that the row's
+    # address is not live through the token math), splat (the interpreter mishandles scalar &
+    # vector bools)
+    zero = tl.zeros([BLOCK], CDT)
+    stats = seqf_ptr + row * _NSTAT
+    if SEQ_ADV:
+        adv = tl.load(adv_ptr + row, mask=is_seq, other=0.0).to(CDT) + zero
+    log_s = zero
+    if LOSS == GSPO:
+        log_s = tl.load(stats + _S_LOG_S, mask=is_seq, other=0.0) + zero
+    geo_share = zero
+    if LOSS == GEO_MEAN:
+        geo_share = tl.load(stats + _S_GEO, mask=is_seq, other=0.0) + zero
+    SEQ_RC: tl.constexpr = (RC == SEQ_TIS) or (RC == SEQ_MIS) or (RC == SEQ_ICEPOP)
+    seq_w = zero
+    seq_rej = valid & False
+    if SEQ_RC:
+        seq_w = tl.load(stats + _S_IS_W, mask=is_seq, other=0.0) + zero
+        seq_rej = (tl.load(stats + _S_SEQ_REJ, mask=is_seq, other=0.0) + zero) != 0.0
+    keep_i = valid | True
+    if RS_SEQ:
+        keep_i = (tl.load(stats + _S_KEEP, mask=is_seq, other=0.0) + zero) != 0.0
+    n_i = seq_len.to(CDT)  # seq-mean-token-mean's n_i (packed without a mask: every token is valid)
+    if SEQ_MEAN and N_FROM_STATS:
+        n_i = tl.load(stats + _S_N, mask=is_seq, other=0.0)
+
     # ---- inputs in the compute dtype
     lp = tl.load(logp_ptr + t, mask=inside, other=0.0).to(CDT)
     old = tl.load(old_ptr + t, mask=inside, other=0.0).to(CDT)
-    if SEQ_ADV:  # one load per program, splat (the interpreter mishandles scalar & vector bools)
-        adv = tl.load(adv_ptr + row, mask=is_seq, other=0.0).to(CDT) + tl.zeros([BLOCK], CDT)
-    else:
+    if not SEQ_ADV:
         adv = tl.load(adv_ptr + t, mask=inside, other=0.0).to(CDT)
     ent = tl.zeros([BLOCK], CDT)
     if HAS_ENT:
@@ -1181,16 +1510,24 @@ def _token_kernel(
     if KL != KL_NONE:
         ref = tl.load(ref_ptr + t, mask=inside, other=0.0).to(CDT)
     roll = tl.zeros([BLOCK], CDT)
-    if RC != RC_NONE:  # (the sequence-level weights use it in the stats pass; read here for the value check)
+    NEED_ROLL: tl.constexpr = (RC != RC_NONE) or (RS_TOK != 0) or RS_SEQ
+    if NEED_ROLL:  # (the sequence-level weights use it in the stats pass; read here for the value check)
         roll = tl.load(roll_ptr + t, mask=inside, other=0.0).to(CDT)
+    base = old  # the rollout log-ratio x = base − rollout
+    if RC_CURRENT:
+        base = lp
+    if RS_TOK != 0:  # verl's rejection modifies the mask (reference rejection_keep)
+        k1, k2, k3 = _rs_divergences(base - roll)
+        valid = valid & _token_keep(
+            k1, k2, k3, rs_token_k1_low, rs_token_k1_high, rs_token_k2, rs_token_k3, CDT, RS_TOK
+        )
+    if RS_SEQ:
+        valid = valid & keep_i
+    sel = valid & False
+    if (LOSS == CLIP_COV) or (LOSS == KL_COV):
+        sel = tl.load(cov_ptr + t, mask=inside, other=0).to(tl.int1)
 
     # ---- the stages
-    log_s = tl.zeros([BLOCK], CDT)
-    if LOSS == GSPO:
-        log_s = tl.load(seqf_ptr + row * _NSTAT + 1, mask=is_seq, other=0.0) + log_s
-    geo_share = tl.zeros([BLOCK], CDT)
-    if LOSS == GEO_MEAN:
-        geo_share = tl.load(seqf_ptr + row * _NSTAT + 3, mask=is_seq, other=0.0) + geo_share
     pg, dpg, clipped, clip_lower, delta, low, high = _pg_term(
         lp,
         old,
@@ -1206,6 +1543,8 @@ def _token_kernel(
         tau_pos,
         tau_neg,
         half_dro_beta,
+        sel,
+        kl_cov_coef,
         CDT,
         LOSS,
         DUAL_CLIP,
@@ -1241,10 +1580,10 @@ def _token_kernel(
     is_w = tl.full([BLOCK], 1.0, CDT)
     rejected = valid & False
     if RC != RC_NONE:
-        seq_logw = 0.0
-        if (RC == SEQ_TIS) or (RC == SEQ_MIS):
-            seq_logw = tl.load(seqf_ptr + row * _NSTAT + 2, mask=is_seq, other=0.0)
-        is_w, rejected = _is_weights(old, roll, seq_logw, rc_low, rc_high, valid, CDT, RC, BLOCK)
+        is_mu = 1.0
+        if IS_NORM:
+            is_mu = tl.load(seqf_ptr + B * _NSTAT)
+        is_w, rejected = _is_weights(base, roll, seq_w, seq_rej, is_mu, rc_low, rc_high, CDT, RC, SEQ_RC, IS_NORM)
     kl = tl.zeros([BLOCK], CDT)
     dkl = tl.zeros([BLOCK], CDT)
     if KL != KL_NONE:
@@ -1269,12 +1608,9 @@ def _token_kernel(
     ec = _param(ent_coef, CDT)
     ell, pgw, dlp = _token_loss(pg, dpg, w, is_w, kl, dkl, ent, _param(kl_coef, CDT), ec, SHAPING, RC, KL, ENT_TERM)
 
-    ell_a, pgw_a, kl_a, dlp, grad_ent = _aggregate(
-        ell, pgw, kl, dlp, ec, seqf_ptr, row, is_seq, seq_len, CDT, SEQ_MEAN, N_FROM_STATS
-    )
+    ell_a, pgw_a, kl_a, dlp, grad_ent = _aggregate(ell, pgw, kl, dlp, ec, n_i, SEQ_MEAN)
 
     # ---- the outputs
-    zero = tl.zeros([BLOCK], CDT)
     tl.store(grad_ptr + t, tl.where(valid, dlp, zero), mask=inside)
     if ENT_GRAD:
         tl.store(gent_ptr + t, tl.where(valid, grad_ent + zero, zero), mask=inside)
@@ -1282,6 +1618,10 @@ def _token_kernel(
         tl.store(tok_ptr + t, tl.where(valid, ell, zero), mask=inside)
     elif TOKEN_OUT == TOKEN_OUT_SHAPED:  # the shaped advantage A·w, formed in fp64 as the reference
         tl.store(tok_ptr + t, tl.where(valid, (adv64 * w64).to(CDT), zero), mask=inside)
+    elif TOKEN_OUT == TOKEN_OUT_IS_WEIGHTS:  # (is_w = 1 without a correction weight)
+        tl.store(tok_ptr + t, tl.where(valid, is_w, zero), mask=inside)
+    elif TOKEN_OUT == TOKEN_OUT_KEEP:  # the valid tokens the rejection keeps
+        tl.store(tok_ptr + t, tl.where(valid, 1.0, zero), mask=inside)
 
     # The value check: x − x is NaN iff x is NaN or ±inf, so one sum over the inputs flags a
     # valid token with any non-finite input (the op layer raises on a count > 0).
@@ -1290,7 +1630,7 @@ def _token_kernel(
         chk += ent - ent
     if KL != KL_NONE:
         chk += ref - ref
-    if RC != RC_NONE:
+    if NEED_ROLL:
         chk += roll - roll
     part = _partial_sums(
         valid,
@@ -1323,7 +1663,7 @@ def _token_kernel(
 @triton.jit
 def _finalize_kernel(
     part_ptr,  # [P, 32] compute dtype partial sums
-    seqf_ptr,  # [B, 4] per-sequence stats (HAS_STATS: column 0 is n_i)
+    seqf_ptr,  # [B + 1, _NSTAT] per-sequence stats (HAS_STATS: n_i, n⁰_i; row B: the IS_NORM mean)
     boff_ptr,  # [B + 3] int64 program offsets (PACKED)
     sums_ptr,  # [NUM_SUMS] compute dtype output
     P,
@@ -1332,6 +1672,8 @@ def _finalize_kernel(
     CDT: tl.constexpr,
     PACKED: tl.constexpr,
     HAS_STATS: tl.constexpr,
+    RS: tl.constexpr,  # the rejection is on: NTOK_RAW, RS_REJECT, RS_SEQ_REJECT from n⁰_i and n_i
+    IS_NORM: tl.constexpr,
     ROWS: tl.constexpr,
     SEQS: tl.constexpr,
 ):
@@ -1354,6 +1696,9 @@ def _finalize_kernel(
     f_hi_sum = tl.zeros([SEQS], tl.float64)
     f_lo_min = tl.full([SEQS], float("inf"), tl.float64)
     f_hi_max = tl.zeros([SEQS], tl.float64)
+    n_raw_sum = tl.zeros([SEQS], tl.float64)
+    rs_rej = tl.zeros([SEQS], tl.float64)
+    rs_seq_rej = tl.zeros([SEQS], tl.float64)
     for start in range(0, B, SEQS):
         s = start + lanes
         ok = s < B
@@ -1374,7 +1719,12 @@ def _finalize_kernel(
             c_lo += tl.load(rp + _C_CLIP_LOW, mask=rmask, other=0.0)
             c_hi += tl.load(rp + _C_CLIP_HIGH, mask=rmask, other=0.0)
         if HAS_STATS:
-            n = tl.load(seqf_ptr + s * _NSTAT, mask=ok, other=0.0)
+            n = tl.load(seqf_ptr + s * _NSTAT + _S_N, mask=ok, other=0.0)
+        if RS:
+            n0 = tl.load(seqf_ptr + s * _NSTAT + _S_N_RAW, mask=ok, other=0.0).to(tl.float64)
+            n_raw_sum += n0
+            rs_rej += n0 - n.to(tl.float64)
+            rs_seq_rej += tl.where(n0 > n.to(tl.float64), 1.0, 0.0)
         has = ok & (n > 0.0)
         nseq += has.to(tl.int32)
         n64 = tl.maximum(n.to(tl.float64), 1.0)
@@ -1390,9 +1740,16 @@ def _finalize_kernel(
     out = tl.where(cols == _C_SEQ_CLIP_HIGH, tl.sum(f_hi_sum, 0), out)
     out = tl.where(cols == _C_SEQ_CLIP_LOW_MIN, tl.where(n_all > 0, tl.min(f_lo_min, 0), 0.0), out)
     out = tl.where(cols == _C_SEQ_CLIP_HIGH_MAX, tl.max(f_hi_max, 0), out)
-    # No rejection nor batch normalisation here (policy_loss_fwd refuses them): every valid
-    # token is kept (RS_REJECT, RS_SEQ_REJECT, IS_NORM stay 0).
-    out = tl.where(cols == _C_NTOK_RAW, tl.sum(tl.where(cols == _C_NTOK, acc, 0.0), 0), out)
+    # The rejection's counts (without it every valid token is kept: NTOK_RAW = NTOK, the
+    # others 0) and the batch-normalisation mean (0 when off).
+    if RS:
+        out = tl.where(cols == _C_NTOK_RAW, tl.sum(n_raw_sum, 0), out)
+        out = tl.where(cols == _C_RS_REJECT, tl.sum(rs_rej, 0), out)
+        out = tl.where(cols == _C_RS_SEQ_REJECT, tl.sum(rs_seq_rej, 0), out)
+    else:
+        out = tl.where(cols == _C_NTOK_RAW, tl.sum(tl.where(cols == _C_NTOK, acc, 0.0), 0), out)
+    if IS_NORM:
+        out = tl.where(cols == _C_IS_NORM, tl.load(seqf_ptr + B * _NSTAT).to(tl.float64), out)
     tl.store(sums_ptr + cols, out.to(CDT), mask=cols < _C_NUM_SUMS)
 
 
@@ -1400,7 +1757,8 @@ def _finalize_kernel(
 # Tokens per program of the token kernel / lanes of the per-sequence kernel (tests shrink
 # them to exercise multi-block sequences under the interpreter). fp64 and the fp64
 # shaping math (probability, A3PO) hold twice the registers per token: half the block
-# keeps them spill-free at 4 warps (python -m rlvr_kernels.triton.aot).
+# keeps them spill-free at 4 warps (python -m rlvr_kernels.triton.aot); so do the rejection's
+# statistics (five more accumulators per lane) in the per-sequence pass.
 _TOKEN_BLOCK = 1024
 _SEQ_BLOCK = 1024
 _WARPS = 4
@@ -1410,8 +1768,8 @@ def token_block(fp64: bool, heavy: bool) -> int:
     return max(16, _TOKEN_BLOCK // 2) if (fp64 or heavy) else _TOKEN_BLOCK
 
 
-def seq_block(fp64: bool, a3po: bool) -> int:
-    return max(16, _SEQ_BLOCK // 2) if (fp64 or a3po) else _SEQ_BLOCK
+def seq_block(fp64: bool, heavy: bool) -> int:
+    return max(16, _SEQ_BLOCK // 2) if (fp64 or heavy) else _SEQ_BLOCK
 
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -1435,6 +1793,7 @@ class _Inputs(NamedTuple):
     entropy: Optional[torch.Tensor]
     cu_seqlens: Optional[torch.Tensor]
     entropy_threshold: Optional[torch.Tensor]
+    cov_selection: Optional[torch.Tensor]
 
 
 def _check_inputs(x: _Inputs, p: PolicyLossParams, need_entropy_grad: bool) -> int:
@@ -1446,13 +1805,21 @@ def _check_inputs(x: _Inputs, p: PolicyLossParams, need_entropy_grad: bool) -> i
     layout = "[T] with cu_seqlens" if packed else "[B, L] without cu_seqlens"
     _check(lp.dim() == (1 if packed else 2), "logprobs must be ", layout, ", got shape ", shape)
     _check(packed or x.mask is not None, "the padded layout needs a mask")
+    cov = p.loss_type in (LossType.CLIP_COV, LossType.KL_COV)
+    _check(
+        (x.cov_selection is not None) == cov,
+        "cov_selection is ",
+        "required by" if cov else "only read by",
+        " the clip_cov / kl_cov loss types",
+    )
     needs_entropy = p.entropy_quantile or (p.a3po and p.a3po_metric == A3poMetric.ENTROPY) or need_entropy_grad
     for name, t, needed, dtype in (
         ("old_logprobs", x.old_logprobs, True, lp.dtype),
         ("ref_logprobs", x.ref_logprobs, p.kl != KlEstimator.NONE, lp.dtype),
-        ("rollout_logprobs", x.rollout_logprobs, p.rollout_correction != RolloutCorrectionCode.NONE, lp.dtype),
+        ("rollout_logprobs", x.rollout_logprobs, _needs_rollout(p), lp.dtype),
         ("entropy", x.entropy, needs_entropy, lp.dtype),
         ("mask", x.mask, False, torch.bool),
+        ("cov_selection", x.cov_selection, cov, torch.bool),
         ("advantages", x.advantages if not p.seq_adv else None, False, None),
     ):
         _check(t is not None or not needed, "these options need ", name)
@@ -1502,24 +1869,8 @@ def policy_loss_fwd(
     ``(sums, grad_logprobs, grad_entropy, token_out)``. ``seq_stats`` (contracts SeqStat, the
     whole sequences' statistics under cp_group) replaces ``_seq_stats_kernel``'s rows."""
     p = PolicyLossParams.unpack(fparams, iparams)
-    # (clip_cov / kl_cov: the C++ kernel only, so far)
-    _check(
-        p.loss_type not in (LossType.CLIP_COV, LossType.KL_COV), "loss_type clip_cov / kl_cov runs on the cpu backend"
-    )
-    _check(cov_selection is None, "cov_selection is only read by the clip_cov / kl_cov loss types")
-    unsupported = (
-        p.rs_options != 0
-        or p.rc_current
-        or p.is_batch_normalize
-        or p.rollout_correction in (RolloutCorrectionCode.TOKEN_ICEPOP, RolloutCorrectionCode.SEQ_ICEPOP)
-        or p.token_out in (TokenOut.IS_WEIGHTS, TokenOut.KEEP)
-    )
-    if unsupported:
-        raise ValueError(
-            "rollout_correction: rejection (rs / geo_mean), IcePop, batch normalisation and "
-            "log_ratio='current' are fused in the reference and cpu backends only; use backend='cpu' "
-            "(tensors on the CPU) or backend='reference'"
-        )
+    # (the bits above the 11 options are ignored, as the C++ kernel does)
+    p = dataclasses.replace(p, rs_options=int(p.rs_options) & 0x7FF)
     # The kernels index flat, contiguous buffers (a no-op for what the op layer passes).
     x = _Inputs(
         *(
@@ -1528,6 +1879,7 @@ def policy_loss_fwd(
         ),
         cu_seqlens,
         entropy_threshold,
+        None if cov_selection is None else cov_selection.contiguous(),
     )
     fp64 = x.logprobs.dtype == torch.float64
     cdt = torch.float64 if fp64 else torch.float32
@@ -1559,20 +1911,26 @@ def policy_loss_fwd(
         T, NBL = B * L, triton.cdiv(L, tb)
         P = B * NBL
         cu = boff = grad  # unused
-    given = seq_stats is not None
-    _check(not (given and k["A3PO"]), "seq_stats does not carry the A3PO selection")
-    n_from_stats = bool(p.seq_mean) and (k["HAS_MASK"] or not k["PACKED"] or given)
-    stats = (
-        n_from_stats or given or p.loss_type in (LossType.GSPO, LossType.GEO_MEAN) or _seq_rc(p) or k["A3PO"]
-    ) and B > 0
+    if seq_stats is not None:
+        # (the stats rows of this kernel carry the rejection and IS state the given statistics
+        # would have to be turned into first: not done yet)
+        raise NotImplementedError(
+            "seq_stats (policy_loss's cp_group=): the Triton kernel does not take given sequence statistics; "
+            "use backend='cpu' or 'reference'"
+        )
+    rs = p.rs_options != 0
+    # (with rejection n_i is the kept count: from the stats pass in every layout)
+    n_from_stats = bool(p.seq_mean) and (k["HAS_MASK"] or not k["PACKED"] or rs)
+    seq_pass = n_from_stats or p.loss_type in (LossType.GSPO, LossType.GEO_MEAN) or _seq_rc(p) or k["A3PO"]
+    stats = (seq_pass or rs or _is_norm(p)) and B > 0
     seqf, a3po_rows = grad, grad
-    if stats and given:
-        seqf = _seq_rows(seq_stats, B, cdt).reshape(-1).contiguous()
-    elif stats:
-        seqf = torch.empty(B * 4, dtype=cdt, device=dev)
+    if stats:
+        seqf = torch.empty((B + 1) * int(_NSTAT), dtype=cdt, device=dev)
         if k["A3PO"]:
             a3po_rows = torch.empty(B * 5, dtype=torch.int64, device=dev)
         _launch_seq_stats(p, k, x, cu, seqf, a3po_rows, B, L, T)
+        if _is_norm(p):
+            _is_batch_norm_kernel[(1,)](seqf, B, CDT=k["CDT"], SEQ_LEVEL=_seq_rc(p), SEQS=128)
     part = torch.empty(max(P, 1) * 32, dtype=cdt, device=dev)
     if P > 0:
         _token_kernel[(P,)](
@@ -1594,7 +1952,15 @@ def policy_loss_fwd(
             BLOCK=tb,
             num_warps=_WARPS,
         )
-    c = dict(CDT=k["CDT"], PACKED=k["PACKED"], HAS_STATS=stats, ROWS=32, SEQS=128)
+    c = dict(
+        CDT=k["CDT"],
+        PACKED=k["PACKED"],
+        HAS_STATS=stats,
+        RS=rs and stats,
+        IS_NORM=_is_norm(p) and stats,
+        ROWS=32,
+        SEQS=128,
+    )
     _finalize_kernel[(1,)](part, seqf, boff, sums, P, B, NBL, **c)
     return sums, grad, gent, tok
 
@@ -1623,7 +1989,26 @@ def _seq_rows(seq_stats, B: int, cdt):
 
 
 def _seq_rc(p: PolicyLossParams) -> bool:
-    return p.rollout_correction in (RolloutCorrectionCode.SEQ_TIS, RolloutCorrectionCode.SEQ_MIS)
+    seq = (RolloutCorrectionCode.SEQ_TIS, RolloutCorrectionCode.SEQ_MIS, RolloutCorrectionCode.SEQ_ICEPOP)
+    return p.rollout_correction in seq
+
+
+def _is_norm(p: PolicyLossParams) -> bool:
+    return bool(p.is_batch_normalize) and p.rollout_correction != RolloutCorrectionCode.NONE
+
+
+def _needs_rollout(p: PolicyLossParams) -> bool:
+    return p.rollout_correction != RolloutCorrectionCode.NONE or p.rs_options != 0
+
+
+# The rejection bounds: the PolicyLossParams fields rs_* (the kernels' argument names), in order.
+_RS_BOUNDS = tuple(
+    f.name for f in dataclasses.fields(PolicyLossParams) if f.name.startswith("rs_") and f.name != "rs_options"
+)
+
+
+def _rs_bounds(p: PolicyLossParams):
+    return tuple(getattr(p, name) for name in _RS_BOUNDS)
 
 
 def _a3po_knobs(p: PolicyLossParams):
@@ -1646,7 +2031,7 @@ def _launch_seq_stats(p: PolicyLossParams, k, x: _Inputs, cu, seqf, a3po_rows, B
         x.old_logprobs,
         x.advantages,
         dummy if x.mask is None else x.mask,
-        x.rollout_logprobs if _seq_rc(p) else dummy,
+        x.rollout_logprobs if _needs_rollout(p) else dummy,
         dummy if x.entropy is None else x.entropy,
         cu,
         seqf,
@@ -1656,11 +2041,18 @@ def _launch_seq_stats(p: PolicyLossParams, k, x: _Inputs, cu, seqf, a3po_rows, B
         T,
         p.ratio_low,
         p.ratio_high,
+        p.rc_low,
+        p.rc_high,
         *_a3po_knobs(p),
+        *_rs_bounds(p),
         NEED_DELTA=p.loss_type == LossType.GSPO,
         NEED_LOGW=_seq_rc(p),
         NEED_GEO=p.loss_type == LossType.GEO_MEAN,
-        BLOCK=seq_block(k["CDT"] is tl.float64, k["A3PO"]),
+        RC=int(p.rollout_correction),
+        RS=int(p.rs_options),
+        RC_CURRENT=bool(p.rc_current),
+        NORM_TOK=_is_norm(p) and not _seq_rc(p),
+        BLOCK=seq_block(k["CDT"] is tl.float64, k["A3PO"] or p.rs_options != 0),
         num_warps=_WARPS,
         **k,
     )
@@ -1674,9 +2066,10 @@ def _token_pointers(p: PolicyLossParams, x: _Inputs, dummy):
         x.advantages,
         dummy if x.mask is None else x.mask,
         x.ref_logprobs if p.kl != KlEstimator.NONE else dummy,
-        x.rollout_logprobs if p.rollout_correction != RolloutCorrectionCode.NONE else dummy,
+        x.rollout_logprobs if _needs_rollout(p) else dummy,
         dummy if x.entropy is None else x.entropy,
         x.entropy_threshold if p.entropy_quantile else dummy,
+        x.cov_selection if x.cov_selection is not None else dummy,
     )
 
 
@@ -1702,6 +2095,8 @@ def _token_floats(p: PolicyLossParams):
         p.a3po_neg_high_scale,
         p.a3po_neg_low_scale,
         0.5 * p.dro_beta,  # (Python's 0.5·β, as the reference forms it)
+        p.kl_cov_coef,
+        *_rs_bounds(p)[:4],  # the token options' bounds
     )
 
 
@@ -1730,6 +2125,10 @@ def _token_constexprs(p: PolicyLossParams, k, has_entropy: bool, need_entropy_gr
         ENT_Q=bool(p.entropy_quantile),
         KL_RATIO=p.kl != KlEstimator.NONE and bool(p.kl_ratio_correction),
         SEARCH_STEPS=max(1, math.ceil(math.log2(B + 2)) + 1) if k["PACKED"] else 1,
+        RS_TOK=int(p.rs_options) & 7,
+        RS_SEQ=(int(p.rs_options) >> 3) != 0,
+        RC_CURRENT=bool(p.rc_current),
+        IS_NORM=_is_norm(p) and B > 0,  # (B = 0: no stats pass, no valid token)
     )
 
 
@@ -1765,7 +2164,15 @@ def aot_specs():
             f"_finalize_kernel[{name}]",
             k._finalize_kernel,
             sig,
-            dict(CDT=cdt, PACKED=packed, HAS_STATS=stats, ROWS=32, SEQS=128),
+            dict(CDT=cdt, PACKED=packed, HAS_STATS=stats, RS=stats, IS_NORM=stats, ROWS=32, SEQS=128),
+        )
+    for name, cdt, seq_level in (("token", tl.float32, False), ("sequence,fp64", tl.float64, True)):
+        c = "*fp64" if cdt is tl.float64 else "*fp32"
+        yield (
+            f"_is_batch_norm_kernel[{name}]",
+            k._is_batch_norm_kernel,
+            dict(seqf_ptr=c, B="i32"),
+            dict(CDT=cdt, SEQ_LEVEL=seq_level, SEQS=128),
         )
 
 
@@ -1787,9 +2194,12 @@ def _aot_seq_stats_specs():
             T="i32",
             clip_lo="fp64",
             clip_hi="fp64",
+            rc_low="fp64",
+            rc_high="fp64",
         )
         for knob in ("pos_high", "pos_low", "neg_high", "neg_low"):
             sig.update({f"r_{knob}": "fp64", f"s_{knob}": "fp64"})
+        sig.update({n: "fp64" for n in _RS_BOUNDS})
         full = dict(
             CDT=cdt,
             PACKED=False,
@@ -1800,9 +2210,13 @@ def _aot_seq_stats_specs():
             NEED_GEO=False,
             A3PO=False,
             A3PO_ENT=False,
+            RC=int(RolloutCorrectionCode.NONE),
+            RS=0,
+            RC_CURRENT=False,
+            NORM_TOK=False,
         )
         full.update(const)
-        full["BLOCK"] = seq_block(cdt is tl.float64, full["A3PO"])
+        full["BLOCK"] = seq_block(cdt is tl.float64, full["A3PO"] or full["RS"] != 0)
         return f"_seq_stats_kernel[{name}]", _seq_stats_kernel, sig, full
 
     yield spec("seq_mean,packed", "*bf16", tl.float32, PACKED=True)
@@ -1812,8 +2226,24 @@ def _aot_seq_stats_specs():
     yield spec("fp64,all", "*fp64", tl.float64, NEED_DELTA=True, NEED_LOGW=True, A3PO=True)
     yield spec("geo_mean,token_adv", "*bf16", tl.float32, NEED_GEO=True, SEQ_ADV=False)
     yield spec("geo_mean,a3po,fp64", "*fp64", tl.float64, NEED_GEO=True, A3PO=True, SEQ_ADV=False)
+    # RolloutCorrection: every rejection option, with the IS weights' batch normalisation
+    seq_icepop = int(RolloutCorrectionCode.SEQ_ICEPOP)
+    yield spec("rs_all,seq_icepop,norm", "*bf16", tl.float32, RS=_RS_ALL, RC=seq_icepop, NEED_LOGW=True)
+    yield spec(
+        "rs_all,token_icepop,norm_tok,current,gspo,packed",
+        "*bf16",
+        tl.float32,
+        RS=_RS_ALL,
+        RC=int(RolloutCorrectionCode.TOKEN_ICEPOP),
+        NORM_TOK=True,
+        RC_CURRENT=True,
+        NEED_DELTA=True,
+        PACKED=True,
+    )
+    yield spec("rs_seq,geo_mean,fp64", "*fp64", tl.float64, RS=_RS_ALL & ~7, NEED_GEO=True, SEQ_ADV=False)
 
 
+_RS_ALL = (1 << 11) - 1  # every rejection option (options.RS_OPTIONS)
 _AOT_TOKEN_FLOATS = (
     "clip_lo",
     "clip_hi",
@@ -1834,6 +2264,11 @@ _AOT_TOKEN_FLOATS = (
     "s_neg_high",
     "s_neg_low",
     "half_dro_beta",
+    "kl_cov_coef",
+    "rs_token_k1_low",
+    "rs_token_k1_high",
+    "rs_token_k2",
+    "rs_token_k3",
 )
 
 
@@ -1848,6 +2283,7 @@ def _aot_token_spec(name, inp, cdt, **const):
         roll_ptr=inp,
         ent_ptr=inp,
         thr_ptr="*fp32",
+        cov_ptr="*i1",
         cu_ptr="*i64",
         boff_ptr="*i64",
         seqf_ptr=c,
@@ -1889,6 +2325,10 @@ def _aot_token_spec(name, inp, cdt, **const):
         KL_IN=20.0,
         KL_OUT=10.0,
         KL_SCORE=False,
+        RS_TOK=0,
+        RS_SEQ=False,
+        RC_CURRENT=False,
+        IS_NORM=False,
     )
     full.update(const)
     full["BLOCK"] = token_block(cdt is tl.float64, full["A3PO"] or full["SHAPE_PROB"])
@@ -1957,8 +2397,59 @@ def _aot_token_specs():
         LR_CLAMP=False,
         SEQ_ADV=False,
     )
+    geo_seq_tis_k3 = dict(
+        LOSS=int(LossType.GEO_MEAN), RC=int(RolloutCorrectionCode.SEQ_TIS), KL=int(KlEstimator.K3), LR_CLAMP=False
+    )
+    yield spec("geo_mean,seq_tis,k3,seq_adv", "*bf16", tl.float32, **geo_seq_tis_k3)
     yield spec(
         "geo_mean,fp64,seq_mean", "*fp64", tl.float64, LOSS=int(LossType.GEO_MEAN), SEQ_MEAN=True, N_FROM_STATS=True
+    )
+    # verl's Clip-Cov / KL-Cov drop-ins: token advantages, no log-ratio clamp
+    yield spec("clip_cov", "*bf16", tl.float32, LOSS=int(LossType.CLIP_COV), LR_CLAMP=False, SEQ_ADV=False)
+    yield spec(
+        "kl_cov,k3,seq_mean",
+        "*bf16",
+        tl.float32,
+        LOSS=int(LossType.KL_COV),
+        KL=int(KlEstimator.K3),
+        SEQ_MEAN=True,
+        N_FROM_STATS=True,
+        SEQ_ADV=False,
+    )
+    yield spec("clip_cov,fp64,packed", "*fp64", tl.float64, LOSS=int(LossType.CLIP_COV), PACKED=True, SEARCH_STEPS=8)
+    # RolloutCorrection: the rejection chain (token and sequence options), IcePop, the batch
+    # normalisation, log_ratio="current", and the token outputs of verl's bypass (weights, keep)
+    rejection = dict(RS_TOK=7, RS_SEQ=True, IS_NORM=True)
+    yield spec(
+        "ppo,k3,token_icepop,rs,norm,current,token_out=3",
+        "*bf16",
+        tl.float32,
+        KL=int(KlEstimator.K3),
+        RC=int(RolloutCorrectionCode.TOKEN_ICEPOP),
+        RC_CURRENT=True,
+        TOKEN_OUT=int(TokenOut.IS_WEIGHTS),
+        **rejection,
+    )
+    yield spec(
+        "gspo,seq_icepop,rs,norm,seq_mean,packed,token_out=4",
+        "*bf16",
+        tl.float32,
+        LOSS=int(LossType.GSPO),
+        RC=int(RolloutCorrectionCode.SEQ_ICEPOP),
+        SEQ_MEAN=True,
+        N_FROM_STATS=True,
+        PACKED=True,
+        SEARCH_STEPS=8,
+        TOKEN_OUT=int(TokenOut.KEEP),
+        **rejection,
+    )
+    yield spec("ppo,rs_only", "*bf16", tl.float32, RS_TOK=2, RS_SEQ=True, DUAL_CLIP=True)
+    yield spec(
+        "geo_mean,seq_tis,k3,rs,norm,fp64",
+        "*fp64",
+        tl.float64,
+        SEQ_ADV=False,
+        **dict(geo_seq_tis_k3, **rejection),
     )
     yield spec(
         "dro,token_tis",

@@ -288,3 +288,79 @@ def test_shape_token_advantages_matches_reference(backend, device):
         )
         assert fast.dtype == torch.float32
         torch.testing.assert_close(fast.double().cpu(), ref.cpu(), rtol=1e-5, atol=1e-6)
+
+
+# RolloutCorrection beyond the shorthands (every backend fuses it): the rejection chain's
+# token and sequence options, IcePop, mask, the batch normalisation and log_ratio="current",
+# one case per family, odd sizes.
+RC = rk.RolloutCorrection
+RC_CASES = [
+    (
+        "rs token+seq, token_tis, norm",
+        dict(
+            rollout_correction=RC(
+                "token", 2.0, rs="token_k1,seq_sum_k2", rs_threshold="0.6_1.6,0.5", is_batch_normalize=True
+            )
+        ),
+    ),
+    (
+        "seq icepop, norm, rs seq_max_k3, seq-mean",
+        dict(
+            agg="seq-mean-token-mean",
+            rollout_correction=RC(
+                "sequence", 3.0, 0.4, "icepop", rs="seq_max_k3", rs_threshold=0.1, is_batch_normalize=True
+            ),
+        ),
+    ),
+    (
+        "gspo, token icepop, current, norm",
+        dict(
+            loss_type="gspo",
+            kl="k3",
+            kl_coef=0.1,
+            rollout_correction=RC("token", 1.5, 0.7, "icepop", is_batch_normalize=True, log_ratio="current"),
+        ),
+    ),
+    (
+        "geo_mean, rejection only (geo_mean bounds), seq_mis",
+        dict(
+            loss_type="geo_mean",
+            agg="seq-mean-token-sum",
+            rollout_correction=RC("sequence", 4.0, 0.25, "mask", geo_mean=(0.8, 1.25)),
+        ),
+    ),
+    (
+        "rs token_k3 + seq_mean_k2, current",
+        dict(
+            agg="seq-mean-token-mean",
+            rollout_correction=RC(rs="token_k3,seq_mean_k2", rs_threshold="0.08,0.05", log_ratio="current"),
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("backend,device", FAST)
+@pytest.mark.parametrize("case", RC_CASES, ids=[c[0] for c in RC_CASES])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_rollout_correction_matches_reference(backend, device, case, layout):
+    gen = torch.Generator().manual_seed(zlib.crc32(case[0].encode()))
+    inputs = random_policy_case(gen, B=7, L=13, layout=layout, device=device)
+    fast = assert_matches_reference(inputs, case[1], backend, gen)
+    # (the cases reject part of the batch, not all of it)
+    assert 0.0 < float(fast["metric.rs_masked_frac"]) < 1.0 or "rs" not in case[0]
+
+
+@pytest.mark.parametrize("backend,device", FAST)
+@pytest.mark.parametrize("what", ["all_rejected", "all_masked"])
+def test_rollout_correction_without_kept_tokens_gives_zeros(backend, device, what):
+    gen = torch.Generator().manual_seed(31)
+    inputs = random_policy_case(gen, B=5, L=11, device=device)
+    if what == "all_masked":
+        inputs["mask"] = torch.zeros_like(inputs["mask"])
+    rc = RC("sequence", 2.0, 0.5, "icepop", rs="token_k2,seq_max_k2", rs_threshold="1e-12,0.3", is_batch_normalize=True)
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        out = assert_matches_reference(inputs, dict(agg=agg, kl="k3", kl_coef=0.1, rollout_correction=rc), backend, gen)
+        assert all(bool(torch.isfinite(v).all()) for v in out.values())
+        assert float(out["loss"]) == 0.0 and float(out["grad.logprobs"].abs().sum()) == 0.0
+        assert float(out["metric.num_tokens"]) == 0.0
+        assert float(out["metric.rs_masked_frac"]) == (1.0 if what == "all_rejected" else 0.0)

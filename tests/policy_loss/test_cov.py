@@ -1,11 +1,11 @@
-"""clip_cov / kl_cov on the C++ kernel: values and gradients against the formulas written
-in torch on the same covariance selection and against the fp64 reference (padded, packed,
-fp32 / bf16 / fp64, empty, all-masked, no candidates), the selection's determinism, the
-caller's cov_selection= and the option checks."""
+"""clip_cov / kl_cov on the C++ and Triton kernels: values and gradients against the formulas
+written in torch on the same covariance selection and against the fp64 reference (padded,
+packed, fp32 / bf16 / fp64, empty, all-masked, no candidates), the selection's determinism,
+the caller's cov_selection= and the option checks."""
 
 import pytest
 import torch
-from _backends import ALL
+from _backends import ALL, FAST
 
 import rlvr_kernels as rk
 from rlvr_kernels.contracts.policy_loss import LossType, cov_selection
@@ -115,13 +115,14 @@ def test_options_checked():
         rk.PolicyLossOptions(loss_type="clip_cov", cov_seed=1.5)
 
 
-def assert_cpu_matches_reference(inputs, options, gen):
-    """The tolerance rule: cpu against the fp64 reference, the same-dtype reference as scale."""
+def assert_backend_matches_reference(inputs, options, gen, backend="cpu"):
+    """The tolerance rule: a fast backend against the fp64 reference, the same-dtype reference
+    as scale."""
     opts = {"options": rk.PolicyLossOptions(**options)}
     up = upstream_for(inputs, options, gen)
     ref64 = run_policy_loss(as_float64(inputs), opts, "reference", up)
     same = run_policy_loss(inputs, opts, "reference", up)
-    fast = run_policy_loss(inputs, opts, "cpu", up)
+    fast = run_policy_loss(inputs, opts, backend, up)
     sums = reduction_magnitudes(inputs, opts)
     bad = [c for c in compare_policy(fast, ref64, same, inputs["logprobs"].dtype, sums) if not c.ok]
     assert not bad, bad
@@ -144,49 +145,66 @@ COV_OPTS = [
 def test_cpu_matches_reference(opts, layout, dtype, token_adv):
     gen = torch.Generator().manual_seed(11 + 7 * token_adv)
     inputs = random_policy_case(gen, B=9, L=41, layout=layout, dtype=dtype, token_adv=token_adv)
-    fast, ref64 = assert_cpu_matches_reference(inputs, opts, gen)
+    fast, ref64 = assert_backend_matches_reference(inputs, opts, gen)
     assert float(ref64["metric.pg_clipfrac"]) > 0  # some tokens are selected
 
 
-@pytest.mark.parametrize("backend,device", [p for p in ALL if p.values[0] != "triton"])
+# Triton (interpreted on CPU machines: seconds per call): a few of the cases above, odd sizes.
+TRITON = [p for p in FAST if p.values[0] == "triton"]
+
+
+@pytest.mark.parametrize("backend,device", TRITON)
+@pytest.mark.parametrize("opts", COV_OPTS[1:], ids=lambda o: f"{o['loss_type']}-{o['cov_ratio']}")
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_triton_matches_reference(backend, device, opts, layout):
+    gen = torch.Generator().manual_seed(12)
+    dtype = torch.bfloat16 if layout == "packed" else torch.float32
+    inputs = random_policy_case(gen, B=7, L=23, layout=layout, dtype=dtype, token_adv=layout == "padded", device=device)
+    fast, ref64 = assert_backend_matches_reference(inputs, opts, gen, backend)
+    assert float(ref64["metric.pg_clipfrac"]) > 0
+
+
+@pytest.mark.parametrize("backend,device", ALL)
 @pytest.mark.parametrize("loss_type", ["clip_cov", "kl_cov"])
 def test_reference_matches_formulas(backend, device, loss_type):
     lp, old, adv, mask = batch(4)
     lt = LossType.CLIP_COV if loss_type == "clip_cov" else LossType.KL_COV
     sel = cov_selection(lt, lp, old, adv, mask, cov_ratio=0.1, **KW)
     o = cov_options(loss_type)
-    x = lp.double().requires_grad_(True)
-    loss, met = rk.policy_loss(x, old.double(), adv.double(), mask, options=o, backend=backend)
+    x = lp.double().to(device).requires_grad_(True)
+    dev = (old.double().to(device), adv.double().to(device), mask.to(device))
+    loss, met = rk.policy_loss(x, *dev, options=o, backend=backend)
     (g,) = torch.autograd.grad(loss, x)
     x64 = lp.double().requires_grad_(True)
     want = torch_loss(loss_type, x64, old.double(), adv.double(), mask, sel, coef=0.7)
     (g64,) = torch.autograd.grad(want, x64)
     assert float(loss) == pytest.approx(float(want.detach()), rel=1e-10)
-    assert torch.allclose(g, g64, atol=1e-12)
+    assert torch.allclose(g.cpu(), g64, atol=1e-12)
     assert float(met.pg_clipfrac) == pytest.approx(float(sel[mask].double().mean()))
     if loss_type == "kl_cov":
         assert float(met.ppo_kl) == pytest.approx(float((lp - old).abs()[mask].double().mean()), rel=1e-6)
     given = torch.zeros_like(mask)
     given[1, :4] = True
-    loss, _ = rk.policy_loss(lp, old, adv, mask, options=o, cov_selection=given, backend=backend)
+    dev = (lp.to(device), old.to(device), adv.to(device), mask.to(device))
+    loss, _ = rk.policy_loss(*dev, options=o, cov_selection=given.to(device), backend=backend)
     want = torch_loss(loss_type, lp.double(), old.double(), adv.double(), mask, given, coef=0.7)
     assert float(loss) == pytest.approx(float(want), rel=1e-5)
 
 
-@pytest.mark.cpu_kernel
+@pytest.mark.parametrize("backend,device", FAST)
 @pytest.mark.parametrize("loss_type", ["clip_cov", "kl_cov"])
 @pytest.mark.parametrize("case", ["empty", "all_masked", "no_candidates"])
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_edge_cases_match_reference(loss_type, case, layout):
+def test_edge_cases_match_reference(backend, device, loss_type, case, layout):
     gen = torch.Generator().manual_seed(21)
     B = 0 if case == "empty" else 5
-    inputs = random_policy_case(gen, B=B, L=17, layout=layout)
+    inputs = random_policy_case(gen, B=B, L=17, layout=layout, device=device)
     if case == "all_masked":
         inputs["mask"] = torch.zeros_like(inputs["mask"])
     opts = dict(loss_type=loss_type, cov_ratio=0.2)
     if case == "no_candidates":  # an empty covariance window: clip_cov selects nothing
         opts.update(cov_lb=4.0, cov_ub=4.5)
-    fast, ref64 = assert_cpu_matches_reference(inputs, opts, gen)
+    fast, ref64 = assert_backend_matches_reference(inputs, opts, gen, backend)
     for out in (fast, ref64):
         assert all(bool(torch.isfinite(v).all()) for v in out.values())
     if case != "no_candidates" or loss_type == "clip_cov":

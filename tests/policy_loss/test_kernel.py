@@ -33,6 +33,7 @@ from rlvr_kernels.testing import as_float64, random_policy_case
 from rlvr_kernels.triton import policy_loss as triton_policy_loss
 
 ops = importlib.import_module("rlvr_kernels.ops.policy_loss")
+ref_pl = importlib.import_module("rlvr_kernels.reference.policy_loss")
 S = PolicyLossSum
 
 # No skip: a missing build is a failure (`make test` builds it).
@@ -247,6 +248,52 @@ def test_shaped_advantages_and_optional_outputs(which, device):
         # TokenOut.NONE: no token output.
         args = kernel_args(inputs, opts, token_out=TokenOut.NONE, need_entropy_grad=False)
         assert kernel(which)(*args)[3].shape == (0,)
+
+
+def reference_is_weights_and_keep(inputs, rc):
+    """TokenOut.IS_WEIGHTS and KEEP as the contract defines them, from the reference's stages in
+    the inputs' compute dtype (the kernels' rounding: the same rejection decisions)."""
+    cu = inputs.get("cu_seqlens")
+    lp = inputs["logprobs"]
+    valid0 = ref_pl._valid_padded(lp, inputs.get("mask"), cu)
+    lp, old, roll = (ref_pl.to_padded(inputs[k], cu).float() for k in ("logprobs", "old_logprobs", "rollout_logprobs"))
+    x = ref_pl.rc_log_ratio(rc, lp, old, roll)
+    keep = valid0 & ref_pl.rejection_keep(rc, x, valid0)
+    is_w = torch.ones_like(x)  # (no IS weight: 1)
+    if rc.is_level is not None:
+        is_w, _ = ref_pl.is_weights(rc, x, valid0.float())
+    if rc.is_level is not None and rc.is_batch_normalize:
+        is_w = is_w / ref_pl.is_batch_norm(rc, is_w, valid0)
+    w = torch.where(keep, is_w, 0.0)
+    T = inputs["logprobs"].shape[0]
+    return ref_pl.from_padded(w, cu, T), ref_pl.from_padded(keep.float(), cu, T)
+
+
+@pytest.mark.parametrize("which,device", [CPP, TRITON])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_is_weights_and_keep_outputs(which, device, layout):
+    gen = torch.Generator().manual_seed(15)
+    inputs = random_policy_case(gen, B=5, L=13, layout=layout, device=device)
+    for rc in (
+        rk.RolloutCorrection(
+            "token",
+            1.5,
+            0.6,
+            "icepop",
+            rs="token_k2,seq_mean_k1",
+            rs_threshold="0.05,0.8_1.25",
+            is_batch_normalize=True,
+        ),
+        rk.RolloutCorrection(
+            "sequence", 3.0, 0.4, "icepop", rs="seq_max_k3", rs_threshold=0.1, is_batch_normalize=True
+        ),
+        rk.RolloutCorrection(rs="token_k1", rs_threshold="0.7_1.4", log_ratio="current"),  # weight 1
+    ):
+        want_w, want_keep = reference_is_weights_and_keep(dict(inputs), rc)
+        assert 0 < float(want_keep.sum()) < float(inputs["mask"].sum())  # part of the batch rejected
+        for token_out, want in ((TokenOut.IS_WEIGHTS, want_w), (TokenOut.KEEP, want_keep)):
+            tok = kernel(which)(*kernel_args(inputs, dict(rollout_correction=rc), token_out=token_out))[3]
+            assert_close(tok, want, 2e-6, f"{token_out.name} ({layout}, {rc})")
 
 
 @pytest.mark.parametrize("which,device", [CPP, TRITON])

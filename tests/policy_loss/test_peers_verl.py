@@ -773,7 +773,7 @@ def test_dro_beta_checked():
         )
 
 
-# clip_cov and kl_cov: the reference and the C++ kernel (the Triton kernel refuses them).
+# clip_cov and kl_cov, every backend.
 # verl's clip_cov draws torch.randperm from the global RNG: every run is seeded alike.
 COV_CONFIG = dict(clip_cov_ratio=0.05, clip_cov_lb=0.0, clip_cov_ub=2.0, kl_cov_ratio=0.05, ppo_kl_coef=0.7)
 
@@ -786,18 +786,14 @@ def seeded(fn, seed=1234):
     return run
 
 
-# (the Triton kernel has no clip_cov / kl_cov stage: it refuses them)
-COV_BACKENDS = [p for p in ALL if p.values[0] != "triton"]
-
-
-@pytest.mark.parametrize("backend,device", COV_BACKENDS)
+@pytest.mark.parametrize("backend,device", ALL)
 @pytest.mark.parametrize("loss_mode", ["clip_cov", "kl_cov"])
 def test_clip_cov_kl_cov_match_verl(backend, device, loss_mode):
     """Loss, gradient and metrics against verl's compute_policy_loss_clip_cov / _kl_cov under
     the same torch.manual_seed, every agg, with and without token rollout_is_weights."""
     name = f"compute_policy_loss_{loss_mode}"
     verl_fn, our_fn = seeded(getattr(core_algos, name)), seeded(getattr(ours, name))
-    for k, agg in enumerate(AGG_MODES):
+    for k, agg in subsample(backend, device, enumerate(AGG_MODES)):
         for weighted in (False, True):
             batch = make_batch(600 + 2 * k + weighted, device)
             w = {} if not weighted else dict(rollout_is_weights=token_is_weights(batch, 2.0))
@@ -826,7 +822,7 @@ def test_clip_cov_kl_cov_match_verl(backend, device, loss_mode):
                 assert t32[1]["actor/pg_clipfrac"] > 0  # some tokens are selected
 
 
-@pytest.mark.parametrize("backend,device", COV_BACKENDS)
+@pytest.mark.parametrize("backend,device", ALL)
 @pytest.mark.parametrize("loss_mode", ["clip_cov", "kl_cov"])
 def test_clip_cov_kl_cov_empty_and_all_masked_give_zeros(backend, device, loss_mode):
     """No valid token (all masked, no row, no column): loss, gradient and verl's metric keys
@@ -834,7 +830,7 @@ def test_clip_cov_kl_cov_empty_and_all_masked_give_zeros(backend, device, loss_m
     fn = seeded(getattr(ours, f"compute_policy_loss_{loss_mode}"))
     keys = {"actor/ppo_kl"} | ({"actor/pg_clipfrac"} if loss_mode == "clip_cov" else set())
     for B, L in ((4, 7), (0, 7), (3, 0)):
-        for agg in AGG_MODES:
+        for agg in subsample(backend, device, AGG_MODES):
             lp = (-torch.rand(B, L) * 2).to(device).requires_grad_(True)
             mask = torch.zeros(B, L, dtype=torch.bool, device=device)
             cfg = actor_config(loss_mode, agg, policy_loss=PolicyLossConfig(loss_mode=loss_mode, **COV_CONFIG))
