@@ -77,7 +77,6 @@ import triton.language as tl
 
 from .._core.layout import sanitized_offsets
 from ..contracts.policy_loss import (
-    NUM_SEQ_STATS,
     NUM_SUMS,
     A3poMetric,
     KlClamp,
@@ -86,7 +85,6 @@ from ..contracts.policy_loss import (
     PolicyLossParams,
     PolicyLossSum,
     RolloutCorrectionCode,
-    SeqStat,
     TokenOut,
 )
 
@@ -1963,29 +1961,6 @@ def policy_loss_fwd(
     )
     _finalize_kernel[(1,)](part, seqf, boff, sums, P, B, NBL, **c)
     return sums, grad, gent, tok
-
-
-def _seq_rows(seq_stats, B: int, cdt):
-    """``_seq_stats_kernel``'s [B, 4] rows (n_i, log s_i, Σ log w·m, L_i / n_i) from given
-    statistics (contracts SeqStat), rounded as the kernel rounds them."""
-    st = seq_stats
-    _check(
-        st.dtype == torch.float64 and tuple(st.shape) == (B, NUM_SEQ_STATS),
-        "seq_stats must be float64 [B = ",
-        B,
-        ", ",
-        NUM_SEQ_STATS,
-        "], got ",
-        st.dtype,
-        " ",
-        tuple(st.shape),
-    )
-    n = st[:, SeqStat.N]
-    nn = n.clamp(min=1)
-    r = torch.exp((st[:, SeqStat.DMIN] / nn).to(cdt))
-    share = -(st[:, SeqStat.ADV] / nn).to(cdt) * r / nn.to(cdt)
-    log_s = st[:, SeqStat.DELTA].to(cdt) / nn.to(cdt)
-    return torch.stack([n.to(cdt), log_s, st[:, SeqStat.LOGW].to(cdt), share], 1)
 
 
 def _seq_rc(p: PolicyLossParams) -> bool:
