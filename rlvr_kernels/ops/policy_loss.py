@@ -70,6 +70,7 @@ from .._core.validation import (
 from ..contracts.policy_loss import (
     NUM_SUMS,
     A3poMetric,
+    IsGate,
     KlClamp,
     KlEstimator,
     LossType,
@@ -799,7 +800,12 @@ _RC_CODES = {
     ("token", "decoupled"): RolloutCorrectionCode.DECOUPLED,
     ("token", "icepop"): RolloutCorrectionCode.TOKEN_ICEPOP,
     ("sequence", "icepop"): RolloutCorrectionCode.SEQ_ICEPOP,
+    ("token", "clamp"): RolloutCorrectionCode.GATE,
+    ("token", "gate"): RolloutCorrectionCode.GATE,
+    ("sequence", "gate"): RolloutCorrectionCode.GATE,
 }
+# RolloutCorrection (is_mode, is_gate) of the GATE code -> what it reads.
+_IS_GATES = {"ratio": IsGate.RATIO, "binary_kl": IsGate.BINARY_KL, "tv": IsGate.TV}
 _A3PO_METRICS = {"prob": A3poMetric.PROB, "entropy": A3poMetric.ENTROPY}
 
 
@@ -855,6 +861,8 @@ def _kernel_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> 
         rs_options=rc.rs_mask if rc is not None else 0,
         rc_current=rc is not None and rc.log_ratio == "current",
         is_batch_normalize=rc is not None and rc.is_level is not None and rc.is_batch_normalize,
+        is_gate=IsGate.CLAMP if rc is None or rc.mode != "gate" else _IS_GATES[rc.is_gate],
+        is_gate_seq=rc is not None and rc.mode == "gate" and rc.is_level == "sequence",
     )
 
 

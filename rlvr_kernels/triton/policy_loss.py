@@ -1508,11 +1508,12 @@ def policy_loss_fwd(
         or p.rc_current
         or p.is_batch_normalize
         or p.rollout_correction in (RolloutCorrectionCode.TOKEN_ICEPOP, RolloutCorrectionCode.SEQ_ICEPOP)
+        or p.rollout_correction == RolloutCorrectionCode.GATE
         or p.token_out in (TokenOut.IS_WEIGHTS, TokenOut.KEEP)
     )
     if unsupported:
         raise ValueError(
-            "rollout_correction: rejection (rs / geo_mean), IcePop, batch normalisation and "
+            "rollout_correction: rejection (rs / geo_mean), IcePop, is_mode clamp / gate, batch normalisation and "
             "log_ratio='current' are fused in the reference and cpu backends only; use backend='cpu' "
             "(tensors on the CPU) or backend='reference'"
         )
