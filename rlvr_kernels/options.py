@@ -1048,7 +1048,7 @@ class PolicyLossMetrics(NamedTuple):
     kl: torch.Tensor  # mean per-token KL term (times r with kl_ratio_correction; 0 without kl)
     is_weight_mean: torch.Tensor  # mean rollout-correction weight (1 without correction)
     is_weight_max: torch.Tensor
-    is_masked_frac: torch.Tensor  # fraction of tokens a MIS / decoupled bound rejected
+    is_masked_frac: torch.Tensor  # fraction of tokens a MIS / IcePop / decoupled / gate bound rejected (clamp: outside)
     shaped_frac: torch.Tensor  # fraction of tokens whose shaping weight is not 1
     entropy_mean: torch.Tensor  # mean entropy (0 without entropy)
     num_tokens: torch.Tensor  # valid tokens in this call

@@ -118,7 +118,7 @@ class PolicyLossSum(enum.IntEnum):
     KL_RAW = 8  # Σ m·kl
     IS = 9  # Σ m·is_w
     IS_MAX = 10  # max over valid tokens of is_w (0 without valid tokens)
-    REJECT = 11  # Σ m·rejected by a MIS/decoupled bound
+    REJECT = 11  # Σ m·rejected by a MIS/IcePop/decoupled/GATE bound (GATE CLAMP: outside its bounds)
     SHAPED = 12  # Σ m·[shaping weight ≠ 1]
     ENT = 13  # Σ m·entropy
     NONFINITE = 14  # valid tokens where an input the call reads is NaN/±inf (the value check)
