@@ -411,7 +411,9 @@ RS_OPTIONS = (
     "seq_max_k3",
 )
 IS_LEVELS = ("token", "sequence")
-IS_MODES = ("truncate", "icepop", "mask", "decoupled")
+IS_MODES = ("truncate", "icepop", "mask", "decoupled", "clamp", "gate")
+# What is_mode="gate" reads (OpenRLHF's is_correction_gating).
+IS_GATES = ("ratio", "binary_kl", "tv")
 LOG_RATIO_BASES = ("old", "current")
 # The 14 rejection bounds the kernels read, in PolicyLossParams order; k1 bounds are in log
 # space, the others are upper bounds of the statistic (+inf: option off).
@@ -499,10 +501,25 @@ class RolloutCorrection:
                       is fused as that option (intersected with an explicit seq_mean_k1)
     log_ratio         old (default) | current (verl's bypass mode: the IS weights and the
                       rejection against the current policy, without gradient)
+    is_gate           ratio | binary_kl | tv: the statistic of is_mode="gate"
 
     Rejection removes tokens from the loss exactly as verl's modified ``response_mask``
     does: from the pg, KL and entropy terms and from every aggregation count. IS weights
     multiply the pg term only.
+
+    OpenRLHF's ``is_correction`` (``from_openrlhf``) keeps every token in the loss and its
+    counts and zeroes the weight instead; two modes carry what the others cannot express,
+    both with the token weight w = exp(clamp(x, ±20)) at either level:
+
+    - ``clamp`` (token level): clamp(w, low, C), low = ``is_threshold_low`` (none when
+      None or <= 0); the tokens outside [low, C] count in ``is_masked_frac``.
+    - ``gate``: w where a statistic lies in [low, C] (low = ``is_threshold_low``, any
+      value; none when None), else 0 (and counted in ``is_masked_frac``). The statistic
+      (``is_gate``): ``ratio`` w; ``binary_kl`` p·log(p/q) + (1 − p)·log((1 − p)/(1 − q))
+      and ``tv`` |p − q| with p = exp(rollout), q = exp(base), both clamped to
+      [1e-6, 1 − 1e-6]. ``is_level="sequence"`` gates a whole sequence on its statistic
+      over the valid tokens: exp(clamp(mean x, ±20)) for ``ratio``, the mean for the
+      divergences; the weights stay per token.
     """
 
     is_level: Optional[Literal["token", "sequence"]] = None
@@ -514,6 +531,7 @@ class RolloutCorrection:
     rs_threshold: Optional[object] = None
     geo_mean: Optional[tuple] = None
     log_ratio: Literal["old", "current"] = "old"
+    is_gate: Literal["ratio", "binary_kl", "tv"] = "ratio"
     # Derived: the resolved mode, the IS lower bound the kernels read, the normalised rs
     # chain, the kernels' rejection bit mask and 14 bounds (RS_BOUND_FIELDS), and whether
     # anything is on.
@@ -531,21 +549,34 @@ class RolloutCorrection:
         if self.is_level is not None:
             _check_choice(pre + "is_level", self.is_level, IS_LEVELS)
         _check_float(pre + "is_threshold", self.is_threshold, 0.0, lo_open=True)
-        _check_float(pre + "is_threshold_low", self.is_threshold_low, 0.0, lo_open=True, allow_none=True)
-        if self.is_threshold_low is not None and self.is_threshold_low > self.is_threshold:
-            raise ValueError(
-                f"{pre}is_threshold_low: expected <= is_threshold = {self.is_threshold}, got {self.is_threshold_low}"
-            )
         mode = self.is_mode
         if mode is None:
             mode = "icepop" if self.is_threshold_low is not None else "truncate"
         _check_choice(pre + "is_mode", mode, IS_MODES)
+        # (clamp and gate bound a statistic that may be a divergence: any lower bound, <= 0 is none)
+        openrlhf = mode in ("clamp", "gate")
+        _check_float(
+            pre + "is_threshold_low",
+            self.is_threshold_low,
+            None if openrlhf else 0.0,
+            lo_open=not openrlhf,
+            allow_none=True,
+        )
+        if self.is_threshold_low is not None and self.is_threshold_low > self.is_threshold:
+            raise ValueError(
+                f"{pre}is_threshold_low: expected <= is_threshold = {self.is_threshold}, got {self.is_threshold_low}"
+            )
         if mode == "icepop" and self.is_threshold_low is None:
             raise ValueError(f"{pre}is_threshold_low: is_mode='icepop' needs a lower bound")
-        if mode == "decoupled" and self.is_level == "sequence":
-            raise ValueError(f"{pre}is_mode: 'decoupled' is token level, got is_level='sequence'")
+        if mode in ("decoupled", "clamp") and self.is_level == "sequence":
+            raise ValueError(f"{pre}is_mode: {mode!r} is token level, got is_level='sequence'")
+        _check_choice(pre + "is_gate", self.is_gate, IS_GATES)
+        if self.is_gate != "ratio" and mode != "gate":
+            raise ValueError(f"{pre}is_gate: {self.is_gate!r} is read by is_mode='gate' only, got is_mode={mode!r}")
         if not isinstance(self.is_batch_normalize, bool):
             raise TypeError(f"{pre}is_batch_normalize: expected a bool, got {type(self.is_batch_normalize).__name__}")
+        if openrlhf and self.is_batch_normalize:
+            raise ValueError(f"{pre}is_batch_normalize: not supported with is_mode={mode!r}")
         _check_choice(pre + "log_ratio", self.log_ratio, LOG_RATIO_BASES)
         chain = []
         if self.rs is not None:
@@ -584,13 +615,60 @@ class RolloutCorrection:
             bounds["rs_seq_mean_k1_low"] = max(bounds["rs_seq_mean_k1_low"], -math.log(g[1]))
             bounds["rs_seq_mean_k1_high"] = min(bounds["rs_seq_mean_k1_high"], -math.log(g[0]))
             mask |= 1 << RS_OPTIONS.index("seq_mean_k1")
-        low = self.is_threshold_low if self.is_threshold_low is not None else 1.0 / self.is_threshold
+        if openrlhf:
+            low = self.is_threshold_low if self.is_threshold_low is not None else -inf
+        else:
+            low = self.is_threshold_low if self.is_threshold_low is not None else 1.0 / self.is_threshold
         object.__setattr__(self, "mode", mode)
         object.__setattr__(self, "low", float(low))
         object.__setattr__(self, "rs_options", tuple(chain))
         object.__setattr__(self, "rs_mask", mask)
         object.__setattr__(self, "rs_bounds", tuple(float(bounds[f]) for f in RS_BOUND_FIELDS))
         object.__setattr__(self, "active", self.is_level is not None or mask != 0)
+
+    @classmethod
+    def from_openrlhf(
+        cls,
+        is_correction_level: str = "off",
+        is_correction_mode: str = "mask",
+        is_correction_gating: str = "ratio",
+        is_correction_threshold=(0.5, 5.0),
+    ) -> Optional["RolloutCorrection"]:
+        """OpenRLHF 0.11.2's ``PolicyLoss`` importance-sampling correction
+        (``--algo.advantage.is_correction_*``; a one-element threshold is HIGH with LOW 0, as
+        its CLI); None for level "off". Token-level ratio masking is ``icepop`` (LOW > 0) or
+        ``decoupled`` (LOW <= 0); clipping is ``clamp``; the sequence level and the
+        divergences are ``gate``. For ``policy_loss_type="gspo"`` OpenRLHF applies no weight
+        and forms the ratio against the rollout log-probs instead: pass them as
+        ``old_logprobs`` without a correction."""
+        pre = "is_correction_"
+        _check_choice(pre + "level", is_correction_level, ("off", "token", "seq"))
+        _check_choice(pre + "mode", is_correction_mode, ("mask", "clip"))
+        _check_choice(pre + "gating", is_correction_gating, IS_GATES)
+        thr = tuple(is_correction_threshold)
+        if len(thr) == 1:
+            thr = (0.0, thr[0])
+        if len(thr) != 2:
+            raise ValueError(f"{pre}threshold: expected HIGH or (LOW, HIGH), got {is_correction_threshold!r}")
+        low, high = (float(t) for t in thr)
+        if is_correction_mode == "clip" and (is_correction_level == "seq" or is_correction_gating != "ratio"):
+            raise ValueError(f"{pre}mode: 'clip' needs level 'token' and gating 'ratio'")
+        if is_correction_gating != "ratio" and is_correction_level != "off" and low > 0:
+            raise ValueError(
+                f"{pre}threshold: gating {is_correction_gating!r} takes an upper bound only, got LOW={low}"
+            )
+        if is_correction_level == "off":
+            return None
+        level = "token" if is_correction_level == "token" else "sequence"
+        if is_correction_mode == "clip":
+            return cls(is_level="token", is_threshold=high, is_threshold_low=low if low > 0 else None, is_mode="clamp")
+        if level == "token" and is_correction_gating == "ratio":
+            if low > 0:
+                return cls(is_level="token", is_threshold=high, is_threshold_low=low, is_mode="icepop")
+            return cls(is_level="token", is_threshold=high, is_mode="decoupled")
+        return cls(
+            is_level=level, is_threshold=high, is_threshold_low=low, is_mode="gate", is_gate=is_correction_gating
+        )
 
     @classmethod
     def from_verl(
@@ -926,6 +1004,11 @@ _LOSS_PRESET_FIELDS = {
 }
 
 
+# What a preset fixes for one loss type only (below the explicit keyword options): OpenRLHF's
+# PolicyLoss turns token_level_loss off for GSPO (the per-sample mean).
+_LOSS_PRESET_BY_TYPE = {("openrlhf", "gspo"): dict(agg="seq-mean-token-mean")}
+
+
 @torch.compiler.assume_constant_result
 def resolve_policy_loss_options(preset: Optional[str] = None, **overrides) -> PolicyLossOptions:
     """Merge a loss preset's fields with explicit overrides (``None`` means "not given").
@@ -936,7 +1019,9 @@ def resolve_policy_loss_options(preset: Optional[str] = None, **overrides) -> Po
     if preset not in _LOSS_PRESET_FIELDS:
         raise ValueError(f"preset: expected one of {LOSS_PRESETS} or None, got {preset!r}")
     fields = dict(_LOSS_PRESET_FIELDS[preset])
-    fields.update({k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    fields.update(_LOSS_PRESET_BY_TYPE.get((preset, given.get("loss_type", fields.get("loss_type"))), {}))
+    fields.update(given)
     return PolicyLossOptions(**fields)
 
 
@@ -963,7 +1048,7 @@ class PolicyLossMetrics(NamedTuple):
     kl: torch.Tensor  # mean per-token KL term (times r with kl_ratio_correction; 0 without kl)
     is_weight_mean: torch.Tensor  # mean rollout-correction weight (1 without correction)
     is_weight_max: torch.Tensor
-    is_masked_frac: torch.Tensor  # fraction of tokens a MIS / decoupled bound rejected
+    is_masked_frac: torch.Tensor  # fraction of tokens a MIS / IcePop / decoupled / gate bound rejected (clamp: outside)
     shaped_frac: torch.Tensor  # fraction of tokens whose shaping weight is not 1
     entropy_mean: torch.Tensor  # mean entropy (0 without entropy)
     num_tokens: torch.Tensor  # valid tokens in this call

@@ -71,6 +71,18 @@ class RolloutCorrectionCode(enum.IntEnum):
     DECOUPLED = 5  # token, decoupled
     TOKEN_ICEPOP = 6  # token, icepop
     SEQ_ICEPOP = 7  # sequence, icepop
+    GATE = 8  # OpenRLHF's is_correction: token weights, a gate (IsGate) zeroes them, tokens stay counted
+
+
+class IsGate(enum.IntEnum):
+    """What the GATE rollout correction reads (``RolloutCorrection.is_mode`` clamp / gate with
+    ``is_gate``). w = exp(clamp(x, ±20)) is the token's weight; p = clamp(exp(rollout), 1e-6,
+    1 − 1e-6), q = clamp(exp(base), 1e-6, 1 − 1e-6)."""
+
+    CLAMP = 0  # clamp(w, rc_low, rc_high); the tokens outside count as rejected (token level)
+    RATIO = 1  # keep w where the statistic w (per sequence: exp(mean x)) is in [rc_low, rc_high], else 0
+    BINARY_KL = 2  # ... the statistic p·log(p/q) + (1 − p)·log((1 − p)/(1 − q)) (per sequence: its mean)
+    TV = 3  # ... the statistic |p − q| (per sequence: its mean)
 
 
 class TokenOut(enum.IntEnum):
@@ -106,7 +118,7 @@ class PolicyLossSum(enum.IntEnum):
     KL_RAW = 8  # Σ m·kl
     IS = 9  # Σ m·is_w
     IS_MAX = 10  # max over valid tokens of is_w (0 without valid tokens)
-    REJECT = 11  # Σ m·rejected by a MIS/decoupled bound
+    REJECT = 11  # Σ m·rejected by a MIS/IcePop/decoupled/GATE bound (GATE CLAMP: outside its bounds)
     SHAPED = 12  # Σ m·[shaping weight ≠ 1]
     ENT = 13  # Σ m·entropy
     NONFINITE = 14  # valid tokens where an input the call reads is NaN/±inf (the value check)
@@ -227,6 +239,10 @@ class PolicyLossParams(KernelParams):
     rs_options: int  # bit j: options.RS_OPTIONS[j] is on (0: no rejection)
     rc_current: bool  # base = logprobs (detached; verl's bypass mode), else old_logprobs
     is_batch_normalize: bool  # the IS weights divided by their mean over the call (IS_NORM)
+    # rollout_correction GATE: what the gate reads, and whether its statistic is the sequence's
+    # (over the valid tokens before rejection; the weights stay per token).
+    is_gate: IsGate
+    is_gate_seq: bool
 
 
 # The C++ X-macro list each branch-code enum mirrors.
@@ -236,6 +252,7 @@ CPP_CODES = {
     "RLVR_KL_CLAMP_CODES": KlClamp,
     "RLVR_ROLLOUT_CORRECTION_CODES": RolloutCorrectionCode,
     "RLVR_TOKEN_OUT_CODES": TokenOut,
+    "RLVR_IS_GATE_CODES": IsGate,
     "RLVR_A3PO_METRIC_CODES": A3poMetric,
     "RLVR_POLICY_LOSS_SUM_CODES": PolicyLossSum,
     "RLVR_SEQ_STAT_CODES": SeqStat,

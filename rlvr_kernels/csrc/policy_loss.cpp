@@ -94,6 +94,8 @@ struct Options {
   uint32_t rs;      // the rejection chain (bit j: options.RS_OPTIONS[j]); 0 = off
   bool rc_current;  // the rollout log-ratio from logprobs (bypass), else from old_logprobs
   bool is_norm;     // the IS weights over their batch mean
+  IsGate gate;      // rollout_correction GATE: what the gate reads
+  bool gate_seq;    // ... a per-sequence statistic (the pre-pass's seq_rej), else per token
   bool clip_sides;  // the loss type clips (ppo, gspo, cispo): per-side and per-sequence clip counts
   bool dppo_cap;    // dppo with a truncation cap c
   bool cov;         // clip_cov / kl_cov: the kernel reads the covariance selection
@@ -167,7 +169,7 @@ RLVR_INLINE SeqConst<T> seq_const(const Ctx<in_t, T>& c, int64_t i) {
   s.gspo_pass = o.loss == LossType::GSPO ? c.seq->gspo_pass[i] != 0 : false;
   s.seq_w = o.seq_rc ? c.seq->seq_w[i] : T(1);
   s.geo_share = o.loss == LossType::GEO_MEAN ? c.seq->geo_share[i] : T(0);
-  s.seq_rej = o.seq_rc ? c.seq->seq_rej[i] != 0 : false;
+  s.seq_rej = o.seq_rc || o.gate_seq ? c.seq->seq_rej[i] != 0 : false;
   s.a3po_high = o.a3po ? c.seq->a3po_high[i] : 1.0;
   s.a3po_low = o.a3po ? c.seq->a3po_low[i] : 1.0;
   return s;
@@ -740,6 +742,41 @@ RLVR_INLINE V corrected_weight(RolloutCorrection rc, V rw, V low, V high, V zero
   }
 }
 
+// Mirrors reference gate_statistic for one token: OpenRLHF's binary KL / TV of
+// p = exp(rollout), q = exp(base), both clamped to [1e-6, 1 − 1e-6].
+template <typename T>
+RLVR_INLINE T gate_divergence(IsGate gate, T base, T roll) {
+  const T lo = T(1e-6), hi = T(1 - 1e-6);
+  T p = std::exp(roll), q = std::exp(base);
+  p = p < lo ? lo : p > hi ? hi : p;
+  q = q < lo ? lo : q > hi ? hi : q;
+  if (gate == IsGate::TV) return std::abs(p - q);
+  return p * std::log(p / q) + (T(1) - p) * std::log((T(1) - p) / (T(1) - q));
+}
+
+// Mirrors reference is_weights for rollout_correction GATE (OpenRLHF's is_correction): the token
+// weight rw clamped into [low, C] (CLAMP), or kept where the gate's statistic (the token's, or the
+// sequence's from the pre-pass) lies in [low, C], else 0; the token stays counted either way.
+template <int VB, typename T>
+RLVR_INLINE typename Lanes<T, VB>::V gate_weight(const Options& o, const VConst<T, VB>& k, const SeqConst<T>& sc,
+                                                 typename Lanes<T, VB>::V base, typename Lanes<T, VB>::V roll,
+                                                 typename Lanes<T, VB>::V rw, typename Lanes<T, VB>::M& rej) {
+  using V = typename Lanes<T, VB>::V;
+  if (o.gate == IsGate::CLAMP) {
+    rej = (rw < k.rc_low) | (rw > k.rc_high);
+    return vclamp(rw, k.rc_low, k.rc_high);
+  }
+  if (o.gate_seq) {
+    rej = sc.seq_rej ? k.all : k.none;
+  } else {
+    V stat = rw;
+    if (o.gate != IsGate::RATIO)
+      for (int l = 0; l < Lanes<T, VB>::W; ++l) stat[l] = gate_divergence(o.gate, T(base[l]), T(roll[l]));
+    rej = (stat < k.rc_low) | (stat > k.rc_high);
+  }
+  return sel(rej, k.zero, rw);
+}
+
 // Mirrors reference is_weights: a detached weight per token (token level: exp of the clamped
 // base − rollout, base = old or, for rc_current, logprobs; sequence level: from the pre-pass),
 // over the batch mean with is_norm (reference is_batch_norm).
@@ -759,7 +796,10 @@ RLVR_INLINE void is_weight_stage(const Options& o, const VConst<T, VB>& k, const
     } else {
       const V base = o.rc_current ? tl.lp[g] : tl.old[g];
       const V rw = vexp(vclamp(base - tl.roll[g], -k.lim20, k.lim20));
-      iw = corrected_weight(o.rc, rw, k.rc_low, k.rc_high, k.zero, k.one, rej);
+      if (o.rc == RolloutCorrection::GATE)
+        iw = gate_weight<VB, T>(o, k, sc, base, tl.roll[g], rw, rej);
+      else
+        iw = corrected_weight(o.rc, rw, k.rc_low, k.rc_high, k.zero, k.one, rej);
     }
     if (o.is_norm) iw = iw / k.is_mu;
     tl.is_w[g] = iw;
@@ -1120,6 +1160,7 @@ void prepass(const Ctx<in_t, T>& c, SeqInfo<T>& s) {
       c.span(i, b, e);
       int64_t n = 0, n_raw = 0;
       double sum_delta = 0.0, sum_logw = 0.0, polarity = 0.0, sum_w = 0.0, sum_dmin = 0.0, sum_adv = 0.0;
+      double sum_gate = 0.0;  // rollout_correction GATE per sequence: Σ x (ratio) or Σ divergence
       double ksum[3] = {0.0, 0.0, 0.0};
       T kmax[3] = {T(0), -std::numeric_limits<T>::infinity(), -std::numeric_limits<T>::infinity()};
       for (int64_t t = b; t < e; ++t) {
@@ -1127,6 +1168,10 @@ void prepass(const Ctx<in_t, T>& c, SeqInfo<T>& s) {
         ++n_raw;
         const T x = static_cast<T>(base[t]) - static_cast<T>(c.roll != nullptr ? c.roll[t] : base[t]);
         if (o.seq_rc) sum_logw += double(x);
+        if (o.gate_seq) {
+          const T roll = static_cast<T>(c.roll[t]);
+          sum_gate += double(o.gate == IsGate::RATIO ? x : gate_divergence(o.gate, static_cast<T>(base[t]), roll));
+        }
         const T xc = x < T(-20) ? T(-20) : x > T(20) ? T(20) : x;
         if (tok_norm) {
           bool rej;
@@ -1201,6 +1246,11 @@ void prepass(const Ctx<in_t, T>& c, SeqInfo<T>& s) {
         s.seq_w[i] = corrected_weight(o.rc, T(std::exp(lw)), c.rc_low, c.rc_high, T(0), T(1), rej);
         s.seq_rej[i] = rej;
       }
+      if (o.gate_seq) {  // reference gate_statistic: the mean over the valid tokens before rejection
+        T stat = n_raw > 0 ? static_cast<T>(static_cast<T>(sum_gate) / static_cast<T>(n_raw)) : T(0);
+        if (o.gate == IsGate::RATIO) stat = std::exp(stat < T(-20) ? T(-20) : stat > T(20) ? T(20) : stat);
+        s.seq_rej[i] = stat < c.rc_low || stat > c.rc_high;
+      }
       if (o.a3po) a3po_select(c, i, b, e, polarity, s, cand);
     }
   }
@@ -1220,10 +1270,8 @@ void forward(Ctx<in_t, T>& c, double* sums) {
       seq.gspo_pass.assign(c.B, 0);
     }
     if (o.loss == LossType::GEO_MEAN) seq.geo_share.assign(c.B, T(0));
-    if (o.seq_rc) {
-      seq.seq_w.assign(c.B, T(1));
-      seq.seq_rej.assign(c.B, 0);
-    }
+    if (o.seq_rc) seq.seq_w.assign(c.B, T(1));
+    if (o.seq_rc || o.gate_seq) seq.seq_rej.assign(c.B, 0);
     if (o.a3po) {
       seq.a3po_high.assign(c.B, 1.0);
       seq.a3po_low.assign(c.B, 1.0);
@@ -1362,7 +1410,14 @@ Options decode_options(const PolicyLossParams& p, bool need_entropy_grad, bool h
   o.rs = uint32_t(p.rs_options) & 0x7ffu;
   o.rc_current = p.rc_current != 0;
   o.is_norm = p.is_batch_normalize != 0 && o.rc != RolloutCorrection::NONE;
-  o.prepass = o.seq_mean || o.loss == LossType::GSPO || o.loss == LossType::GEO_MEAN || o.seq_rc || o.a3po || o.rs != 0 || o.is_norm;
+  TORCH_CHECK(valid_IsGate(p.is_gate), "policy_loss_fwd: unknown is_gate ", p.is_gate);
+  o.gate = IsGate(p.is_gate);
+  o.gate_seq = o.rc == RolloutCorrection::GATE && p.is_gate_seq != 0;
+  TORCH_CHECK(!(o.gate_seq && o.gate == IsGate::CLAMP), "policy_loss_fwd: is_gate CLAMP is token level");
+  TORCH_CHECK(!(o.is_norm && o.rc == RolloutCorrection::GATE),
+              "policy_loss_fwd: is_batch_normalize is not supported with rollout_correction GATE");
+  o.prepass = o.seq_mean || o.loss == LossType::GSPO || o.loss == LossType::GEO_MEAN || o.seq_rc || o.a3po || o.rs != 0 ||
+              o.is_norm || o.gate_seq;
   o.kl_ratio = o.kl != KlEstimator::NONE && p.kl_ratio_correction != 0;
   o.clip_sides = o.loss == LossType::PPO || o.loss == LossType::GSPO || o.loss == LossType::CISPO ||
                  o.loss == LossType::CLIP_COV;

@@ -22,7 +22,7 @@
 #define RLVR_POLICY_LOSS_IPARAMS(X)                                                                \
   X(loss_type) X(kl) X(kl_clamp) X(rollout_correction) X(seq_mean) X(token_out) X(a3po_metric) X(a3po) \
   X(entropy_quantile) X(seq_adv) X(kl_ratio_correction) X(kl_score_grad) X(rs_options) X(rc_current)    \
-  X(is_batch_normalize)
+  X(is_batch_normalize) X(is_gate) X(is_gate_seq)
 
 #define RLVR_LOSS_TYPE_CODES(X)                                                                                \
   X(PPO, 0) X(GSPO, 1) X(CISPO, 2) X(SAPO, 3) X(REINFORCE, 4) X(DPPO_TV, 5) X(DPPO_KL, 6) X(GEO_MEAN, 7) X(DRO, 8) \
@@ -31,7 +31,8 @@
 #define RLVR_KL_CLAMP_CODES(X) X(NONE, 0) X(K3, 1) X(ALL, 2)
 #define RLVR_ROLLOUT_CORRECTION_CODES(X) \
   X(NONE, 0) X(TOKEN_TIS, 1) X(SEQ_TIS, 2) X(TOKEN_MIS, 3) X(SEQ_MIS, 4) X(DECOUPLED, 5) X(TOKEN_ICEPOP, 6) \
-  X(SEQ_ICEPOP, 7)
+  X(SEQ_ICEPOP, 7) X(GATE, 8)
+#define RLVR_IS_GATE_CODES(X) X(CLAMP, 0) X(RATIO, 1) X(BINARY_KL, 2) X(TV, 3)
 #define RLVR_TOKEN_OUT_CODES(X) X(NONE, 0) X(LOSS, 1) X(SHAPED_ADVANTAGES, 2) X(IS_WEIGHTS, 3) X(KEEP, 4)
 #define RLVR_A3PO_METRIC_CODES(X) X(PROB, 0) X(ENTROPY, 1)
 // Entries of the `sums` output.
@@ -53,6 +54,7 @@ RLVR_DEFINE_ENUM(KlEstimator, RLVR_KL_ESTIMATOR_CODES)
 RLVR_DEFINE_ENUM(KlClamp, RLVR_KL_CLAMP_CODES)
 RLVR_DEFINE_ENUM(RolloutCorrection, RLVR_ROLLOUT_CORRECTION_CODES)
 RLVR_DEFINE_ENUM(TokenOut, RLVR_TOKEN_OUT_CODES)
+RLVR_DEFINE_ENUM(IsGate, RLVR_IS_GATE_CODES)
 RLVR_DEFINE_ENUM(A3poMetric, RLVR_A3PO_METRIC_CODES)
 RLVR_DEFINE_ENUM(PolicyLossSum, RLVR_POLICY_LOSS_SUM_CODES)
 RLVR_DEFINE_ENUM(SeqStat, RLVR_SEQ_STAT_CODES)

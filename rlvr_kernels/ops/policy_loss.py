@@ -76,6 +76,7 @@ from ..contracts.policy_loss import (
     NUM_SUMS,
     SEQ_STAT_MAX_FROM,
     A3poMetric,
+    IsGate,
     KlClamp,
     KlEstimator,
     LossType,
@@ -603,6 +604,12 @@ def _check_cp(opts: PolicyLossOptions, cp_group, process_group, entropy_threshol
     """The options a context-parallel group cannot reduce exactly raise, naming the option."""
     if process_group is not None and process_group is cp_group:
         raise ValueError("cp_group: the context-parallel group must differ from process_group (the data-parallel one)")
+    rc = opts.rc
+    if rc is not None and rc.mode == "gate" and rc.is_level == "sequence":
+        raise NotImplementedError(
+            "rollout_correction: the sequence-level gate (is_mode='gate', is_level='sequence') reads each "
+            "sequence's mean, which cp_group does not reduce yet"
+        )
     sh = opts.shaping
     if sh.a3po_active:
         raise NotImplementedError(
@@ -1073,7 +1080,12 @@ _RC_CODES = {
     ("token", "decoupled"): RolloutCorrectionCode.DECOUPLED,
     ("token", "icepop"): RolloutCorrectionCode.TOKEN_ICEPOP,
     ("sequence", "icepop"): RolloutCorrectionCode.SEQ_ICEPOP,
+    ("token", "clamp"): RolloutCorrectionCode.GATE,
+    ("token", "gate"): RolloutCorrectionCode.GATE,
+    ("sequence", "gate"): RolloutCorrectionCode.GATE,
 }
+# RolloutCorrection (is_mode, is_gate) of the GATE code -> what it reads.
+_IS_GATES = {"ratio": IsGate.RATIO, "binary_kl": IsGate.BINARY_KL, "tv": IsGate.TV}
 _A3PO_METRICS = {"prob": A3poMetric.PROB, "entropy": A3poMetric.ENTROPY}
 
 
@@ -1129,6 +1141,8 @@ def _kernel_params(o: PolicyLossOptions, seq_adv: bool, token_out: TokenOut) -> 
         rs_options=rc.rs_mask if rc is not None else 0,
         rc_current=rc is not None and rc.log_ratio == "current",
         is_batch_normalize=rc is not None and rc.is_level is not None and rc.is_batch_normalize,
+        is_gate=IsGate.CLAMP if rc is None or rc.mode != "gate" else _IS_GATES[rc.is_gate],
+        is_gate_seq=rc is not None and rc.mode == "gate" and rc.is_level == "sequence",
     )
 
 

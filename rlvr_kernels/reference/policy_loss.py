@@ -435,8 +435,10 @@ def rc_log_ratio(rc, lp, old, rollout):
 def corrected_weight(rc, w):
     """The IS weight from the raw weight w, and the flags of the weights a bound zeroed:
     truncate min(w, C); icepop w inside [low, C], else 0; mask 1 inside, else 0;
-    decoupled w <= C, else 0."""
+    decoupled w <= C, else 0; clamp clamp(w, low, C), flagging the weights outside."""
     C = rc.is_threshold
+    if rc.mode == "clamp":  # OpenRLHF's clip mode
+        return torch.clamp(torch.clamp(w, min=rc.low), max=C), (w < rc.low) | (w > C)
     if rc.mode == "truncate":
         return torch.clamp(w, max=C), torch.zeros_like(w, dtype=torch.bool)
     if rc.mode == "decoupled":  # AReaL: tokens whose behaviour weight exceeds the cap are dropped
@@ -448,11 +450,40 @@ def corrected_weight(rc, w):
     return torch.where(rejected, 0.0, 1.0).to(w.dtype), rejected  # mask: rejection sampling
 
 
-def is_weights(rc, x, valid, seq_stats=None):
+def gate_statistic(rc, x, base, rollout, valid):
+    """The statistic is_mode="gate" bounds, per token or (sequence level) per sequence over the
+    valid tokens, broadcast to the tokens: ratio w = exp(clamp(x, ±20)) (per sequence
+    exp(clamp(mean x, ±20))); binary_kl / tv of p = exp(rollout), q = exp(base), both clamped
+    to [1e-6, 1 − 1e-6] (per sequence their mean)."""
+    seq = rc.is_level == "sequence"
+    if rc.is_gate == "ratio":
+        if not seq:
+            return torch.exp(torch.clamp(x, -20, 20))
+        n = valid.sum(-1, keepdim=True)
+        mean = torch.where(n > 0, (x * valid).sum(-1, keepdim=True) / n.clamp(min=1), 0.0)
+        return torch.exp(torch.clamp(mean, -20, 20)).expand_as(x)
+    p = torch.exp(rollout.detach()).clamp(1e-6, 1 - 1e-6)
+    q = torch.exp(base.detach()).clamp(1e-6, 1 - 1e-6)
+    if rc.is_gate == "binary_kl":
+        stat = p * torch.log(p / q) + (1 - p) * torch.log((1 - p) / (1 - q))
+    else:
+        stat = (p - q).abs()
+    if not seq:
+        return stat
+    n = valid.sum(-1, keepdim=True)
+    return torch.where(n > 0, (stat * valid).sum(-1, keepdim=True) / n.clamp(min=1), 0.0).expand_as(x)
+
+
+def is_weights(rc, x, valid, seq_stats=None, base=None, rollout=None):
     """Detached rollout-correction weights (padded layout, before batch normalisation) and the
     flags a bound zeroed, from x = rc_log_ratio: per token exp(clamp(x, ±20)), per sequence
     exp(clamp(Σ_t x·m, ±20)) (verl clamps the masked sum; with ``seq_stats``, the sum over the
-    whole sequence)."""
+    whole sequence). is_mode="gate" keeps the token
+    weight where ``gate_statistic`` (of ``base`` and ``rollout``) lies in [low, C], else 0."""
+    if rc.mode == "gate":
+        stat = gate_statistic(rc, x, base, rollout, valid)
+        rejected = (stat < rc.low) | (stat > rc.is_threshold)
+        return torch.where(rejected, 0.0, torch.exp(torch.clamp(x, -20, 20))), rejected
     if rc.is_level == "token":
         w = torch.exp(torch.clamp(x, -20, 20))
     else:
@@ -738,7 +769,8 @@ def policy_loss(
     is_w, rejected = torch.ones_like(lp), torch.zeros_like(valid)
     is_norm = lp.new_ones(())
     if rc is not None and rc.is_level is not None:
-        is_w, rejected = is_weights(rc, x, valid0.to(dtype), seq_stats)
+        base = lp.detach() if rc.log_ratio == "current" else old
+        is_w, rejected = is_weights(rc, x, valid0.to(dtype), seq_stats, base, roll.to(dtype))
         if rc.is_batch_normalize:
             is_norm = is_batch_norm(rc, is_w, valid0, seq_stats)
             is_w = is_w / is_norm
@@ -828,7 +860,8 @@ def rollout_correction(
     keep = valid0 & rejection_keep(rc, x, valid0)
     is_w, norm = torch.ones_like(lp), lp.new_zeros(())
     if rc.is_level is not None:
-        is_w, _ = is_weights(rc, x, valid0.to(dtype))
+        base = lp if rc.log_ratio == "current" else old
+        is_w, _ = is_weights(rc, x, valid0.to(dtype), None, base, roll)
         if rc.is_batch_normalize:
             norm = is_batch_norm(rc, is_w, valid0)
             is_w = is_w / norm

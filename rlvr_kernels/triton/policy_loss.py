@@ -1869,6 +1869,11 @@ def policy_loss_fwd(
     p = PolicyLossParams.unpack(fparams, iparams)
     # (the bits above the 11 options are ignored, as the C++ kernel does)
     p = dataclasses.replace(p, rs_options=int(p.rs_options) & 0x7FF)
+    if p.rollout_correction == RolloutCorrectionCode.GATE:
+        raise ValueError(
+            "rollout_correction: is_mode clamp / gate are fused in the reference and cpu backends only; use "
+            "backend='cpu' (tensors on the CPU) or backend='reference'"
+        )
     # The kernels index flat, contiguous buffers (a no-op for what the op layer passes).
     x = _Inputs(
         *(
