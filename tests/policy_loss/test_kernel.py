@@ -545,6 +545,17 @@ def test_triton_launcher_checks_parameter_lists_and_shapes():
     ):
         with pytest.raises(RuntimeError, match="policy_loss_fwd"):
             f(*mutate(args, **{name: value}))
+    # cov_selection: read by clip_cov / kl_cov only, required there, bool and token-shaped
+    sel = torch.zeros_like(lp, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="cov_selection is only read by"):
+        f(*args, sel)
+    cov = kernel_args(small_case(device=DEVICE), dict(loss_type="kl_cov"))
+    with pytest.raises(RuntimeError, match="cov_selection is required by"):
+        f(*cov)
+    for bad in (sel.float(), sel[:, :-1]):
+        with pytest.raises(RuntimeError, match="cov_selection must have"):
+            f(*cov, bad)
+    assert torch.isfinite(f(*cov, sel)[0]).all()
 
 
 @pytest.mark.cpu_kernel
