@@ -91,7 +91,7 @@ class TokenOut(enum.IntEnum):
     NONE = 0  # not written (a [0] tensor)
     LOSS = 1  # ℓ·m, the per-token loss of agg="none"
     SHAPED_ADVANTAGES = 2  # Ã = A·w·m (shape_token_advantages)
-    IS_WEIGHTS = 3  # the rollout-correction weight on valid tokens (after batch normalisation), else 0
+    IS_WEIGHTS = 3  # the rollout-correction weight on valid tokens before rejection (after batch normalisation), else 0
     KEEP = 4  # 1 on valid tokens the rejection keeps, else 0 (verl's modified response_mask)
 
 

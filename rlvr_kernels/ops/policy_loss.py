@@ -97,7 +97,6 @@ from ..options import (
     options_or_resolve,
     resolve_policy_loss_options,
 )
-from ..reference.policy_loss import seq_clip_fractions, seq_rejection, seq_stat, seq_statistics
 
 S = PolicyLossSum
 _RS_OFF = tuple(float("-inf") if f.endswith("_low") else float("inf") for f in RS_BOUND_FIELDS)
@@ -636,6 +635,10 @@ def _cp_seq_stats(cp_group, x: Optional[_Inputs], opts: Optional[PolicyLossOptio
     """The handshake and the group's per-sequence statistics ([B, NUM_SEQ_STATS] fp64 on
     ``like``'s device, seq_rejection applied); ``x`` None: this rank failed its checks (it
     joins the handshake; the caller raises its own error)."""
+    # (the sequence statistics are the reference's torch code: imported on the cp path only,
+    # so the fast path never loads the reference)
+    from ..reference.policy_loss import seq_rejection, seq_statistics
+
     device = collectives.group_device(cp_group, like)
     values = None if x is None else [_num_seqs(x), collectives.fingerprint(opts, lsf)]
     # (always read: the all-gathers that follow must not wait for a rank that failed)
@@ -671,6 +674,8 @@ def _cp_metrics(m: PolicyLossMetrics, stats: torch.Tensor, opts: PolicyLossOptio
     """The metrics of one process holding the group's whole sequences: token means from the
     ranks' sums (mean·count), sums, maxima (one all-gather); the sequence metrics from the
     group's statistics. pg_loss / kl_loss: the sum of the ranks' shares."""
+    from ..reference.policy_loss import seq_clip_fractions, seq_stat
+
     device = collectives.group_device(cp_group, m.num_tokens)
     ntok = m.num_tokens.double()
     row = [getattr(m, f).double() * ntok for f in _CP_MEANS] + [getattr(m, f).double() for f in _CP_SUMS + _CP_MAXES]

@@ -1514,6 +1514,7 @@ def _token_kernel(
     base = old  # the rollout log-ratio x = base − rollout
     if RC_CURRENT:
         base = lp
+    valid0 = valid  # before the rejection (TokenOut.IS_WEIGHTS)
     if RS_TOK != 0:  # verl's rejection modifies the mask (reference rejection_keep)
         k1, k2, k3 = _rs_divergences(base - roll)
         valid = valid & _token_keep(
@@ -1616,8 +1617,8 @@ def _token_kernel(
         tl.store(tok_ptr + t, tl.where(valid, ell, zero), mask=inside)
     elif TOKEN_OUT == TOKEN_OUT_SHAPED:  # the shaped advantage A·w, formed in fp64 as the reference
         tl.store(tok_ptr + t, tl.where(valid, (adv64 * w64).to(CDT), zero), mask=inside)
-    elif TOKEN_OUT == TOKEN_OUT_IS_WEIGHTS:  # (is_w = 1 without a correction weight)
-        tl.store(tok_ptr + t, tl.where(valid, is_w, zero), mask=inside)
+    elif TOKEN_OUT == TOKEN_OUT_IS_WEIGHTS:  # (is_w = 1 without a correction weight; rejected tokens too)
+        tl.store(tok_ptr + t, tl.where(valid0, is_w, zero), mask=inside)
     elif TOKEN_OUT == TOKEN_OUT_KEEP:  # the valid tokens the rejection keeps
         tl.store(tok_ptr + t, tl.where(valid, 1.0, zero), mask=inside)
 

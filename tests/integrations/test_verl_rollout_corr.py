@@ -181,22 +181,6 @@ def test_op_token_outputs_cpu_vs_reference(packed):
         torch.testing.assert_close(getattr(cpu[2], name), getattr(ref[2], name))
 
 
-def test_op_token_outputs_triton_refuses():
-    rc = RolloutCorrection(is_level="token")
-    x = torch.zeros(2, 3)
-    from rlvr_kernels.contracts.policy_loss import PolicyLossParams, TokenOut
-    from rlvr_kernels.ops.policy_loss import _kernel_params
-    from rlvr_kernels.options import PolicyLossOptions
-    from rlvr_kernels.triton.policy_loss import policy_loss_fwd
-
-    opts = PolicyLossOptions(loss_type="reinforce", rollout_correction=rc)
-    for tok in (TokenOut.IS_WEIGHTS, TokenOut.KEEP):
-        f, i = _kernel_params(opts, True, tok).pack()
-        assert PolicyLossParams.unpack(f, i).token_out == tok
-        with pytest.raises(ValueError, match="rollout_correction"):
-            policy_loss_fwd(x, x, torch.zeros(2), x > -1, None, x, None, None, None, f, i, False)
-
-
 def test_op_validation():
     x = torch.zeros(2, 3)
     with pytest.raises(TypeError, match="correction"):

@@ -264,7 +264,7 @@ def reference_is_weights_and_keep(inputs, rc):
         is_w, _ = ref_pl.is_weights(rc, x, valid0.float())
     if rc.is_level is not None and rc.is_batch_normalize:
         is_w = is_w / ref_pl.is_batch_norm(rc, is_w, valid0)
-    w = torch.where(keep, is_w, 0.0)
+    w = torch.where(valid0, is_w, 0.0)  # (on the valid tokens before rejection, as verl's weights)
     T = inputs["logprobs"].shape[0]
     return ref_pl.from_padded(w, cu, T), ref_pl.from_padded(keep.float(), cu, T)
 
