@@ -447,7 +447,29 @@ def workload(device: str, quick: bool = False) -> Dict:
 # Function-level verl drop-ins against verl's own functions
 # ---------------------------------------------------------------------------------------
 
-DROPIN_LOSS_MODES = ("vanilla", "gspo", "cispo", "sapo", "gpg", "geo_mean", "dro", "clip_cov", "kl_cov")
+DROPIN_LOSS_MODES = (
+    "vanilla",
+    "gspo",
+    "cispo",
+    "sapo",
+    "gpg",
+    "dppo_tv",
+    "dppo_kl",
+    "geo_mean",
+    "dro",
+    "clip_cov",
+    "kl_cov",
+    "bypass_mode",
+)
+# bypass_mode: REINFORCE with sequence IS and a seq_mean_k1 rejection (the trainer passes the
+# rollout's log-probs as old_log_prob)
+BYPASS_RC = dict(
+    loss_type="reinforce",
+    rollout_is="sequence",
+    rollout_is_threshold=2.0,
+    rollout_rs="seq_mean_k1",
+    rollout_rs_threshold="0.8_1.25",
+)
 DRO_BETA = 0.1  # dro's β (config.policy_loss.dro_beta; verl has no default)
 COV_SEED = 0  # clip_cov draws torch.randperm from the global RNG: both sides seed it alike
 _COV_LABELS = ("compute_policy_loss_clip_cov", "compute_policy_loss_kl_cov")
@@ -469,12 +491,18 @@ def dropin_pairs(x: Dict):
     x["agg_matrix"] = mat  # (a leaf whose gradient the timing drops after each call)
     ours = verl_dropins
 
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.workers.config.actor import PolicyLossConfig
 
     # (clip_cov / kl_cov: verl's default ratios, bounds and coefficient)
     configs = {
         mode: _actor_config(dict(ACTOR_FIELDS, policy_loss=PolicyLossConfig(loss_mode=mode, **kw)))
-        for mode, kw in (("dro", dict(dro_beta=DRO_BETA)), ("clip_cov", {}), ("kl_cov", {}))
+        for mode, kw in (
+            ("dro", dict(dro_beta=DRO_BETA)),
+            ("clip_cov", {}),
+            ("kl_cov", {}),
+            ("bypass_mode", dict(rollout_correction=RolloutCorrectionConfig(**BYPASS_RC))),
+        )
     }
 
     def policy_step(fn, config=cfg, seed=None):
