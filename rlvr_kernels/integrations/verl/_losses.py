@@ -16,7 +16,7 @@ from .._backend import current_backend
 from .._errors import caller_names
 from .._torch_math import AGG_MODES, aggregate, times_mask
 from ._config import ActorLossConfig, batch_info, read_actor_config
-from ._rollout_corr import bypass_correction, bypass_metrics
+from ._rollout_corr import bypass_correction, bypass_metrics, masked_mean
 
 # policy_loss' argument names -> verl's.
 PG_NAMES = {
@@ -470,11 +470,6 @@ def _cov_field(config, name, default):
     return float(value)
 
 
-def _masked_mean(x, mask):
-    """verl's masked_mean: Σ m·x / (Σ m + 1e-8), x zeroed off the mask first (its NaNs too)."""
-    return (torch.where(mask.bool(), x, 0.0) * mask).sum() / (mask.sum() + 1e-8)
-
-
 @torch.no_grad()
 def clip_cov_selection(old_log_prob, log_prob, advantages, response_mask, clip_low, clip_high, ratio, lb, ub):
     """verl's Clip-Cov choice: the valid tokens the PPO clip leaves alone with
@@ -483,7 +478,7 @@ def clip_cov_selection(old_log_prob, log_prob, advantages, response_mask, clip_l
     lp = log_prob.detach()
     r = torch.exp(lp - old_log_prob)
     clipped = (-advantages * torch.clamp(r, 1 - clip_low, 1 + clip_high) > -advantages * r) & (response_mask > 0)
-    cov = (advantages - _masked_mean(advantages, response_mask)) * (lp - _masked_mean(lp, response_mask))
+    cov = (advantages - masked_mean(advantages, response_mask)) * (lp - masked_mean(lp, response_mask))
     cand = (cov < ub) & (cov > lb) & (response_mask > 0) & ~clipped
     idx = torch.nonzero(cand)
     sel = torch.zeros(cand.shape, dtype=torch.bool, device=cand.device)

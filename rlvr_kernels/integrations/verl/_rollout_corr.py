@@ -18,20 +18,21 @@ import torch
 
 from ...ops.policy_loss import rollout_correction
 from ...options import RS_BOUND_FIELDS, RolloutCorrection
+from .._torch_math import _counts, _masked_sum
 
 SAFETY_BOUND = 20.0
 Metrics = Dict[str, torch.Tensor]
 
 
 def masked_sum(values, mask, axis=None):
-    """verl's masked_sum: values off the mask (NaN included) zeroed, times the mask."""
-    v = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device)) * mask
-    return v.sum() if axis is None else v.sum(axis)
+    """verl's masked_sum: values off the mask (NaN included) zeroed, times the mask (the
+    shared arithmetic of ``_torch_math``: the same bits in fewer passes)."""
+    return _masked_sum(values, mask, axis)
 
 
 def masked_mean(values, mask, axis=None):
     """verl's masked_mean: masked_sum / (Σ mask + 1e-8)."""
-    return masked_sum(values, mask, axis) / ((mask.sum() if axis is None else mask.sum(axis)) + 1e-8)
+    return masked_sum(values, mask, axis) / (_counts(mask, axis) + 1e-8)
 
 
 def _where(cond, a, b):
