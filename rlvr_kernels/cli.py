@@ -96,14 +96,15 @@ def cmd_check(args) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     backends = args.backend or _dispatch.available_backends(device)
-    total = sum(suite.count() for suite in CHECK_SUITES.values()) * len(backends)
+    suites = {name: s for name, s in CHECK_SUITES.items() if args.op is None or name in args.op}
+    total = sum(suite.count() for suite in suites.values()) * len(backends)
     done = [0]
 
     def progress():
         done[0] += 1
         print(f"\r  checking {done[0]}/{total}", end="", file=sys.stderr, flush=True)
 
-    rows = run_checks(CHECK_SUITES, backends, device=device, seed=args.seed, progress=progress)
+    rows = run_checks(suites, backends, device=device, seed=args.seed, progress=progress)
     print("", file=sys.stderr)
     header = f"{'op':<20} {'backend':<9} {'case':<44} {'max abs err':>11} {'max rel err':>11}  result"
     print(header)
@@ -136,6 +137,13 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--backend", action="append", choices=list(BACKENDS), default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--op",
+        action="append",
+        choices=["group_advantages", "policy_loss", "linear_logprobs", "packing"],
+        default=None,
+        help="only these op families (repeatable; default: every one)",
+    )
     p = sub.add_parser("bench", help="benchmark table, plot and result files")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--out", default=os.path.join("benchmarks", "results"), help="where result files go")

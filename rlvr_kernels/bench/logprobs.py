@@ -28,17 +28,13 @@ subprocess; on CPU the peak RSS of the call above the RSS before it (VmHWM reset
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 from .. import linear_logprobs
 from .advantages import _target
-from .timing import peak_extra_gb, time_fn
+from .timing import in_fresh_processes, peak_extra_gb, time_fn
 
 # Targets on CPU: time ≤ 1.1× eager and extra peak memory ≤ 0.2 GB.
 CPU_TIME_TARGET = 1.1
@@ -170,18 +166,8 @@ def measure_memory(key: str, device: str, quick: bool) -> Dict:
 
 
 def memory_rows(keys: List[str], device: str, quick: bool) -> Dict[str, Dict]:
-    out = {}
-    for key in keys:
-        code = (
-            "import json, sys; from rlvr_kernels.bench.logprobs import measure_memory; "
-            f"print(json.dumps(measure_memory({key!r}, {device!r}, {quick!r})))"
-        )
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
-        try:
-            out[key] = json.loads(res.stdout.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
-            out[key] = {"error": (res.stderr.strip().splitlines() or ["no output"])[-1][:120]}
-    return out
+    calls = [(key, device, quick) for key in keys]
+    return dict(zip(keys, in_fresh_processes(__name__, "measure_memory", calls, quick)))
 
 
 def matmul_tflops(device: str, dtype: torch.dtype, n: int = 8192) -> Optional[float]:

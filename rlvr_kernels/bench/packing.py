@@ -12,18 +12,14 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 import warnings
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict
 
 import torch
 
 from ..packing import pack_rows
-from .timing import peak_extra_gb, time_fn
+from .timing import in_fresh_processes, peak_extra_gb, time_fn
 
 BUILD_SPEEDUP_TARGET = 30.0
 BUILD_SECONDS_TARGET = 1.0
@@ -192,18 +188,6 @@ def measure_forward_memory(packed: bool, device: str, quick: bool) -> Dict:
     return {"extra_gb": peak_extra_gb(_forward_step(forward_inputs(device, quick), packed), device)}
 
 
-def _memory(packed: bool, device: str, quick: bool) -> Optional[float]:
-    code = (
-        "import json; from rlvr_kernels.bench.packing import measure_forward_memory; "
-        f"print(json.dumps(measure_forward_memory({packed!r}, {device!r}, {quick!r})))"
-    )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
-    try:
-        return json.loads(res.stdout.strip().splitlines()[-1])["extra_gb"]
-    except (IndexError, KeyError, json.JSONDecodeError):
-        return None
-
-
 def _tree_attentions(device: str):
     """The packed variants run here: SDPA everywhere; FlexAttention where it has a backward
     (CUDA; on CPU torch 2.13 has none); flash-attn's varlen kernel where it is installed."""
@@ -242,6 +226,12 @@ def forward_workload(device: str, quick: bool = False) -> Dict:
     unpacked_tokens = G * (P + R)
     base = ms.get("rk_tree_sdpa")
     rows = []
+    gb = [
+        m.get("extra_gb")
+        for m in in_fresh_processes(
+            __name__, "measure_forward_memory", [(True, device, quick), (False, device, quick)], quick
+        )
+    ]
     for k in [*_tree_attentions(device), "unpacked"]:
         packed = k != "unpacked"
         label = (
@@ -251,7 +241,7 @@ def forward_workload(device: str, quick: bool = False) -> Dict:
         )
         r = {"method": label, "key": "fused" if k == "rk_tree_sdpa" else k, "ms": ms.get(k)}
         r["ratio"] = r["ms"] / base if r["ms"] and base else None
-        r["extra_gb"] = _memory(packed, device, quick) if k in ("rk_tree_sdpa", "unpacked") else None
+        r["extra_gb"] = {"rk_tree_sdpa": gb[0], "unpacked": gb[1]}.get(k)
         if k in errors:
             r["note"] = errors[k]
         rows.append(r)

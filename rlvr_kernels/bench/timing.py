@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -64,3 +68,24 @@ def peak_extra_gb(step: Callable[[], object], device: str) -> float:
     step()
     _, peak = _rss()
     return (peak - base) / 1e9
+
+
+def in_fresh_processes(module: str, fn: str, calls: Sequence[tuple], quick: bool) -> List[Dict]:
+    """``module.fn(*args)`` (a dict that JSON can carry) for each ``args`` of ``calls``, each
+    in a fresh process: a warm allocator would hide a first call's peak. ``quick`` (a smoke
+    test, not for reporting) runs every call in one process: the same path, one start-up.
+    A call that fails gives ``{"error": its last stderr line}``."""
+    groups = [list(calls)] if quick else [[c] for c in calls]
+    out: List[Dict] = []
+    for group in groups:
+        code = (
+            f"import json; from {module} import {fn}; "
+            f"print(json.dumps([{fn}(*a) for a in {[tuple(a) for a in group]!r}]))"
+        )
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+        try:
+            got = json.loads(res.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            got = [{"error": (res.stderr.strip().splitlines() or ["no output"])[-1][:120]}] * len(group)
+        out += got
+    return out

@@ -15,16 +15,12 @@ head, as stock TRL does off Triton devices). Peak memory: each row once in a fre
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
 import tempfile
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .timing import peak_extra_gb, time_fn
+from .timing import in_fresh_processes, peak_extra_gb, time_fn
 
 # key -> (label, apply() switches or None for stock)
 METHODS: Dict[str, Tuple[str, Any]] = {
@@ -152,20 +148,11 @@ def measure_memory(key: str, device: str, quick: bool) -> Dict:
 
 
 def memory_rows(device: str, quick: bool, module: str = __name__, methods=METHODS) -> Dict[str, Dict]:
-    """``module.measure_memory(key, device, quick)`` for each key of ``methods``, each in a
-    fresh process: a warm allocator would hide the first call's peak."""
-    out = {}
-    for key in methods:
-        code = (
-            f"import json; from {module} import measure_memory; "
-            f"print(json.dumps(measure_memory({key!r}, {device!r}, {quick!r})))"
-        )
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
-        try:
-            out[key] = json.loads(res.stdout.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
-            out[key] = {"error": (res.stderr.strip().splitlines() or ["no output"])[-1][:120]}
-    return out
+    """``module.measure_memory(key, device, quick)`` for each key of ``methods``
+    (:func:`in_fresh_processes`)."""
+    keys = list(methods)
+    calls = [(key, device, quick) for key in keys]
+    return dict(zip(keys, in_fresh_processes(module, "measure_memory", calls, quick)))
 
 
 def interleaved(

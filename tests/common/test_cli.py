@@ -31,12 +31,32 @@ def test_build_prints_the_cached_library():
     assert res.stdout.strip() == str(lib)  # stdout is the path only, for scripts
 
 
+def _check_lines(stdout, op):
+    return [line for line in stdout.splitlines() if line.startswith(op)]
+
+
 def test_check_passes_for_every_backend():
-    res = run_cli("check")
+    # policy_loss's check cases on Triton (interpreted here: about a minute) are the option
+    # sets tests/policy_loss runs on every backend; here its reference and cpu rows.
+    ops = ("group_advantages", "linear_logprobs", "packing")
+    res = run_cli("check", *(a for op in ops for a in ("--op", op)))
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    lines = [line for line in res.stdout.splitlines() if line.startswith("group_advantages")]
-    backends = {line.split()[1] for line in lines}
-    assert backends == {"reference", "cpu", "triton"}
+    # (packing's plan is built on the host: its kernels have no Triton row)
+    expected = {"packing": {"reference", "cpu"}}
+    for op in ops:
+        lines = _check_lines(res.stdout, op)
+        assert {line.split()[1] for line in lines} == expected.get(op, {"reference", "cpu", "triton"}), op
+        assert all(line.rstrip().endswith("pass") for line in lines)
+    assert not _check_lines(res.stdout, "policy_loss")  # --op selects
+
+
+def test_check_policy_loss_reference_and_cpu():
+    from rlvr_kernels.testing import CHECK_SUITES
+
+    res = run_cli("check", "--op", "policy_loss", "--backend", "reference", "--backend", "cpu")
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    lines = _check_lines(res.stdout, "policy_loss")
+    assert len(lines) == 2 * CHECK_SUITES["policy_loss"].count()
     assert all(line.rstrip().endswith("pass") for line in lines)
 
 
