@@ -4,6 +4,7 @@ rollout_corr_helper on the same inputs, on the reference and the cpu backend."""
 import pytest
 import torch
 import verl.trainer.ppo.rollout_corr_helper as rc_helper
+from _rollout_chains import RS_CHAINS
 
 from rlvr_kernels import PolicyLossOptions, RolloutCorrection, policy_loss
 
@@ -32,25 +33,8 @@ def _verl_loss(lp, old, adv, mask, is_w):
     return (pg * m).sum() / m.sum()
 
 
-CHAINS = [
-    ("token_k1", "2.0"),
-    ("token_k2", 0.05),
-    ("token_k3", 0.05),
-    ("seq_sum_k1", "0.3_3.0"),
-    ("seq_sum_k2", 0.4),
-    ("seq_sum_k3", 0.4),
-    ("seq_mean_k1", "0.8_1.25"),
-    ("seq_mean_k2", 0.05),
-    ("seq_mean_k3", 0.05),
-    ("seq_max_k2", 0.3),
-    ("seq_max_k3", 0.3),
-    ("token_k1,seq_mean_k3", "0.5_2.0,0.06"),
-    ("token_k2,seq_sum_k1,seq_max_k3", "0.1,3.0,0.4"),
-]
-
-
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-@pytest.mark.parametrize("rs,thr", CHAINS)
+@pytest.mark.parametrize("rs,thr", RS_CHAINS)
 def test_rejection_matches_verl(rs, thr, backend):
     lp, old, roll, mask, adv = _case(sum(map(ord, rs)) % 1000)
     dtype = torch.float64 if backend == "reference" else torch.float32
