@@ -159,23 +159,45 @@ ACTOR_FIELDS = dict(
 )
 
 
-def _check_fused(x: Dict) -> None:
-    """Run the fused op once on a slice of the inputs: a missing or broken kernel raises
-    here, before anything is timed (the benchmark never times a stand-in)."""
-    loss, _ = policy_loss(
-        x["logprobs"].detach()[:1, :8],
-        x["old"][:1, :8],
-        x["adv"][:1],
-        x["mask"][:1, :8],
-        preset="verl",
-        clip_low=CLIP_LOW,
-        clip_high=CLIP_HIGH,
+def _fused(lp, old, adv, mask, **options):
+    """The fused op as every workload calls it: verl's preset, the workload's clip range,
+    then ``options`` (the KL term, the rollout correction, validate)."""
+    return policy_loss(lp, old, adv, mask, preset="verl", clip_low=CLIP_LOW, clip_high=CLIP_HIGH, **options)
+
+
+def _fused_step(lp, old, adv, mask, **options):
+    """A timed step of :func:`_fused`: forward + backward, returns (loss, grad)."""
+
+    def step():
+        lp.grad = None
+        loss, _ = _fused(lp, old, adv, mask, **options)
+        loss.backward()
+        return loss, lp.grad
+
+    return step
+
+
+def _k3_tis(ref, rollout) -> Dict:
+    """The main workload's options beyond the clip range: k3 KL at KL_COEF, token TIS at RC_CAP."""
+    return dict(
         kl="k3",
         kl_coef=KL_COEF,
         rollout_correction="token_tis",
         rollout_threshold=RC_CAP,
-        ref_logprobs=x["ref"][:1, :8],
-        rollout_logprobs=x["rollout"][:1, :8],
+        ref_logprobs=ref,
+        rollout_logprobs=rollout,
+    )
+
+
+def _check_fused(x: Dict) -> None:
+    """Run the fused op once on a slice of the inputs: a missing or broken kernel raises
+    here, before anything is timed (the benchmark never times a stand-in)."""
+    loss, _ = _fused(
+        x["logprobs"].detach()[:1, :8],
+        x["old"][:1, :8],
+        x["adv"][:1],
+        x["mask"][:1, :8],
+        **_k3_tis(x["ref"][:1, :8], x["rollout"][:1, :8]),
     )
     if not bool(torch.isfinite(loss)):
         raise RuntimeError(f"policy_loss bench: the fused op returned {float(loss)} on finite inputs")
@@ -190,30 +212,7 @@ def methods(device: str, quick: bool = False, x: Optional[Dict] = None, compile_
     _check_fused(x)
     adv_tok = adv[:, None] * mask  # as verl's trainer holds them: [B, L] fp32, 0 on padding
     actor_cfg = _actor_config(ACTOR_FIELDS)
-
-    def fused(validate=True):
-        def step():
-            lp.grad = None
-            loss, metrics = policy_loss(
-                lp,
-                old,
-                adv,
-                mask,
-                preset="verl",
-                clip_low=CLIP_LOW,
-                clip_high=CLIP_HIGH,
-                kl="k3",
-                kl_coef=KL_COEF,
-                rollout_correction="token_tis",
-                rollout_threshold=RC_CAP,
-                ref_logprobs=ref,
-                rollout_logprobs=roll,
-                validate=validate,
-            )
-            loss.backward()
-            return loss, lp.grad
-
-        return step
+    k3_tis = _k3_tis(ref, roll)
 
     def verl_actor_step():
         lp.grad = None
@@ -241,8 +240,12 @@ def methods(device: str, quick: bool = False, x: Optional[Dict] = None, compile_
         return step
 
     out: List[tuple] = [
-        ("rlvr_kernels.policy_loss (fused op, [B] advantages)", fused(), "fused"),
-        ("rlvr_kernels.policy_loss, validate=False (no finite check)", fused(False), "fused_novalidate"),
+        ("rlvr_kernels.policy_loss (fused op, [B] advantages)", _fused_step(lp, old, adv, mask, **k3_tis), "fused"),
+        (
+            "rlvr_kernels.policy_loss, validate=False (no finite check)",
+            _fused_step(lp, old, adv, mask, validate=False, **k3_tis),
+            "fused_novalidate",
+        ),
         (
             "rlvr_kernels verl actor: integrations.verl.policy_loss_verl ([B, L] advantages, ActorConfig, "
             "fused TIS, float metrics)",
@@ -675,22 +678,6 @@ def chained_correction(device: str, quick: bool = False) -> Dict:
         geo_mean=(GEO_LOW, GEO_HIGH),
     )
 
-    def fused():
-        lp.grad = None
-        loss, metrics = policy_loss(
-            lp,
-            old,
-            adv,
-            mask,
-            preset="verl",
-            clip_low=CLIP_LOW,
-            clip_high=CLIP_HIGH,
-            rollout_correction=rc,
-            rollout_logprobs=roll,
-        )
-        loss.backward()
-        return loss, lp.grad
-
     def verl_step():
         lp.grad = None
         # verl's seq_mean_k1 bounds of the geometric mask: k1 = −x, so (1/high, 1/low).
@@ -716,7 +703,11 @@ def chained_correction(device: str, quick: bool = False) -> Dict:
         return loss, lp.grad
 
     steps = [
-        ("rlvr_kernels.policy_loss, RolloutCorrection (fused)", fused, "fused"),
+        (
+            "rlvr_kernels.policy_loss, RolloutCorrection (fused)",
+            _fused_step(lp, old, adv, mask, rollout_correction=rc, rollout_logprobs=roll),
+            "fused",
+        ),
         (
             "verl compute_rollout_correction_and_rejection_mask + compute_policy_loss_vanilla "
             "([B, L] advantages, modified mask)",

@@ -199,6 +199,23 @@ def upstream_for(inputs: Dict, options: Dict, gen: torch.Generator) -> Optional[
     return torch.randn(inputs["logprobs"].shape, generator=gen).to(inputs["logprobs"].device)
 
 
+def assert_matches_reference(
+    inputs: Dict, options: Dict, backend: str, gen: torch.Generator, entropy_grad: bool = True
+) -> Dict[str, torch.Tensor]:
+    """``backend`` against the fp64 reference on ``inputs`` (loss, metrics, gradients, the
+    same random upstream gradient): asserts the tolerance rule on every output, with the
+    reductions' summation-order allowance, and the gradient's dtype; returns its outputs."""
+    up = upstream_for(inputs, options, gen)
+    ref64 = run_policy_loss(as_float64(inputs), options, "reference", up, entropy_grad)
+    same = run_policy_loss(inputs, options, "reference", up, entropy_grad)
+    fast = run_policy_loss(inputs, options, backend, up, entropy_grad)
+    sums = reduction_magnitudes(inputs, options)
+    bad = [c for c in compare_policy(fast, ref64, same, inputs["logprobs"].dtype, sums) if not c.ok]
+    assert not bad, bad
+    assert fast["grad.logprobs"].dtype == inputs["logprobs"].dtype
+    return fast
+
+
 def check_cases() -> List[tuple]:
     from ..options import TokenShaping
 

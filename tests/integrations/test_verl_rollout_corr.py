@@ -8,6 +8,7 @@ import pytest
 import torch
 import verl.trainer.ppo.core_algos as verl_core
 import verl.trainer.ppo.rollout_corr_helper as verl_rch
+from _rollout_chains import RS_CHAINS
 from verl.trainer.config.algorithm import RolloutCorrectionConfig
 from verl.workers.config import FSDPActorConfig
 from verl.workers.config.actor import PolicyLossConfig
@@ -55,22 +56,8 @@ def test_weights_match_verl(backend, level, thr, norm):
     _same_metrics(m1, m0)
 
 
-CHAINS = [
-    ("token_k1", "2.0"),
-    ("token_k2", 0.05),
-    ("token_k3", 0.05),
-    ("seq_sum_k1", "0.3_3.0"),
-    ("seq_sum_k2", 0.4),
-    ("seq_sum_k3", 0.4),
-    ("seq_mean_k1", "0.8_1.25"),
-    ("seq_mean_k2", 0.05),
-    ("seq_mean_k3", 0.05),
-    ("seq_max_k2", 0.3),
-    ("seq_max_k3", 0.3),
-    ("token_k1,seq_mean_k3", "0.5_2.0,0.06"),
-    ("token_k2,seq_sum_k1,seq_max_k3", "0.1,3.0,0.4"),
-    ("seq_mean_k1,token_k3", 1.2),  # one threshold shared by the chain
-]
+# One threshold shared by a chain: verl applies it to every criterion.
+CHAINS = [*RS_CHAINS, ("seq_mean_k1,token_k3", 1.2)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

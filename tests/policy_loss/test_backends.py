@@ -12,27 +12,8 @@ from hypothesis import strategies as st
 
 import rlvr_kernels as rk
 from rlvr_kernels import TokenShaping
-from rlvr_kernels.testing import (
-    as_float64,
-    compare_policy,
-    random_policy_case,
-    run_policy_loss,
-    upstream_for,
-)
-from rlvr_kernels.testing.policy_loss import check_cases, reduction_magnitudes
-
-
-def assert_matches_reference(inputs, opts, backend, gen, entropy_grad=True):
-    up = upstream_for(inputs, opts, gen)
-    ref64 = run_policy_loss(as_float64(inputs), opts, "reference", up, entropy_grad)
-    same = run_policy_loss(inputs, opts, "reference", up, entropy_grad)
-    fast = run_policy_loss(inputs, opts, backend, up, entropy_grad)
-    sums = reduction_magnitudes(inputs, opts)
-    bad = [c for c in compare_policy(fast, ref64, same, inputs["logprobs"].dtype, sums) if not c.ok]
-    assert not bad, bad
-    assert fast["grad.logprobs"].dtype == inputs["logprobs"].dtype
-    return fast
-
+from rlvr_kernels.testing import random_policy_case, run_policy_loss
+from rlvr_kernels.testing.policy_loss import assert_matches_reference, check_cases
 
 CASES = check_cases()
 

@@ -1,9 +1,12 @@
 """RolloutCorrection (docs/policy-loss.md, "Rollout correction") against verl 0.9.1's
 rollout_corr_helper on the same inputs, on the reference and the cpu backend."""
 
+import math
+
 import pytest
 import torch
 import verl.trainer.ppo.rollout_corr_helper as rc_helper
+from _rollout_chains import RS_CHAINS
 
 from rlvr_kernels import PolicyLossOptions, RolloutCorrection, policy_loss
 
@@ -32,25 +35,8 @@ def _verl_loss(lp, old, adv, mask, is_w):
     return (pg * m).sum() / m.sum()
 
 
-CHAINS = [
-    ("token_k1", "2.0"),
-    ("token_k2", 0.05),
-    ("token_k3", 0.05),
-    ("seq_sum_k1", "0.3_3.0"),
-    ("seq_sum_k2", 0.4),
-    ("seq_sum_k3", 0.4),
-    ("seq_mean_k1", "0.8_1.25"),
-    ("seq_mean_k2", 0.05),
-    ("seq_mean_k3", 0.05),
-    ("seq_max_k2", 0.3),
-    ("seq_max_k3", 0.3),
-    ("token_k1,seq_mean_k3", "0.5_2.0,0.06"),
-    ("token_k2,seq_sum_k1,seq_max_k3", "0.1,3.0,0.4"),
-]
-
-
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-@pytest.mark.parametrize("rs,thr", CHAINS)
+@pytest.mark.parametrize("rs,thr", RS_CHAINS)
 def test_rejection_matches_verl(rs, thr, backend):
     lp, old, roll, mask, adv = _case(sum(map(ord, rs)) % 1000)
     dtype = torch.float64 if backend == "reference" else torch.float32
@@ -179,3 +165,41 @@ def test_shorthands_unchanged():
                 backend=backend,
             )[0]
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_nemo_rl_seq_mask_tis_hand_computed(backend):
+    """NeMo-RL's seq-mask-tis (docs/presets.md): a sequence is gated on exp(mean of x over
+    its valid tokens), x = old − rollout; the kept ones keep their raw token weights exp(x);
+    the gated ones keep their tokens in the token-mean's count. π = π_old (ratio 1).
+    seq 0: x = (ln 3, 0), A = 1: geo-mean √3 in [0.5, 2] (its sum, 3, would gate it).
+    seq 1: x = (ln 1.5, −ln 1.5), A = −2: geo-mean 1.
+    seq 2: x = (ln 3, padding 0), A = 3: geo-mean 3 over its one valid token (√3 over L).
+    loss = (−(3 + 1) + 2·(1.5 + 2/3) + 0) / 5 = 1/15; ∂/∂logπ = −A·w/5 on the kept tokens."""
+    x = torch.tensor([[math.log(3), 0.0], [math.log(1.5), -math.log(1.5)], [math.log(3), 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True], [True, True], [True, False]])
+    old = torch.full((3, 2), -1.0, dtype=torch.float64)
+    adv = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    lp = old.clone().to(dtype).requires_grad_(True)
+    rc = RolloutCorrection(is_level="sequence", is_mode="gate", is_threshold=2.0, is_threshold_low=0.5)
+    loss, m = policy_loss(
+        lp,
+        old.to(dtype),
+        adv.to(dtype),
+        mask,
+        preset="nemo_rl",
+        rollout_correction=rc,
+        rollout_logprobs=(old - x).to(dtype),
+        backend=backend,
+    )
+    loss.backward()
+    tol = dict(rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(loss.double(), torch.tensor(1 / 15, dtype=torch.float64), **tol)
+    grad = torch.tensor([[-3 / 5, -1 / 5], [3 / 5, 4 / 15], [0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(lp.grad.double(), grad, **tol)
+    # NeMo-RL's sampling_importance_ratio (the gated weights' token mean) is is_weight_mean;
+    # its is_oob_ratio counts the gated sequences (1/3), is_masked_frac the gated tokens.
+    torch.testing.assert_close(float(m.is_weight_mean), 37 / 30, **tol)
+    torch.testing.assert_close(float(m.is_masked_frac), 1 / 5, **tol)
+    assert float(m.num_tokens) == 5.0

@@ -23,6 +23,7 @@ advantage body) and ``_losses`` (the policy-loss body, shared with ``losses``).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -183,207 +184,125 @@ def compute_gdpo_outcome_advantage(
 # =======================================================================================
 
 
-def compute_policy_loss_vanilla(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Optional[Any] = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, Dict[str, Any]]:
+def _policy_loss_dropin(loss_mode: str, doc: str, agg_default: str = "token-mean"):
+    """The drop-in ``compute_policy_loss_<loss_mode>``: verl's signature (``agg_default``
+    is verl's default ``loss_agg_mode``), ``doc`` as its docstring, one ``_losses`` body
+    (``bypass_body`` for bypass_mode, ``policy_loss_body`` for the others)."""
+    body = bypass_body if loss_mode == "bypass_mode" else functools.partial(policy_loss_body, loss_mode)
+
+    def dropin(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = agg_default,
+        config: Optional[Any] = None,
+        rollout_is_weights: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        return body(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+
+    dropin.__name__ = dropin.__qualname__ = f"compute_policy_loss_{loss_mode}"
+    dropin.__doc__ = doc
+    return dropin
+
+
+compute_policy_loss_vanilla = _policy_loss_dropin(
+    "vanilla",
     """PPO clip with verl's dual clip (c = ``config.get("clip_ratio_c", 3.0)``) and δ
-    clamped to ±20; returns ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl",
-    "actor/pg_clipfrac_lower"})`` with float metrics (one host sync)."""
-    return policy_loss_body(
-        "vanilla", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
-    )
+clamped to ±20; returns ``(pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl",
+"actor/pg_clipfrac_lower"})`` with float metrics (one host sync).""",
+)
 
 
-def compute_policy_loss_gspo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    config: Optional[Any] = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, Dict[str, Any]]:
-    """GSPO: the sequence ratio exp(mean_t δ) in verl's token form, log s clamped at 10."""
-    return policy_loss_body(
-        "gspo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
-    )
+compute_policy_loss_gspo = _policy_loss_dropin(
+    "gspo",
+    """GSPO: the sequence ratio exp(mean_t δ) in verl's token form, log s clamped at 10.""",
+    agg_default="seq-mean-token-mean",
+)
 
 
-def compute_policy_loss_cispo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Optional[Any] = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, Dict[str, Any]]:
-    """CISPO: −sg(clip(ρ, 1 − ε_low, 1 + ε_high))·A·logπ."""
-    return policy_loss_body(
-        "cispo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
-    )
+compute_policy_loss_cispo = _policy_loss_dropin(
+    "cispo",
+    """CISPO: −sg(clip(ρ, 1 − ε_low, 1 + ε_high))·A·logπ.""",
+)
 
 
-def compute_policy_loss_sapo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    config: Optional[Any] = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, Dict[str, Any]]:
+compute_policy_loss_sapo = _policy_loss_dropin(
+    "sapo",
     """SAPO's soft gate with ``config.tau_pos``/``tau_neg``; like verl, always aggregated
-    ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says (clip fractions are 0)."""
-    return policy_loss_body(
-        "sapo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
-    )
+``seq-mean-token-mean`` whatever ``loss_agg_mode`` says (clip fractions are 0).""",
+    agg_default="seq-mean-token-mean",
+)
 
 
-def compute_policy_loss_gpg(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Optional[Any] = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, Dict[str, Any]]:
-    """GPG: −A·logπ; returns ``(pg_loss, {})`` like verl."""
-    return policy_loss_body(
-        "gpg", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
-    )
+compute_policy_loss_gpg = _policy_loss_dropin(
+    "gpg",
+    """GPG: −A·logπ; returns ``(pg_loss, {})`` like verl.""",
+)
 
 
-def compute_policy_loss_dppo_tv(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Optional[Any] = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, Dict[str, Any]]:
+compute_policy_loss_dppo_tv = _policy_loss_dropin(
+    "dppo_tv",
     """DPPO-Binary-TV: −A·sg(min(ρ, c))·logπ·keep, keep = p − p_old <= δ_high (A > 0) or
-    >= −δ_low (A <= 0), δ from clip_ratio(_low/_high), c = ``config.get("clip_ratio_c",
-    20.0)``, δ clamped to ±20 in ρ; ``actor/pg_clipfrac`` = the masked-out fraction,
-    ``actor/pg_clipfrac_lower`` = kept with ρ > c."""
-    return policy_loss_body(
-        "dppo_tv", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
-    )
+>= −δ_low (A <= 0), δ from clip_ratio(_low/_high), c = ``config.get("clip_ratio_c",
+20.0)``, δ clamped to ±20 in ρ; ``actor/pg_clipfrac`` = the masked-out fraction,
+``actor/pg_clipfrac_lower`` = kept with ρ > c.""",
+)
 
 
-def compute_policy_loss_dppo_kl(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Optional[Any] = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, Dict[str, Any]]:
+compute_policy_loss_dppo_kl = _policy_loss_dropin(
+    "dppo_kl",
     """DPPO-Binary-KL: as ``compute_policy_loss_dppo_tv`` with the binary KL
-    p_old·log(p_old/p) + (1 − p_old)·log((1 − p_old + 1e-8)/(1 − p + 1e-8)) as the
-    divergence: keep = KL <= δ_high or p <= p_old (A > 0), KL <= δ_low or p >= p_old
-    (A <= 0)."""
-    return policy_loss_body(
-        "dppo_kl", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
-    )
+p_old·log(p_old/p) + (1 − p_old)·log((1 − p_old + 1e-8)/(1 − p + 1e-8)) as the
+divergence: keep = KL <= δ_high or p <= p_old (A > 0), KL <= δ_low or p >= p_old
+(A <= 0).""",
+)
 
 
-def compute_policy_loss_geo_mean(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Optional[Any] = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, Dict[str, Any]]:
+compute_policy_loss_geo_mean = _policy_loss_dropin(
+    "geo_mean",
     """GMPO: mean over rows of −Ā_i·exp(Σ_t m·δ_min / n_i), δ_min = δ clipped above at
-    ε_high for A > 0 and below at −ε_low for A < 0 (δ = logπ − logπ_old unclamped),
-    Ā_i = Σ_t m·A / n_i; ``loss_agg_mode`` and ``global_batch_info`` unused (verl); the
-    sequence IS weight is the geometric mean of ``rollout_is_weights``.
-    ``actor/pg_clipfrac`` / ``_lower``: δ outside [−ε_low, ε_high] with A > 0 / A < 0."""
-    return policy_loss_body(
-        "geo_mean", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
-    )
+ε_high for A > 0 and below at −ε_low for A < 0 (δ = logπ − logπ_old unclamped),
+Ā_i = Σ_t m·A / n_i; ``loss_agg_mode`` and ``global_batch_info`` unused (verl); the
+sequence IS weight is the geometric mean of ``rollout_is_weights``.
+``actor/pg_clipfrac`` / ``_lower``: δ outside [−ε_low, ε_high] with A > 0 / A < 0.""",
+)
 
 
-def compute_policy_loss_dro(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Optional[Any] = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, Dict[str, Any]]:
+compute_policy_loss_dro = _policy_loss_dropin(
+    "dro",
     """DRO: −(logπ·A − ½·β·(logπ − logπ_old)²) (·w), β = ``config.policy_loss.dro_beta`` > 0,
-    aggregated by ``loss_agg_mode``; metric ``actor/ppo_kl``."""
-    return policy_loss_body(
-        "dro", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
-    )
+aggregated by ``loss_agg_mode``; metric ``actor/ppo_kl``.""",
+)
 
 
-def compute_policy_loss_clip_cov(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Optional[Any] = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, Dict[str, Any]]:
+compute_policy_loss_clip_cov = _policy_loss_dropin(
+    "clip_cov",
     """Clip-Cov: max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high)) (·w), 0 on the tokens verl's
-    covariance rule selects (``config.policy_loss.clip_cov_ratio`` / ``clip_cov_lb`` /
-    ``clip_cov_ub``; torch.randperm from the global RNG, as verl), aggregated by
-    ``loss_agg_mode``; δ unclamped. ``actor/pg_clipfrac``: the selected fraction;
-    ``actor/ppo_kl``."""
-    return policy_loss_body(
-        "clip_cov", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
-    )
+covariance rule selects (``config.policy_loss.clip_cov_ratio`` / ``clip_cov_lb`` /
+``clip_cov_ub``; torch.randperm from the global RNG, as verl), aggregated by
+``loss_agg_mode``; δ unclamped. ``actor/pg_clipfrac``: the selected fraction;
+``actor/ppo_kl``.""",
+)
 
 
-def compute_policy_loss_kl_cov(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Optional[Any] = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, Dict[str, Any]]:
+compute_policy_loss_kl_cov = _policy_loss_dropin(
+    "kl_cov",
     """KL-Cov: −A·ρ (·w), plus ``config.policy_loss.ppo_kl_coef``·|δ| (·w) on the top
-    ``kl_cov_ratio`` of the valid tokens by covariance (torch.topk, as verl), aggregated by
-    ``loss_agg_mode``; δ unclamped. ``actor/ppo_kl``: mean |δ|."""
-    return policy_loss_body(
-        "kl_cov", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
-    )
+``kl_cov_ratio`` of the valid tokens by covariance (torch.topk, as verl), aggregated by
+``loss_agg_mode``; δ unclamped. ``actor/ppo_kl``: mean |δ|.""",
+)
 
 
-def compute_policy_loss_bypass_mode(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Optional[Any] = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, Dict[str, Any]]:
+compute_policy_loss_bypass_mode = _policy_loss_dropin(
+    "bypass_mode",
     """verl's bypass mode (``old_log_prob`` is the rollout policy's): the rollout correction
-    of ``config.policy_loss.rollout_correction`` against the current log-probs inside the
-    loss (its rejection always; its IS weights with ``loss_type="reinforce"``), then PPO clip
-    (``"ppo_clip"``, as ``compute_policy_loss_vanilla``) or −A·logπ·w (``"reinforce"``) on the
-    kept tokens; ``rollout_is_weights`` ignored (verl). Metrics: the loss's and verl's
-    "rollout_corr/..." of the current policy."""
-    return bypass_body(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+of ``config.policy_loss.rollout_correction`` against the current log-probs inside the
+loss (its rejection always; its IS weights with ``loss_type="reinforce"``), then PPO clip
+(``"ppo_clip"``, as ``compute_policy_loss_vanilla``) or −A·logπ·w (``"reinforce"``) on the
+kept tokens; ``rollout_is_weights`` ignored (verl). Metrics: the loss's and verl's
+"rollout_corr/..." of the current policy.""",
+)
 
 
 # =======================================================================================
