@@ -2294,49 +2294,71 @@ def aot_specs():
         )
 
 
-def _aot_seq_stats_specs():
-    def spec(name, inp, cdt, **const):
-        c = "*fp64" if cdt is tl.float64 else "*fp32"
-        sig = dict(
-            logp_ptr=inp,
-            old_ptr=inp,
-            adv_ptr=c,
-            mask_ptr="*i1",
-            roll_ptr=inp,
-            ent_ptr=inp,
-            cu_ptr="*i64",
-            seqf_ptr=c,
-            a3po_ptr="*i64",
-            B="i32",
-            L="i32",
-            T="i32",
-            clip_lo="fp64",
-            clip_hi="fp64",
-            rc_low="fp64",
-            rc_high="fp64",
-        )
-        for knob in ("pos_high", "pos_low", "neg_high", "neg_low"):
-            sig.update({f"r_{knob}": "fp64", f"s_{knob}": "fp64"})
-        sig.update({n: "fp64" for n in _RS_BOUNDS})
-        full = dict(
-            CDT=cdt,
-            PACKED=False,
-            HAS_MASK=True,
-            SEQ_ADV=True,
-            NEED_DELTA=False,
-            NEED_LOGW=False,
-            NEED_GEO=False,
-            A3PO=False,
-            A3PO_ENT=False,
-            RC=int(RolloutCorrectionCode.NONE),
-            RS=0,
-            RC_CURRENT=False,
-            NORM_TOK=False,
-        )
-        full.update(const)
-        full["BLOCK"] = seq_block(cdt is tl.float64, full["A3PO"] or full["RS"] != 0)
-        return f"_seq_stats_kernel[{name}]", _seq_stats_kernel, sig, full
+def _aot_spec(kernel, pointers, floats, defaults, block, name, inp, cdt, const):
+    """One AOT spec of ``kernel``: its signature (``pointers``: name -> "inp" (the input
+    dtype), "c" (the compute dtype) or a fixed type; then the i32 sizes and the fp64
+    ``floats``), the constexprs ``defaults`` updated by ``const`` and BLOCK = ``block(fp64,
+    constexprs)``."""
+    c = "*fp64" if cdt is tl.float64 else "*fp32"
+    sig = {n: {"inp": inp, "c": c}.get(t, t) for n, t in pointers.items()}
+    sig.update(B="i32", L="i32", T="i32")
+    if kernel is _token_kernel:
+        sig.update(NBL="i32")
+    sig.update({n: "fp64" for n in floats})
+    full = dict(defaults, CDT=cdt, **const)
+    full["BLOCK"] = block(cdt is tl.float64, full)
+    return f"{kernel.__name__}[{name}]", kernel, sig, full
 
+
+_AOT_SEQ_STATS_POINTERS = dict(
+    logp_ptr="inp",
+    old_ptr="inp",
+    adv_ptr="c",
+    mask_ptr="*i1",
+    roll_ptr="inp",
+    ent_ptr="inp",
+    cu_ptr="*i64",
+    seqf_ptr="c",
+    a3po_ptr="*i64",
+    given_ptr="*fp64",
+)
+_AOT_SEQ_STATS_DEFAULTS = dict(
+    PACKED=False,
+    HAS_MASK=True,
+    SEQ_ADV=True,
+    NEED_DELTA=False,
+    NEED_LOGW=False,
+    NEED_GEO=False,
+    A3PO=False,
+    A3PO_ENT=False,
+    RC=int(RolloutCorrectionCode.NONE),
+    RS=0,
+    RC_CURRENT=False,
+    NORM_TOK=False,
+    IS_GATE=int(IsGate.CLAMP),
+    GATE_SEQ=False,
+    GIVEN=False,
+)
+
+
+def _aot_seq_stats_spec(name, inp, cdt, **const):
+    floats = ("clip_lo", "clip_hi", "rc_low", "rc_high")
+    floats += tuple(f"{rs}_{knob}" for knob in ("pos_high", "pos_low", "neg_high", "neg_low") for rs in "rs")
+    return _aot_spec(
+        _seq_stats_kernel,
+        _AOT_SEQ_STATS_POINTERS,
+        floats + _RS_BOUNDS,
+        _AOT_SEQ_STATS_DEFAULTS,
+        lambda fp64, k: seq_block(fp64, k["A3PO"] or k["RS"] != 0),
+        name,
+        inp,
+        cdt,
+        const,
+    )
+
+
+def _aot_seq_stats_specs():
+    spec = _aot_seq_stats_spec
     yield spec("seq_mean,packed", "*bf16", tl.float32, PACKED=True)
     yield spec("gspo,seq_tis", "*bf16", tl.float32, NEED_DELTA=True, NEED_LOGW=True)
     yield spec("a3po_prob,token_adv", "*bf16", tl.float32, A3PO=True, SEQ_ADV=False)
@@ -2359,6 +2381,43 @@ def _aot_seq_stats_specs():
         PACKED=True,
     )
     yield spec("rs_seq,geo_mean,fp64", "*fp64", tl.float64, RS=_RS_ALL & ~7, NEED_GEO=True, SEQ_ADV=False)
+    # OpenRLHF's sequence-level gate (the mean divergence / log-ratio over m⁰)
+    gate = int(RolloutCorrectionCode.GATE)
+    yield spec("gate_seq,binary_kl", "*bf16", tl.float32, RC=gate, IS_GATE=int(IsGate.BINARY_KL), GATE_SEQ=True)
+    yield spec(
+        "gate_seq,tv,rs_all,current,packed",
+        "*bf16",
+        tl.float32,
+        RC=gate,
+        IS_GATE=int(IsGate.TV),
+        GATE_SEQ=True,
+        RS=_RS_ALL,
+        RC_CURRENT=True,
+        PACKED=True,
+    )
+    yield spec("gate_seq,ratio,fp64", "*fp64", tl.float64, RC=gate, IS_GATE=int(IsGate.RATIO), GATE_SEQ=True)
+    # cp_group: the given statistics (no token loop)
+    yield spec(
+        "given,gspo,rs_all,gate_seq,tv",
+        "*bf16",
+        tl.float32,
+        GIVEN=True,
+        NEED_DELTA=True,
+        RS=_RS_ALL,
+        RC=gate,
+        IS_GATE=int(IsGate.TV),
+        GATE_SEQ=True,
+    )
+    yield spec(
+        "given,geo_mean,seq_tis,fp64",
+        "*fp64",
+        tl.float64,
+        GIVEN=True,
+        NEED_GEO=True,
+        NEED_LOGW=True,
+        RC=int(RolloutCorrectionCode.SEQ_TIS),
+        SEQ_ADV=False,
+    )
 
 
 _RS_ALL = (1 << 11) - 1  # every rejection option (options.RS_OPTIONS)
@@ -2390,67 +2449,72 @@ _AOT_TOKEN_FLOATS = (
 )
 
 
+_AOT_TOKEN_POINTERS = dict(
+    logp_ptr="inp",
+    old_ptr="inp",
+    adv_ptr="c",
+    mask_ptr="*i1",
+    ref_ptr="inp",
+    roll_ptr="inp",
+    ent_ptr="inp",
+    thr_ptr="*fp32",
+    cov_ptr="*i1",
+    cu_ptr="*i64",
+    boff_ptr="*i64",
+    seqf_ptr="c",
+    a3po_ptr="*i64",
+    grad_ptr="c",
+    gent_ptr="c",
+    tok_ptr="c",
+    part_ptr="c",
+)
+_AOT_TOKEN_DEFAULTS = dict(
+    PACKED=False,
+    HAS_MASK=True,
+    SEQ_ADV=True,
+    LOSS=int(LossType.PPO),
+    DUAL_CLIP=False,
+    LR_CLAMP=True,
+    KL=int(KlEstimator.NONE),
+    KL_CLAMP=int(KlClamp.K3),
+    RC=int(RolloutCorrectionCode.NONE),
+    SEQ_MEAN=False,
+    N_FROM_STATS=False,
+    TOKEN_OUT=int(TokenOut.NONE),
+    HAS_ENT=False,
+    ENT_TERM=False,
+    ENT_GRAD=False,
+    SHAPE_POL=False,
+    SHAPE_PROB=False,
+    A3PO=False,
+    A3PO_ENT=False,
+    ENT_Q=False,
+    KL_RATIO=False,
+    SEARCH_STEPS=1,
+    KL_IN=20.0,
+    KL_OUT=10.0,
+    KL_SCORE=False,
+    RS_TOK=0,
+    RS_SEQ=False,
+    RC_CURRENT=False,
+    IS_NORM=False,
+    IS_GATE=int(IsGate.CLAMP),
+    GATE_SEQ=False,
+)
+
+
 def _aot_token_spec(name, inp, cdt, **const):
-    c = "*fp64" if cdt is tl.float64 else "*fp32"
-    sig = dict(
-        logp_ptr=inp,
-        old_ptr=inp,
-        adv_ptr=c,
-        mask_ptr="*i1",
-        ref_ptr=inp,
-        roll_ptr=inp,
-        ent_ptr=inp,
-        thr_ptr="*fp32",
-        cov_ptr="*i1",
-        cu_ptr="*i64",
-        boff_ptr="*i64",
-        seqf_ptr=c,
-        a3po_ptr="*i64",
-        grad_ptr=c,
-        gent_ptr=c,
-        tok_ptr=c,
-        part_ptr=c,
-        B="i32",
-        L="i32",
-        T="i32",
-        NBL="i32",
+    return _aot_spec(
+        _token_kernel,
+        _AOT_TOKEN_POINTERS,
+        _AOT_TOKEN_FLOATS,
+        _AOT_TOKEN_DEFAULTS,
+        lambda fp64, k: token_block(fp64, k["A3PO"] or k["SHAPE_PROB"]),
+        name,
+        inp,
+        cdt,
+        const,
     )
-    sig.update({n: "fp64" for n in _AOT_TOKEN_FLOATS})
-    full = dict(
-        CDT=cdt,
-        PACKED=False,
-        HAS_MASK=True,
-        SEQ_ADV=True,
-        LOSS=int(LossType.PPO),
-        DUAL_CLIP=False,
-        LR_CLAMP=True,
-        KL=int(KlEstimator.NONE),
-        KL_CLAMP=int(KlClamp.K3),
-        RC=int(RolloutCorrectionCode.NONE),
-        SEQ_MEAN=False,
-        N_FROM_STATS=False,
-        TOKEN_OUT=int(TokenOut.NONE),
-        HAS_ENT=False,
-        ENT_TERM=False,
-        ENT_GRAD=False,
-        SHAPE_POL=False,
-        SHAPE_PROB=False,
-        A3PO=False,
-        A3PO_ENT=False,
-        ENT_Q=False,
-        KL_RATIO=False,
-        SEARCH_STEPS=1,
-        KL_IN=20.0,
-        KL_OUT=10.0,
-        KL_SCORE=False,
-        RS_TOK=0,
-        RS_SEQ=False,
-        RC_CURRENT=False,
-        IS_NORM=False,
-    )
-    full.update(const)
-    full["BLOCK"] = token_block(cdt is tl.float64, full["A3PO"] or full["SHAPE_PROB"])
-    return f"_token_kernel[{name}]", _token_kernel, sig, full
 
 
 def _aot_token_specs():
@@ -2621,4 +2685,31 @@ def _aot_token_specs():
         KL_RATIO=True,
         SEQ_MEAN=True,
         N_FROM_STATS=True,
+    )
+    # OpenRLHF's is_mode clamp / gate (token level; the sequence level: the stats pass's flag)
+    gate = int(RolloutCorrectionCode.GATE)
+    yield spec("ppo,k3,gate_clamp", "*bf16", tl.float32, KL=int(KlEstimator.K3), RC=gate, IS_GATE=int(IsGate.CLAMP))
+    yield spec(
+        "ppo,gate,binary_kl,current,token_out=3",
+        "*bf16",
+        tl.float32,
+        RC=gate,
+        IS_GATE=int(IsGate.BINARY_KL),
+        RC_CURRENT=True,
+        TOKEN_OUT=int(TokenOut.IS_WEIGHTS),
+    )
+    yield spec("ppo,gate,tv,rs", "*fp16", tl.float32, RC=gate, IS_GATE=int(IsGate.TV), RS_TOK=7, RS_SEQ=True)
+    yield spec(
+        "gspo,gate_seq,ratio,seq_mean",
+        "*bf16",
+        tl.float32,
+        LOSS=int(LossType.GSPO),
+        RC=gate,
+        IS_GATE=int(IsGate.RATIO),
+        GATE_SEQ=True,
+        SEQ_MEAN=True,
+        N_FROM_STATS=True,
+    )
+    yield spec(
+        "fp64,gate,binary_kl", "*fp64", tl.float64, KL=int(KlEstimator.K3), RC=gate, IS_GATE=int(IsGate.BINARY_KL)
     )
