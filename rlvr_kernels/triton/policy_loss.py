@@ -28,8 +28,9 @@ Design:
   ``_dppo_keep``; geo_mean: ``_geo_mean_log_ratio`` in the per-sequence pass; clip_cov /
   kl_cov read the ``cov_selection`` input, computed outside the kernels by
   ``contracts.policy_loss.cov_selection``; ``_clip_sides``) → ``_shaping_weights`` →
-  ``_is_weights`` (``_corrected_weight``; IcePop, mask, truncate, decoupled; over the
-  batch mean with batch normalisation) → ``_kl_term`` (``_kl_estimate`` ×
+  ``_is_weights`` (``_corrected_weight``; IcePop, mask, truncate, decoupled; OpenRLHF's
+  clamp / gate: ``_gate_weight``, ``_gate_divergence``; over the batch mean with batch
+  normalisation) → ``_kl_term`` (``_kl_estimate`` ×
   ``_importance_ratio``) → ``_token_loss`` → ``_aggregate`` → ``_partial_sums`` (the
   metrics' sums). The per-sequence values (a [B] advantage, log s_i, L_i / n_i, the
   sequence IS weight, keep_i, n_i) are loaded once, up front, so that no sequence address
@@ -41,12 +42,15 @@ Design:
   token options per token; n_i and every sum below over the kept tokens), n_i
   (seq-mean-token-mean), Σ δ·m (GSPO), Σ δ_min·m and Σ A·m (geo_mean's share of the
   sequence loss), the sequence IS weight from Σ x·m⁰ (seq_tis / seq_mis / seq_icepop),
-  Σ w·m⁰ (token-level batch normalisation), n⁰_i, and the A3PO
+  Σ w·m⁰ (token-level batch normalisation), n⁰_i, the sequence-level gate's flag (the
+  mean of its statistic over m⁰), and the A3PO
   selection (``_a3po_select``): the k-th highest / lowest metric by bisection on an
   order-preserving int64 image of the fp64 metric (≤ 64 passes, both knobs in lockstep),
   then one running-cumsum pass over the candidates equal to the threshold for the tie cut
   (lower index first). The token kernel recomputes the metric bitwise identically
-  (``_a3po_candidates``) and selects ``key > K or (key == K and t < cut)``.
+  (``_a3po_candidates``) and selects ``key > K or (key == K and t < cut)``. Given the
+  group's sequence statistics (``seq_stats``, contracts SeqStat; ``cp_group``) it reads
+  their sums instead of its tokens (GIVEN: no token loop), as the C++ pre-pass does.
 - ``_is_batch_norm_kernel`` (one program, only with ``is_batch_normalize``): the mean of the
   IS weights over m⁰ (token level) or over the sequences with a valid token (sequence
   level), in sequence order, for the token kernel to divide by.
