@@ -166,12 +166,13 @@ class SeqStat(enum.IntEnum):
     K3 = 9  # Σ m⁰·k3
     CLIP_LOW = 10  # Σ m·low (GSPO: Σ m·[A < 0]; the sequence ratio decides after the reduction)
     CLIP_HIGH = 11  # Σ m·high (GSPO: Σ m·[A > 0])
-    K2_MAX = 12  # max over m⁰ of k2 (−inf without a valid token): reduced by MAX, the columns before by SUM
+    K2_MAX = 12  # max over m⁰ of k2 (−inf without a valid token): reduced by MAX (SEQ_STAT_MAXIMA), the others by SUM
     K3_MAX = 13  # max over m⁰ of k3
+    GATE = 14  # Σ m⁰·(the sequence-level gate's statistic: x for ratio, else the divergence; IsGate)
 
 
 NUM_SEQ_STATS = len(SeqStat)
-SEQ_STAT_MAX_FROM = SeqStat.K2_MAX  # the columns from here on are maxima
+SEQ_STAT_MAXIMA = (SeqStat.K2_MAX, SeqStat.K3_MAX)  # the columns reduced by MAX over the group
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1209,6 +1209,7 @@ void prepass(const Ctx<in_t, T>& c, SeqInfo<T>& s) {
         sum_adv = st[idx(SeqStat::ADV)];
         sum_logw = st[idx(SeqStat::LOGW)];
         sum_w = st[idx(SeqStat::IS_W)];
+        sum_gate = st[idx(SeqStat::GATE)];
         if (o.rs != 0) {
           if (n == 0) std::fill(s.keep.begin() + b, s.keep.begin() + e, uint8_t(0));
           s.n_raw[i] = n_raw;

@@ -44,7 +44,7 @@
 // Columns of the optional seq_stats input ([B, kNumSeqStats] fp64; contracts SeqStat).
 #define RLVR_SEQ_STAT_CODES(X)                                                                                 \
   X(N, 0) X(N_RAW, 1) X(DELTA, 2) X(DMIN, 3) X(ADV, 4) X(LOGW, 5) X(IS_W, 6) X(K1, 7) X(K2, 8) X(K3, 9)         \
-  X(CLIP_LOW, 10) X(CLIP_HIGH, 11) X(K2_MAX, 12) X(K3_MAX, 13)
+  X(CLIP_LOW, 10) X(CLIP_HIGH, 11) X(K2_MAX, 12) X(K3_MAX, 13) X(GATE, 14)
 
 namespace rlvr {
 

@@ -74,7 +74,7 @@ from .._core.validation import (
 )
 from ..contracts.policy_loss import (
     NUM_SUMS,
-    SEQ_STAT_MAX_FROM,
+    SEQ_STAT_MAXIMA,
     A3poMetric,
     IsGate,
     KlClamp,
@@ -603,12 +603,6 @@ def _check_cp(opts: PolicyLossOptions, cp_group, process_group, entropy_threshol
     """The options a context-parallel group cannot reduce exactly raise, naming the option."""
     if process_group is not None and process_group is cp_group:
         raise ValueError("cp_group: the context-parallel group must differ from process_group (the data-parallel one)")
-    rc = opts.rc
-    if rc is not None and rc.mode == "gate" and rc.is_level == "sequence":
-        raise NotImplementedError(
-            "rollout_correction: the sequence-level gate (is_mode='gate', is_level='sequence') reads each "
-            "sequence's mean, which cp_group does not reduce yet"
-        )
     sh = opts.shaping
     if sh.a3po_active:
         raise NotImplementedError(
@@ -655,7 +649,9 @@ def _cp_seq_stats(cp_group, x: Optional[_Inputs], opts: Optional[PolicyLossOptio
         cu_seqlens=x.cu_seqlens,
     )
     parts = torch.stack(collectives.all_gather(local.to(device), cp_group))
-    stats = torch.cat([parts[:, :, :SEQ_STAT_MAX_FROM].sum(0), parts[:, :, SEQ_STAT_MAX_FROM:].amax(0)], 1)
+    is_max = torch.zeros(local.shape[1], dtype=torch.bool, device=parts.device)
+    is_max[list(SEQ_STAT_MAXIMA)] = True
+    stats = torch.where(is_max, parts.amax(0), parts.sum(0))
     return seq_rejection(opts, stats.to(like.device))
 
 
@@ -823,12 +819,6 @@ def policy_loss(
         follow the loss convention.
     """
     _dispatch.check_backend(backend)
-    if cp_group is not None and (backend == "triton" or (backend == "auto" and logprobs.device.type == "cuda")):
-        # (every rank resolves the same backend: raised before any collective, on each)
-        raise NotImplementedError(
-            "cp_group: the Triton kernel does not take the group's sequence statistics yet; "
-            "use backend='cpu' or backend='reference'"
-        )
     group_size = _group_size(process_group)
     _group_size(cp_group)
     failed = None

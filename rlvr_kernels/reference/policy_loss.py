@@ -42,7 +42,13 @@ import torch
 
 from .._core.layout import packed_mask
 from .._core.layout import safe_div as _safe_div
-from ..contracts.policy_loss import NUM_SEQ_STATS, SeqStat, cov_selection_of, entropy_quantile_threshold
+from ..contracts.policy_loss import (
+    NUM_SEQ_STATS,
+    SEQ_STAT_MAXIMA,
+    SeqStat,
+    cov_selection_of,
+    entropy_quantile_threshold,
+)
 from ..options import PolicyLossMetrics, PolicyLossOptions, TokenShaping
 
 
@@ -450,28 +456,33 @@ def corrected_weight(rc, w):
     return torch.where(rejected, 0.0, 1.0).to(w.dtype), rejected  # mask: rejection sampling
 
 
-def gate_statistic(rc, x, base, rollout, valid):
-    """The statistic is_mode="gate" bounds, per token or (sequence level) per sequence over the
-    valid tokens, broadcast to the tokens: ratio w = exp(clamp(x, ±20)) (per sequence
-    exp(clamp(mean x, ±20))); binary_kl / tv of p = exp(rollout), q = exp(base), both clamped
-    to [1e-6, 1 − 1e-6] (per sequence their mean)."""
-    seq = rc.is_level == "sequence"
+def gate_token_statistic(rc, x, base, rollout):
+    """The token term of is_mode="gate": x for ratio, else the binary_kl / tv of
+    p = exp(rollout), q = exp(base), both clamped to [1e-6, 1 − 1e-6]."""
     if rc.is_gate == "ratio":
-        if not seq:
-            return torch.exp(torch.clamp(x, -20, 20))
-        n = valid.sum(-1, keepdim=True)
-        mean = torch.where(n > 0, (x * valid).sum(-1, keepdim=True) / n.clamp(min=1), 0.0)
-        return torch.exp(torch.clamp(mean, -20, 20)).expand_as(x)
+        return x
     p = torch.exp(rollout.detach()).clamp(1e-6, 1 - 1e-6)
     q = torch.exp(base.detach()).clamp(1e-6, 1 - 1e-6)
     if rc.is_gate == "binary_kl":
-        stat = p * torch.log(p / q) + (1 - p) * torch.log((1 - p) / (1 - q))
-    else:
-        stat = (p - q).abs()
-    if not seq:
-        return stat
-    n = valid.sum(-1, keepdim=True)
-    return torch.where(n > 0, (stat * valid).sum(-1, keepdim=True) / n.clamp(min=1), 0.0).expand_as(x)
+        return p * torch.log(p / q) + (1 - p) * torch.log((1 - p) / (1 - q))
+    return (p - q).abs()
+
+
+def gate_statistic(rc, x, base, rollout, valid, seq_stats=None):
+    """The statistic is_mode="gate" bounds, per token or (sequence level) per sequence over the
+    valid tokens, broadcast to the tokens: ratio w = exp(clamp(x, ±20)) (per sequence
+    exp(clamp(mean x, ±20))); binary_kl / tv (gate_token_statistic; per sequence their mean).
+    With ``seq_stats`` the sequence's sum and count are the whole sequence's (GATE, N_RAW)."""
+    stat = gate_token_statistic(rc, x, base, rollout)
+    if rc.is_level == "sequence":
+        if seq_stats is None:
+            n = valid.sum(-1, keepdim=True)
+            total = (stat * valid).sum(-1, keepdim=True)
+        else:
+            n = seq_stats[:, SeqStat.N_RAW, None].to(x.dtype)
+            total = seq_stats[:, SeqStat.GATE, None].to(x.dtype)
+        stat = torch.where(n > 0, total / n.clamp(min=1), 0.0).expand_as(x)
+    return torch.exp(torch.clamp(stat, -20, 20)) if rc.is_gate == "ratio" else stat
 
 
 def is_weights(rc, x, valid, seq_stats=None, base=None, rollout=None):
@@ -481,7 +492,7 @@ def is_weights(rc, x, valid, seq_stats=None, base=None, rollout=None):
     whole sequence). is_mode="gate" keeps the token
     weight where ``gate_statistic`` (of ``base`` and ``rollout``) lies in [low, C], else 0."""
     if rc.mode == "gate":
-        stat = gate_statistic(rc, x, base, rollout, valid)
+        stat = gate_statistic(rc, x, base, rollout, valid, seq_stats)
         rejected = (stat < rc.low) | (stat > rc.is_threshold)
         return torch.where(rejected, 0.0, torch.exp(torch.clamp(x, -20, 20))), rejected
     if rc.is_level == "token":
@@ -915,7 +926,7 @@ def seq_statistics(
     old = to_padded(old_logprobs.detach().to(logprobs.dtype), cu_seqlens).to(dtype)
     adv = _adv_padded(advantages.detach(), logprobs, cu_seqlens).to(dtype)
     out = torch.zeros((valid0.shape[0], NUM_SEQ_STATS), dtype=torch.float64, device=logprobs.device)
-    out[:, SeqStat.K2_MAX :] = float("-inf")
+    out[:, SEQ_STAT_MAXIMA] = float("-inf")
 
     def total(v, m):
         return torch.where(m, v.double(), 0.0).sum(-1)
@@ -933,7 +944,10 @@ def seq_statistics(
             if valid0.shape[-1]:
                 out[:, SeqStat.K2_MAX] = torch.where(valid0, k["token_k2"].double(), float("-inf")).amax(-1)
                 out[:, SeqStat.K3_MAX] = torch.where(valid0, k["token_k3"].double(), float("-inf")).amax(-1)
-        if rc.is_level == "sequence":
+        if rc.mode == "gate" and rc.is_level == "sequence":
+            base = lp if rc.log_ratio == "current" else old
+            out[:, SeqStat.GATE] = total(gate_token_statistic(rc, x, base, roll), valid0)
+        elif rc.is_level == "sequence":
             out[:, SeqStat.LOGW] = total(x, valid0)
         elif rc.is_level == "token" and rc.is_batch_normalize:
             out[:, SeqStat.IS_W] = total(is_weights(rc, x, valid0)[0], valid0)

@@ -28,8 +28,9 @@ Design:
   ``_dppo_keep``; geo_mean: ``_geo_mean_log_ratio`` in the per-sequence pass; clip_cov /
   kl_cov read the ``cov_selection`` input, computed outside the kernels by
   ``contracts.policy_loss.cov_selection``; ``_clip_sides``) → ``_shaping_weights`` →
-  ``_is_weights`` (``_corrected_weight``; IcePop, mask, truncate, decoupled; over the
-  batch mean with batch normalisation) → ``_kl_term`` (``_kl_estimate`` ×
+  ``_is_weights`` (``_corrected_weight``; IcePop, mask, truncate, decoupled; OpenRLHF's
+  clamp / gate: ``_gate_weight``, ``_gate_divergence``; over the batch mean with batch
+  normalisation) → ``_kl_term`` (``_kl_estimate`` ×
   ``_importance_ratio``) → ``_token_loss`` → ``_aggregate`` → ``_partial_sums`` (the
   metrics' sums). The per-sequence values (a [B] advantage, log s_i, L_i / n_i, the
   sequence IS weight, keep_i, n_i) are loaded once, up front, so that no sequence address
@@ -41,12 +42,15 @@ Design:
   token options per token; n_i and every sum below over the kept tokens), n_i
   (seq-mean-token-mean), Σ δ·m (GSPO), Σ δ_min·m and Σ A·m (geo_mean's share of the
   sequence loss), the sequence IS weight from Σ x·m⁰ (seq_tis / seq_mis / seq_icepop),
-  Σ w·m⁰ (token-level batch normalisation), n⁰_i, and the A3PO
+  Σ w·m⁰ (token-level batch normalisation), n⁰_i, the sequence-level gate's flag (the
+  mean of its statistic over m⁰), and the A3PO
   selection (``_a3po_select``): the k-th highest / lowest metric by bisection on an
   order-preserving int64 image of the fp64 metric (≤ 64 passes, both knobs in lockstep),
   then one running-cumsum pass over the candidates equal to the threshold for the tie cut
   (lower index first). The token kernel recomputes the metric bitwise identically
-  (``_a3po_candidates``) and selects ``key > K or (key == K and t < cut)``.
+  (``_a3po_candidates``) and selects ``key > K or (key == K and t < cut)``. Given the
+  group's sequence statistics (``seq_stats``, contracts SeqStat; ``cp_group``) it reads
+  their sums instead of its tokens (GIVEN: no token loop), as the C++ pre-pass does.
 - ``_is_batch_norm_kernel`` (one program, only with ``is_batch_normalize``): the mean of the
   IS weights over m⁰ (token level) or over the sequences with a valid token (sequence
   level), in sequence order, for the token kernel to divide by.
@@ -77,14 +81,17 @@ import triton.language as tl
 
 from .._core.layout import sanitized_offsets
 from ..contracts.policy_loss import (
+    NUM_SEQ_STATS,
     NUM_SUMS,
     A3poMetric,
+    IsGate,
     KlClamp,
     KlEstimator,
     LossType,
     PolicyLossParams,
     PolicyLossSum,
     RolloutCorrectionCode,
+    SeqStat,
     TokenOut,
 )
 
@@ -116,6 +123,10 @@ SEQ_MIS = tl.constexpr(int(RolloutCorrectionCode.SEQ_MIS))
 DECOUPLED = tl.constexpr(int(RolloutCorrectionCode.DECOUPLED))
 TOKEN_ICEPOP = tl.constexpr(int(RolloutCorrectionCode.TOKEN_ICEPOP))
 SEQ_ICEPOP = tl.constexpr(int(RolloutCorrectionCode.SEQ_ICEPOP))
+GATE = tl.constexpr(int(RolloutCorrectionCode.GATE))
+GATE_CLAMP = tl.constexpr(int(IsGate.CLAMP))
+GATE_RATIO = tl.constexpr(int(IsGate.RATIO))
+GATE_TV = tl.constexpr(int(IsGate.TV))
 TOKEN_OUT_LOSS = tl.constexpr(int(TokenOut.LOSS))
 TOKEN_OUT_SHAPED = tl.constexpr(int(TokenOut.SHAPED_ADVANTAGES))
 TOKEN_OUT_IS_WEIGHTS = tl.constexpr(int(TokenOut.IS_WEIGHTS))
@@ -162,6 +173,16 @@ _S_GEO = tl.constexpr(3)
 _S_KEEP = tl.constexpr(4)
 _S_N_RAW = tl.constexpr(5)
 _S_SEQ_REJ = tl.constexpr(6)
+# Columns of the given sequence statistics (contracts SeqStat; cp_group).
+_NUM_SEQ_STATS = tl.constexpr(NUM_SEQ_STATS)
+_SS_N = tl.constexpr(int(SeqStat.N))
+_SS_N_RAW = tl.constexpr(int(SeqStat.N_RAW))
+_SS_DELTA = tl.constexpr(int(SeqStat.DELTA))
+_SS_DMIN = tl.constexpr(int(SeqStat.DMIN))
+_SS_ADV = tl.constexpr(int(SeqStat.ADV))
+_SS_LOGW = tl.constexpr(int(SeqStat.LOGW))
+_SS_IS_W = tl.constexpr(int(SeqStat.IS_W))
+_SS_GATE = tl.constexpr(int(SeqStat.GATE))
 _NA3 = tl.constexpr(5)  # per-sequence A3PO row: polarity, K_high, cut_high, K_low, cut_low
 _I64_MAX = tl.constexpr(0x7FFFFFFFFFFFFFFF)
 _I64_MIN = tl.constexpr(-0x7FFFFFFFFFFFFFFF - 1)
@@ -371,6 +392,50 @@ def _corrected_weight(raw, rc_low, rc_high, CDT: tl.constexpr, RC: tl.constexpr)
 
 
 @triton.jit
+def _gate_divergence(base, roll, CDT: tl.constexpr, IS_GATE: tl.constexpr):
+    """Mirrors reference gate_statistic per token (the C++ gate_divergence): OpenRLHF's
+    binary KL (or TV, IS_GATE) of p = exp(rollout), q = exp(base), both clamped to
+    [1e-6, 1 − 1e-6]."""
+    # 1e-6 rounded once to the compute dtype, as torch rounds the Python scalar (a float
+    # literal is an fp32 constant even in fp64 code; 1e6 is exact in both, the division
+    # correctly rounded, and 1 − it is 1 − 1e-6 rounded, in fp32 and fp64 alike)
+    lo = 1.0 / tl.full([], 1e6, CDT)
+    hi = 1.0 - lo
+    p = tl.minimum(tl.maximum(tl.exp(roll), lo), hi)
+    q = tl.minimum(tl.maximum(tl.exp(base), lo), hi)
+    if IS_GATE == GATE_TV:
+        stat = tl.abs(p - q)
+    else:
+        stat = p * tl.log(p / q) + (1.0 - p) * tl.log((1.0 - p) / (1.0 - q))
+    return stat
+
+
+@triton.jit
+def _gate_weight(
+    base, roll, raw, seq_rej, rc_low, rc_high, CDT: tl.constexpr, IS_GATE: tl.constexpr, GATE_SEQ: tl.constexpr
+):
+    """Mirrors reference is_weights for rollout_correction GATE (the C++ gate_weight): the
+    token weight raw clamped into [low, C] (CLAMP, the tokens outside flagged), or kept where
+    the gate's statistic (the token's; GATE_SEQ: the sequence's flag from the stats pass) lies
+    in [low, C], else 0; the token stays counted either way."""
+    low = _param(rc_low, CDT)
+    cap = _param(rc_high, CDT)
+    if IS_GATE == GATE_CLAMP:
+        rejected = (raw < low) | (raw > cap)
+        is_w = tl.minimum(tl.maximum(raw, low), cap)
+    else:
+        if GATE_SEQ:
+            rejected = seq_rej
+        else:
+            stat = raw
+            if IS_GATE != GATE_RATIO:
+                stat = _gate_divergence(base, roll, CDT, IS_GATE)
+            rejected = (stat < low) | (stat > cap)
+        is_w = tl.where(rejected, 0.0, raw)
+    return is_w, rejected
+
+
+@triton.jit
 def _rs_divergences(x):
     """Mirrors reference rs_statistics, per token: x clamped to ±20, k1 = −x, k2 = x²/2,
     k3 = eˣ − 1 − x."""
@@ -453,6 +518,7 @@ def _seq_stats_kernel(
     cu_ptr,  # [B + 1] int64, sanitised (PACKED)
     seqf_ptr,  # [B + 1, _NSTAT] compute dtype output: the per-sequence stats row (_NSTAT)
     a3po_ptr,  # [B, 5] int64 output (A3PO): polarity, K_high, cut_high, K_low, cut_low
+    given_ptr,  # [B, NUM_SEQ_STATS] fp64 (GIVEN): the group's sequence statistics (contracts SeqStat)
     B,
     L,
     T,
@@ -495,6 +561,9 @@ def _seq_stats_kernel(
     RS: tl.constexpr,  # rs_options (0: no rejection)
     RC_CURRENT: tl.constexpr,  # x = logprobs − rollout, else old − rollout
     NORM_TOK: tl.constexpr,  # token-level batch normalisation: Σ w·m⁰
+    IS_GATE: tl.constexpr,  # GATE_SEQ: what the gate reads (IsGate)
+    GATE_SEQ: tl.constexpr,  # the sequence-level gate: its flag from the mean statistic over m⁰
+    GIVEN: tl.constexpr,  # the sums of given_ptr (cp_group) replace this call's (the C++ prepass's c.stats)
     BLOCK: tl.constexpr,
 ):
     """One program per sequence (the C++ prepass): the rejection chain (reference
@@ -503,8 +572,10 @@ def _seq_stats_kernel(
     tokens m, n_i = 0 for a rejected sequence), n_i, GSPO's log s_i = Σ δ·m / max(n, 1)
     (reference gspo_term), geo_mean's share L_i / n_i = −Ā_i·r_i / n_i with
     r_i = exp(Σ δ_min·m / n_i), Ā_i = Σ A·m / n_i, n_i floored at 1 (reference geo_mean_term;
-    the sums in fp64), the sequence IS log-weight Σ x·m⁰ (reference is_weights), the batch-norm
-    weight (reference is_batch_norm) and the A3PO row (_a3po_select).
+    the sums in fp64), the sequence IS log-weight Σ x·m⁰ (reference is_weights), the
+    sequence-level gate's flag from the mean over m⁰ of its statistic (reference
+    gate_statistic), the batch-norm weight (reference is_batch_norm) and the A3PO row
+    (_a3po_select).
     (Long for its signature and the argument lists of the stage helpers.)"""
     i = tl.program_id(0).to(tl.int64)
     if PACKED:
@@ -513,7 +584,8 @@ def _seq_stats_kernel(
         begin = i * L
         end = begin + L
     lanes = tl.arange(0, BLOCK)
-    NEED_ROLL: tl.constexpr = NEED_LOGW or (RS != 0) or NORM_TOK
+    NEED_ROLL: tl.constexpr = NEED_LOGW or (RS != 0) or NORM_TOK or GATE_SEQ
+    COUNT_RAW: tl.constexpr = (RS != 0) or GATE_SEQ  # n⁰_i differs from n_i, or is read
     NEED_LP: tl.constexpr = NEED_DELTA or NEED_GEO or (RC_CURRENT and NEED_ROLL)
 
     acc_n = tl.zeros([BLOCK], tl.int32)
@@ -529,9 +601,13 @@ def _seq_stats_kernel(
     max_k2 = tl.full([BLOCK], float("-inf"), CDT)
     max_k3 = tl.full([BLOCK], float("-inf"), CDT)
     acc_nw = tl.zeros([BLOCK], tl.float64)  # token-level batch norm: Σ w·m⁰
+    acc_gate = tl.zeros([BLOCK], tl.float64)  # the sequence-level gate: Σ stat·m⁰ (ratio: Σ x·m⁰)
     kmin = tl.full([BLOCK], _I64_MAX, tl.int64)
     kmax = tl.full([BLOCK], _I64_MIN, tl.int64)
-    for start in range(begin, end, BLOCK):
+    stop = end
+    if GIVEN:  # (every sum is given)
+        stop = begin
+    for start in range(begin, stop, BLOCK):
         t = start + lanes
         inside = t < end
         valid0 = _token_valid(mask_ptr, t, inside, HAS_MASK)
@@ -548,9 +624,18 @@ def _seq_stats_kernel(
                 x = old - roll
             if NEED_LOGW:
                 acc_w += tl.where(valid0, x, 0.0)
+            if COUNT_RAW:
+                acc_n0 += valid0.to(tl.int32)
+            if GATE_SEQ:
+                g = x
+                if IS_GATE != GATE_RATIO:
+                    base = old
+                    if RC_CURRENT:
+                        base = lp
+                    g = _gate_divergence(base, roll, CDT, IS_GATE)
+                acc_gate += tl.where(valid0, g.to(tl.float64), 0.0)
             if RS != 0:
                 k1, k2, k3 = _rs_divergences(x)
-                acc_n0 += valid0.to(tl.int32)
                 acc_k1 += tl.where(valid0, k1.to(tl.float64), 0.0)
                 acc_k2 += tl.where(valid0, k2.to(tl.float64), 0.0)
                 acc_k3 += tl.where(valid0, k3.to(tl.float64), 0.0)
@@ -583,56 +668,85 @@ def _seq_stats_kernel(
     row = seqf_ptr + i * _NSTAT
     n = tl.sum(acc_n, 0)
     n_raw = n
-    if RS != 0:  # the sequence options, on the statistics over m⁰
+    if COUNT_RAW:
         n_raw = tl.sum(acc_n0, 0)
-        has = n_raw > 0
-        nr = tl.maximum(n_raw, 1).to(CDT)
-        s1 = tl.sum(acc_k1, 0).to(CDT)
-        s2 = tl.sum(acc_k2, 0).to(CDT)
-        s3 = tl.sum(acc_k3, 0).to(CDT)
-        seq_ok = _seq_keep(
-            s1,
-            s2,
-            s3,
-            tl.where(has, s1 / nr, 0.0),
-            tl.where(has, s2 / nr, 0.0),
-            tl.where(has, s3 / nr, 0.0),
-            tl.where(has, tl.max(max_k2, 0), 0.0),
-            tl.where(has, tl.max(max_k3, 0), 0.0),
-            rs_seq_sum_k1_low,
-            rs_seq_sum_k1_high,
-            rs_seq_sum_k2,
-            rs_seq_sum_k3,
-            rs_seq_mean_k1_low,
-            rs_seq_mean_k1_high,
-            rs_seq_mean_k2,
-            rs_seq_mean_k3,
-            rs_seq_max_k2,
-            rs_seq_max_k3,
-            CDT,
-            RS,
-        )
+    sum_d = tl.sum(acc_d, 0).to(tl.float64)
+    sum_g = tl.sum(acc_g, 0)
+    sum_w = tl.sum(acc_w, 0)
+    sum_nw = tl.sum(acc_nw, 0)
+    sum_gate = tl.sum(acc_gate, 0)
+    if GIVEN:  # the group's sums over the whole sequence replace this slice's (N = 0: rejected)
+        given = given_ptr + i * _NUM_SEQ_STATS
+        n = tl.load(given + _SS_N).to(tl.int32)
+        n_raw = tl.load(given + _SS_N_RAW).to(tl.int32)
+        sum_d = tl.load(given + _SS_DELTA)
+        sum_g = tl.load(given + _SS_DMIN)
+        sum_w = tl.load(given + _SS_LOGW).to(CDT)
+        sum_nw = tl.load(given + _SS_IS_W)
+        sum_gate = tl.load(given + _SS_GATE)
+    if RS != 0:  # the sequence options, on the statistics over m⁰
+        if GIVEN:  # (applied to the group's statistics already: N = 0)
+            seq_ok = n > 0
+        else:
+            has = n_raw > 0
+            nr = tl.maximum(n_raw, 1).to(CDT)
+            s1 = tl.sum(acc_k1, 0).to(CDT)
+            s2 = tl.sum(acc_k2, 0).to(CDT)
+            s3 = tl.sum(acc_k3, 0).to(CDT)
+            seq_ok = _seq_keep(
+                s1,
+                s2,
+                s3,
+                tl.where(has, s1 / nr, 0.0),
+                tl.where(has, s2 / nr, 0.0),
+                tl.where(has, s3 / nr, 0.0),
+                tl.where(has, tl.max(max_k2, 0), 0.0),
+                tl.where(has, tl.max(max_k3, 0), 0.0),
+                rs_seq_sum_k1_low,
+                rs_seq_sum_k1_high,
+                rs_seq_sum_k2,
+                rs_seq_sum_k3,
+                rs_seq_mean_k1_low,
+                rs_seq_mean_k1_high,
+                rs_seq_mean_k2,
+                rs_seq_mean_k3,
+                rs_seq_max_k2,
+                rs_seq_max_k3,
+                CDT,
+                RS,
+            )
         n = tl.where(seq_ok, n, 0)
         tl.store(row + _S_KEEP, tl.where(seq_ok, 1.0, 0.0).to(CDT))
     nf = n.to(CDT)
     tl.store(row + _S_N, nf)
     tl.store(row + _S_N_RAW, n_raw.to(CDT))
     if NEED_DELTA:
-        tl.store(row + _S_LOG_S, tl.sum(acc_d, 0) / tl.maximum(nf, 1.0))
+        if GIVEN:  # (the division in fp64, as the reference and the C++ form it from the sums)
+            tl.store(row + _S_LOG_S, (sum_d / tl.maximum(n, 1).to(tl.float64)).to(CDT))
+        else:
+            tl.store(row + _S_LOG_S, sum_d.to(CDT) / tl.maximum(nf, 1.0))
     if NEED_LOGW:  # the sequence IS weight (reference is_weights): once per sequence, here
-        logw = tl.minimum(tl.maximum(tl.sum(acc_w, 0), -20.0), 20.0)
+        logw = tl.minimum(tl.maximum(sum_w, -20.0), 20.0)
         seq_w, seq_rej = _corrected_weight(tl.exp(logw), rc_low, rc_high, CDT, RC)
         tl.store(row + _S_IS_W, seq_w)
         tl.store(row + _S_SEQ_REJ, tl.where(seq_rej, 1.0, 0.0).to(CDT))
+    if GATE_SEQ:  # reference gate_statistic: the mean over the valid tokens before rejection
+        stat = tl.where(n_raw > 0, sum_gate.to(CDT) / tl.maximum(n_raw, 1).to(CDT), 0.0)
+        if IS_GATE == GATE_RATIO:
+            stat = tl.exp(tl.minimum(tl.maximum(stat, -20.0), 20.0))
+        gate_rej = (stat < _param(rc_low, CDT)) | (stat > _param(rc_high, CDT))
+        tl.store(row + _S_SEQ_REJ, tl.where(gate_rej, 1.0, 0.0).to(CDT))
     if NORM_TOK:
-        tl.store(row + _S_IS_W, tl.sum(acc_nw, 0).to(CDT))
+        tl.store(row + _S_IS_W, sum_nw.to(CDT))
     if NEED_GEO:
         nn = tl.maximum(n, 1).to(tl.float64)
-        if SEQ_ADV:  # Σ A·m = A_i · n_i
+        if GIVEN:
+            sum_adv = tl.load(given_ptr + i * _NUM_SEQ_STATS + _SS_ADV)
+        elif SEQ_ADV:  # Σ A·m = A_i · n_i
             sum_adv = tl.load(adv_ptr + i).to(tl.float64) * n.to(tl.float64)
         else:
             sum_adv = tl.sum(acc_a, 0)
-        r = tl.exp((tl.sum(acc_g, 0) / nn).to(CDT))
+        r = tl.exp((sum_g / nn).to(CDT))
         adv_mean = (sum_adv / nn).to(CDT)
         tl.store(row + _S_GEO, -adv_mean * r / nn.to(CDT))
 
@@ -1113,19 +1227,25 @@ def _is_weights(
     RC: tl.constexpr,
     SEQ_RC: tl.constexpr,
     IS_NORM: tl.constexpr,
+    IS_GATE: tl.constexpr,
+    GATE_SEQ: tl.constexpr,
 ):
     """Mirrors reference is_weights (and is_batch_norm's division): the detached
     rollout-correction weight and the rejected flag. Token level: _corrected_weight of
     exp(clamp(x, ±20)), x = base − rollout (base: old, or logprobs with rc_current); sequence
     level (SEQ_RC): the sequence's weight and flag from the stats pass (the same
-    _corrected_weight of exp(clamp(Σ x·m⁰, ±20))); over the batch mean is_mu with IS_NORM."""
+    _corrected_weight of exp(clamp(Σ x·m⁰, ±20))); GATE: _gate_weight of the token's
+    exp(clamp(x, ±20)) (GATE_SEQ: with the sequence's flag seq_rej); over the batch mean
+    is_mu with IS_NORM."""
     if SEQ_RC:
         is_w = seq_w
         rejected = seq_rej
     else:
-        is_w, rejected = _corrected_weight(
-            tl.exp(tl.minimum(tl.maximum(base - roll, -20.0), 20.0)), rc_low, rc_high, CDT, RC
-        )
+        raw = tl.exp(tl.minimum(tl.maximum(base - roll, -20.0), 20.0))
+        if RC == GATE:
+            is_w, rejected = _gate_weight(base, roll, raw, seq_rej, rc_low, rc_high, CDT, IS_GATE, GATE_SEQ)
+        else:
+            is_w, rejected = _corrected_weight(raw, rc_low, rc_high, CDT, RC)
     if IS_NORM:
         is_w = is_w / is_mu
     return is_w, rejected
@@ -1368,8 +1488,8 @@ def _partial_sums(
     if KL != KL_NONE:
         part = tl.where(cols == _C_KL, tl.sum(tl.where(valid, kl_a, zero), 0), part)
         part = tl.where(cols == _C_KL_RAW, tl.sum(tl.where(valid, kl, zero), 0), part)
-    REJECTS: tl.constexpr = (RC == TOKEN_MIS) or (RC == SEQ_MIS) or (RC == DECOUPLED)
-    if REJECTS or (RC == TOKEN_ICEPOP) or (RC == SEQ_ICEPOP):  # these reject
+    REJECTS: tl.constexpr = (RC == TOKEN_MIS) or (RC == SEQ_MIS) or (RC == DECOUPLED) or (RC == GATE)
+    if REJECTS or (RC == TOKEN_ICEPOP) or (RC == SEQ_ICEPOP):  # these reject (GATE CLAMP: outside its bounds)
         part = tl.where(cols == _C_REJECT, tl.sum(tl.where(valid & rejected, one, zero), 0), part)
     if SHAPING:
         part = tl.where(cols == _C_SHAPED, tl.sum(tl.where(valid & (w != 1.0), one, zero), 0), part)
@@ -1458,6 +1578,8 @@ def _token_kernel(
     RS_SEQ: tl.constexpr,  # a sequence option of the rejection is on (keep_i from the stats pass)
     RC_CURRENT: tl.constexpr,  # the rollout log-ratio from logprobs, else from old_logprobs
     IS_NORM: tl.constexpr,  # the IS weights over their batch mean (seqf row B)
+    IS_GATE: tl.constexpr,  # rollout_correction GATE: what the gate reads (IsGate)
+    GATE_SEQ: tl.constexpr,  # ... the sequence's statistic (its flag from the stats pass)
 ):
     """One block of one sequence through every stage: inputs (the rejection's keep:
     _rs_divergences → _token_keep, with the sequence's keep_i) → _pg_term → _shaping_weights →
@@ -1488,6 +1610,7 @@ def _token_kernel(
     seq_rej = valid & False
     if SEQ_RC:
         seq_w = tl.load(stats + _S_IS_W, mask=is_seq, other=0.0) + zero
+    if SEQ_RC or GATE_SEQ:
         seq_rej = (tl.load(stats + _S_SEQ_REJ, mask=is_seq, other=0.0) + zero) != 0.0
     keep_i = valid | True
     if RS_SEQ:
@@ -1582,7 +1705,9 @@ def _token_kernel(
         is_mu = 1.0
         if IS_NORM:
             is_mu = tl.load(seqf_ptr + B * _NSTAT)
-        is_w, rejected = _is_weights(base, roll, seq_w, seq_rej, is_mu, rc_low, rc_high, CDT, RC, SEQ_RC, IS_NORM)
+        is_w, rejected = _is_weights(
+            base, roll, seq_w, seq_rej, is_mu, rc_low, rc_high, CDT, RC, SEQ_RC, IS_NORM, IS_GATE, GATE_SEQ
+        )
     kl = tl.zeros([BLOCK], CDT)
     dkl = tl.zeros([BLOCK], CDT)
     if KL != KL_NONE:
@@ -1870,11 +1995,10 @@ def policy_loss_fwd(
     p = PolicyLossParams.unpack(fparams, iparams)
     # (the bits above the 11 options are ignored, as the C++ kernel does)
     p = dataclasses.replace(p, rs_options=int(p.rs_options) & 0x7FF)
-    if p.rollout_correction == RolloutCorrectionCode.GATE:
-        raise ValueError(
-            "rollout_correction: is_mode clamp / gate are fused in the reference and cpu backends only; use "
-            "backend='cpu' (tensors on the CPU) or backend='reference'"
-        )
+    gate = p.rollout_correction == RolloutCorrectionCode.GATE
+    # (the C++ entry point's checks of the same contract)
+    _check(not (_gate_seq(p) and p.is_gate == IsGate.CLAMP), "is_gate CLAMP is token level")
+    _check(not (gate and p.is_batch_normalize), "is_batch_normalize is not supported with rollout_correction GATE")
     # The kernels index flat, contiguous buffers (a no-op for what the op layer passes).
     x = _Inputs(
         *(
@@ -1915,24 +2039,31 @@ def policy_loss_fwd(
         T, NBL = B * L, triton.cdiv(L, tb)
         P = B * NBL
         cu = boff = grad  # unused
-    if seq_stats is not None:
-        # (the stats rows of this kernel carry the rejection and IS state the given statistics
-        # would have to be turned into first: not done yet)
-        raise NotImplementedError(
-            "seq_stats (policy_loss's cp_group=): the Triton kernel does not take given sequence statistics; "
-            "use backend='cpu' or 'reference'"
+    given = seq_stats is not None
+    if given:  # (the C++ entry point's checks)
+        _check(
+            seq_stats.dtype == torch.float64
+            and seq_stats.dim() == 2
+            and tuple(seq_stats.shape) == (B, NUM_SEQ_STATS)
+            and seq_stats.device == dev,
+            f"seq_stats must be float64 [B = {B}, {NUM_SEQ_STATS}] on {dev}, got {seq_stats.dtype} ",
+            tuple(seq_stats.shape),
         )
+        _check(not k["A3PO"], "seq_stats does not carry the A3PO selection")
+        seq_stats = seq_stats.contiguous()
     rs = p.rs_options != 0
-    # (with rejection n_i is the kept count: from the stats pass in every layout)
-    n_from_stats = bool(p.seq_mean) and (k["HAS_MASK"] or not k["PACKED"] or rs)
+    # (with rejection n_i is the kept count: from the stats pass in every layout; given
+    # statistics: the whole sequence's)
+    n_from_stats = bool(p.seq_mean) and (k["HAS_MASK"] or not k["PACKED"] or rs or given)
     seq_pass = n_from_stats or p.loss_type in (LossType.GSPO, LossType.GEO_MEAN) or _seq_rc(p) or k["A3PO"]
-    stats = (seq_pass or rs or _is_norm(p)) and B > 0
+    # (given statistics: every sequence-level quantity from them, as the C++ prepass does)
+    stats = (seq_pass or rs or _is_norm(p) or _gate_seq(p) or given) and B > 0
     seqf, a3po_rows = grad, grad
     if stats:
         seqf = torch.empty((B + 1) * int(_NSTAT), dtype=cdt, device=dev)
         if k["A3PO"]:
             a3po_rows = torch.empty(B * 5, dtype=torch.int64, device=dev)
-        _launch_seq_stats(p, k, x, cu, seqf, a3po_rows, B, L, T)
+        _launch_seq_stats(p, k, x, cu, seqf, a3po_rows, seq_stats, B, L, T)
         if _is_norm(p):
             _is_batch_norm_kernel[(1,)](seqf, B, CDT=k["CDT"], SEQ_LEVEL=_seq_rc(p), SEQS=128)
     part = torch.empty(max(P, 1) * 32, dtype=cdt, device=dev)
@@ -1974,6 +2105,10 @@ def _seq_rc(p: PolicyLossParams) -> bool:
     return p.rollout_correction in seq
 
 
+def _gate_seq(p: PolicyLossParams) -> bool:
+    return p.rollout_correction == RolloutCorrectionCode.GATE and bool(p.is_gate_seq)
+
+
 def _is_norm(p: PolicyLossParams) -> bool:
     return bool(p.is_batch_normalize) and p.rollout_correction != RolloutCorrectionCode.NONE
 
@@ -2005,7 +2140,7 @@ def _a3po_knobs(p: PolicyLossParams):
     )
 
 
-def _launch_seq_stats(p: PolicyLossParams, k, x: _Inputs, cu, seqf, a3po_rows, B, L, T):
+def _launch_seq_stats(p: PolicyLossParams, k, x: _Inputs, cu, seqf, a3po_rows, given, B, L, T):
     dummy = seqf  # (pointers the options do not read)
     _seq_stats_kernel[(B,)](
         x.logprobs,
@@ -2017,6 +2152,7 @@ def _launch_seq_stats(p: PolicyLossParams, k, x: _Inputs, cu, seqf, a3po_rows, B
         cu,
         seqf,
         a3po_rows if k["A3PO"] else dummy,
+        dummy if given is None else given,
         B,
         L,
         T,
@@ -2033,6 +2169,9 @@ def _launch_seq_stats(p: PolicyLossParams, k, x: _Inputs, cu, seqf, a3po_rows, B
         RS=int(p.rs_options),
         RC_CURRENT=bool(p.rc_current),
         NORM_TOK=_is_norm(p) and not _seq_rc(p),
+        IS_GATE=int(p.is_gate),
+        GATE_SEQ=_gate_seq(p),
+        GIVEN=given is not None,
         BLOCK=seq_block(k["CDT"] is tl.float64, k["A3PO"] or p.rs_options != 0),
         num_warps=_WARPS,
         **k,
@@ -2110,6 +2249,8 @@ def _token_constexprs(p: PolicyLossParams, k, has_entropy: bool, need_entropy_gr
         RS_SEQ=(int(p.rs_options) >> 3) != 0,
         RC_CURRENT=bool(p.rc_current),
         IS_NORM=_is_norm(p) and B > 0,  # (B = 0: no stats pass, no valid token)
+        IS_GATE=int(p.is_gate),
+        GATE_SEQ=_gate_seq(p),
     )
 
 
@@ -2157,49 +2298,71 @@ def aot_specs():
         )
 
 
-def _aot_seq_stats_specs():
-    def spec(name, inp, cdt, **const):
-        c = "*fp64" if cdt is tl.float64 else "*fp32"
-        sig = dict(
-            logp_ptr=inp,
-            old_ptr=inp,
-            adv_ptr=c,
-            mask_ptr="*i1",
-            roll_ptr=inp,
-            ent_ptr=inp,
-            cu_ptr="*i64",
-            seqf_ptr=c,
-            a3po_ptr="*i64",
-            B="i32",
-            L="i32",
-            T="i32",
-            clip_lo="fp64",
-            clip_hi="fp64",
-            rc_low="fp64",
-            rc_high="fp64",
-        )
-        for knob in ("pos_high", "pos_low", "neg_high", "neg_low"):
-            sig.update({f"r_{knob}": "fp64", f"s_{knob}": "fp64"})
-        sig.update({n: "fp64" for n in _RS_BOUNDS})
-        full = dict(
-            CDT=cdt,
-            PACKED=False,
-            HAS_MASK=True,
-            SEQ_ADV=True,
-            NEED_DELTA=False,
-            NEED_LOGW=False,
-            NEED_GEO=False,
-            A3PO=False,
-            A3PO_ENT=False,
-            RC=int(RolloutCorrectionCode.NONE),
-            RS=0,
-            RC_CURRENT=False,
-            NORM_TOK=False,
-        )
-        full.update(const)
-        full["BLOCK"] = seq_block(cdt is tl.float64, full["A3PO"] or full["RS"] != 0)
-        return f"_seq_stats_kernel[{name}]", _seq_stats_kernel, sig, full
+def _aot_spec(kernel, pointers, floats, defaults, block, name, inp, cdt, const):
+    """One AOT spec of ``kernel``: its signature (``pointers``: name -> "inp" (the input
+    dtype), "c" (the compute dtype) or a fixed type; then the i32 sizes and the fp64
+    ``floats``), the constexprs ``defaults`` updated by ``const`` and BLOCK = ``block(fp64,
+    constexprs)``."""
+    c = "*fp64" if cdt is tl.float64 else "*fp32"
+    sig = {n: {"inp": inp, "c": c}.get(t, t) for n, t in pointers.items()}
+    sig.update(B="i32", L="i32", T="i32")
+    if kernel is _token_kernel:
+        sig.update(NBL="i32")
+    sig.update({n: "fp64" for n in floats})
+    full = dict(defaults, CDT=cdt, **const)
+    full["BLOCK"] = block(cdt is tl.float64, full)
+    return f"{kernel.__name__}[{name}]", kernel, sig, full
 
+
+_AOT_SEQ_STATS_POINTERS = dict(
+    logp_ptr="inp",
+    old_ptr="inp",
+    adv_ptr="c",
+    mask_ptr="*i1",
+    roll_ptr="inp",
+    ent_ptr="inp",
+    cu_ptr="*i64",
+    seqf_ptr="c",
+    a3po_ptr="*i64",
+    given_ptr="*fp64",
+)
+_AOT_SEQ_STATS_DEFAULTS = dict(
+    PACKED=False,
+    HAS_MASK=True,
+    SEQ_ADV=True,
+    NEED_DELTA=False,
+    NEED_LOGW=False,
+    NEED_GEO=False,
+    A3PO=False,
+    A3PO_ENT=False,
+    RC=int(RolloutCorrectionCode.NONE),
+    RS=0,
+    RC_CURRENT=False,
+    NORM_TOK=False,
+    IS_GATE=int(IsGate.CLAMP),
+    GATE_SEQ=False,
+    GIVEN=False,
+)
+
+
+def _aot_seq_stats_spec(name, inp, cdt, **const):
+    floats = ("clip_lo", "clip_hi", "rc_low", "rc_high")
+    floats += tuple(f"{rs}_{knob}" for knob in ("pos_high", "pos_low", "neg_high", "neg_low") for rs in "rs")
+    return _aot_spec(
+        _seq_stats_kernel,
+        _AOT_SEQ_STATS_POINTERS,
+        floats + _RS_BOUNDS,
+        _AOT_SEQ_STATS_DEFAULTS,
+        lambda fp64, k: seq_block(fp64, k["A3PO"] or k["RS"] != 0),
+        name,
+        inp,
+        cdt,
+        const,
+    )
+
+
+def _aot_seq_stats_specs():
+    spec = _aot_seq_stats_spec
     yield spec("seq_mean,packed", "*bf16", tl.float32, PACKED=True)
     yield spec("gspo,seq_tis", "*bf16", tl.float32, NEED_DELTA=True, NEED_LOGW=True)
     yield spec("a3po_prob,token_adv", "*bf16", tl.float32, A3PO=True, SEQ_ADV=False)
@@ -2222,6 +2385,43 @@ def _aot_seq_stats_specs():
         PACKED=True,
     )
     yield spec("rs_seq,geo_mean,fp64", "*fp64", tl.float64, RS=_RS_ALL & ~7, NEED_GEO=True, SEQ_ADV=False)
+    # OpenRLHF's sequence-level gate (the mean divergence / log-ratio over m⁰)
+    gate = int(RolloutCorrectionCode.GATE)
+    yield spec("gate_seq,binary_kl", "*bf16", tl.float32, RC=gate, IS_GATE=int(IsGate.BINARY_KL), GATE_SEQ=True)
+    yield spec(
+        "gate_seq,tv,rs_all,current,packed",
+        "*bf16",
+        tl.float32,
+        RC=gate,
+        IS_GATE=int(IsGate.TV),
+        GATE_SEQ=True,
+        RS=_RS_ALL,
+        RC_CURRENT=True,
+        PACKED=True,
+    )
+    yield spec("gate_seq,ratio,fp64", "*fp64", tl.float64, RC=gate, IS_GATE=int(IsGate.RATIO), GATE_SEQ=True)
+    # cp_group: the given statistics (no token loop)
+    yield spec(
+        "given,gspo,rs_all,gate_seq,tv",
+        "*bf16",
+        tl.float32,
+        GIVEN=True,
+        NEED_DELTA=True,
+        RS=_RS_ALL,
+        RC=gate,
+        IS_GATE=int(IsGate.TV),
+        GATE_SEQ=True,
+    )
+    yield spec(
+        "given,geo_mean,seq_tis,fp64",
+        "*fp64",
+        tl.float64,
+        GIVEN=True,
+        NEED_GEO=True,
+        NEED_LOGW=True,
+        RC=int(RolloutCorrectionCode.SEQ_TIS),
+        SEQ_ADV=False,
+    )
 
 
 _RS_ALL = (1 << 11) - 1  # every rejection option (options.RS_OPTIONS)
@@ -2253,67 +2453,72 @@ _AOT_TOKEN_FLOATS = (
 )
 
 
+_AOT_TOKEN_POINTERS = dict(
+    logp_ptr="inp",
+    old_ptr="inp",
+    adv_ptr="c",
+    mask_ptr="*i1",
+    ref_ptr="inp",
+    roll_ptr="inp",
+    ent_ptr="inp",
+    thr_ptr="*fp32",
+    cov_ptr="*i1",
+    cu_ptr="*i64",
+    boff_ptr="*i64",
+    seqf_ptr="c",
+    a3po_ptr="*i64",
+    grad_ptr="c",
+    gent_ptr="c",
+    tok_ptr="c",
+    part_ptr="c",
+)
+_AOT_TOKEN_DEFAULTS = dict(
+    PACKED=False,
+    HAS_MASK=True,
+    SEQ_ADV=True,
+    LOSS=int(LossType.PPO),
+    DUAL_CLIP=False,
+    LR_CLAMP=True,
+    KL=int(KlEstimator.NONE),
+    KL_CLAMP=int(KlClamp.K3),
+    RC=int(RolloutCorrectionCode.NONE),
+    SEQ_MEAN=False,
+    N_FROM_STATS=False,
+    TOKEN_OUT=int(TokenOut.NONE),
+    HAS_ENT=False,
+    ENT_TERM=False,
+    ENT_GRAD=False,
+    SHAPE_POL=False,
+    SHAPE_PROB=False,
+    A3PO=False,
+    A3PO_ENT=False,
+    ENT_Q=False,
+    KL_RATIO=False,
+    SEARCH_STEPS=1,
+    KL_IN=20.0,
+    KL_OUT=10.0,
+    KL_SCORE=False,
+    RS_TOK=0,
+    RS_SEQ=False,
+    RC_CURRENT=False,
+    IS_NORM=False,
+    IS_GATE=int(IsGate.CLAMP),
+    GATE_SEQ=False,
+)
+
+
 def _aot_token_spec(name, inp, cdt, **const):
-    c = "*fp64" if cdt is tl.float64 else "*fp32"
-    sig = dict(
-        logp_ptr=inp,
-        old_ptr=inp,
-        adv_ptr=c,
-        mask_ptr="*i1",
-        ref_ptr=inp,
-        roll_ptr=inp,
-        ent_ptr=inp,
-        thr_ptr="*fp32",
-        cov_ptr="*i1",
-        cu_ptr="*i64",
-        boff_ptr="*i64",
-        seqf_ptr=c,
-        a3po_ptr="*i64",
-        grad_ptr=c,
-        gent_ptr=c,
-        tok_ptr=c,
-        part_ptr=c,
-        B="i32",
-        L="i32",
-        T="i32",
-        NBL="i32",
+    return _aot_spec(
+        _token_kernel,
+        _AOT_TOKEN_POINTERS,
+        _AOT_TOKEN_FLOATS,
+        _AOT_TOKEN_DEFAULTS,
+        lambda fp64, k: token_block(fp64, k["A3PO"] or k["SHAPE_PROB"]),
+        name,
+        inp,
+        cdt,
+        const,
     )
-    sig.update({n: "fp64" for n in _AOT_TOKEN_FLOATS})
-    full = dict(
-        CDT=cdt,
-        PACKED=False,
-        HAS_MASK=True,
-        SEQ_ADV=True,
-        LOSS=int(LossType.PPO),
-        DUAL_CLIP=False,
-        LR_CLAMP=True,
-        KL=int(KlEstimator.NONE),
-        KL_CLAMP=int(KlClamp.K3),
-        RC=int(RolloutCorrectionCode.NONE),
-        SEQ_MEAN=False,
-        N_FROM_STATS=False,
-        TOKEN_OUT=int(TokenOut.NONE),
-        HAS_ENT=False,
-        ENT_TERM=False,
-        ENT_GRAD=False,
-        SHAPE_POL=False,
-        SHAPE_PROB=False,
-        A3PO=False,
-        A3PO_ENT=False,
-        ENT_Q=False,
-        KL_RATIO=False,
-        SEARCH_STEPS=1,
-        KL_IN=20.0,
-        KL_OUT=10.0,
-        KL_SCORE=False,
-        RS_TOK=0,
-        RS_SEQ=False,
-        RC_CURRENT=False,
-        IS_NORM=False,
-    )
-    full.update(const)
-    full["BLOCK"] = token_block(cdt is tl.float64, full["A3PO"] or full["SHAPE_PROB"])
-    return f"_token_kernel[{name}]", _token_kernel, sig, full
 
 
 def _aot_token_specs():
@@ -2484,4 +2689,31 @@ def _aot_token_specs():
         KL_RATIO=True,
         SEQ_MEAN=True,
         N_FROM_STATS=True,
+    )
+    # OpenRLHF's is_mode clamp / gate (token level; the sequence level: the stats pass's flag)
+    gate = int(RolloutCorrectionCode.GATE)
+    yield spec("ppo,k3,gate_clamp", "*bf16", tl.float32, KL=int(KlEstimator.K3), RC=gate, IS_GATE=int(IsGate.CLAMP))
+    yield spec(
+        "ppo,gate,binary_kl,current,token_out=3",
+        "*bf16",
+        tl.float32,
+        RC=gate,
+        IS_GATE=int(IsGate.BINARY_KL),
+        RC_CURRENT=True,
+        TOKEN_OUT=int(TokenOut.IS_WEIGHTS),
+    )
+    yield spec("ppo,gate,tv,rs", "*fp16", tl.float32, RC=gate, IS_GATE=int(IsGate.TV), RS_TOK=7, RS_SEQ=True)
+    yield spec(
+        "gspo,gate_seq,ratio,seq_mean",
+        "*bf16",
+        tl.float32,
+        LOSS=int(LossType.GSPO),
+        RC=gate,
+        IS_GATE=int(IsGate.RATIO),
+        GATE_SEQ=True,
+        SEQ_MEAN=True,
+        N_FROM_STATS=True,
+    )
+    yield spec(
+        "fp64,gate,binary_kl", "*fp64", tl.float64, KL=int(KlEstimator.K3), RC=gate, IS_GATE=int(IsGate.BINARY_KL)
     )

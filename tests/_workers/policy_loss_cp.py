@@ -86,31 +86,31 @@ def _close(a, b, dtype, what: str) -> None:
 
 def cp_options(backend: str) -> List[Dict]:
     """The loss configurations each (backend, layout, dtype) runs: every loss type with a
-    sequence-level term, the three aggregations, the KL and entropy terms, sequence IS weights
-    and (reference / cpu, the backends that fuse them) the rejection chain's seq_mean and
-    token options and the token IS batch normalisation."""
+    sequence-level term, the three aggregations, the KL and entropy terms, sequence IS weights,
+    the rejection chain's seq_mean and token options, the sequence-level gate and the token IS
+    batch normalisation (interpreted Triton: a subset, each option once)."""
     seq_is = RolloutCorrection(is_level="sequence", is_threshold=2.0)
+    rs = RolloutCorrection(is_level="sequence", rs="token_k2,seq_mean_k1", rs_threshold="0.5,0.8_1.25")
+    gate = RolloutCorrection.from_openrlhf("seq", "mask", "tv", (0.1,))
+    norm = RolloutCorrection(is_level="token", is_batch_normalize=True)
     cases = [
         dict(loss_type="ppo", agg="token-mean", kl="k3", kl_coef=0.1, entropy_coef=0.01),
         dict(loss_type="gspo", agg="seq-mean-token-mean", entropy_coef=0.01),
         dict(loss_type="geo_mean", agg="seq-mean-token-sum"),
         dict(loss_type="cispo", agg="seq-mean-token-mean", rollout_correction=seq_is),
+        dict(loss_type="gspo", agg="token-mean", rollout_correction=rs),
+        dict(loss_type="ppo", agg="seq-mean-token-mean", rollout_correction=gate),
+        dict(
+            loss_type="ppo",
+            agg="seq-mean-token-sum-norm",
+            loss_scale_factor=16.0,
+            rollout_correction=norm,
+            kl="k1",
+            kl_coef=0.1,
+        ),
     ]
     if backend != "triton":
-        rs = RolloutCorrection(is_level="sequence", rs="token_k2,seq_mean_k1", rs_threshold="0.5,0.8_1.25")
-        norm = RolloutCorrection(is_level="token", is_batch_normalize=True)
-        cases += [
-            dict(loss_type="gspo", agg="none", kl="k2", kl_coef=0.1),
-            dict(loss_type="gspo", agg="token-mean", rollout_correction=rs),
-            dict(
-                loss_type="ppo",
-                agg="seq-mean-token-sum-norm",
-                loss_scale_factor=16.0,
-                rollout_correction=norm,
-                kl="k1",
-                kl_coef=0.1,
-            ),
-        ]
+        cases.append(dict(loss_type="gspo", agg="none", kl="k2", kl_coef=0.1))
     return [dict(preset="verl", backend=backend, **c) for c in cases]
 
 

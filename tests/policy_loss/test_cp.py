@@ -6,8 +6,8 @@ each rank's logprobs and entropy gradients are the one-process gradients of its 
 metrics are the one-process metrics; for ppo / gspo / geo_mean / cispo, token-mean,
 seq-mean-token-mean and seq-mean-token-sum, KL and entropy terms, sequence IS weights, the
 rejection chain (token and seq_mean options), the IS batch normalisation, seq-mean-token-sum-norm
-and agg="none" (per-token losses), on the reference,
-cpu and Triton (interpreter) backends; DP × CP; and what cp_group cannot reduce raises."""
+the sequence-level gate and agg="none" (per-token losses), on the reference, cpu and Triton
+(interpreter) backends; DP × CP; and what cp_group cannot reduce raises."""
 
 import pytest
 import torch
@@ -28,19 +28,11 @@ def test_context_parallel_equals_one_process(world):
             ("cpu", "packed", F32, True),
             ("reference", "packed", F64, False),
             ("reference", "padded", F32, True),
+            ("triton", "packed", F32, False),
         ]
     else:  # (4 processes on a few cores: each layout once)
         combos = [("cpu", "packed", F64, False), ("cpu", "padded", F32, False)]
     mp.spawn(cp_equivalence_worker, args=(world, free_port(), combos), nprocs=world, join=True)
-
-
-def test_context_parallel_refuses_triton():
-    """The Triton kernel does not take given sequence statistics: refused before any collective."""
-    lp = torch.zeros(2, 3)
-    with pytest.raises(NotImplementedError, match="cp_group: the Triton kernel"):
-        rlvr_kernels.policy_loss(
-            lp, lp, torch.zeros(2), torch.ones(2, 3, dtype=torch.bool), cp_group=object(), backend="triton"
-        )
 
 
 def test_data_and_context_parallel_equal_one_process():
@@ -59,8 +51,8 @@ def test_cp_group_is_eager_only(monkeypatch):
         rlvr_kernels.policy_loss(lp, lp, torch.zeros(2), torch.ones(2, 3, dtype=torch.bool), cp_group=object())
 
 
-@pytest.mark.parametrize("backend", ["cpu"])
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+# (interpreted Triton: the packed layout only, each call seconds)
+@pytest.mark.parametrize("backend,layout", [("cpu", "padded"), ("cpu", "packed"), ("triton", "packed")])
 def test_own_seq_stats_change_nothing(backend, layout):
     """The kernels given the call's own statistics (what a one-rank group passes) return the
     same sums and per-token derivatives as their own per-sequence pass."""
@@ -70,7 +62,9 @@ def test_own_seq_stats_change_nothing(backend, layout):
     from rlvr_kernels.reference.policy_loss import seq_rejection, seq_statistics
 
     inputs = _case(layout, F64, 3, False)
-    for kw in cp_options(backend):
+    # (interpreted Triton: the sequence IS weight, GSPO with the rejection chain and the
+    # sequence-level gate; the 2-rank test runs every option)
+    for kw in cp_options(backend)[3:6] if backend == "triton" else cp_options(backend):
         kw = {k: v for k, v in kw.items() if k not in ("backend", "loss_scale_factor")}
         opts = op._resolve(kw.pop("preset"), None, **kw)
         x = op._validate(
@@ -104,7 +98,8 @@ def test_own_seq_stats_change_nothing(backend, layout):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"{kw}: {m}")
 
 
-def test_cpu_kernel_checks_seq_stats():
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_kernel_checks_seq_stats(backend):
     from rlvr_kernels._core import dispatch as _dispatch
     from rlvr_kernels.contracts.policy_loss import NUM_SEQ_STATS
     from rlvr_kernels.ops import policy_loss as op
@@ -117,4 +112,21 @@ def test_cpu_kernel_checks_seq_stats():
     with pytest.raises(RuntimeError, match="seq_stats must be float64"):
         _dispatch.kernel("policy_loss_fwd", "cpu")(
             lp, lp, torch.zeros(2, dtype=F64), mask, None, None, None, None, None, fparams, iparams, False, None, bad
+        )
+    with pytest.raises(RuntimeError, match="seq_stats must be float64"):
+        _dispatch.kernel("policy_loss_fwd", backend)(
+            lp,
+            lp,
+            torch.zeros(2, dtype=F64),
+            mask,
+            None,
+            None,
+            None,
+            None,
+            None,
+            fparams,
+            iparams,
+            False,
+            None,
+            bad[:2].float(),
         )

@@ -257,45 +257,63 @@ def test_all_rejected_and_all_masked_give_zeros(backend, correction):
             assert float(v) == 0.0 or name == "is_batch_norm_factor", name
 
 
+# Every is_mode / is_gate / level combination from_openrlhf forms (clip ratio: clamp; mask
+# ratio: icepop, or decoupled without a lower bound; the divergences: gate).
+FAST_KINDS = [
+    ("token", "mask", "ratio", (1.2,)),
+    ("token", "mask", "ratio", (0.8, 1.2)),
+    ("token", "clip", "ratio", (0.8, 1.2)),
+    ("token", "mask", "binary_kl", (0.03,)),
+    ("token", "mask", "tv", (0.0, 0.1)),
+    ("seq", "mask", "ratio", (0.96, 1.05)),
+    ("seq", "mask", "binary_kl", (0.012,)),
+    ("seq", "mask", "tv", (0.045,)),
+]
+
+
 @pytest.mark.parametrize("backend,device", FAST)
-def test_fast_backends_against_reference(backend, device):
+@pytest.mark.parametrize("corr", FAST_KINDS, ids=lambda c: "-".join(map(str, c[:3])))
+def test_fast_backends_against_reference(backend, device, corr):
     """The fp64 reference against each fast backend (|fast − ref64| <= 2·|same − ref64| +
-    atol): ICEPOP-free decoupled (LOW 0) everywhere; the clamp / gate modes where the backend
-    fuses them (the Triton kernels refuse them, naming the option)."""
+    atol): the loss, its gradient, is_masked_frac and the rollout_correction token outputs
+    (IS weights, keep), on a batch with an all-masked row and an all-rejected row; an
+    all-masked batch gives zeros, never NaN."""
     x = _case(B=4, L=9)
-    kinds = [
-        ("token", "mask", "ratio", (1.2,)),
-        ("token", "clip", "ratio", (0.8, 1.2)),
-        ("seq", "mask", "tv", (0.045,)),
-    ]
-    for corr in kinds:
-        rc = RolloutCorrection.from_openrlhf(*corr)
-        if backend == "triton" and rc.mode in ("clamp", "gate"):
-            with pytest.raises(ValueError, match="rollout_correction"):
-                _run_dev(x, backend, device, torch.float32, rc)
-            continue
-        r64 = _run_dev(x, "reference", "cpu", torch.float64, rc)
-        same = _run_dev(x, "reference", "cpu", torch.float32, rc)
-        fast = _run_dev(x, backend, device, torch.float32, rc)
-        for a, r, s in zip(fast, r64, same):
-            atol = 1e-5 * (1.0 + r.abs().max().item())
-            assert bool(((a.cpu() - r).abs() <= 2 * (s - r).abs() + atol).all()), corr
+    x["mask"][2] = False
+    x["old_logprobs"][3] = x["old_logprobs"][3].clamp(-1.0, -0.01)
+    x["rollout_logprobs"][3] = x["old_logprobs"][3] - 1.0  # every bound rejects row 3
+    rc = RolloutCorrection.from_openrlhf(*corr)
+    r64 = _run_dev(x, "reference", "cpu", torch.float64, rc)
+    same = _run_dev(x, "reference", "cpu", torch.float32, rc)
+    fast = _run_dev(x, backend, device, torch.float32, rc)
+    for a, r, s in zip(fast, r64, same):
+        atol = 1e-5 * (1.0 + r.abs().max().item())
+        assert bool(((a.cpu() - r).abs() <= 2 * (s - r).abs() + atol).all()), corr
+    assert 0.0 < float(r64[2]) < 1.0, corr  # the bound is live
+    assert bool((r64[3][3] == 0).all()) or corr[1] == "clip", corr  # row 3's weights: 0
+    y = dict(x, mask=torch.zeros_like(x["mask"]))
+    loss, grad, frac, w, keep = _run_dev(y, backend, device, torch.float32, rc)
+    for v in (loss, grad, frac, w, keep):
+        assert bool((v == 0).all()), corr
 
 
 def _run_dev(x, backend, device, dtype, rc):
+    """(loss, its gradient, is_masked_frac, the IS weights, keep) of ``backend``."""
     lp = x["logprobs"].to(device, dtype).detach().requires_grad_(True)
+    old, roll, mask = x["old_logprobs"].to(device, dtype), x["rollout_logprobs"].to(device, dtype), x["mask"].to(device)
     loss, met = rk.policy_loss(
         lp,
-        x["old_logprobs"].to(device, dtype),
+        old,
         x["advantages"].to(device),
-        x["mask"].to(device),
-        rollout_logprobs=x["rollout_logprobs"].to(device, dtype),
+        mask,
+        rollout_logprobs=roll,
         preset="openrlhf",
         rollout_correction=rc,
         backend=backend,
     )
     loss.backward()
-    return loss.detach().double().cpu(), lp.grad.double().cpu(), met.is_masked_frac.double().cpu()
+    w, keep, _ = rk.rollout_correction(rc, old, roll, mask, backend=backend)
+    return tuple(t.detach().double().cpu() for t in (loss, lp.grad, met.is_masked_frac, w, keep))
 
 
 def test_from_openrlhf_validation():
