@@ -7,9 +7,10 @@
 //   0. checks: the op is registered and reachable directly, so every shape relation the kernel
 //      relies on is checked here, and cu_seqlens is sanitised (spans.h);
 //   1. per sequence, one task walks its valid tokens in order and accumulates in float64
-//      (SeqAcc): the sequence's sums, extrema and ratio counts;
+//      (SeqAcc): the sequence's sums, extrema and ratio counts (float32 inputs: Δ and the exps
+//      in float lanes, the sums in float64 lanes, reduced in lane order);
 //   2. one pass over the sequences in order forms the batch metrics (MismatchOut).
-// Everything is accumulated in float64 and rounded once to the output dtype.
+// Every sum is accumulated in float64 and rounded once to the output dtype.
 #include <ATen/Parallel.h>
 #include <torch/types.h>
 
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "rollout_mismatch.h"
+#include "simd.h"
 #include "spans.h"
 
 namespace rlvr {
@@ -34,14 +36,14 @@ struct SeqAcc {
   double sum_train = 0, sum_rollout = 0;
 };
 
-template <typename T>
-void accumulate(const T* train, const T* rollout, const bool* mask, int64_t begin, int64_t end,
+// Phase 1 on float64 inputs (the checking path): one token at a time.
+void accumulate(const double* train, const double* rollout, const bool* mask, int64_t begin, int64_t end,
                 const RolloutMismatchParams& p, SeqAcc& a) {
   const double bound = p.log_ratio_bound;
   for (int64_t t = begin; t < end; ++t) {
     // Only valid tokens are read: padding may hold anything (NaN, -inf) without reaching a sum.
     if (mask != nullptr && !mask[t]) continue;
-    const double tr = double(train[t]), ro = double(rollout[t]);
+    const double tr = train[t], ro = rollout[t];
     const double d = tr - ro, ad = std::fabs(d), e = std::exp(d);
     a.n += 1;
     a.sum_d += d;
@@ -61,6 +63,80 @@ void accumulate(const T* train, const T* rollout, const bool* mask, int64_t begi
     a.sum_rollout += ro;
   }
 }
+
+// Phase 1 on float32 inputs: Δ and the exps in float lanes (simd.h), every sum in float64
+// lanes, the lanes reduced in lane order at the end (the same bits for any thread count).
+struct AccumulateF32 {
+  struct Arg {
+    const float* train;
+    const float* rollout;
+    const bool* mask;
+    int64_t begin, end;
+    const RolloutMismatchParams* p;
+    SeqAcc* acc;
+  };
+  template <int VB>
+  static void run(const Arg& a) {
+    using L = Lanes<float, VB>;
+    using V = typename L::V;
+    using M = typename L::M;
+    using D = typename L::D;
+    constexpr int W = L::W;
+    const V zero = splat<V>(0.0f), one = splat<V>(1.0f);
+    const V low = splat<V>(float(a.p->ratio_low)), high = splat<V>(float(a.p->ratio_high));
+    const V bound = splat<V>(float(a.p->log_ratio_bound));
+    D s_d{}, s_abs{}, s_k2{}, s_k3{}, s_ratio{}, s_chi2{}, s_tr{}, s_ro{};
+    V m_abs = zero, mn = splat<V>(std::numeric_limits<float>::infinity()), mx = -mn;
+    M n{}, n_low{}, n_high{};
+    for (int64_t t = a.begin; t < a.end; t += W) {
+      const int k = int(std::min<int64_t>(W, a.end - t));
+      M valid;
+      if (a.mask != nullptr) {
+        if (!load_mask<float, VB>(a.mask + t, k, valid)) continue;
+      } else {
+        valid = lanes_below<float, VB>(k);
+      }
+      // Invalid lanes may hold NaN: they are replaced before any arithmetic reaches a sum.
+      const V tr = sel(valid, load<float, VB>(a.train + t, k), zero);
+      const V ro = sel(valid, load<float, VB>(a.rollout + t, k), zero);
+      const V d = tr - ro;
+      const V e = vexp(d);
+      const V ad = sel(d < zero, -d, d);
+      const V ec = vexp(vclamp(d, -bound, bound));
+      n -= valid;  // lanes are −1 where valid
+      n_low -= valid & (e < low);
+      n_high -= valid & (e > high);
+      m_abs = ad > m_abs ? ad : m_abs;
+      mn = sel(valid & (d < mn), d, mn);
+      mx = sel(valid & (d > mx), d, mx);
+      s_d += __builtin_convertvector(d, D);
+      s_abs += __builtin_convertvector(ad, D);
+      s_k2 += __builtin_convertvector(0.5f * d * d, D);
+      s_k3 += __builtin_convertvector(sel(valid, e - d - one, zero), D);
+      s_ratio += __builtin_convertvector(sel(valid, e, zero), D);
+      s_chi2 += __builtin_convertvector(sel(valid, ec * ec, zero), D);
+      s_tr += __builtin_convertvector(tr, D);
+      s_ro += __builtin_convertvector(ro, D);
+    }
+    SeqAcc& acc = *a.acc;
+    for (int l = 0; l < W; ++l) {
+      acc.n += n[l];
+      acc.n_low += n_low[l];
+      acc.n_high += n_high[l];
+      acc.sum_d += s_d[l];
+      acc.sum_abs += s_abs[l];
+      acc.max_abs = std::max(acc.max_abs, double(m_abs[l]));
+      acc.sum_k2 += s_k2[l];
+      acc.sum_k3 += s_k3[l];
+      acc.sum_ratio += s_ratio[l];
+      acc.sum_chi2 += s_chi2[l];
+      acc.min_d = std::min(acc.min_d, double(mn[l]));
+      acc.max_d = std::max(acc.max_d, double(mx[l]));
+      acc.sum_train += s_tr[l];
+      acc.sum_rollout += s_ro[l];
+    }
+  }
+};
 
 // Phase 2: the batch vector from the sequences' sums, in sequence order.
 std::vector<double> batch_metrics(const std::vector<SeqAcc>& seqs, const RolloutMismatchParams& p,
@@ -191,23 +267,17 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rollout_mismatch_stats_c
   // ---- 1. per-sequence sums, one task per sequence
   std::vector<SeqAcc> seqs(B);
   const bool* m = mask.defined() ? mask.data_ptr<bool>() : nullptr;
-  auto run = [&](auto tag) {
-    using T = decltype(tag);
-    const T* tr = train.data_ptr<T>();
-    const T* ro = rollout.data_ptr<T>();
-    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(L, 1));
-    at::parallel_for(0, B, packed ? 1 : grain, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t begin = packed ? cu[b] : b * L, end = packed ? cu[b + 1] : (b + 1) * L;
-        accumulate<T>(tr, ro, m, begin, end, p, seqs[b]);
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(L, 1));
+  at::parallel_for(0, B, packed ? 1 : grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t begin = packed ? cu[b] : b * L, end = packed ? cu[b + 1] : (b + 1) * L;
+      if (f64) {
+        accumulate(train.data_ptr<double>(), rollout.data_ptr<double>(), m, begin, end, p, seqs[b]);
+      } else {
+        run_isa<AccumulateF32>({train.data_ptr<float>(), rollout.data_ptr<float>(), m, begin, end, &p, &seqs[b]});
       }
-    });
-  };
-  if (f64) {
-    run(double{});
-  } else {
-    run(float{});
-  }
+    }
+  });
 
   // ---- 2. batch metrics and the per-sequence columns
   int64_t num_tokens = 0;
