@@ -12,6 +12,7 @@ from .ops.logprobs import (
     logprobs_from_logits,
 )
 from .ops.policy_loss import policy_loss, rollout_correction, shape_token_advantages
+from .ops.rollout_mismatch import RolloutMismatch, rollout_mismatch
 from .options import (
     AdvantageOptions,
     GroupAdvantages,
@@ -45,6 +46,8 @@ __all__ = [
     "OPTIONAL_OUTPUTS",
     "policy_loss",
     "rollout_correction",
+    "rollout_mismatch",
+    "RolloutMismatch",
     "shape_token_advantages",
     "uids_to_group_index",
 ]

@@ -63,6 +63,10 @@ KERNELS: Dict[Tuple[str, str], str] = {
     ("logprobs_from_logits_stats", "triton"): "rlvr_kernels.triton.logprobs:logprobs_from_logits_stats",
     ("logprobs_from_logits_bwd", "cpu"): "torch.ops.rlvr_kernels_C:logprobs_from_logits_bwd",
     ("logprobs_from_logits_bwd", "triton"): "rlvr_kernels.triton.logprobs:logprobs_from_logits_bwd",
+    # rollout_mismatch
+    ("rollout_mismatch", "reference"): "rlvr_kernels.reference.rollout_mismatch:rollout_mismatch",
+    ("rollout_mismatch_stats", "cpu"): "torch.ops.rlvr_kernels_C:rollout_mismatch_stats",
+    ("rollout_mismatch_stats", "triton"): "rlvr_kernels.triton.rollout_mismatch:rollout_mismatch_stats",
     # prefix-tree packing (a host-side build: no Triton row)
     ("prefix_tree_build", "reference"): "rlvr_kernels.reference.packing:prefix_tree_build",
     ("prefix_tree_build", "cpu"): "torch.ops.rlvr_kernels_C:prefix_tree_build",

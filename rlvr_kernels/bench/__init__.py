@@ -17,13 +17,14 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import advantages, logprobs, packing, policy_loss, trainer, verl_step
+from . import advantages, logprobs, packing, policy_loss, rollout_mismatch, trainer, verl_step
 
 SUITES = {
     "group_advantages": advantages.WORKLOADS,
     "policy_loss": policy_loss.WORKLOADS,
     "linear_logprobs": logprobs.WORKLOADS,
     "packing": packing.WORKLOADS,
+    "rollout_mismatch": rollout_mismatch.WORKLOADS,
     "trainer": {**trainer.WORKLOADS, **verl_step.WORKLOADS},
 }
 

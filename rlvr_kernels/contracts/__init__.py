@@ -9,11 +9,14 @@ from .logprobs import CPP_CODES as _LOGPROBS_CODES
 from .logprobs import LinearLogprobsBwdParams, LinearLogprobsStatsParams, LogprobsStat, LogprobsStatsParams
 from .policy_loss import CPP_CODES as _POLICY_LOSS_CODES
 from .policy_loss import PolicyLossParams
+from .rollout_mismatch import CPP_CODES as _ROLLOUT_MISMATCH_CODES
+from .rollout_mismatch import MismatchOut, MismatchSeq, RolloutMismatch, RolloutMismatchParams
 
 __all__ = ["KernelParams"]
 __all__ += ["Baseline", "GroupAdvantagesParams", "NUM_PARTIAL_COLUMNS", "PartialColumn", "Scale", "Whiten"]
 __all__ += ["LinearLogprobsBwdParams", "LinearLogprobsStatsParams", "LogprobsStatsParams", "LogprobsStat"]
 __all__ += ["PolicyLossParams"]
+__all__ += ["MismatchOut", "MismatchSeq", "RolloutMismatch", "RolloutMismatchParams"]
 
 # Branch-code enums and the C++ X-macro list each one mirrors ("RLVR_<NAME>_CODES"); the
 # contract test compares names and values. Each op's contract module adds its own.
@@ -21,3 +24,4 @@ CPP_CODES: dict = {}
 CPP_CODES.update(_ADVANTAGES_CODES)
 CPP_CODES.update(_LOGPROBS_CODES)
 CPP_CODES.update(_POLICY_LOSS_CODES)
+CPP_CODES.update(_ROLLOUT_MISMATCH_CODES)

@@ -8,6 +8,7 @@
 #include "logprobs.h"
 #include "packing.h"
 #include "policy_loss.h"
+#include "rollout_mismatch.h"
 
 TORCH_LIBRARY(rlvr_kernels_C, m) {
   m.def(
@@ -41,6 +42,9 @@ TORCH_LIBRARY(rlvr_kernels_C, m) {
       "logprobs_from_logits_bwd(Tensor logits, Tensor targets, Tensor inv_temperature, Tensor grad_logp, Tensor lse, "
       "Tensor entropy, Tensor? grad_entropy) -> Tensor");
   m.def(
+      "rollout_mismatch_stats(Tensor train_logprobs, Tensor rollout_logprobs, Tensor? response_mask, "
+      "Tensor? cu_seqlens, float[] fparams, int[] iparams) -> (Tensor, Tensor, Tensor)");
+  m.def(
       "prefix_tree_build(Tensor tokens, Tensor cu_tokens, Tensor trained, Tensor group, Tensor order, Tensor row_cu, "
       "Tensor? token_values, Tensor? sample_values, bool next_key) -> Tensor[]");
   // The incremental trie of the planners (TreeRowBuilder): host-side state, so a class, not an op.
@@ -68,6 +72,7 @@ TORCH_LIBRARY_IMPL(rlvr_kernels_C, CPU, m) {
   m.impl("linear_logprobs_bwd", &rlvr::linear_logprobs_bwd_cpu);
   m.impl("logprobs_from_logits_stats", &rlvr::logprobs_from_logits_stats_cpu);
   m.impl("logprobs_from_logits_bwd", &rlvr::logprobs_from_logits_bwd_cpu);
+  m.impl("rollout_mismatch_stats", &rlvr::rollout_mismatch_stats_cpu);
   m.impl("prefix_tree_build", &rlvr::prefix_tree_build_cpu);
 }
 

@@ -4,7 +4,7 @@ rule (``_compare``), per-op random cases, runners and comparisons (``advantages`
 
 from __future__ import annotations
 
-from . import advantages, logprobs, packing, policy_loss
+from . import advantages, logprobs, packing, policy_loss, rollout_mismatch
 from ._checks import CheckRow, CheckSuite, check_row, run_checks
 from ._compare import Comparison, as_float64, compare, default_atol
 from .advantages import check_group_advantages, compare_advantages, random_advantage_case
@@ -20,7 +20,10 @@ from .logprobs import (
 from .policy_loss import check_policy_loss, compare_policy, random_policy_case, run_policy_loss, upstream_for
 
 # The suites ``rlvr-kernels check`` runs, in order: one per op family.
-CHECK_SUITES = {suite.name: suite for suite in (advantages.SUITE, policy_loss.SUITE, logprobs.SUITE, packing.SUITE)}
+CHECK_SUITES = {
+    suite.name: suite
+    for suite in (advantages.SUITE, policy_loss.SUITE, logprobs.SUITE, packing.SUITE, rollout_mismatch.SUITE)
+}
 
 __all__ = [
     "CHECK_SUITES",

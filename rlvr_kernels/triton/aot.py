@@ -30,9 +30,9 @@ from . import AOT_ARCHS as ARCHS
 def kernel_specs() -> Iterator[Tuple]:
     """(name, kernel, signature, constexprs[, options]) for each kernel variant worth compiling:
     each kernel module's ``aot_specs()``, which lives next to the kernels it describes."""
-    from . import advantages, logprobs, policy_loss
+    from . import advantages, logprobs, policy_loss, rollout_mismatch
 
-    for module in (advantages, policy_loss, logprobs):
+    for module in (advantages, policy_loss, logprobs, rollout_mismatch):
         yield from module.aot_specs()
 
 

@@ -42,6 +42,7 @@ def test_all_kernels_compile_for_sm80_sm90_without_spills():
         "_logits_fwd_kernel[bf16,entropy=1]",
         "_logits_bwd_kernel[bf16,grad_entropy=1]",
     } <= kernels
+    assert {"_sequence_kernel[bf16,padded]", "_sequence_kernel[fp32,packed]", "_batch_kernel"} <= kernels
     assert {r["arch"] for r in rows} == {"sm_80", "sm_90"}
     for r in rows:
         assert r["registers"] > 0, r
