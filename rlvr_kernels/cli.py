@@ -123,6 +123,10 @@ def cmd_bench(args) -> int:
     return run_all(out_dir=args.out, device=args.device, quick=args.quick, ops=args.op)
 
 
+# The op families `check` and `bench` select with --op (`bench` adds the trainer steps).
+OP_FAMILIES = ("group_advantages", "policy_loss", "linear_logprobs", "packing", "rollout_mismatch")
+
+
 def main(argv=None) -> int:
     _reexec_with_triton_interpreter(argv)
     from ._core.dispatch import BACKENDS
@@ -140,7 +144,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--op",
         action="append",
-        choices=["group_advantages", "policy_loss", "linear_logprobs", "packing"],
+        choices=list(OP_FAMILIES),
         default=None,
         help="only these op families (repeatable; default: every one)",
     )
@@ -151,7 +155,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--op",
         action="append",
-        choices=["group_advantages", "policy_loss", "linear_logprobs", "packing", "trainer"],
+        choices=[*OP_FAMILIES, "trainer"],
         default=None,
         help="only these op families (repeatable); the result files are then named <date>-<device>-<ops>",
     )

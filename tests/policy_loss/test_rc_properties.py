@@ -23,8 +23,6 @@ from rlvr_kernels.testing.policy_loss import assert_matches_reference
 
 CPU = [p for p in FAST if p.values[0] == "cpu"]
 TRITON = [p for p in FAST if p.values[0] == "triton"]
-# The modes the Triton kernels fuse today.
-TRITON_MODES = tuple(m for m in IS_MODES if m not in ("clamp", "gate"))
 
 # IS bounds: among random_policy_case's kinks (its log-ratios keep away from them, so that
 # fp32 and fp64 take the same branch at a bound).
@@ -118,7 +116,7 @@ def test_cpu_matches_reference(backend, device, rc, loss, layout, B, L, masked_r
 
 
 @pytest.mark.parametrize("backend,device", TRITON)
-@given(rc=corrections(TRITON_MODES), loss=LOSSES, **SHAPES)
+@given(rc=corrections(), loss=LOSSES, **SHAPES)
 def test_triton_matches_reference(backend, device, rc, loss, layout, B, L, masked_rows, seed):
     if INTERPRETED and seed % 4:
         return  # a quarter of the examples under the interpreter (a second per call)
