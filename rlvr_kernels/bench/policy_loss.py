@@ -478,6 +478,15 @@ COV_SEED = 0  # clip_cov draws torch.randperm from the global RNG: both sides se
 _COV_LABELS = ("compute_policy_loss_clip_cov", "compute_policy_loss_kl_cov")
 
 
+# the rollout_corr_helper drop-in's row: sequence IS, a seq_mean_k3 + token_k1 chain
+RCH_OPTIONS = dict(
+    rollout_is="sequence",
+    rollout_is_threshold=2.0,
+    rollout_rs="seq_mean_k3,token_k1",
+    rollout_rs_threshold="0.05,0.5_2.0",
+)
+
+
 def dropin_pairs(x: Dict):
     """(name, drop-in step, verl step) for every function-level verl drop-in of the policy
     loss, on the workload's shapes; each step runs forward + backward and returns (loss,
@@ -485,7 +494,7 @@ def dropin_pairs(x: Dict):
     verl = _verl()
     if isinstance(verl, Exception):
         return None
-    core_algos, _, cfg = verl
+    core_algos, verl_rch, cfg = verl
     lp, old, ref, adv, mask = x["logprobs"], x["old"], x["ref"], x["adv"], x["mask"]
     adv_tok = adv[:, None] * mask  # verl's [B, L] advantages
     gen = torch.Generator().manual_seed(1)
@@ -586,6 +595,18 @@ def dropin_pairs(x: Dict):
         ("agg_loss(kl_penalty(...)) (the KL term)", kl_term_step(ours), kl_term_step(core_algos)),
         ("policy_loss_verl vs ppo_loss (pg + kl_penalty + agg_loss)", actor_ours, actor_verl),
     ]
+    from ..integrations.verl import rollout_corr_helper as ours_rch
+
+    def rch_step(mod):  # no gradient: (Σ weights, the modified mask) for the agreement
+        def step():
+            w, keep, _ = mod.compute_rollout_correction_and_rejection_mask(old, x["rollout"], mask, **RCH_OPTIONS)
+            return w.batch["rollout_is_weights"].sum(), keep.float()
+
+        return step
+
+    pairs.append(
+        ("rollout_corr_helper.compute_rollout_correction_and_rejection_mask", rch_step(ours_rch), rch_step(verl_rch))
+    )
     return pairs
 
 

@@ -12,6 +12,7 @@ on a count, a masked reduction and ``torch.where`` give the same value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Dict, Optional
 
 import torch
@@ -111,46 +112,56 @@ def raw_is_weights(log_ratio, mask, level):
     return torch.exp(torch.clamp(s, -SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio) * mask, s
 
 
-def _rs_option_metrics(name, stat, seq_stat, keep_tok, mask, seq_valid, upper, lower, k1) -> Metrics:
+def _rs_option_metrics(name, stat, seq_stat, keep_tok, keep_seq, mask, seq_valid, upper, lower, k1) -> Metrics:
     """verl's compute_rs_metrics for one option plus its masked fractions. ``stat`` per token
-    (a sequence option's statistic broadcast), ``seq_stat`` per sequence or None."""
+    (a sequence option's statistic broadcast), ``seq_stat`` per sequence or None, and
+    ``keep_seq`` the option's test on ``seq_stat`` (None for a token option)."""
     m: Metrics = {}
     p = f"rollout_rs_{name}"
     mb = mask.bool()
     seq_level = seq_stat is not None
     seq_v = seq_stat if seq_level else masked_mean(stat, mask, axis=-1)
     has_seq = seq_valid.any()
-    m[f"{p}_mean"] = masked_mean(stat, mask)
-    tok_max = stat.masked_fill(~mb, float("-inf")).max()
-    tok_min = stat.masked_fill(~mb, float("inf")).min()
+    if seq_level:
+        # A sequence statistic broadcast over its row: its token means are Σ_i v_i·w_i / Σ w
+        # with w_i the row's mask sum (verl sums the broadcast [B, L]; the same up to rounding).
+        row_w, denom = mask.sum(dim=-1).to(seq_v.dtype), _counts(mask) + 1e-8
+
+        def tok_mean(v):
+            return (v * row_w).sum() / denom
+    else:
+        tok_mean = functools.partial(masked_mean, mask=mask)
+    m[f"{p}_mean"] = tok_mean(seq_v if seq_level else stat)
     s_mean, s_std, s_max, s_min, s_dev = _seq_stats(seq_v, seq_valid)
     lo = lower if k1 else 0.0
     if seq_level:
-        m[f"{p}_max"] = torch.where(has_seq, s_max, tok_max)
-        m[f"{p}_min"] = torch.where(has_seq, s_min, tok_min)
+        # A sequence statistic broadcast over its row: its token maximum is the maximum over
+        # the rows with a valid token (s_max), and without one verl's token reductions run
+        # over no token (max −inf, min +inf, fractions 0): no [B, L] pass needed for them.
+        m[f"{p}_max"] = torch.where(has_seq, s_max, float("-inf"))
+        m[f"{p}_min"] = torch.where(has_seq, s_min, float("inf"))
         hi_seq, lo_seq = _frac(seq_v > upper, seq_valid), _frac(seq_v < lo, seq_valid)
-        hi_tok = masked_mean((stat > upper).float(), mask)
-        lo_tok = masked_mean((stat < lo).float(), mask)
-        m[f"{p}_fraction_high"] = torch.where(has_seq, hi_seq, hi_tok)
-        m[f"{p}_fraction_low"] = torch.where(has_seq, lo_seq, lo_tok) if k1 else torch.zeros_like(hi_seq)
+        m[f"{p}_fraction_high"] = _where(has_seq, hi_seq, 0.0)
+        m[f"{p}_fraction_low"] = _where(has_seq, lo_seq, 0.0) if k1 else torch.zeros_like(hi_seq)
     else:
-        m[f"{p}_max"], m[f"{p}_min"] = tok_max, tok_min
+        m[f"{p}_max"] = stat.masked_fill(~mb, float("-inf")).max()
+        m[f"{p}_min"] = stat.masked_fill(~mb, float("inf")).min()
         m[f"{p}_fraction_high"] = masked_mean((stat > upper).float(), mask)
         m[f"{p}_fraction_low"] = (
             masked_mean((stat < lo).float(), mask) if k1 else torch.zeros_like(m[f"{p}_fraction_high"])
         )
-    c = stat.clamp(min=lo, max=upper)
-    mc = masked_mean(c, mask)
-    var = masked_mean(c.square(), mask) - mc.square()
+    c = (seq_v if seq_level else stat).clamp(min=lo, max=upper)
+    mc = tok_mean(c)
+    var = tok_mean(c.square()) - mc.square()
     m[f"{p}_std"] = _where(mask.sum() > 1, torch.sqrt(torch.clamp(var, min=0.0)), 0.0)
     m[f"{p}_seq_mean"], m[f"{p}_seq_std"], m[f"{p}_seq_max"], m[f"{p}_seq_min"] = s_mean, s_std, s_max, s_min
     m[f"{p}_seq_max_deviation"] = s_dev
     m[f"{p}_seq_fraction_high"] = _where(has_seq, _frac(seq_v > upper, seq_valid), 0.0)
     if k1:
         m[f"{p}_seq_fraction_low"] = _where(has_seq, _frac(seq_v < lo, seq_valid), 0.0)
-    keep_f = keep_tok.to(stat.dtype)
-    m[f"{p}_masked_fraction"] = masked_mean(1 - keep_f, mask)
-    seq_keep = (~((~keep_tok) & mb)).all(dim=-1)
+    m[f"{p}_masked_fraction"] = tok_mean(1 - (keep_seq if seq_level else keep_tok).to(stat.dtype))
+    # (a sequence option keeps or rejects a whole row: its row flag is the option's test)
+    seq_keep = keep_seq | ~seq_valid if seq_level else (~((~keep_tok) & mb)).all(dim=-1)
     m[f"{p}_seq_masked_fraction"] = _where(has_seq, _frac(~seq_keep, seq_valid), 0.0)
     return m
 
@@ -160,7 +171,8 @@ def rs_metrics(rc: RolloutCorrection, log_ratio, mask, keep) -> Metrics:
     statistics as verl forms them) and of the whole chain from the kernel's ``keep``."""
     bounds = dict(zip(RS_BOUND_FIELDS, rc.rs_bounds))
     x = torch.clamp(log_ratio, -SAFETY_BOUND, SAFETY_BOUND)
-    tok = {"k1": -x, "k2": 0.5 * x**2, "k3": torch.exp(x) - 1.0 - x}
+    forms = {"k1": lambda: -x, "k2": lambda: 0.5 * x**2, "k3": lambda: torch.exp(x) - 1.0 - x}
+    tok: Metrics = {}  # each divergence formed once, only where an option reads it
     seq_valid = mask.sum(dim=-1) > 0
     mb = mask.bool()
     m: Metrics = {}
@@ -169,6 +181,8 @@ def rs_metrics(rc: RolloutCorrection, log_ratio, mask, keep) -> Metrics:
         k1 = kind == "k1"
         lo = bounds[f"rs_{opt}_low"] if k1 else None
         hi = bounds[f"rs_{opt}_high"] if k1 else bounds[f"rs_{opt}"]
+        if kind not in tok:
+            tok[kind] = forms[kind]()
         if opt.startswith("token"):
             stat, seq = tok[kind], None
         else:
@@ -180,8 +194,13 @@ def rs_metrics(rc: RolloutCorrection, log_ratio, mask, keep) -> Metrics:
                 mx = tok[kind].masked_fill(~mb, float("-inf")).max(dim=-1).values
                 seq = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)
             stat = seq.unsqueeze(-1).expand_as(mask)
-        keep_v = (stat >= lo) & (stat <= hi) if k1 else stat <= hi
-        m.update(_rs_option_metrics(opt, stat, seq, keep_v, mask, seq_valid, hi, lo, k1))
+
+        def test(v):
+            return (v >= lo) & (v <= hi) if k1 else v <= hi
+
+        keep_seq = None if seq is None else test(seq)
+        keep_v = test(stat) if seq is None else keep_seq.unsqueeze(-1).expand_as(mask)
+        m.update(_rs_option_metrics(opt, stat, seq, keep_v, keep_seq, mask, seq_valid, hi, lo, k1))
     rejected = mb & (keep == 0)
     m["rollout_rs_masked_fraction"] = masked_mean(rejected.to(log_ratio.dtype), mask)
     m["rollout_rs_seq_masked_fraction"] = rejected.any(dim=-1).float().mean()
