@@ -142,21 +142,21 @@ def _train(monkeypatch, model_dir, config, *, entropy, is_weights=False, steps=2
     return steps_out, update
 
 
-def _close(a, b, tol=1e-6):
+def _close(a, b, tol=1e-6, key=None):
     if isinstance(a, dict):
         assert a.keys() == b.keys(), (sorted(a), sorted(b))
         for k in a:
-            _close(a[k], b[k], tol)
+            _close(a[k], b[k], tol, k)
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b)
         for x, y in zip(a, b):
-            _close(x, y, tol)
+            _close(x, y, tol, key)
     elif isinstance(a, torch.Tensor):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     elif isinstance(a, float):
-        assert abs(a - b) <= tol * max(1.0, abs(b)), (a, b)
+        assert abs(a - b) <= tol * max(1.0, abs(b)), (key, a, b)
     else:
-        assert a == b, (a, b)
+        assert a == b, (key, a, b)
 
 
 # ---------------------------------------------------------------------------------------

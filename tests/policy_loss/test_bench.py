@@ -36,7 +36,7 @@ def test_missing_extension_fails_the_benchmark(monkeypatch):
 def test_verl_dropin_workload_times_every_pair():
     res = bench.dropin_workload("cpu", quick=True)
     keys = [r["key"] for r in res["rows"]]
-    pairs = len(bench.DROPIN_LOSS_MODES) + 5
+    pairs = len(bench.DROPIN_LOSS_MODES) + 6  # + kl_penalty, 2 agg_loss, the KL term, the actor, rollout_corr_helper
     assert keys == [k for i in range(pairs) for k in (f"dropin_{i}", f"verl_{i}")]
     assert all(r["ms"] > 0 for r in res["rows"])
     assert len(res["targets"]) == pairs and all(t["measured"] > 0 for t in res["targets"])

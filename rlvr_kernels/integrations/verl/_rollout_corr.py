@@ -124,7 +124,8 @@ def _rs_option_metrics(name, stat, seq_stat, keep_tok, keep_seq, mask, seq_valid
     has_seq = seq_valid.any()
     if seq_level:
         # A sequence statistic broadcast over its row: its token means are Σ_i v_i·w_i / Σ w
-        # with w_i the row's mask sum (verl sums the broadcast [B, L]; the same up to rounding).
+        # with w_i the row's mask sum (verl sums the broadcast [B, L]: the same up to rounding,
+        # and exactly for the 0/1 flags of the masked fraction under a bool mask).
         row_w, denom = mask.sum(dim=-1).to(seq_v.dtype), _counts(mask) + 1e-8
 
         def tok_mean(v):
@@ -150,9 +151,11 @@ def _rs_option_metrics(name, stat, seq_stat, keep_tok, keep_seq, mask, seq_valid
         m[f"{p}_fraction_low"] = (
             masked_mean((stat < lo).float(), mask) if k1 else torch.zeros_like(m[f"{p}_fraction_high"])
         )
-    c = (seq_v if seq_level else stat).clamp(min=lo, max=upper)
-    mc = tok_mean(c)
-    var = tok_mean(c.square()) - mc.square()
+    # (the std in verl's order of summation, over the [B, L] broadcast: E[c²] − E[c]² cancels,
+    # and a sum in another order would move it by far more than its rounding)
+    c = stat.clamp(min=lo, max=upper)
+    mc = masked_mean(c, mask)
+    var = masked_mean(c.square(), mask) - mc.square()
     m[f"{p}_std"] = _where(mask.sum() > 1, torch.sqrt(torch.clamp(var, min=0.0)), 0.0)
     m[f"{p}_seq_mean"], m[f"{p}_seq_std"], m[f"{p}_seq_max"], m[f"{p}_seq_min"] = s_mean, s_std, s_max, s_min
     m[f"{p}_seq_max_deviation"] = s_dev
