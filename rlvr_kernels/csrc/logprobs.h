@@ -16,7 +16,8 @@
 #define RLVR_LOGPROBS_STATS_IPARAMS(X) X(need_entropy)
 // LinearLogprobsStatsParams: linear_logprobs_stats (tanh_scale = 0: no soft-cap).
 #define RLVR_LINEAR_LOGPROBS_STATS_FPARAMS(X) X(tanh_scale)
-#define RLVR_LINEAR_LOGPROBS_STATS_IPARAMS(X) X(need_entropy) X(need_sum_sq) X(need_sum_z) X(need_argmax) X(logits_precision)
+#define RLVR_LINEAR_LOGPROBS_STATS_IPARAMS(X) \
+  X(need_entropy) X(need_sum_sq) X(need_sum_z) X(need_argmax) X(logits_precision)
 // LinearLogprobsBwdParams: linear_logprobs_bwd.
 #define RLVR_LINEAR_LOGPROBS_BWD_FPARAMS(X) X(tanh_scale)
 #define RLVR_LINEAR_LOGPROBS_BWD_IPARAMS(X) X(need_hidden) X(need_weight) X(need_bias) X(logits_precision)

@@ -19,12 +19,15 @@ the compute dtype whatever the input dtype, z = y · inv_temperature (row-wise),
 soft-cap (tanh_scale ≠ 0) z = tanh(tanh_scale · y) · inv_temperature. The op folds the public
 transform z = softcap·tanh(logit_scale·y/softcap)/T into these: inv_temperature = logit_scale/T
 (no cap) or softcap/T, tanh_scale = logit_scale/softcap ("inv_temperature" is the per-row
-factor after the transform, 1/T when nothing else is asked).
+factor after the transform, 1/T when nothing else is asked). ``logits_precision`` (a
+``LogitsPrecision``) says how y is formed: FP32 as above; TF32 with hidden and W rounded to
+tf32 (to nearest, ties away from zero) before the fp32 GEMM; BF16 with hidden, W and b rounded
+to bf16 (to nearest even) and y = bf16(acc + b) (fp64 inputs: each rounding through fp32).
 
   linear_logprobs_stats(hidden [N,H], weight [V,H], bias [V] or None, inv_temperature [N],
                         row_ptr [N+1], sorted_targets [M],
                         LinearLogprobsStatsParams(tanh_scale, need_entropy, need_sum_sq,
-                                                  need_sum_z, need_argmax))
+                                                  need_sum_z, need_argmax, logits_precision))
       -> stats [N, NUM_STATS], target_logits [M]            (compute dtype)
     hidden, weight, bias: one float dtype, contiguous. inv_temperature: compute dtype.
     row_ptr: int64, non-decreasing, row_ptr[0] = 0, row_ptr[N] = M; the targets of row n
@@ -44,7 +47,8 @@ factor after the transform, 1/T when nothing else is asked).
 
   linear_logprobs_bwd(hidden, weight, bias, inv_temperature, row_ptr, sorted_targets,
                       sorted_grad [M], lse [N], entropy [N], grad_entropy [N] or None,
-                      LinearLogprobsBwdParams(tanh_scale, need_hidden, need_weight, need_bias))
+                      LinearLogprobsBwdParams(tanh_scale, need_hidden, need_weight, need_bias,
+                                              logits_precision))
       -> grad_hidden [N,H] (hidden's dtype), grad_weight [V,H] (weight's dtype),
          grad_bias [V] (bias' dtype); an output that is not needed is an empty [0] tensor.
     sorted_grad, lse, entropy, grad_entropy: compute dtype. lse and entropy are the global
@@ -54,8 +58,10 @@ factor after the transform, 1/T when nothing else is asked).
         dz[n,v] = inv_T_n · ( Σ_{k in row n, t_k = v} g_k − G_n·p_v − h_n·p_v·(z_v − lse_n + entropy_n) )
     times tanh_scale·(1 − tanh²(tanh_scale·y_v)) with a soft-cap (dz is d/dy), and
         grad_hidden = dz·W,  grad_weight = dzᵀ·hidden,  grad_bias = Σ_n dz
-    accumulated in the compute dtype. grad_weight and grad_bias are summed over rows in a
-    fixed order (no atomics): bitwise-deterministic whatever the thread count.
+    accumulated in the compute dtype, with z recomputed as the forward made it (its
+    logits_precision) and W, hidden as given (the rounding is passed straight through).
+    grad_weight and grad_bias are summed over rows in a fixed order (no atomics):
+    bitwise-deterministic whatever the thread count.
 
   logprobs_from_logits_stats(logits [N,V], targets [N], inv_temperature [N],
                              LogprobsStatsParams(need_entropy))
