@@ -129,6 +129,8 @@ _CONFIGS = {
     ("linear_bwd", 16): dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, BLOCK_HG=64, num_warps=8, num_stages=2),
     ("linear_bwd", 32): dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=16, BLOCK_HG=16, num_warps=8, num_stages=2),
     ("linear_bwd", 64): dict(BLOCK_N=32, BLOCK_V=32, BLOCK_H=32, BLOCK_HG=32, num_warps=4, num_stages=2),
+    # fp32 inputs with logits_precision="tf32": 8 warps spill in sm_80's weight-gradient kernel.
+    ("linear_bwd_tf32", 32): dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=16, BLOCK_HG=16, num_warps=4, num_stages=2),
     ("logits_fwd", 16): dict(BLOCK=4096, num_warps=8),
     ("logits_fwd", 32): dict(BLOCK=4096, num_warps=8),
     ("logits_fwd", 64): dict(BLOCK=2048, num_warps=8),
@@ -188,6 +190,11 @@ def kernel_precision(logits_precision: int, dtype: torch.dtype) -> int:
     if prec == LogitsPrecision.TF32 and _width(dtype) == 16:
         return int(LogitsPrecision.FP32)
     return int(prec)
+
+
+def _bwd_kind(prec: int, dtype: torch.dtype) -> str:
+    """The backward's configuration family: its own for fp32 inputs on TF32 tensor cores."""
+    return "linear_bwd_tf32" if prec == LogitsPrecision.TF32 and _width(dtype) == 32 else "linear_bwd"
 
 
 # ---------------------------------------------------------------------------------------
@@ -872,14 +879,15 @@ def linear_logprobs_bwd(
     need_hidden, need_weight = p.need_hidden, p.need_weight
     need_bias = p.need_bias and bias is not None
     empty = torch.empty(0, dtype=hidden.dtype, device=dev)
-    cfg = config("linear_bwd", hidden.dtype, device_arch(dev))
+    prec = kernel_precision(p.logits_precision, hidden.dtype)
+    cfg = config(_bwd_kind(prec, hidden.dtype), hidden.dtype, device_arch(dev))
     common = dict(
         HAS_BIAS=bias is not None,
         HAS_GENT=grad_entropy is not None,
         HAS_CAP=p.tanh_scale != 0.0,
         CDT=CDT,
         OP=operand_dtype(hidden.dtype),
-        PREC=kernel_precision(p.logits_precision, hidden.dtype),
+        PREC=prec,
         **cfg,
     )
     tscale = _tanh_scale_arg(p.tanh_scale, cdt, inv_temperature)
@@ -1048,7 +1056,7 @@ def _aot_linear_fwd(dt, bias, entropy, arch, extra=False, prec=LogitsPrecision.F
 
 
 def _aot_linear_bwd(which, dt, bias, gent, arch, need_w=True, need_b=True, cap=False, prec=LogitsPrecision.FP32):
-    inp, c, const, opts = _aot_setup("linear_bwd", dt, arch)
+    inp, c, const, opts = _aot_setup(_bwd_kind(int(prec), _AOT_DTYPES[dt]), dt, arch)
     const["PREC"] = int(prec)
     sig = dict(
         x_ptr=inp,
