@@ -157,7 +157,7 @@ def test_kernels_round_known_values(backend, device):
 
 
 @pytest.mark.parametrize("backend,device", FAST)
-@pytest.mark.parametrize("shape", [(17, 64, 97), (5, 8, 70)])
+@pytest.mark.parametrize("shape", [(13, 48, 61), (5, 8, 70)])
 def test_bf16_logits_match_emulation(backend, device, shape):
     """The kernels' bf16 logits against (h.bf16 · W.bf16ᵀ + b.bf16) in fp32, then .bfloat16():
     equal wherever the exact y is not within the fp32 accumulator's error of a bf16 rounding
