@@ -44,11 +44,14 @@ def bf16_exact_sums(inputs, gen):
     return out
 
 
+# (name, random_logprobs_case kwargs, extra linear_logprobs kwargs)
 CASES = [
-    ("normal, bias", dict(bias=True)),
-    ("per-row temperature, ignored, row_index", dict(temperature="rows", ignore_fraction=0.2, branching=True)),
-    ("bf16 inputs, bias", dict(dtype=torch.bfloat16, bias=True)),
-    ("fp16 inputs", dict(dtype=torch.float16)),
+    ("normal, bias", dict(bias=True), {}),
+    ("per-row temperature, ignored, row_index", dict(temperature="rows", ignore_fraction=0.2, branching=True), {}),
+    ("bf16 inputs, bias", dict(dtype=torch.bfloat16, bias=True), {}),
+    ("fp16 inputs", dict(dtype=torch.float16), {}),
+    ("fp64 inputs, bias (rounded through fp32, fp64 sums)", dict(dtype=torch.float64, bias=True), {}),
+    ("soft-cap and logit scale after the rounding", dict(bias=True), dict(softcap=4.0, logit_scale=0.8)),
 ]
 
 
@@ -67,13 +70,13 @@ def assert_matches_reference(inputs, backend, gen):
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_linear_matches_reference(backend, device, precision, case):
-    name, kw = case
+    name, kw, call = case
     gen = torch.Generator().manual_seed(len(name) * 7 + len(precision))
     inputs = random_logprobs_case(gen, N=13, H=21, V=67, device="cpu", **kw)
     if precision == "bf16":
         inputs = bf16_exact_sums(inputs, gen)
     inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
-    inputs["logits_precision"] = precision
+    inputs.update(call, logits_precision=precision)
     assert_matches_reference(inputs, backend, gen)
 
 
