@@ -2,7 +2,8 @@
 their four kernels and the columns of the per-row statistics they return.
 
 Mirrored in ``csrc/logprobs.h`` (``RLVR_LOGPROBS_STATS_FPARAMS`` / ``_IPARAMS``,
-``RLVR_LINEAR_LOGPROBS_BWD_FPARAMS`` / ``_IPARAMS`` and ``RLVR_LOGPROBS_STAT_CODES``);
+``RLVR_LINEAR_LOGPROBS_BWD_FPARAMS`` / ``_IPARAMS``, ``RLVR_LOGPROBS_STAT_CODES`` and
+``RLVR_LOGITS_PRECISION_CODES``);
 ``tests/common/test_contracts.py`` compares the two. The tensors and what the kernels
 compute from them are described in :mod:`rlvr_kernels.ops.logprobs`.
 
@@ -39,6 +40,15 @@ class LogprobsStat(enum.IntEnum):
 NUM_STATS = len(LogprobsStat)
 
 
+class LogitsPrecision(enum.IntEnum):
+    """How the linear head's kernels form y = hidden·Wᵀ + b (docs/logprobs.md, "Logits precision"):
+    the arithmetic of the GEMM a rollout engine's LM head runs, emulated exactly."""
+
+    FP32 = 0  # operands as given, accumulated in the compute dtype (the default)
+    TF32 = 1  # hidden and weight rounded to tf32 (10-bit mantissa, to nearest, ties away from 0); y in fp32
+    BF16 = 2  # hidden, weight and bias rounded to bf16 (to nearest even); y = bf16(acc + b)
+
+
 @dataclasses.dataclass(frozen=True)
 class LogprobsStatsParams(KernelParams):
     """Scalar parameters of the forward kernels (linear head and logits alike)."""
@@ -61,6 +71,7 @@ class LinearLogprobsStatsParams(KernelParams):
     need_sum_sq: bool  # compute LogprobsStat.SUM_EXP_SQ
     need_sum_z: bool  # compute LogprobsStat.SUM_Z
     need_argmax: bool  # compute LogprobsStat.ARGMAX
+    logits_precision: LogitsPrecision = LogitsPrecision.FP32  # how y is formed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +86,8 @@ class LinearLogprobsBwdParams(KernelParams):
     need_hidden: bool
     need_weight: bool
     need_bias: bool  # only with a bias
+    logits_precision: LogitsPrecision = LogitsPrecision.FP32  # the forward's (z is recomputed from it)
 
 
 # The C++ X-macro list each enum mirrors.
-CPP_CODES = {"RLVR_LOGPROBS_STAT_CODES": LogprobsStat}
+CPP_CODES = {"RLVR_LOGPROBS_STAT_CODES": LogprobsStat, "RLVR_LOGITS_PRECISION_CODES": LogitsPrecision}

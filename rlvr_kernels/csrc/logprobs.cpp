@@ -40,6 +40,12 @@
 // soft-cap only run in their own instantiations (kExtra / kCap): the default path is the code it
 // was before they existed.
 //
+// Logits precision (LogitsPrecision, docs/logprobs.md): TF32 / BF16 round the GEMM operands as they are
+// loaded (the hidden block and each weight tile, in their compute-dtype buffers; BF16 rounds the bias too),
+// so the GEMM of exact products accumulates in fp32 as a TF32 / bf16 tensor-core GEMM does; BF16 then
+// rounds each y = acc + b of the tile to bf16 in place (round_tile), before the epilogue, which then adds
+// no bias. The backward recomputes z the same way; its dz·W and dzᵀ·hidden use the operands as given.
+//
 // Soft-cap (tanh_scale ≠ 0): z = tanh(tanh_scale·y)·inv_T with y = acc + bias, the same inlined
 // functor in the forward and the backward (so the backward's z is the forward's); the backward
 // multiplies the row's dz by tanh_scale·(1 − t²) after the target terms.
@@ -56,6 +62,8 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -181,6 +189,30 @@ void gemm(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, bool a_t, co
 // items: outside an active region MKL would use its own threads, and the GEMM's result could
 // then depend on their number.
 int region_threads() { return std::max(1, at::get_num_threads()); }
+
+// ------------------------------------------------------------------ logits precision
+// x to the nearest bf16 (ties to even, c10's conversion) and to the nearest tf32 (10-bit mantissa, ties
+// away from zero: cvt.rna.tf32.f32, CUTLASS's round_half_ulp_truncate; ±inf and NaN kept), as floats.
+inline float round_bf16(float x) { return static_cast<float>(c10::BFloat16(x)); }
+
+inline float round_tf32(float x) {
+  if (!std::isfinite(x)) return x;
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof(b));
+  b = (b + 0x1000u) & 0xFFFFE000u;  // sign-magnitude: the carry rounds |x| up
+  std::memcpy(&x, &b, sizeof(b));
+  return x;
+}
+
+// p[0, n) rounded in place as a GEMM operand of `prec` (double through float, as the reference).
+template <typename T>
+void round_operands(T* p, int64_t n, LogitsPrecision prec) {
+  if (prec == LogitsPrecision::BF16) {
+    for (int64_t i = 0; i < n; ++i) p[i] = T(round_bf16(float(p[i])));
+  } else if (prec == LogitsPrecision::TF32) {
+    for (int64_t i = 0; i < n; ++i) p[i] = T(round_tf32(float(p[i])));
+  }
+}
 
 // ------------------------------------------------------------------ targets
 // Row n's targets are the entries [begin(n), end(n)) of ids. For the CSR the pointer is
@@ -578,6 +610,11 @@ struct Linear {
   Targets tg;
   int64_t N, H, V;
   T tanh_scale;  // 0: no soft-cap
+  LogitsPrecision prec;
+  // The bias the epilogues add: none with BF16, where round_tile has added it before rounding y.
+  const T* epilogue_bias(int64_t c0) const {
+    return bias != nullptr && prec != LogitsPrecision::BF16 ? bias + c0 : nullptr;
+  }
   // forward
   bool need_entropy;
   StatFlags extra;
@@ -588,6 +625,30 @@ struct Linear {
 
   RowGrad<T> row_grad(int64_t n) const { return {inv_t[n], lse[n], ent[n], G[n], h != nullptr ? h[n] : T(0)}; }
 };
+
+// The GEMM operands of one weight tile (rows [c0, c0 + w)) in the compute dtype: the weight itself
+// (fp32 / fp64 inputs at FP32), else a converted, rounded copy in wbuf.
+template <typename T, typename in_t>
+const T* weight_tile(const Linear<T, in_t>& c, int64_t c0, int64_t w, T* wbuf, int64_t& ldw) {
+  const in_t* src = c.weight + c0 * c.H;
+  if (c.prec == LogitsPrecision::FP32) return as_compute(src, w, c.H, c.H, wbuf, ldw);
+  for (int64_t r = 0; r < w; ++r) convert(wbuf + r * c.H, src + r * c.H, c.H);
+  round_operands(wbuf, w * c.H, c.prec);
+  ldw = c.H;
+  return wbuf;
+}
+
+// BF16: y = bf16(acc + b) in place for the tile's rows (the bias already rounded; the epilogues then add
+// none). The padded rows past `rows` are left alone (never read).
+template <typename T, typename in_t>
+void round_tile(const Linear<T, in_t>& c, T* tile, int64_t rows, int64_t c0, int64_t w) {
+  if (c.prec != LogitsPrecision::BF16) return;
+  const T* b = c.bias != nullptr ? c.bias + c0 : nullptr;
+  for (int64_t r = 0; r < rows; ++r) {
+    T* y = tile + r * kTile;
+    for (int64_t j = 0; j < w; ++j) y[j] = T(round_bf16(float(b != nullptr ? y[j] + b[j] : y[j])));
+  }
+}
 
 // Forward epilogue of one GEMM tile: z in place, the rows' running statistics, target logits.
 template <typename T, typename in_t>
@@ -607,7 +668,7 @@ struct LinearFwdTile {
   template <int VB, bool kEntropy, bool kExtra>
   RLVR_INLINE static void body(const Arg& a) {
     const Linear<T, in_t>& c = *a.c;
-    const T* bias = c.bias != nullptr ? c.bias + a.c0 : nullptr;
+    const T* bias = c.epilogue_bias(a.c0);
     for (int64_t r = 0; r < a.rows; ++r) {
       const int64_t n = a.row0 + r;
       T* z = a.tile + r * kTile;
@@ -651,7 +712,7 @@ struct LinearBwdTile {
   template <int VB, bool kEntGrad, bool kCap>
   RLVR_INLINE static void body(const Arg& a) {
     const Linear<T, in_t>& c = *a.c;
-    const T* bias = c.bias != nullptr ? c.bias + a.c0 : nullptr;
+    const T* bias = c.epilogue_bias(a.c0);
     for (int64_t r = 0; r < a.rows; ++r) {
       const int64_t n = a.row0 + r;
       T* d = a.dz + r * c.V + a.c0;
@@ -682,7 +743,8 @@ void linear_fwd(const Linear<T, in_t>& c, T* stats) {
   std::vector<StatsX<T>> partialx(extra ? N * nchunks : 0);
 
   const int nt = region_threads();
-  const int64_t per_thread = kFwdRows * H + kFwdRows * kTile + (kConvert ? kTile * H : 0);
+  const bool copy_w = kConvert || c.prec != LogitsPrecision::FP32;
+  const int64_t per_thread = kFwdRows * H + kFwdRows * kTile + (copy_w ? kTile * H : 0);
   Scratch<T> scratch(nt * per_thread);
   Errors errors;
 #pragma omp parallel num_threads(nt)
@@ -701,6 +763,7 @@ void linear_fwd(const Linear<T, in_t>& c, T* stats) {
         const int64_t row0 = b * kFwdRows, rows = std::min(kFwdRows, N - row0);
         if (b != loaded) {
           load_rows(hbuf, c.hidden, row0, rows, H);
+          round_operands(hbuf, rows * H, c.prec);
           loaded = b;
         }
         std::fill(run, run + rows, Stats<T>{});
@@ -708,8 +771,9 @@ void linear_fwd(const Linear<T, in_t>& c, T* stats) {
         for (int64_t c0 = ch * chunk; c0 < std::min(V, (ch + 1) * chunk); c0 += kTile) {
           const int64_t w = std::min(kTile, V - c0);
           int64_t ldw;
-          const T* wt = as_compute(c.weight + c0 * H, w, H, H, wbuf, ldw);
+          const T* wt = weight_tile(c, c0, w, wbuf, ldw);
           tile_gemm(hbuf, wt, ldw, w, H, tile);
+          round_tile(c, tile, rows, c0, w);
           run_isa_flagged2<LinearFwdTile<T, in_t>>({&c, tile, row0, rows, c0, w, run, runx});
         }
         for (int64_t r = 0; r < rows; ++r) partial[(row0 + r) * nchunks + ch] = run[r];
@@ -777,7 +841,11 @@ void linear_bwd(const Linear<T, in_t>& c, in_t* grad_hidden, in_t* grad_weight, 
   at::Tensor dz_ws = empty_output({block_rows, V}, c10::CppTypeToScalarType<T>::value);
   T* dz = dz_ws.data_ptr<T>();
   // The block's hidden rows, in forward blocks of kFwdRows (padded) rows for tile_gemm.
-  Scratch<T> hblock((block_rows + kFwdRows - 1) / kFwdRows * kFwdRows * H);
+  const int64_t hblock_size = (block_rows + kFwdRows - 1) / kFwdRows * kFwdRows * H;
+  Scratch<T> hblock(hblock_size);
+  // TF32 / BF16: the rounded rows for tile_gemm (hblock keeps them as given, for grad_weight).
+  const bool rounds = c.prec != LogitsPrecision::FP32;
+  Scratch<T> hblock_r(rounds ? hblock_size : 0);
   // Accumulators in the compute dtype for narrower outputs; T outputs accumulate in place.
   at::Tensor acc_ws;
   T *dW = nullptr, *dh = nullptr;
@@ -792,7 +860,8 @@ void linear_bwd(const Linear<T, in_t>& c, in_t* grad_hidden, in_t* grad_weight, 
   std::vector<T> db(grad_bias != nullptr ? V : 0, T(0));
 
   const int nt = region_threads();
-  const int64_t per_thread = kFwdRows * kTile + (kConvert ? kTile * H + kTile * kHidCols : 0);
+  const int64_t per_thread =
+      kFwdRows * kTile + (kConvert || rounds ? kTile * H : 0) + (kConvert ? kTile * kHidCols : 0);
   Scratch<T> scratch(nt * per_thread);
   Errors errors;
 #pragma omp parallel num_threads(nt)
@@ -802,6 +871,7 @@ void linear_bwd(const Linear<T, in_t>& c, in_t* grad_hidden, in_t* grad_weight, 
     T* wbuf = tile + kFwdRows * kTile;
     T* pbuf = wbuf + kTile * H;
     const T* hb = hblock.get();
+    const T* hz = rounds ? hblock_r.get() : hb;  // the rows tile_gemm multiplies
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t row0 = b * kBwdRows, rows = std::min(kBwdRows, N - row0);
       const int64_t nsub = (rows + kFwdRows - 1) / kFwdRows;
@@ -809,6 +879,10 @@ void linear_bwd(const Linear<T, in_t>& c, in_t* grad_hidden, in_t* grad_weight, 
       for (int64_t s = 0; s < nsub; ++s) {
         load_rows(hblock.get() + s * kFwdRows * H, c.hidden, row0 + s * kFwdRows,
                   std::min(kFwdRows, rows - s * kFwdRows), H);
+        if (rounds) {
+          std::copy(hb + s * kFwdRows * H, hb + (s + 1) * kFwdRows * H, hblock_r.get() + s * kFwdRows * H);
+          round_operands(hblock_r.get() + s * kFwdRows * H, kFwdRows * H, c.prec);
+        }
       }
 
       // (1) dz, tile by tile: the forward's GEMMs and z, then the dz epilogue into the workspace.
@@ -817,9 +891,10 @@ void linear_bwd(const Linear<T, in_t>& c, in_t* grad_hidden, in_t* grad_weight, 
         errors.run([&] {
           const int64_t c0 = j * kTile, w = std::min(kTile, V - c0);
           int64_t ldw;
-          const T* wt = as_compute(c.weight + c0 * H, w, H, H, wbuf, ldw);
+          const T* wt = weight_tile(c, c0, w, wbuf, ldw);
           for (int64_t s = 0; s < nsub; ++s) {
-            tile_gemm(hb + s * kFwdRows * H, wt, ldw, w, H, tile);
+            tile_gemm(hz + s * kFwdRows * H, wt, ldw, w, H, tile);
+            round_tile(c, tile, std::min(kFwdRows, rows - s * kFwdRows), c0, w);
             T* db_now = s == nsub - 1 && !db.empty() ? db.data() : nullptr;
             run_isa_flagged2<LinearBwdTile<T, in_t>>({&c, tile, dz + s * kFwdRows * V, row0 + s * kFwdRows,
                                                      std::min(kFwdRows, rows - s * kFwdRows), c0, w, db_now, dz,
@@ -1001,18 +1076,21 @@ const T* opt_ptr(const c10::optional<torch::Tensor>& t) {
   return t.has_value() ? t->data_ptr<T>() : nullptr;
 }
 
-// The bias in the compute dtype (a converted copy in store when needed).
+// The bias in the compute dtype (a converted copy in store when needed; rounded to bf16 for BF16).
 template <typename T, typename in_t>
-const T* bias_ptr(const c10::optional<torch::Tensor>& bias, std::vector<T>& store) {
+const T* bias_ptr(const c10::optional<torch::Tensor>& bias, std::vector<T>& store, LogitsPrecision prec) {
   if (!bias.has_value()) return nullptr;
   const in_t* b = bias->data_ptr<in_t>();
-  if constexpr (std::is_same<in_t, T>::value) {
-    return b;
-  } else {
-    store.resize(bias->numel());
-    convert(store.data(), b, bias->numel());
-    return store.data();
-  }
+  if (std::is_same<in_t, T>::value && prec != LogitsPrecision::BF16) return reinterpret_cast<const T*>(b);
+  store.resize(bias->numel());
+  convert(store.data(), b, bias->numel());
+  if (prec == LogitsPrecision::BF16) round_operands(store.data(), bias->numel(), prec);
+  return store.data();
+}
+
+LogitsPrecision check_precision(const char* op, int64_t v) {
+  TORCH_CHECK(valid_LogitsPrecision(v), op, ": logits_precision must be a LogitsPrecision code, got ", v);
+  return static_cast<LogitsPrecision>(v);
 }
 
 template <typename scalar_t>
@@ -1026,6 +1104,7 @@ std::tuple<torch::Tensor, torch::Tensor> linear_logprobs_stats_cpu(
     c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams) {
   const char* op = "linear_logprobs_stats";
   const auto p = LinearLogprobsStatsParams::unpack(fparams, iparams);
+  const LogitsPrecision prec = check_precision(op, p.logits_precision);
   const auto ct = check_linear(op, hidden, weight, bias, inv_temperature, row_ptr, sorted_targets);
   const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0), M = sorted_targets.size(0);
   torch::Tensor stats = torch::empty({N, kNumStats}, torch::dtype(ct));
@@ -1038,7 +1117,8 @@ std::tuple<torch::Tensor, torch::Tensor> linear_logprobs_stats_cpu(
     Linear<T, scalar_t> c{};
     c.hidden = hidden.data_ptr<scalar_t>();
     c.weight = weight.data_ptr<scalar_t>();
-    c.bias = bias_ptr<T, scalar_t>(bias, bias_store);
+    c.bias = bias_ptr<T, scalar_t>(bias, bias_store, prec);
+    c.prec = prec;
     c.inv_t = inv_temperature.data_ptr<T>();
     c.tg = {ptr.data(), sorted_targets.data_ptr<int64_t>()};
     c.N = N;
@@ -1060,6 +1140,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> linear_logprobs_bwd_cpu(
     const c10::optional<torch::Tensor>& grad_entropy, c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams) {
   const char* op = "linear_logprobs_bwd";
   const auto p = LinearLogprobsBwdParams::unpack(fparams, iparams);
+  const LogitsPrecision prec = check_precision(op, p.logits_precision);
   const bool need_hidden = p.need_hidden != 0, need_weight = p.need_weight != 0, need_bias = p.need_bias != 0;
   const auto ct = check_linear(op, hidden, weight, bias, inv_temperature, row_ptr, sorted_targets);
   const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0), M = sorted_targets.size(0);
@@ -1091,7 +1172,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> linear_logprobs_bwd_cpu(
     Linear<T, scalar_t> c{};
     c.hidden = hidden.data_ptr<scalar_t>();
     c.weight = weight.data_ptr<scalar_t>();
-    c.bias = bias_ptr<T, scalar_t>(bias, bias_store);
+    c.bias = bias_ptr<T, scalar_t>(bias, bias_store, prec);
+    c.prec = prec;
     c.inv_t = inv_temperature.data_ptr<T>();
     c.tg = {ptr.data(), sorted_targets.data_ptr<int64_t>()};
     c.N = N;

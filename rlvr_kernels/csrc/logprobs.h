@@ -16,14 +16,17 @@
 #define RLVR_LOGPROBS_STATS_IPARAMS(X) X(need_entropy)
 // LinearLogprobsStatsParams: linear_logprobs_stats (tanh_scale = 0: no soft-cap).
 #define RLVR_LINEAR_LOGPROBS_STATS_FPARAMS(X) X(tanh_scale)
-#define RLVR_LINEAR_LOGPROBS_STATS_IPARAMS(X) X(need_entropy) X(need_sum_sq) X(need_sum_z) X(need_argmax)
+#define RLVR_LINEAR_LOGPROBS_STATS_IPARAMS(X) \
+  X(need_entropy) X(need_sum_sq) X(need_sum_z) X(need_argmax) X(logits_precision)
 // LinearLogprobsBwdParams: linear_logprobs_bwd.
 #define RLVR_LINEAR_LOGPROBS_BWD_FPARAMS(X) X(tanh_scale)
-#define RLVR_LINEAR_LOGPROBS_BWD_IPARAMS(X) X(need_hidden) X(need_weight) X(need_bias)
+#define RLVR_LINEAR_LOGPROBS_BWD_IPARAMS(X) X(need_hidden) X(need_weight) X(need_bias) X(logits_precision)
 
 // Columns of the forward kernels' stats [N, kNumStats]: contracts.logprobs.LogprobsStat.
 #define RLVR_LOGPROBS_STAT_CODES(X) \
   X(MAX, 0) X(SUM_EXP, 1) X(SUM_EXP_SHIFT, 2) X(SUM_EXP_SQ, 3) X(SUM_Z, 4) X(ARGMAX, 5)
+// How the linear head forms y: contracts.logprobs.LogitsPrecision.
+#define RLVR_LOGITS_PRECISION_CODES(X) X(FP32, 0) X(TF32, 1) X(BF16, 2)
 
 namespace rlvr {
 
@@ -31,6 +34,7 @@ RLVR_DEFINE_PARAMS(LogprobsStatsParams, RLVR_LOGPROBS_STATS_FPARAMS, RLVR_LOGPRO
 RLVR_DEFINE_PARAMS(LinearLogprobsStatsParams, RLVR_LINEAR_LOGPROBS_STATS_FPARAMS, RLVR_LINEAR_LOGPROBS_STATS_IPARAMS)
 RLVR_DEFINE_PARAMS(LinearLogprobsBwdParams, RLVR_LINEAR_LOGPROBS_BWD_FPARAMS, RLVR_LINEAR_LOGPROBS_BWD_IPARAMS)
 RLVR_DEFINE_ENUM(LogprobsStat, RLVR_LOGPROBS_STAT_CODES)
+RLVR_DEFINE_ENUM(LogitsPrecision, RLVR_LOGITS_PRECISION_CODES)
 #define RLVR_LOGPROBS_STAT_COUNT(name, value) +1
 constexpr int64_t kNumStats = 0 RLVR_LOGPROBS_STAT_CODES(RLVR_LOGPROBS_STAT_COUNT);
 #undef RLVR_LOGPROBS_STAT_COUNT

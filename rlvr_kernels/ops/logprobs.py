@@ -19,12 +19,15 @@ the compute dtype whatever the input dtype, z = y · inv_temperature (row-wise),
 soft-cap (tanh_scale ≠ 0) z = tanh(tanh_scale · y) · inv_temperature. The op folds the public
 transform z = softcap·tanh(logit_scale·y/softcap)/T into these: inv_temperature = logit_scale/T
 (no cap) or softcap/T, tanh_scale = logit_scale/softcap ("inv_temperature" is the per-row
-factor after the transform, 1/T when nothing else is asked).
+factor after the transform, 1/T when nothing else is asked). ``logits_precision`` (a
+``LogitsPrecision``) says how y is formed: FP32 as above; TF32 with hidden and W rounded to
+tf32 (to nearest, ties away from zero) before the fp32 GEMM; BF16 with hidden, W and b rounded
+to bf16 (to nearest even) and y = bf16(acc + b) (fp64 inputs: each rounding through fp32).
 
   linear_logprobs_stats(hidden [N,H], weight [V,H], bias [V] or None, inv_temperature [N],
                         row_ptr [N+1], sorted_targets [M],
                         LinearLogprobsStatsParams(tanh_scale, need_entropy, need_sum_sq,
-                                                  need_sum_z, need_argmax))
+                                                  need_sum_z, need_argmax, logits_precision))
       -> stats [N, NUM_STATS], target_logits [M]            (compute dtype)
     hidden, weight, bias: one float dtype, contiguous. inv_temperature: compute dtype.
     row_ptr: int64, non-decreasing, row_ptr[0] = 0, row_ptr[N] = M; the targets of row n
@@ -44,7 +47,8 @@ factor after the transform, 1/T when nothing else is asked).
 
   linear_logprobs_bwd(hidden, weight, bias, inv_temperature, row_ptr, sorted_targets,
                       sorted_grad [M], lse [N], entropy [N], grad_entropy [N] or None,
-                      LinearLogprobsBwdParams(tanh_scale, need_hidden, need_weight, need_bias))
+                      LinearLogprobsBwdParams(tanh_scale, need_hidden, need_weight, need_bias,
+                                              logits_precision))
       -> grad_hidden [N,H] (hidden's dtype), grad_weight [V,H] (weight's dtype),
          grad_bias [V] (bias' dtype); an output that is not needed is an empty [0] tensor.
     sorted_grad, lse, entropy, grad_entropy: compute dtype. lse and entropy are the global
@@ -54,8 +58,10 @@ factor after the transform, 1/T when nothing else is asked).
         dz[n,v] = inv_T_n · ( Σ_{k in row n, t_k = v} g_k − G_n·p_v − h_n·p_v·(z_v − lse_n + entropy_n) )
     times tanh_scale·(1 − tanh²(tanh_scale·y_v)) with a soft-cap (dz is d/dy), and
         grad_hidden = dz·W,  grad_weight = dzᵀ·hidden,  grad_bias = Σ_n dz
-    accumulated in the compute dtype. grad_weight and grad_bias are summed over rows in a
-    fixed order (no atomics): bitwise-deterministic whatever the thread count.
+    accumulated in the compute dtype, with z recomputed as the forward made it (its
+    logits_precision) and W, hidden as given (the rounding is passed straight through).
+    grad_weight and grad_bias are summed over rows in a fixed order (no atomics):
+    bitwise-deterministic whatever the thread count.
 
   logprobs_from_logits_stats(logits [N,V], targets [N], inv_temperature [N],
                              LogprobsStatsParams(need_entropy))
@@ -102,6 +108,7 @@ from ..contracts.logprobs import (
     NUM_STATS,
     LinearLogprobsBwdParams,
     LinearLogprobsStatsParams,
+    LogitsPrecision,
     LogprobsStat,
     LogprobsStatsParams,
 )
@@ -112,6 +119,8 @@ _INT64 = torch.iinfo(torch.int64)
 
 # The optional statistics of ``linear_logprobs(outputs=...)``, in the order of :class:`LinearLogprobs`.
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+# ``logits_precision`` values (docs/logprobs.md, "Logits precision") and their kernel codes.
+LOGITS_PRECISIONS = {"fp32": LogitsPrecision.FP32, "tf32": LogitsPrecision.TF32, "bf16": LogitsPrecision.BF16}
 # The ARGMAX stats column holds a column index in the compute dtype: exact up to 2^24 in fp32.
 _MAX_TOP1_VOCAB = 2**24
 
@@ -151,6 +160,7 @@ def _linear_stats(
     need_sum_sq: bool,
     need_sum_z: bool,
     need_argmax: bool,
+    logits_precision: int,
     backend: str,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(stats [N, NUM_STATS], target_logits [M]) of the kernel contract."""
@@ -160,6 +170,7 @@ def _linear_stats(
         need_sum_sq=need_sum_sq,
         need_sum_z=need_sum_z,
         need_argmax=need_argmax,
+        logits_precision=LogitsPrecision(logits_precision),
     )
     args = (hidden, weight, bias, inv_temperature, row_ptr, sorted_targets, *params.pack())
     return _dispatch.run("linear_logprobs_stats", backend, hidden.device, *args)
@@ -178,6 +189,7 @@ def _(
     need_sum_sq,
     need_sum_z,
     need_argmax,
+    logits_precision,
     backend,
 ):
     dt = _compute_dtype(hidden.dtype)
@@ -200,11 +212,16 @@ def _linear_bwd(
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
+    logits_precision: int,
     backend: str,
 ) -> _Triple:
     """(grad_hidden, grad_weight, grad_bias) of the kernel contract."""
     params = LinearLogprobsBwdParams(
-        tanh_scale=tanh_scale, need_hidden=need_hidden, need_weight=need_weight, need_bias=need_bias
+        tanh_scale=tanh_scale,
+        need_hidden=need_hidden,
+        need_weight=need_weight,
+        need_bias=need_bias,
+        logits_precision=LogitsPrecision(logits_precision),
     )
     args = (hidden, weight, bias, inv_temperature, row_ptr, sorted_targets, sorted_grad, lse, entropy, grad_entropy)
     return _dispatch.run("linear_logprobs_bwd", backend, hidden.device, *args, *params.pack())
@@ -226,6 +243,7 @@ def _(
     need_hidden,
     need_weight,
     need_bias,
+    logits_precision,
     backend,
 ):
     empty = hidden.new_empty((0,))
@@ -256,6 +274,7 @@ class _LinearArgs(NamedTuple):
     need_sum_sq: bool  # log_sum_sq_probs
     need_sum_z: bool  # mean_logits
     need_top1: bool  # is_top1
+    logits_precision: int  # a LogitsPrecision (contract)
     backend: str
 
 
@@ -300,6 +319,7 @@ def _linear_forward(a: _LinearArgs, shard: Optional[_VocabShard]) -> _Six:
         a.need_sum_sq,
         a.need_sum_z,
         a.need_top1,
+        a.logits_precision,
         a.backend,
     )
     if shard is not None:
@@ -330,6 +350,7 @@ def _linear_logprobs(
     need_sum_sq: bool,
     need_sum_z: bool,
     need_top1: bool,
+    logits_precision: int,
     backend: str,
 ) -> _Six:
     """(logp [M], entropy [N], lse [N], log_sum_sq_probs [N], mean_logits [N], is_top1 [M] bool)
@@ -354,6 +375,7 @@ def _linear_logprobs_vocab_parallel(
     need_sum_sq: bool,
     need_sum_z: bool,
     need_top1: bool,
+    logits_precision: int,
     backend: str,
     group_name: str,
     vocab_start: int,
@@ -406,7 +428,7 @@ def _linear_setup_context(ctx, inputs, output):
     )
     ctx.save_for_backward(*saved)
     ctx.ignore_index, ctx.return_entropy, ctx.backend = a.ignore_index, a.return_entropy, a.backend
-    ctx.tanh_scale = a.tanh_scale
+    ctx.tanh_scale, ctx.logits_precision = a.tanh_scale, a.logits_precision
 
 
 def _linear_backward(ctx, g_logp, g_entropy, *_no_grad):
@@ -434,6 +456,7 @@ def _linear_backward(ctx, g_logp, g_entropy, *_no_grad):
         need.hidden or shard is not None,
         need.weight,
         need.bias and s.bias is not None,
+        ctx.logits_precision,
         ctx.backend,
     )
     if shard is not None:
@@ -567,6 +590,7 @@ class _LinearInputs:
     logit_scale: float
     softcap: Optional[float]
     outputs: frozenset  # of OPTIONAL_OUTPUTS names (return_entropy adds "entropy")
+    logits_precision: str  # a LOGITS_PRECISIONS name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -600,6 +624,12 @@ def _check_outputs(outputs) -> frozenset:
     return frozenset(outputs)
 
 
+def _check_logits_precision(logits_precision, allowed: Sequence[str], why: str = "") -> str:
+    if not isinstance(logits_precision, str) or logits_precision not in allowed:
+        raise ValueError(f"logits_precision: expected one of {tuple(allowed)}{why}, got {logits_precision!r}")
+    return logits_precision
+
+
 def _check_logit_transform(logit_scale, softcap) -> Tuple[float, Optional[float]]:
     """logit_scale: 0 or a magnitude in [MIN_LOGIT_FACTOR, MAX_LOGIT_FACTOR]; softcap: None
     or in that range. The kernels' fp32 factors built from them and the temperature stay
@@ -628,6 +658,7 @@ def _validate_linear(
     softcap=None,
     outputs=(),
     return_entropy=False,
+    logits_precision="fp32",
 ) -> _LinearInputs:
     check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES, ndim=(2,))
     check_tensor("weight", weight, dtypes=FLOAT_DTYPES, ndim=(2,), like=hidden, like_name="hidden")
@@ -664,6 +695,7 @@ def _validate_linear(
     _check_ignore_index(ignore_index)
     logit_scale, softcap = _check_logit_transform(logit_scale, softcap)
     wanted = _check_outputs(outputs) | ({"entropy"} if return_entropy else set())
+    logits_precision = _check_logits_precision(logits_precision, tuple(LOGITS_PRECISIONS))
     temp = check_temperature(temperature, (n,), hidden, "hidden", validate)
     return _LinearInputs(
         hidden=hidden.contiguous(),
@@ -677,10 +709,13 @@ def _validate_linear(
         logit_scale=logit_scale,
         softcap=softcap,
         outputs=wanted,
+        logits_precision=logits_precision,
     )
 
 
-def _validate_from_logits(logits, targets, temperature, ignore_index, validate) -> _LogitsInputs:
+def _validate_from_logits(
+    logits, targets, temperature, ignore_index, validate, logits_precision="fp32"
+) -> _LogitsInputs:
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES)
     check_tensor("targets", targets, dtypes=INDEX_DTYPES, like=logits, like_name="logits")
     if logits.dim() < 1 or tuple(targets.shape) != tuple(logits.shape[:-1]):
@@ -698,6 +733,8 @@ def _validate_from_logits(logits, targets, temperature, ignore_index, validate) 
     n = math.prod(lead)
     _check_count("logits", "rows (the product of the leading dimensions)", n)
     _check_ignore_index(ignore_index)
+    # tf32 is a rounding of GEMM operands: given logits have none.
+    _check_logits_precision(logits_precision, ("fp32", "bf16"), " (tf32 rounds GEMM operands; given logits have none)")
     temp = check_temperature(temperature, lead, logits, "logits", validate)
     return _LogitsInputs(lead=lead, num_rows=n, vocab=v, temperature=temp)
 
@@ -740,6 +777,7 @@ def linear_logprobs(
     logit_scale: float = 1.0,
     softcap: Optional[float] = None,
     outputs: Sequence[str] = (),
+    logits_precision: str = "fp32",
     process_group=None,
     validate: bool = True,
     backend: str = "auto",
@@ -774,6 +812,16 @@ def linear_logprobs(
             soft-cap and the temperature), ``"is_top1"`` ([M] bool: the target is the
             first argmax of its row; False for ignored targets). The last three carry no
             gradient. Each costs only when requested.
+        logits_precision: how y is formed (docs/logprobs.md, "Logits precision"):
+            ``"fp32"`` (the operands as given, accumulated in fp32; fp64 for fp64 inputs),
+            ``"tf32"`` (hidden and W rounded to tf32 — 10-bit mantissa, to nearest, ties
+            away from zero — then accumulated in fp32: a TF32 GEMM) or ``"bf16"`` (hidden,
+            W and b rounded to bf16, to nearest even, accumulated in fp32, and y rounded to
+            bf16: the logits of a bf16 LM head). The scale, soft-cap, temperature and
+            softmax run in the compute dtype after it. The gradient passes straight
+            through every rounding: it is that of the softmax of the rounded logits, with
+            d y / d(unrounded y) = 1 and the GEMM gradients formed with the operands as
+            given (not rounded).
         process_group: vocab-parallel group (``torch.distributed``): every rank passes
             the same hidden/targets and its own weight shard; the result equals the
             unsharded op (soft-cap, logit scale and every output included; is_top1's
@@ -808,6 +856,7 @@ def linear_logprobs(
             softcap,
             outputs,
             return_entropy,
+            logits_precision,
         )
         if process_group is not None and backend == "reference":
             raise ValueError("process_group: the reference backend is single-process; pass backend='auto'")
@@ -833,6 +882,7 @@ def linear_logprobs(
             logit_scale=x.logit_scale,
             softcap=x.softcap,
             outputs=wanted,
+            logits_precision=x.logits_precision,
         )
         # The reference gives the bare log-probs when nothing else is asked.
         return LinearLogprobs(*out) if wanted else LinearLogprobs(out, None, None, None, None)
@@ -854,6 +904,7 @@ def linear_logprobs(
         need_sum_sq="log_sum_sq_probs" in x.outputs,
         need_sum_z="mean_logits" in x.outputs,
         need_top1="is_top1" in x.outputs,
+        logits_precision=int(LOGITS_PRECISIONS[x.logits_precision]),
         backend=backend,
     )
     if process_group is None:
@@ -877,6 +928,7 @@ def logprobs_from_logits(
     return_entropy: bool = False,
     *,
     ignore_index: int = -100,
+    logits_precision: str = "fp32",
     validate: bool = True,
     backend: str = "auto",
 ) -> LogprobsFromLogits:
@@ -894,6 +946,12 @@ def logprobs_from_logits(
         temperature: a float in [1e-30, 1e30] or a tensor broadcastable to ``targets`` (no
             gradient).
         return_entropy: also return the entropies (with their gradient).
+        logits_precision: ``"fp32"`` (the logits as given) or ``"bf16"``: the logits are
+            rounded to bf16 (to nearest even) before the temperature and the softmax, the
+            logits a bf16 LM head would have given; the gradient passes straight through
+            the rounding. Unless the logits are bf16 already (then it changes nothing)
+            this makes one rounded copy of them. ``"tf32"`` is refused (it rounds GEMM
+            operands, and given logits have none).
         validate, backend: as in :func:`linear_logprobs`.
 
     Returns:
@@ -901,13 +959,17 @@ def logprobs_from_logits(
         fp64 for fp64 logits); entropy is None without ``return_entropy``.
     """
     _dispatch.check_backend(backend)
-    x = _validate_from_logits(logits, targets, temperature, ignore_index, validate)
+    x = _validate_from_logits(logits, targets, temperature, ignore_index, validate, logits_precision)
     flat_targets = einops.rearrange(targets, "... -> (...)").long()
     _check_values(flat_targets, None, x.vocab, x.num_rows, ignore_index, validate)
     if backend == "reference":
         ref = _dispatch.kernel("logprobs_from_logits", "reference")
-        out = ref(logits, targets, x.temperature, return_entropy, ignore_index=ignore_index)
+        out = ref(
+            logits, targets, x.temperature, return_entropy, ignore_index=ignore_index, logits_precision=logits_precision
+        )
         return LogprobsFromLogits(*out) if return_entropy else LogprobsFromLogits(out, None)
+    if logits_precision == "bf16" and logits.dtype != torch.bfloat16:
+        logits = _RoundBF16.apply(logits)  # the kernels then see bf16-exact logits
     # One row per leading index: a view whenever the leading dimensions share one stride.
     rows = einops.rearrange(logits, "... v -> (...) v")
     if rows.stride(1) != 1:
@@ -927,6 +989,19 @@ def logprobs_from_logits(
 
 
 # ------------------------------------------------------------------ helpers
+
+
+class _RoundBF16(torch.autograd.Function):
+    """The logits rounded to bf16 (to nearest even; fp64 through fp32, as the reference),
+    kept in their dtype; the gradient passes straight through (identity)."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        return logits.to(torch.float32).to(torch.bfloat16).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 def _unsaved(entropy: torch.Tensor) -> torch.Tensor:
@@ -1077,7 +1152,7 @@ _VOCAB_FIELDS = (
     collectives.Field("hidden.shape[1]", hint=_VOCAB_HINT),
     collectives.Field("targets.shape[0]", hint=_VOCAB_HINT),
     collectives.Field(
-        "the options (dtype, bias, temperature, logit_scale, softcap, outputs, ignore_index)",
+        "the options (dtype, bias, temperature, logit_scale, softcap, outputs, ignore_index, logits_precision)",
         show=False,
         hint=_VOCAB_HINT,
     ),
@@ -1099,6 +1174,7 @@ def _vocab_layout(x: Optional[_LinearInputs], ignore_index, group) -> Tuple[int,
             x.softcap,
             sorted(x.outputs),
             int(ignore_index),
+            x.logits_precision,
         )
         values = [x.vocab, x.num_rows, x.hidden.shape[1], x.targets.shape[0], collectives.fingerprint(*options)]
     device = collectives.group_device(group, None if x is None else x.weight)

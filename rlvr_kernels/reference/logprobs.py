@@ -15,6 +15,39 @@ from .._core.layout import compute_dtype as _compute_dtype
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16 (to nearest, ties to even; fp64 through fp32, as the kernels do),
+    returned in x's dtype."""
+    return x.to(torch.float32).to(torch.bfloat16).to(x.dtype)
+
+
+def round_tf32(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to tf32 (fp32 with a 10-bit mantissa: to nearest, ties away from zero, the
+    ``cvt.rna.tf32.f32`` rounding; ±inf and NaN kept; fp64 through fp32), in x's dtype."""
+    f = x.to(torch.float32)
+    bits = (f.view(torch.int32) + 0x1000) & -0x2000  # sign-magnitude: the carry rounds |x| up
+    return torch.where(torch.isfinite(f), bits.view(torch.float32), f).to(x.dtype)
+
+
+def _head(hidden, weight, bias, dt, logits_precision: str) -> torch.Tensor:
+    """y = hidden·Wᵀ + b in dt after the rounding steps of ``logits_precision``; the gradient
+    is that of the unrounded y (straight through every rounding: d hidden = dy·W with the
+    operands as given)."""
+
+    def linear(h, w, b):
+        y = h.to(dt) @ w.to(dt).T
+        return y if b is None else y + b.to(dt)
+
+    y = linear(hidden, weight, bias)
+    if logits_precision == "fp32":
+        return y
+    if logits_precision == "bf16":
+        rounded = round_bf16(linear(round_bf16(hidden), round_bf16(weight), None if bias is None else round_bf16(bias)))
+    else:
+        rounded = linear(round_tf32(hidden), round_tf32(weight), bias)
+    return y + (rounded - y).detach()
+
+
 def _per_row(temperature, n: int, like: torch.Tensor) -> torch.Tensor:
     if isinstance(temperature, torch.Tensor):
         return temperature.to(device=like.device, dtype=like.dtype).reshape(-1).expand(n)
@@ -47,6 +80,7 @@ def linear_logprobs(
     logit_scale: float = 1.0,
     softcap: Optional[float] = None,
     outputs: Sequence[str] = (),
+    logits_precision: str = "fp32",
 ) -> Union[torch.Tensor, tuple]:
     """y = hidden·Wᵀ + b; z_n = softcap·tanh(logit_scale·y_n / softcap) / T_n (without a
     softcap: logit_scale·y_n / T_n); logp_m = z_{row(m), t_m} − logsumexp(z_{row(m)}) (0 for
@@ -55,11 +89,13 @@ def linear_logprobs(
     With ``outputs`` (names from :data:`OPTIONAL_OUTPUTS`) the result is the 5-tuple
     (logp, entropy, log_sum_sq_probs, mean_logits, is_top1), None where not requested:
     log_sum_sq_probs_n = log Σ_v softmax(z_n)_v², mean_logits_n = mean_v z_{n,v}, is_top1_m =
-    (t_m is the first argmax of z_{row(m)}) and t_m is not ignored."""
+    (t_m is the first argmax of z_{row(m)}) and t_m is not ignored.
+
+    ``logits_precision``: "tf32" rounds hidden and W to tf32 first (:func:`round_tf32`);
+    "bf16" rounds hidden, W and b to bf16 and then y itself (:func:`round_bf16`). The
+    gradient passes straight through every rounding (that of the unrounded y)."""
     dt = _compute_dtype(hidden.dtype)
-    z = hidden.to(dt) @ weight.to(dt).T
-    if bias is not None:
-        z = z + bias.to(dt)
+    z = _head(hidden, weight, bias, dt, logits_precision)
     z = z * logit_scale
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
@@ -86,12 +122,16 @@ def logprobs_from_logits(
     return_entropy: bool = False,
     *,
     ignore_index: int = -100,
+    logits_precision: str = "fp32",
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """The same from logits ``[..., V]`` with targets ``[...]``; outputs are shaped like
-    ``targets``. A per-row temperature tensor is shaped like ``targets`` (or broadcastable)."""
+    ``targets``. A per-row temperature tensor is shaped like ``targets`` (or broadcastable).
+    ``logits_precision`` "bf16" rounds the logits to bf16 first (straight-through)."""
     dt = _compute_dtype(logits.dtype)
     lead = targets.shape
     z = logits.to(dt).reshape(-1, logits.shape[-1])
+    if logits_precision == "bf16":
+        z = z + (round_bf16(z) - z).detach()
     if isinstance(temperature, torch.Tensor):
         temperature = temperature.to(dt).expand(lead).reshape(-1)
     z = z / _per_row(temperature, z.shape[0], z)[:, None]

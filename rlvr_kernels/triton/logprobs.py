@@ -76,6 +76,7 @@ from ..contracts.logprobs import (
     NUM_STATS,
     LinearLogprobsBwdParams,
     LinearLogprobsStatsParams,
+    LogitsPrecision,
     LogprobsStat,
     LogprobsStatsParams,
 )
@@ -86,6 +87,17 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # reference); "tf32x3" / "bf16x6" would run on tensor cores at near-fp32 accuracy.
 _FP32_PRECISION = tl.constexpr("ieee")
 _NEG_INF = tl.constexpr(float("-inf"))
+_POS_INF = tl.constexpr(float("inf"))
+# Logits precision (contracts.logprobs.LogitsPrecision; docs/logprobs.md). TF32: the operands are
+# rounded to tf32 in registers first (to nearest, ties away: the C++ kernel's and the reference's
+# rounding, so the tensor core's own truncation of the low bits finds them zero), then a TF32 dot.
+# BF16: the operands cast to bf16 (to nearest even) for a bf16 dot with fp32 accumulation, y = acc + b
+# rounded to bf16. The interpreter runs both as IEEE fp32 dots of the rounded (exact-product) operands,
+# and rounds to bf16 with integer ops (its own fp32 -> bf16 cast truncates).
+_PREC_TF32 = tl.constexpr(int(LogitsPrecision.TF32))
+_PREC_BF16 = tl.constexpr(int(LogitsPrecision.BF16))
+_TF32_PRECISION = tl.constexpr("ieee" if _INTERPRET else "tf32")
+_BF16_DOT = tl.constexpr(not _INTERPRET)
 # The stats output [N, _NUM_STATS] and its columns (contracts.logprobs.LogprobsStat).
 _NUM_STATS = tl.constexpr(NUM_STATS)
 _STAT_MAX = tl.constexpr(int(LogprobsStat.MAX))
@@ -117,6 +129,8 @@ _CONFIGS = {
     ("linear_bwd", 16): dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, BLOCK_HG=64, num_warps=8, num_stages=2),
     ("linear_bwd", 32): dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=16, BLOCK_HG=16, num_warps=8, num_stages=2),
     ("linear_bwd", 64): dict(BLOCK_N=32, BLOCK_V=32, BLOCK_H=32, BLOCK_HG=32, num_warps=4, num_stages=2),
+    # fp32 inputs with logits_precision="tf32": 8 warps spill in sm_80's weight-gradient kernel.
+    ("linear_bwd_tf32", 32): dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=16, BLOCK_HG=16, num_warps=4, num_stages=2),
     ("logits_fwd", 16): dict(BLOCK=4096, num_warps=8),
     ("logits_fwd", 32): dict(BLOCK=4096, num_warps=8),
     ("logits_fwd", 64): dict(BLOCK=2048, num_warps=8),
@@ -169,6 +183,20 @@ def operand_dtype(dtype: torch.dtype, interpret: bool = _INTERPRET):
     return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
 
 
+def kernel_precision(logits_precision: int, dtype: torch.dtype) -> int:
+    """The PREC constexpr: TF32 rounds nothing in 16-bit inputs (their mantissa fits), so they
+    keep the FP32 kernel and its 16-bit tensor-core dot."""
+    prec = LogitsPrecision(logits_precision)
+    if prec == LogitsPrecision.TF32 and _width(dtype) == 16:
+        return int(LogitsPrecision.FP32)
+    return int(prec)
+
+
+def _bwd_kind(prec: int, dtype: torch.dtype) -> str:
+    """The backward's configuration family: its own for fp32 inputs on TF32 tensor cores."""
+    return "linear_bwd_tf32" if prec == LogitsPrecision.TF32 and _width(dtype) == 32 else "linear_bwd"
+
+
 # ---------------------------------------------------------------------------------------
 # shared pieces
 
@@ -182,6 +210,52 @@ def _mma(a, b, acc, OP: tl.constexpr):
         acc = tl.dot(a, b, acc, input_precision=_FP32_PRECISION)
     else:
         acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _round_tf32(x):
+    """x (any float dtype) as fp32 rounded to tf32: to nearest, ties away from zero (±inf, NaN kept)."""
+    f = x.to(tl.float32)
+    bits = (f.to(tl.int32, bitcast=True) + 0x1000) & -8192  # sign-magnitude: the carry rounds |x| up
+    return tl.where(tl.abs(f) < _POS_INF, bits.to(tl.float32, bitcast=True), f)
+
+
+@triton.jit
+def _round_bf16(x):
+    """x (fp32 or narrower) as fp32 rounded to bf16: to nearest, ties to even (±inf, NaN kept)."""
+    f = x.to(tl.float32)
+    if _BF16_DOT:
+        r = f.to(tl.bfloat16).to(tl.float32)  # cvt.rn.bf16.f32
+    else:
+        bits = f.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        r = tl.where(f == f, bits.to(tl.float32, bitcast=True), f)
+    return r
+
+
+@triton.jit
+def _z_mma(x, w, acc, CDT: tl.constexpr, OP: tl.constexpr, PREC: tl.constexpr):
+    """acc + x·w as the logits precision PREC forms it (the GEMM of z only; the backward's
+    products keep OP)."""
+    if PREC == _PREC_BF16:
+        xb = _round_bf16(x)
+        wb = _round_bf16(w)
+        if CDT == tl.float64:
+            acc = _mma(xb, wb, acc, OP)
+        elif _BF16_DOT:
+            acc = tl.dot(xb.to(tl.bfloat16), wb.to(tl.bfloat16), acc)
+        else:
+            acc = _mma(xb, wb, acc, tl.float32)
+    elif PREC == _PREC_TF32:
+        xr = _round_tf32(x)
+        wr = _round_tf32(w)
+        if CDT == tl.float64:
+            acc = _mma(xr, wr, acc, OP)
+        else:
+            acc = tl.dot(xr, wr, acc, input_precision=_TF32_PRECISION)
+    else:
+        acc = _mma(x, w, acc, OP)
     return acc
 
 
@@ -231,13 +305,15 @@ def _z_tile(
     HAS_CAP: tl.constexpr,
     CDT: tl.constexpr,
     OP: tl.constexpr,
+    PREC: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """(z, t): z[rows, cols] = y · inv_t[rows], y = hidden[rows]·W[cols]ᵀ + b[cols], in the
     compute dtype, or with HAS_CAP z = t · inv_t, t = tanh(tanh_scale · y) (t is z without
-    a cap; masked rows / columns compute from zeros; the caller masks them)."""
+    a cap; masked rows / columns compute from zeros; the caller masks them). y as the logits
+    precision PREC forms it (``_z_mma``; BF16 rounds b and y to bf16)."""
     ks = tl.arange(0, BLOCK_H)
     x_ptrs = x_ptr + rows[:, None] * H + ks[None, :]  # [BLOCK_N, BLOCK_H]
     w_ptrs = w_ptr + cols[None, :] * H + ks[:, None]  # [BLOCK_H, BLOCK_V] = W[cols]ᵀ
@@ -246,12 +322,16 @@ def _z_tile(
         k_ok = ks < H - h0
         x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = _mma(x, w, acc, OP)
+        acc = _z_mma(x, w, acc, CDT, OP, PREC)
         x_ptrs += BLOCK_H
         w_ptrs += BLOCK_H
     if HAS_BIAS:
-        b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(CDT)
-        acc = acc + b[None, :]
+        b = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
+        if PREC == _PREC_BF16:
+            b = _round_bf16(b)
+        acc = acc + b.to(CDT)[None, :]
+    if PREC == _PREC_BF16:
+        acc = _round_bf16(acc).to(CDT)
     if HAS_CAP:
         acc = _tanh(acc * tanh_scale, CDT)
     return acc * inv_t[:, None], acc
@@ -398,6 +478,7 @@ def _linear_fwd_kernel(
     NEED_ARGMAX: tl.constexpr,
     CDT: tl.constexpr,
     OP: tl.constexpr,
+    PREC: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -437,6 +518,7 @@ def _linear_fwd_kernel(
             HAS_CAP,
             CDT,
             OP,
+            PREC,
             BLOCK_N,
             BLOCK_V,
             BLOCK_H,
@@ -502,6 +584,7 @@ def _linear_bwd_hidden_kernel(
     HAS_CAP: tl.constexpr,
     CDT: tl.constexpr,
     OP: tl.constexpr,
+    PREC: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -538,6 +621,7 @@ def _linear_bwd_hidden_kernel(
             HAS_CAP,
             CDT,
             OP,
+            PREC,
             BLOCK_N,
             BLOCK_V,
             BLOCK_H,
@@ -578,6 +662,7 @@ def _linear_bwd_weight_kernel(
     NEED_B: tl.constexpr,
     CDT: tl.constexpr,
     OP: tl.constexpr,
+    PREC: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -616,6 +701,7 @@ def _linear_bwd_weight_kernel(
             HAS_CAP,
             CDT,
             OP,
+            PREC,
             BLOCK_N,
             BLOCK_V,
             BLOCK_H,
@@ -762,6 +848,7 @@ def linear_logprobs_stats(hidden, weight, bias, inv_temperature, row_ptr, sorted
         NEED_ARGMAX=p.need_argmax,
         CDT=CDT,
         OP=operand_dtype(hidden.dtype),
+        PREC=kernel_precision(p.logits_precision, hidden.dtype),
         **cfg,
     )
     return stats, target_logits
@@ -792,13 +879,15 @@ def linear_logprobs_bwd(
     need_hidden, need_weight = p.need_hidden, p.need_weight
     need_bias = p.need_bias and bias is not None
     empty = torch.empty(0, dtype=hidden.dtype, device=dev)
-    cfg = config("linear_bwd", hidden.dtype, device_arch(dev))
+    prec = kernel_precision(p.logits_precision, hidden.dtype)
+    cfg = config(_bwd_kind(prec, hidden.dtype), hidden.dtype, device_arch(dev))
     common = dict(
         HAS_BIAS=bias is not None,
         HAS_GENT=grad_entropy is not None,
         HAS_CAP=p.tanh_scale != 0.0,
         CDT=CDT,
         OP=operand_dtype(hidden.dtype),
+        PREC=prec,
         **cfg,
     )
     tscale = _tanh_scale_arg(p.tanh_scale, cdt, inv_temperature)
@@ -935,12 +1024,14 @@ def _aot_setup(kind, dt, arch):
     const = dict(CDT=cdt, **cfg)
     if kind.startswith("linear"):
         const["OP"] = operand_dtype(_AOT_DTYPES[dt], interpret=False)
+        const["PREC"] = int(LogitsPrecision.FP32)
     return f"*{dt}:16", c, const, opts
 
 
-def _aot_linear_fwd(dt, bias, entropy, arch, extra=False):
-    """``extra``: the soft-cap and every optional statistic."""
+def _aot_linear_fwd(dt, bias, entropy, arch, extra=False, prec=LogitsPrecision.FP32):
+    """``extra``: the soft-cap and every optional statistic; ``prec``: the logits precision."""
     inp, c, const, opts = _aot_setup("linear_fwd_extra" if extra else "linear_fwd", dt, arch)
+    const["PREC"] = int(prec)
     sig = dict(
         x_ptr=inp,
         w_ptr=inp,
@@ -959,12 +1050,14 @@ def _aot_linear_fwd(dt, bias, entropy, arch, extra=False):
     const.update(
         HAS_BIAS=bias, NEED_ENTROPY=entropy, HAS_CAP=extra, NEED_SUM_SQ=extra, NEED_SUM_Z=extra, NEED_ARGMAX=extra
     )
-    name = f"_linear_fwd_kernel[{dt},bias={int(bias)},entropy={int(entropy)}{',cap,stats' if extra else ''}]"
+    tail = (",cap,stats" if extra else "") + ("" if prec == LogitsPrecision.FP32 else f",{prec.name.lower()}")
+    name = f"_linear_fwd_kernel[{dt},bias={int(bias)},entropy={int(entropy)}{tail}]"
     return name, _linear_fwd_kernel, sig, const, opts
 
 
-def _aot_linear_bwd(which, dt, bias, gent, arch, need_w=True, need_b=True, cap=False):
-    inp, c, const, opts = _aot_setup("linear_bwd", dt, arch)
+def _aot_linear_bwd(which, dt, bias, gent, arch, need_w=True, need_b=True, cap=False, prec=LogitsPrecision.FP32):
+    inp, c, const, opts = _aot_setup(_bwd_kind(int(prec), _AOT_DTYPES[dt]), dt, arch)
+    const["PREC"] = int(prec)
     sig = dict(
         x_ptr=inp,
         w_ptr=inp,
@@ -987,6 +1080,8 @@ def _aot_linear_bwd(which, dt, bias, gent, arch, need_w=True, need_b=True, cap=F
         kernel, extra = _linear_bwd_weight_kernel, f",need_w={int(need_w)},need_b={int(need_b and bias)}"
     if cap:
         extra += ",cap"
+    if prec != LogitsPrecision.FP32:
+        extra += f",{prec.name.lower()}"
     sig.update(tscale_ptr=c, N="i32", V="i32", H="i32:16", M="i32")
     name = f"{kernel.__name__}[{dt},bias={int(bias)},grad_entropy={int(gent)}{extra}]"
     return name, kernel, sig, const, opts
@@ -1039,5 +1134,12 @@ def aot_specs():
         yield _aot_linear_bwd("weight", "bf16", False, False, arch)
         yield _aot_linear_bwd("weight", "fp32", True, True, arch)
         yield _aot_linear_bwd("weight", "fp64", True, True, arch)
+        # Logits precision: fp32 inputs on bf16 / tf32 tensor cores, and bf16 inputs with the bf16 rounding of y.
+        for prec in (LogitsPrecision.BF16, LogitsPrecision.TF32):
+            yield _aot_linear_fwd("fp32", True, True, arch, prec=prec)
+            yield _aot_linear_bwd("hidden", "fp32", True, True, arch, prec=prec)
+            yield _aot_linear_bwd("weight", "fp32", True, True, arch, prec=prec)
+        yield _aot_linear_fwd("bf16", True, True, arch, prec=LogitsPrecision.BF16)
+        yield _aot_linear_bwd("weight", "bf16", True, True, arch, prec=LogitsPrecision.BF16)
         for dt, flag in (("bf16", True), ("fp32", False), ("fp64", True)):
             yield from _aot_logits(dt, flag, arch)

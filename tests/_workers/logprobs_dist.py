@@ -94,6 +94,18 @@ def _check_errors(rank: int, world: int, group) -> None:
     )
     scale = 2.0 if rank == 1 else 1.0
     _expect(lambda: call(logit_scale=scale), ValueError, "differ between rank 0 and rank 1", f"rank {rank} options")
+    precision = "bf16" if rank == 1 else "fp32"
+    _expect(
+        lambda: call(logits_precision=precision),
+        ValueError,
+        "differ between rank 0 and rank 1",
+        f"rank {rank} precision",
+    )
+    # The bf16 logits of each shard's columns are the unsharded op's.
+    want = linear_logprobs(
+        inputs["hidden"], inputs["weight"], inputs["targets"], logits_precision="bf16", backend="cpu"
+    ).logp
+    torch.testing.assert_close(call(logits_precision="bf16"), want, rtol=1e-12, atol=1e-12)
     want = linear_logprobs(inputs["hidden"], inputs["weight"], inputs["targets"], backend="cpu").logp
     torch.testing.assert_close(call(), want, rtol=1e-12, atol=1e-12)
 

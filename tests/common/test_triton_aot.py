@@ -42,6 +42,13 @@ def test_all_kernels_compile_for_sm80_sm90_without_spills():
         "_logits_fwd_kernel[bf16,entropy=1]",
         "_logits_bwd_kernel[bf16,grad_entropy=1]",
     } <= kernels
+    # logits_precision: fp32 inputs on bf16 / TF32 tensor cores, bf16 inputs with bf16 logits.
+    precision_kernels = (
+        {f"_linear_fwd_kernel[fp32,bias=1,entropy=1,{p}]" for p in ("bf16", "tf32")}
+        | {f"_linear_bwd_weight_kernel[fp32,bias=1,grad_entropy=1,need_w=1,need_b=1,{p}]" for p in ("bf16", "tf32")}
+        | {"_linear_fwd_kernel[bf16,bias=1,entropy=1,bf16]"}
+    )
+    assert precision_kernels <= kernels
     assert {"_sequence_kernel[bf16,padded]", "_sequence_kernel[fp32,packed]", "_batch_kernel"} <= kernels
     assert {r["arch"] for r in rows} == {"sm_80", "sm_90"}
     for r in rows:
@@ -52,6 +59,8 @@ def test_all_kernels_compile_for_sm80_sm90_without_spills():
     mma = {(r["kernel"], r["arch"]): set(r["mma"]) for r in rows}
     for name, arch in mma:
         if name.startswith("_linear_") and "[bf16" in name:
+            assert ("HGMMA" if arch == "sm_90" else "HMMA") in mma[name, arch], (name, arch)
+        if name.startswith("_linear_") and name.endswith((",bf16]", ",tf32]")):
             assert ("HGMMA" if arch == "sm_90" else "HMMA") in mma[name, arch], (name, arch)
         if name.startswith("_linear_") and "[fp64" in name:
             assert "DMMA" in mma[name, arch], (name, arch)

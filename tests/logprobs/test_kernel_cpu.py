@@ -542,12 +542,16 @@ def test_linear_bwd_refuses_inconsistent_shapes(arg, bad, match):
 def test_linear_kernels_check_their_parameter_lists():
     a = _good_linear()
     fwd, bwd = [a[k] for k in FWD_ARGS], [a[k] for k in BWD_ARGS]
-    with pytest.raises(RuntimeError, match="LinearLogprobsStatsParams: expected 1 fparams and 4 iparams"):
+    with pytest.raises(RuntimeError, match="LinearLogprobsStatsParams: expected 1 fparams and 5 iparams"):
         K.linear_logprobs_stats(*fwd, [], [1, 1])
-    with pytest.raises(RuntimeError, match="LinearLogprobsStatsParams: expected 1 fparams and 4 iparams"):
+    with pytest.raises(RuntimeError, match="LinearLogprobsStatsParams: expected 1 fparams and 5 iparams"):
         K.linear_logprobs_stats(*fwd, [1.0], [1])
-    with pytest.raises(RuntimeError, match="LinearLogprobsBwdParams: expected 1 fparams and 3 iparams"):
+    with pytest.raises(RuntimeError, match="LinearLogprobsBwdParams: expected 1 fparams and 4 iparams"):
         K.linear_logprobs_bwd(*bwd, [], [1, 1])
+    with pytest.raises(RuntimeError, match="logits_precision must be a LogitsPrecision code, got 7"):
+        K.linear_logprobs_stats(*fwd, [0.0], [1, 0, 0, 0, 7])
+    with pytest.raises(RuntimeError, match="logits_precision must be a LogitsPrecision code, got -1"):
+        K.linear_logprobs_bwd(*bwd, [0.0], [1, 1, 1, -1])
     with pytest.raises(RuntimeError, match="LogprobsStatsParams"):
         K.logprobs_from_logits_stats(torch.randn(3, 5), torch.zeros(3, dtype=torch.int64), torch.ones(3), [], [])
     # need_bias without a bias.

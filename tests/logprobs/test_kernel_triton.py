@@ -467,10 +467,10 @@ def test_logits_rows_at_any_stride(stride):
 
 def test_launchers_check_their_parameter_lists():
     c = on_device(linear_case(3, 7, 5, F32, True))
-    with pytest.raises(ValueError, match="LinearLogprobsStatsParams: expected 1 fparams and 4 iparams"):
+    with pytest.raises(ValueError, match="LinearLogprobsStatsParams: expected 1 fparams and 5 iparams"):
         lp.linear_logprobs_stats(**c, fparams=[], iparams=[1, 1])
     gi = on_device(bwd_inputs(linear_case(3, 7, 5, F32, True), True))
-    with pytest.raises(ValueError, match="LinearLogprobsBwdParams: expected 1 fparams and 3 iparams"):
+    with pytest.raises(ValueError, match="LinearLogprobsBwdParams: expected 1 fparams and 4 iparams"):
         lp.linear_logprobs_bwd(**c, **gi, fparams=[], iparams=[1])
     lc = on_device(logits_case(3, 7, F32))
     with pytest.raises(ValueError, match="LogprobsStatsParams"):

@@ -50,6 +50,7 @@ def linear_op_args(device, backend, branching, dtype=torch.float32, extras=False
         extras,  # need_sum_sq
         extras,  # need_sum_z
         extras,  # need_top1
+        2 if extras else 0,  # logits_precision: LogitsPrecision.BF16 with the extras
         backend,
     )
 
