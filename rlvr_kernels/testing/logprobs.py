@@ -3,6 +3,7 @@ comparisons and the ``rlvr-kernels check`` suite."""
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -150,6 +151,21 @@ def compare_logprobs(
         compare(k, fast[k], r, same[k], in_dtype if k.startswith("grad.") else torch.float32, atol_scale)
         for k, r in ref64.items()
     ]
+
+
+def assert_matches_reference(inputs: Dict, backend: str, gen: torch.Generator) -> None:
+    """One case on ``backend`` under random upstream gradients against the fp64 reference
+    (:func:`compare_logprobs`), and the invariants: log p ≤ 0, 0 ≤ entropy ≤ log V."""
+    up = logprobs_upstream(inputs, gen)
+    ref64 = run_logprobs(as_float64(inputs), "reference", up)
+    same = run_logprobs(inputs, "reference", up)
+    fast = run_logprobs(inputs, backend, up)
+    in_dtype = inputs["logits" if "logits" in inputs else "hidden"].dtype
+    bad = [c for c in compare_logprobs(fast, ref64, same, in_dtype, logit_scale(inputs)) if not c.ok]
+    assert not bad, bad
+    vocab = (inputs["logits"] if "logits" in inputs else inputs["weight"]).shape[-1 if "logits" in inputs else 0]
+    assert bool((fast["logp"] <= 0).all()), "a log-prob is positive"
+    assert bool((fast["entropy"] >= 0).all() & (fast["entropy"] <= math.log(vocab)).all())
 
 
 def check_cases() -> List[tuple]:

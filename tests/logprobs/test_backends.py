@@ -15,32 +15,12 @@ from _backends import ALL, FAST, INTERPRETED
 import rlvr_kernels as rk
 from rlvr_kernels.testing import (
     as_float64,
-    compare_logprobs,
-    logit_scale,
     logits_case_from,
     logprobs_upstream,
     random_logprobs_case,
     run_logprobs,
 )
-from rlvr_kernels.testing.logprobs import check_cases
-
-
-def assert_matches_reference(inputs, backend, gen):
-    up = logprobs_upstream(inputs, gen)
-    ref64 = run_logprobs(as_float64(inputs), "reference", up)
-    same = run_logprobs(inputs, "reference", up)
-    fast = run_logprobs(inputs, backend, up)
-    in_dtype = inputs["logits" if "logits" in inputs else "hidden"].dtype
-    bad = [c for c in compare_logprobs(fast, ref64, same, in_dtype, logit_scale(inputs)) if not c.ok]
-    assert not bad, bad
-    vocab = (inputs["logits"] if "logits" in inputs else inputs["weight"]).shape[-1 if "logits" in inputs else 0]
-    assert bool((fast["logp"] <= 0).all()), "a log-prob is positive"
-    assert bool((fast["entropy"] >= 0).all() & (fast["entropy"] <= math.log(vocab)).all())
-    for k, g in fast.items():
-        if k.startswith("grad."):
-            assert g.dtype == in_dtype, k
-    return fast
-
+from rlvr_kernels.testing.logprobs import assert_matches_reference, check_cases
 
 CASES = check_cases()
 

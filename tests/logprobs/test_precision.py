@@ -12,14 +12,10 @@ import rlvr_kernels as rk
 from rlvr_kernels.contracts.logprobs import LogitsPrecision
 from rlvr_kernels.reference.logprobs import round_bf16, round_tf32
 from rlvr_kernels.testing import (
-    as_float64,
-    compare_logprobs,
-    logit_scale,
     logits_case_from,
-    logprobs_upstream,
     random_logprobs_case,
-    run_logprobs,
 )
+from rlvr_kernels.testing.logprobs import assert_matches_reference
 
 PRECISIONS = ["tf32", "bf16"]
 
@@ -53,17 +49,6 @@ CASES = [
     ("fp64 inputs, bias (rounded through fp32, fp64 sums)", dict(dtype=torch.float64, bias=True), {}),
     ("soft-cap and logit scale after the rounding", dict(bias=True), dict(softcap=4.0, logit_scale=0.8)),
 ]
-
-
-def assert_matches_reference(inputs, backend, gen):
-    up = logprobs_upstream(inputs, gen)
-    ref64 = run_logprobs(as_float64(inputs), "reference", up)
-    same = run_logprobs(inputs, "reference", up)
-    fast = run_logprobs(inputs, backend, up)
-    in_dtype = inputs["logits" if "logits" in inputs else "hidden"].dtype
-    bad = [c for c in compare_logprobs(fast, ref64, same, in_dtype, logit_scale(inputs)) if not c.ok]
-    assert not bad, bad
-    assert bool((fast["logp"] <= 0).all())
 
 
 @pytest.mark.parametrize("backend,device", FAST)
