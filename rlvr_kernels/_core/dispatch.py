@@ -63,6 +63,13 @@ KERNELS: Dict[Tuple[str, str], str] = {
     ("logprobs_from_logits_stats", "triton"): "rlvr_kernels.triton.logprobs:logprobs_from_logits_stats",
     ("logprobs_from_logits_bwd", "cpu"): "torch.ops.rlvr_kernels_C:logprobs_from_logits_bwd",
     ("logprobs_from_logits_bwd", "triton"): "rlvr_kernels.triton.logprobs:logprobs_from_logits_bwd",
+    ("support_bits", "reference"): "rlvr_kernels.reference.logprobs:support_bits",
+    ("support_bits", "cpu"): "torch.ops.rlvr_kernels_C:support_bits",
+    ("support_bits", "triton"): "rlvr_kernels.triton.support_bits:support_bits",
+    ("linear_logprobs_threshold", "cpu"): "torch.ops.rlvr_kernels_C:linear_logprobs_threshold",
+    ("linear_logprobs_threshold", "triton"): "rlvr_kernels.triton.logprobs:linear_logprobs_threshold",
+    ("logprobs_from_logits_threshold", "cpu"): "torch.ops.rlvr_kernels_C:logprobs_from_logits_threshold",
+    ("logprobs_from_logits_threshold", "triton"): "rlvr_kernels.triton.logprobs:logprobs_from_logits_threshold",
     # rollout_mismatch
     ("rollout_mismatch", "reference"): "rlvr_kernels.reference.rollout_mismatch:rollout_mismatch",
     ("rollout_mismatch_stats", "cpu"): "torch.ops.rlvr_kernels_C:rollout_mismatch_stats",

@@ -11,6 +11,10 @@ Methods:
 - fused: ``rlvr_kernels.linear_logprobs(..., return_entropy=True)``.
 - fused_bf16: the same with ``logits_precision="bf16"`` (the logits of a bf16 LM head: operands
   and logits rounded to bf16; target: at most 1.15× fused's time).
+- fused_support: the same restricted to an explicit sampling support, the CSR of the set a
+  top-p 0.9 filter keeps on these logits (built before timing; target: at most 1.2× fused).
+- fused_top_k / fused_top_p: the same with the support computed in the kernels, ``top_k=50``
+  / ``top_p=0.9`` (target: at most 2× fused).
 - eager: ``logits = hidden @ W.T``, ``log_softmax``, gather, ``−Σ p log p`` (materialised).
 - trl: TRL's ``selective_log_softmax`` + ``entropy_from_logits`` on materialised logits.
 - trl_chunked: TRL 1.16's own fused head, ``trl.kernels.ChunkedLogProbFunction`` (what its
@@ -43,6 +47,11 @@ CPU_TIME_TARGET = 1.1
 CPU_MEMORY_TARGET_GB = 0.2
 # logits_precision="bf16" against the default, on every device.
 BF16_LOGITS_TIME_TARGET = 1.15
+# Sampling supports against the default: an explicit one, and one computed in the kernels.
+SUPPORT_TIME_TARGET = 1.2
+COMPUTED_SUPPORT_TIME_TARGET = 2.0
+# The explicit support of fused_support: what top-p with this value keeps.
+SUPPORT_TOP_P = 0.9
 
 
 def shape(device: str, quick: bool) -> Dict:
@@ -137,9 +146,51 @@ def _fused_bf16(hidden, weight, targets):
     return out.logp, out.entropy
 
 
+def _fused_support(hidden, weight, targets, support_ids, support_offsets):
+    out = linear_logprobs(
+        hidden, weight, targets, return_entropy=True, support_ids=support_ids, support_offsets=support_offsets
+    )
+    return out.logp, out.entropy
+
+
+def _fused_top_k(hidden, weight, targets):
+    out = linear_logprobs(hidden, weight, targets, return_entropy=True, top_k=50)
+    return out.logp, out.entropy
+
+
+def _fused_top_p(hidden, weight, targets):
+    out = linear_logprobs(hidden, weight, targets, return_entropy=True, top_p=0.9)
+    return out.logp, out.entropy
+
+
+def top_p_support(x: Dict, top_p: float = SUPPORT_TOP_P, rows: int = 256) -> None:
+    """Adds the CSR (``support_ids``, ``support_offsets``) of what top-p keeps on the inputs'
+    logits to ``x``, a block of rows at a time (setup, not timed); each target is put inside
+    its row's set, as a sampled token is."""
+    from ..reference.logprobs import sampling_threshold
+
+    hidden, weight, targets = x["hidden"].detach(), x["weight"].detach(), x["targets"]
+    ids, counts = [], []
+    for r0 in range(0, hidden.shape[0], rows):
+        z = (hidden[r0 : r0 + rows] @ weight.T).float()
+        n = z.shape[0]
+        off = torch.zeros(n, dtype=torch.int64, device=z.device)
+        kept = z >= sampling_threshold(z, off, torch.full_like(z[:, 0], top_p), torch.zeros_like(z[:, 0]))[:, None]
+        kept[torch.arange(n, device=z.device), targets[r0 : r0 + rows]] = True
+        row, col = kept.nonzero(as_tuple=True)
+        ids.append(col)
+        counts.append(kept.sum(-1))
+    x["support_ids"] = torch.cat(ids)
+    counts = torch.cat(counts)
+    x["support_offsets"] = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+
+
 METHODS = {
     "fused": ("rlvr_kernels.linear_logprobs (fused, tiled, recompute in backward)", _fused),
     "fused_bf16": ('rlvr_kernels.linear_logprobs, logits_precision="bf16" (a bf16 head\'s logits)', _fused_bf16),
+    "fused_support": ("rlvr_kernels.linear_logprobs, explicit support (the CSR of a top-p 0.9 set)", _fused_support),
+    "fused_top_k": ("rlvr_kernels.linear_logprobs, top_k=50 (support computed in the kernels)", _fused_top_k),
+    "fused_top_p": ("rlvr_kernels.linear_logprobs, top_p=0.9 (support computed in the kernels)", _fused_top_p),
     "eager": ("eager torch: materialised logits, log_softmax, gather, -sum p log p", _eager),
     "trl": ("TRL selective_log_softmax + entropy_from_logits (materialised logits)", _trl),
     "trl_chunked": ("TRL trl.kernels.ChunkedLogProbFunction (TRL 1.16's fused chunked LM head)", _trl_chunked),
@@ -148,19 +199,26 @@ METHODS = {
     "cce": ("Apple CCE linear_cross_entropy (log-probs only, no entropy)", _cce),
     "verl_kernel": ("verl linear_cross_entropy (Triton kernel)", _verl_kernel),
 }
-CPU_METHODS = ("fused", "fused_bf16", "eager", "trl", "trl_chunked", "verl", "liger")
-GPU_METHODS = ("fused", "fused_bf16", "eager", "liger", "cce", "verl_kernel", "trl", "trl_chunked")
+SAMPLING_METHODS = ("fused_support", "fused_top_k", "fused_top_p")  # restricted distributions: not compared
+CPU_METHODS = ("fused", "fused_bf16", *SAMPLING_METHODS, "eager", "trl", "trl_chunked", "verl", "liger")
+GPU_METHODS = ("fused", "fused_bf16", *SAMPLING_METHODS, "eager", "liger", "cce", "verl_kernel", "trl", "trl_chunked")
 
 
 def step_fn(key: str, x: Dict) -> Callable[[], Dict]:
     """One forward + backward of method ``key``; returns its outputs for the agreement check."""
     fn = METHODS[key][1]
+    if key == "fused_support":
+        if "support_ids" not in x:
+            top_p_support(x)
+        ids, offsets = x["support_ids"], x["support_offsets"]
+        fn = lambda h, w, t: _fused_support(h, w, t, ids, offsets)  # noqa: E731
 
     def step():
         x["hidden"].grad = None
         x["weight"].grad = None
         logp, entropy = fn(x["hidden"], x["weight"], x["targets"])
-        loss = (logp.float() * x["g_logp"]).sum()
+        # (a target outside a sampling support has log-prob −inf and no gradient)
+        loss = (torch.where(torch.isneginf(logp), 0.0, logp.float()) * x["g_logp"]).sum()
         if entropy is not None:
             loss = loss + (entropy.float() * x["g_ent"]).sum()
         loss.backward()
@@ -229,7 +287,7 @@ def workload(device: str, quick: bool = False) -> Dict:
     ref = outputs.get("fused")
     agreement = {}
     for key, out in outputs.items():
-        if key == "fused" or ref is None:
+        if key == "fused" or ref is None or key in SAMPLING_METHODS:
             continue
         agreement[key] = {
             "logp": float((out["logp"].float() - ref["logp"].float()).abs().max()),
@@ -247,6 +305,19 @@ def workload(device: str, quick: bool = False) -> Dict:
             }
         )
     targets.append(_target("fused_bf16 / fused time", rows, "fused_bf16", "fused", "<=", BF16_LOGITS_TIME_TARGET))
+    targets.append(_target("fused_support / fused time", rows, "fused_support", "fused", "<=", SUPPORT_TIME_TARGET))
+    for key in ("fused_top_k", "fused_top_p"):
+        targets.append(_target(f"{key} / fused time", rows, key, "fused", "<=", COMPUTED_SUPPORT_TIME_TARGET))
+    if device == "cpu":
+        for key in SAMPLING_METHODS:
+            gb = rows[key].get("extra_gb")
+            targets.append(
+                {
+                    "target": f"{key} extra peak memory (GB) <= {CPU_MEMORY_TARGET_GB}",
+                    "measured": gb,
+                    "met": None if gb is None else gb <= CPU_MEMORY_TARGET_GB,
+                }
+            )
     # The bar against TRL's own fused head: no slower, and less peak memory.
     targets.append(_target("fused / TRL ChunkedLogProbFunction time", rows, "fused", "trl_chunked", "<=", 1.0))
     gb, gb_trl = rows["fused"].get("extra_gb"), rows.get("trl_chunked", {}).get("extra_gb")
@@ -258,7 +329,7 @@ def workload(device: str, quick: bool = False) -> Dict:
         }
     )
     for key in keys:
-        if key not in ("fused", "fused_bf16") and rows[key].get("ms"):
+        if key not in ("fused", "fused_bf16", *SAMPLING_METHODS) and rows[key].get("ms"):
             targets.append(_target(f"{key} / fused time", rows, key, "fused", "info", None))
     mem_kind = "peak RSS above the RSS before the call" if device == "cpu" else "max_memory_allocated above inputs"
     notes = [
@@ -266,6 +337,9 @@ def workload(device: str, quick: bool = False) -> Dict:
         f"backward into hidden and weight with random upstream gradients; {repeats} interleaved rounds (median)",
         f"extra memory: each method once in a fresh process, {mem_kind}; the gradients of hidden and weight "
         f"alone are {(N * H + V * H) * x['hidden'].element_size() / 1e9:.2f} GB",
+        f"fused_support: {x['support_ids'].shape[0] / N:.0f} kept ids per row on average"
+        if "support_ids" in x
+        else "fused_support did not run",
         "agreement with fused (max abs diff of log-probs / grad hidden): "
         + ", ".join(f"{k} {v['logp']:.1e} / {v['grad_hidden']:.1e}" for k, v in agreement.items()),
     ]

@@ -11,8 +11,11 @@ compute from them are described in :mod:`rlvr_kernels.ops.logprobs`.
 - ``linear_logprobs_stats`` takes :class:`LinearLogprobsStatsParams` (the entropy flag, the
   optional statistics and the soft-cap);
 - ``linear_logprobs_bwd`` takes :class:`LinearLogprobsBwdParams`;
-- ``logprobs_from_logits_bwd`` has no scalar parameter (whether the entropy carries a
-  gradient is whether ``grad_entropy`` is given).
+- ``logprobs_from_logits_bwd`` takes :class:`LogprobsBwdParams` (whether the entropy
+  carries a gradient is whether ``grad_entropy`` is given);
+- ``linear_logprobs_threshold`` takes :class:`LinearLogprobsThresholdParams` and
+  ``logprobs_from_logits_threshold`` :class:`LogprobsThresholdParams`: the per-row threshold
+  of a computed sampling support (top-k / top-p / min-p, docs/logprobs.md "Sampling support").
 """
 
 from __future__ import annotations
@@ -49,6 +52,24 @@ class LogitsPrecision(enum.IntEnum):
     BF16 = 2  # hidden, weight and bias rounded to bf16 (to nearest even); y = bf16(acc + b)
 
 
+class SupportMode(enum.IntEnum):
+    """Which columns of a row the forward and backward kernels keep (the sampling support, the
+    set the rollout engine sampled from); the others count as z = −inf. The ``support``
+    tensor the kernels take says which (``ops/logprobs.py``, kernel contract)."""
+
+    NONE = 0  # every column (support is None)
+    MASK = 1  # support: int32 [N, ceil(V / 32)], column v kept iff bit v % 32 of word v // 32 is set
+    THRESHOLD = 2  # support: [N] compute dtype, column v kept iff z_v >= support[n]
+
+
+class SamplingConvention(enum.IntEnum):
+    """Whose definition of top-k / top-p / min-p a computed support follows (docs/logprobs.md,
+    "Sampling support"); both filter after the temperature and keep ties whole."""
+
+    VLLM = 0  # min-p, then top-k, then top-p over the renormalised survivors; kept iff mass above < p
+    SGLANG = 1  # top-k, top-p and min-p each on the full distribution; kept iff mass above <= p
+
+
 @dataclasses.dataclass(frozen=True)
 class LogprobsStatsParams(KernelParams):
     """Scalar parameters of the forward kernels (linear head and logits alike)."""
@@ -56,6 +77,16 @@ class LogprobsStatsParams(KernelParams):
     CPP_NAME: ClassVar[str] = "LOGPROBS_STATS"
 
     need_entropy: bool  # compute LogprobsStat.SUM_EXP_SHIFT (else it is 0)
+    support_mode: SupportMode = SupportMode.NONE  # which columns count (the support tensor)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogprobsBwdParams(KernelParams):
+    """Scalar parameters of ``logprobs_from_logits_bwd``."""
+
+    CPP_NAME: ClassVar[str] = "LOGPROBS_BWD"
+
+    support_mode: SupportMode = SupportMode.NONE  # the forward's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +103,7 @@ class LinearLogprobsStatsParams(KernelParams):
     need_sum_z: bool  # compute LogprobsStat.SUM_Z
     need_argmax: bool  # compute LogprobsStat.ARGMAX
     logits_precision: LogitsPrecision = LogitsPrecision.FP32  # how y is formed
+    support_mode: SupportMode = SupportMode.NONE  # which columns count (the support tensor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +119,34 @@ class LinearLogprobsBwdParams(KernelParams):
     need_weight: bool
     need_bias: bool  # only with a bias
     logits_precision: LogitsPrecision = LogitsPrecision.FP32  # the forward's (z is recomputed from it)
+    support_mode: SupportMode = SupportMode.NONE  # the forward's
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearLogprobsThresholdParams(KernelParams):
+    """Scalar parameters of ``linear_logprobs_threshold``: z formed as the forward forms it
+    (soft-cap, precision), the filters' definition."""
+
+    CPP_NAME: ClassVar[str] = "LINEAR_LOGPROBS_THRESHOLD"
+
+    tanh_scale: float  # as in LinearLogprobsStatsParams
+    logits_precision: LogitsPrecision
+    convention: SamplingConvention
+
+
+@dataclasses.dataclass(frozen=True)
+class LogprobsThresholdParams(KernelParams):
+    """Scalar parameters of ``logprobs_from_logits_threshold``."""
+
+    CPP_NAME: ClassVar[str] = "LOGPROBS_THRESHOLD"
+
+    convention: SamplingConvention
 
 
 # The C++ X-macro list each enum mirrors.
-CPP_CODES = {"RLVR_LOGPROBS_STAT_CODES": LogprobsStat, "RLVR_LOGITS_PRECISION_CODES": LogitsPrecision}
+CPP_CODES = {
+    "RLVR_LOGPROBS_STAT_CODES": LogprobsStat,
+    "RLVR_LOGITS_PRECISION_CODES": LogitsPrecision,
+    "RLVR_SUPPORT_MODE_CODES": SupportMode,
+    "RLVR_SAMPLING_CONVENTION_CODES": SamplingConvention,
+}

@@ -439,6 +439,91 @@ struct LogitsZ {
   RLVR_INLINE typename Lanes<T, VB>::V operator()(int64_t i, int n) const { return load<T, VB>(x + i, n) * inv_t; }
 };
 
+// ------------------------------------------------------------------ sampling support
+// The columns a call keeps (SupportMode, the contract in ops/logprobs.py): a bitmap [N, words] (MASK) or
+// a per-row threshold on z (THRESHOLD).
+template <typename T>
+struct Support {
+  SupportMode mode = SupportMode::NONE;
+  const int32_t* mask = nullptr;  // MASK: [N, words]
+  int64_t words = 0;
+  const T* thr = nullptr;  // THRESHOLD: [N]
+};
+
+// The kernels' bitmap words are read 32 columns at a time: a segment starts at a multiple of 32 and its
+// lanes (W of them, W dividing 32) never straddle two words.
+static_assert(kTile % 32 == 0, "a segment starts on a bitmap word");
+
+// zof with the columns row n does not keep set to −inf (kMode MASK or THRESHOLD): the statistics, the
+// target logits and dz then see the contract's "a column not kept counts as z = −inf" with no other
+// change to their code, and a support that keeps every column gives the NONE path's bits.
+template <typename T, int VB, SupportMode kMode, typename ZOf>
+struct KeptZ {
+  using L = Lanes<T, VB>;
+  ZOf zof;
+  const int32_t* bits;  // MASK: the row's words
+  int64_t c0;           // MASK: the column of lane 0 at i = 0 (a multiple of 32)
+  T thr;                // THRESHOLD
+
+  RLVR_INLINE typename L::V operator()(int64_t i, int n) const {
+    const typename L::V z = zof(i, n);
+    return keep(i, z) ? z : splat<typename L::V>(-kInf<T>);
+  }
+  // i: a multiple of W, so the lanes' bits are bits (c0 + i) % 32 + [0, W) of one word.
+  RLVR_INLINE typename L::M keep(int64_t i, typename L::V z) const {
+    if constexpr (kMode == SupportMode::MASK) {
+      const int64_t col = c0 + i;
+      const auto w = splat<typename L::U>(uint32_t(bits[col >> 5]) >> uint32_t(col & 31));
+      typename L::U lane;
+      for (int l = 0; l < L::W; ++l) lane[l] = l;
+      return (typename L::M)(((w >> lane) & 1) != 0);
+    } else {
+      return z >= splat<typename L::V>(thr);
+    }
+  }
+  // Whether column c0 + j is kept (any j: a scalar test, for the target terms).
+  RLVR_INLINE bool keep_at(int64_t j) const {
+    if constexpr (kMode == SupportMode::MASK) {
+      const int64_t col = c0 + j;
+      return ((uint32_t(bits[col >> 5]) >> uint32_t(col & 31)) & 1u) != 0;
+    } else {
+      return zof(j, 1)[0] >= thr;
+    }
+  }
+};
+
+// zof as row n keeps it, for a segment starting at column c0: zof itself for NONE (the default path's
+// code, unchanged).
+template <SupportMode kMode, typename T, int VB, typename ZOf>
+RLVR_INLINE auto kept_z(const ZOf& zof, const Support<T>& s, int64_t n, int64_t c0) {
+  if constexpr (kMode == SupportMode::NONE) {
+    return zof;
+  } else if constexpr (kMode == SupportMode::MASK) {
+    return KeptZ<T, VB, kMode, ZOf>{zof, s.mask + n * s.words, c0, T(0)};
+  } else {
+    return KeptZ<T, VB, kMode, ZOf>{zof, nullptr, c0, s.thr[n]};
+  }
+}
+
+// f(ModeTag<kMode>{}) for the run-time mode: the mode is a template parameter of the hot loops, chosen
+// once per call of their body.
+template <SupportMode kMode>
+using ModeTag = std::integral_constant<SupportMode, kMode>;
+
+template <typename F>
+RLVR_INLINE void with_mode(SupportMode mode, F&& f) {
+  switch (mode) {
+    case SupportMode::MASK:
+      f(ModeTag<SupportMode::MASK>{});
+      break;
+    case SupportMode::THRESHOLD:
+      f(ModeTag<SupportMode::THRESHOLD>{});
+      break;
+    default:
+      f(ModeTag<SupportMode::NONE>{});
+  }
+}
+
 // Statistics of one row segment of n columns, relative to the segment's max. z is written to
 // dst (the caller reads the target logits back from there, so they are the very values the
 // statistics saw); dst may be the memory zof reads.
@@ -490,8 +575,9 @@ RLVR_INLINE Stats<T> segment_stats(T* dst, int64_t n, const ZOf& zof) {
 
 // segment_stats plus the optional statistics of the segment (StatFlags), from the z it wrote to
 // dst: Σ exp(2·(z − max)), Σ z and the first column holding the max (local to the segment). Extra
-// passes over the segment while it is in cache; only the kExtra instantiations call this.
-template <typename T, int VB, bool kEntropy, typename ZOf>
+// passes over the segment while it is in cache; only the kExtra instantiations call this. With a support
+// (kSupport) Σ z is over the kept columns: those that zof did not set to −inf.
+template <typename T, int VB, bool kEntropy, bool kSupport, typename ZOf>
 RLVR_INLINE Stats<T> segment_stats_extra(T* dst, int64_t n, const ZOf& zof, const StatFlags& f, StatsX<T>& sx) {
   using L = Lanes<T, VB>;
   using V = typename L::V;
@@ -500,7 +586,9 @@ RLVR_INLINE Stats<T> segment_stats_extra(T* dst, int64_t n, const ZOf& zof, cons
   sx = StatsX<T>{};
   if (f.sum_z) {
     T zs = T(0);
-    for (int64_t i = 0; i < n; ++i) zs += dst[i];
+    for (int64_t i = 0; i < n; ++i) {
+      if (!kSupport || dst[i] != -kInf<T>) zs += dst[i];
+    }
     sx.zs = zs;
   }
   if (st.m == -kInf<T>) return st;  // all −inf: no mass, argmax 0
@@ -532,8 +620,10 @@ struct RowGrad {
   T inv_t, lse, ent, G, h;
 };
 
-// dz of one row segment (without the target terms), written to dst (may be what zof reads).
-template <typename T, int VB, bool kEntGrad, typename ZOf>
+// dz of one row segment (without the target terms), written to dst (may be what zof reads). With a
+// support (kSupport: zof sets the columns not kept to −inf) those get dz = 0, selected: an empty row's
+// lse = −inf makes z − lse NaN there.
+template <typename T, int VB, bool kEntGrad, bool kSupport = false, typename ZOf>
 RLVR_INLINE void segment_dz(T* dst, int64_t n, const ZOf& zof, const RowGrad<T>& r) {
   using L = Lanes<T, VB>;
   using V = typename L::V;
@@ -543,11 +633,16 @@ RLVR_INLINE void segment_dz(T* dst, int64_t n, const ZOf& zof, const RowGrad<T>&
   for (int64_t i = 0; i < n; i += W) {
     const int cnt = int(std::min<int64_t>(W, n - i));
     // z exactly as the forward rounded it; −inf logits get p = 0 and a finite factor.
-    const V zl = vclamp(rounded(zof(i, cnt)) - lse, floor, big);
+    const V z = rounded(zof(i, cnt));
+    const V zl = vclamp(z - lse, floor, big);
     const V p = vexp(zl);
     V coef = G;
     if constexpr (kEntGrad) coef += h * (zl + ent);
-    store(dst + i, (neg_inv_t * p) * coef, cnt);
+    if constexpr (kSupport) {
+      store(dst + i, z == splat<V>(-kInf<T>) ? V{} : (neg_inv_t * p) * coef, cnt);
+    } else {
+      store(dst + i, (neg_inv_t * p) * coef, cnt);
+    }
   }
 }
 
@@ -556,6 +651,20 @@ RLVR_INLINE void segment_dz(T* dst, int64_t n, const ZOf& zof, const RowGrad<T>&
 template <typename T>
 RLVR_INLINE void add_targets(T* dst, const Targets& tg, int64_t n, int64_t c0, int64_t c1, T inv_t, const T* g) {
   tg.each_in(n, c0, c1, [&](int64_t k, int64_t j) { dst[j] += rounded(inv_t * g[k]); });
+}
+
+// add_targets for a support: only the kept columns get their targets' terms (a column not kept has dz = 0
+// whatever g the op passes; zof is the segment's KeptZ).
+template <typename T, SupportMode kMode, typename ZOf>
+RLVR_INLINE void add_kept_targets(T* dst, const Targets& tg, int64_t n, int64_t c0, int64_t c1, T inv_t, const T* g,
+                                  const ZOf& zof) {
+  if constexpr (kMode == SupportMode::NONE) {
+    add_targets(dst, tg, n, c0, c1, inv_t, g);
+  } else {
+    tg.each_in(n, c0, c1, [&](int64_t k, int64_t j) {
+      if (zof.keep_at(j)) dst[j] += rounded(inv_t * g[k]);
+    });
+  }
 }
 
 // The soft-cap's chain factor: dst[i] *= a·(1 − t²), t = tanh(a·(acc + bias)) as the forward made it.
@@ -611,6 +720,7 @@ struct Linear {
   int64_t N, H, V;
   T tanh_scale;  // 0: no soft-cap
   LogitsPrecision prec;
+  Support<T> sup;
   // The bias the epilogues add: none with BF16, where round_tile has added it before rounding y.
   const T* epilogue_bias(int64_t c0) const {
     return bias != nullptr && prec != LogitsPrecision::BF16 ? bias + c0 : nullptr;
@@ -650,16 +760,21 @@ void round_tile(const Linear<T, in_t>& c, T* tile, int64_t rows, int64_t c0, int
   }
 }
 
-// Forward epilogue of one GEMM tile: z in place, the rows' running statistics, target logits.
 template <typename T, typename in_t>
+struct LinearFwdTileArg {
+  const Linear<T, in_t>* c;
+  T* tile;  // [kFwdRows, kTile]
+  int64_t row0, rows, c0, w;
+  Stats<T>* run;    // per row of the block
+  StatsX<T>* runx;  // per row of the block, with optional statistics (else unused)
+};
+
+// Forward epilogue of one GEMM tile: z in place, the rows' running statistics, target logits (kMode:
+// the support's, c.sup.mode).
+template <typename T, typename in_t, SupportMode kMode>
 struct LinearFwdTile {
-  struct Arg {
-    const Linear<T, in_t>* c;
-    T* tile;  // [kFwdRows, kTile]
-    int64_t row0, rows, c0, w;
-    Stats<T>* run;    // per row of the block
-    StatsX<T>* runx;  // per row of the block, with optional statistics (else unused)
-  };
+  using Arg = LinearFwdTileArg<T, in_t>;
+  static constexpr bool kSupport = kMode != SupportMode::NONE;
 
   static bool flag(const Arg& a) { return a.c->need_entropy; }
   // The optional statistics or the soft-cap.
@@ -673,15 +788,17 @@ struct LinearFwdTile {
       const int64_t n = a.row0 + r;
       T* z = a.tile + r * kTile;
       if constexpr (!kExtra) {
-        a.run[r].merge(segment_stats<T, VB, kEntropy>(z, a.w, LinearZ<T, VB>{z, bias, c.inv_t[n]}));
+        const auto zof = kept_z<kMode, T, VB>(LinearZ<T, VB>{z, bias, c.inv_t[n]}, c.sup, n, a.c0);
+        a.run[r].merge(segment_stats<T, VB, kEntropy>(z, a.w, zof));
       } else {
         Stats<T> st;
         StatsX<T> sx;
         if (c.tanh_scale != T(0)) {
-          const LinearZCap<T, VB> zof{z, bias, c.inv_t[n], c.tanh_scale};
-          st = segment_stats_extra<T, VB, kEntropy>(z, a.w, zof, c.extra, sx);
+          const auto zof = kept_z<kMode, T, VB>(LinearZCap<T, VB>{z, bias, c.inv_t[n], c.tanh_scale}, c.sup, n, a.c0);
+          st = segment_stats_extra<T, VB, kEntropy, kSupport>(z, a.w, zof, c.extra, sx);
         } else {
-          st = segment_stats_extra<T, VB, kEntropy>(z, a.w, LinearZ<T, VB>{z, bias, c.inv_t[n]}, c.extra, sx);
+          const auto zof = kept_z<kMode, T, VB>(LinearZ<T, VB>{z, bias, c.inv_t[n]}, c.sup, n, a.c0);
+          st = segment_stats_extra<T, VB, kEntropy, kSupport>(z, a.w, zof, c.extra, sx);
         }
         sx.am += T(a.c0);
         a.runx[r].merge(a.run[r], st, sx);
@@ -695,16 +812,20 @@ struct LinearFwdTile {
 // Backward epilogue of one GEMM tile: dz of its rows into the workspace, then (after the last
 // sub-block of the token block) grad_bias over all the block's rows, in order.
 template <typename T, typename in_t>
+struct LinearBwdTileArg {
+  const Linear<T, in_t>* c;
+  const T* tile;  // [kFwdRows, kTile]
+  T* dz;          // the tile's first row in the workspace [block rows, V]
+  int64_t row0, rows, c0, w;
+  T* db;              // grad_bias accumulator [V]; nullptr: not now
+  const T* dz_block;  // the workspace and its rows, for grad_bias
+  int64_t block_rows;
+};
+
+template <typename T, typename in_t, SupportMode kMode>
 struct LinearBwdTile {
-  struct Arg {
-    const Linear<T, in_t>* c;
-    const T* tile;  // [kFwdRows, kTile]
-    T* dz;          // the tile's first row in the workspace [block rows, V]
-    int64_t row0, rows, c0, w;
-    T* db;              // grad_bias accumulator [V]; nullptr: not now
-    const T* dz_block;  // the workspace and its rows, for grad_bias
-    int64_t block_rows;
-  };
+  using Arg = LinearBwdTileArg<T, in_t>;
+  static constexpr bool kSupport = kMode != SupportMode::NONE;
 
   static bool flag(const Arg& a) { return a.c->h != nullptr; }
   static bool flag2(const Arg& a) { return a.c->tanh_scale != T(0); }
@@ -718,13 +839,14 @@ struct LinearBwdTile {
       T* d = a.dz + r * c.V + a.c0;
       const T* acc = a.tile + r * kTile;
       if constexpr (!kCap) {
-        segment_dz<T, VB, kEntGrad>(d, a.w, LinearZ<T, VB>{acc, bias, c.inv_t[n]}, c.row_grad(n));
-        add_targets(d, c.tg, n, a.c0, a.c0 + a.w, c.inv_t[n], c.g);
+        const auto zof = kept_z<kMode, T, VB>(LinearZ<T, VB>{acc, bias, c.inv_t[n]}, c.sup, n, a.c0);
+        segment_dz<T, VB, kEntGrad, kSupport>(d, a.w, zof, c.row_grad(n));
+        add_kept_targets<T, kMode>(d, c.tg, n, a.c0, a.c0 + a.w, c.inv_t[n], c.g, zof);
       } else {
-        const LinearZCap<T, VB> zof{acc, bias, c.inv_t[n], c.tanh_scale};
-        segment_dz<T, VB, kEntGrad>(d, a.w, zof, c.row_grad(n));
-        add_targets(d, c.tg, n, a.c0, a.c0 + a.w, c.inv_t[n], c.g);
-        cap_factor<T, VB>(d, a.w, acc, bias, c.tanh_scale);
+        const auto zof = kept_z<kMode, T, VB>(LinearZCap<T, VB>{acc, bias, c.inv_t[n], c.tanh_scale}, c.sup, n, a.c0);
+        segment_dz<T, VB, kEntGrad, kSupport>(d, a.w, zof, c.row_grad(n));
+        add_kept_targets<T, kMode>(d, c.tg, n, a.c0, a.c0 + a.w, c.inv_t[n], c.g, zof);
+        cap_factor<T, VB>(d, a.w, acc, bias, c.tanh_scale);  // 0 stays 0: the factor is finite
       }
     }
     if (a.db != nullptr) add_rows<T, VB>(a.db + a.c0, a.dz_block + a.c0, c.V, a.block_rows, a.w);
@@ -774,7 +896,8 @@ void linear_fwd(const Linear<T, in_t>& c, T* stats) {
           const T* wt = weight_tile(c, c0, w, wbuf, ldw);
           tile_gemm(hbuf, wt, ldw, w, H, tile);
           round_tile(c, tile, rows, c0, w);
-          run_isa_flagged2<LinearFwdTile<T, in_t>>({&c, tile, row0, rows, c0, w, run, runx});
+          const LinearFwdTileArg<T, in_t> arg{&c, tile, row0, rows, c0, w, run, runx};
+          with_mode(c.sup.mode, [&](auto mode) { run_isa_flagged2<LinearFwdTile<T, in_t, decltype(mode)::value>>(arg); });
         }
         for (int64_t r = 0; r < rows; ++r) partial[(row0 + r) * nchunks + ch] = run[r];
         if (extra) {
@@ -896,9 +1019,9 @@ void linear_bwd(const Linear<T, in_t>& c, in_t* grad_hidden, in_t* grad_weight, 
             tile_gemm(hz + s * kFwdRows * H, wt, ldw, w, H, tile);
             round_tile(c, tile, std::min(kFwdRows, rows - s * kFwdRows), c0, w);
             T* db_now = s == nsub - 1 && !db.empty() ? db.data() : nullptr;
-            run_isa_flagged2<LinearBwdTile<T, in_t>>({&c, tile, dz + s * kFwdRows * V, row0 + s * kFwdRows,
-                                                     std::min(kFwdRows, rows - s * kFwdRows), c0, w, db_now, dz,
-                                                     rows});
+            const LinearBwdTileArg<T, in_t> arg{&c,    tile,   dz + s * kFwdRows * V, row0 + s * kFwdRows,
+                                                std::min(kFwdRows, rows - s * kFwdRows), c0, w, db_now, dz, rows};
+            with_mode(c.sup.mode, [&](auto mode) { run_isa_flagged2<LinearBwdTile<T, in_t, decltype(mode)::value>>(arg); });
           }
         });
       }
@@ -942,16 +1065,20 @@ struct Logits {
   // backward
   const T *g, *lse, *ent, *h;
   in_t* grad;  // [N, V]
+  Support<T> sup;
 
   RowGrad<T> row_grad(int64_t n) const { return {inv_t[n], lse[n], ent[n], g[n], h != nullptr ? h[n] : T(0)}; }
 };
 
 template <typename T, typename in_t>
+struct LogitsRowsArg {
+  const Logits<T, in_t>* c;
+  int64_t n0, n1;
+};
+
+template <typename T, typename in_t, SupportMode kMode>
 struct LogitsFwdRows {
-  struct Arg {
-    const Logits<T, in_t>* c;
-    int64_t n0, n1;
-  };
+  using Arg = LogitsRowsArg<T, in_t>;
 
   static bool flag(const Arg& a) { return a.c->need_entropy; }
 
@@ -965,7 +1092,8 @@ struct LogitsFwdRows {
       T target = T(0);
       for (int64_t c0 = 0; c0 < c.V; c0 += kTile) {
         const int64_t w = std::min(kTile, c.V - c0);
-        st.merge(segment_stats<T, VB, kEntropy>(z, w, LogitsZ<T, VB, in_t>{x + c0, c.inv_t[n]}));
+        const auto zof = kept_z<kMode, T, VB>(LogitsZ<T, VB, in_t>{x + c0, c.inv_t[n]}, c.sup, n, c0);
+        st.merge(segment_stats<T, VB, kEntropy>(z, w, zof));
         c.tg.each_in(n, c0, c0 + w, [&](int64_t, int64_t j) { target = z[j]; });
       }
       st.store(c.stats, n, kEntropy);
@@ -974,12 +1102,9 @@ struct LogitsFwdRows {
   }
 };
 
-template <typename T, typename in_t>
+template <typename T, typename in_t, SupportMode kMode>
 struct LogitsBwdRows {
-  struct Arg {
-    const Logits<T, in_t>* c;
-    int64_t n0, n1;
-  };
+  using Arg = LogitsRowsArg<T, in_t>;
 
   static bool flag(const Arg& a) { return a.c->h != nullptr; }
 
@@ -998,19 +1123,346 @@ struct LogitsBwdRows {
         } else {
           d = buf;
         }
-        segment_dz<T, VB, kEntGrad>(d, w, LogitsZ<T, VB, in_t>{x + c0, c.inv_t[n]}, c.row_grad(n));
-        add_targets(d, c.tg, n, c0, c0 + w, c.inv_t[n], c.g);
+        const auto zof = kept_z<kMode, T, VB>(LogitsZ<T, VB, in_t>{x + c0, c.inv_t[n]}, c.sup, n, c0);
+        segment_dz<T, VB, kEntGrad, kMode != SupportMode::NONE>(d, w, zof, c.row_grad(n));
+        add_kept_targets<T, kMode>(d, c.tg, n, c0, c0 + w, c.inv_t[n], c.g, zof);
         if constexpr (!std::is_same<in_t, T>::value) convert(out + c0, buf, w);
       }
     }
   }
 };
 
-template <typename Body, typename Ctx>
-void logits_rows(const Ctx& c) {
+template <template <typename, typename, SupportMode> class Body, typename T, typename in_t>
+void logits_rows(const Logits<T, in_t>& c) {
   // Rows are independent: any split gives the same bits.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(c.V, 1));
-  at::parallel_for(0, c.N, grain, [&](int64_t n0, int64_t n1) { run_isa_flagged<Body>({&c, n0, n1}); });
+  at::parallel_for(0, c.N, grain, [&](int64_t n0, int64_t n1) {
+    const LogitsRowsArg<T, in_t> arg{&c, n0, n1};
+    with_mode(c.sup.mode, [&](auto mode) { run_isa_flagged<Body<T, in_t, decltype(mode)::value>>(arg); });
+  });
+}
+
+// ------------------------------------------------------------------ sampling thresholds
+// The THRESHOLD support of the engine's filters (contract: linear_logprobs_threshold), a row at a time from
+// its z as the forward forms it: the max and min-p's bound in a pass each, top-k's k-th largest value and
+// top-p's bound by bisection on the values' order-preserving integer keys over a candidate list that each
+// step compacts (the steps together cost a few passes over the row unless it has huge ties; never a sort).
+
+template <typename T>
+struct KeyType;
+template <>
+struct KeyType<float> {
+  using type = uint32_t;
+};
+template <>
+struct KeyType<double> {
+  using type = uint64_t;
+};
+template <typename T>
+using key_t = typename KeyType<T>::type;
+
+// x's key: unsigned integers in the order of the values, −0 as +0 (they compare equal, so they tie). x is
+// not NaN.
+template <typename T>
+RLVR_INLINE key_t<T> order_key(T x) {
+  using K = key_t<T>;
+  constexpr K sign = K(1) << (8 * sizeof(K) - 1);
+  if (x == T(0)) x = T(0);
+  K b;
+  std::memcpy(&b, &x, sizeof(b));
+  return (b & sign) != 0 ? K(~b) : K(b | sign);
+}
+
+template <typename T>
+RLVR_INLINE T from_key(key_t<T> k) {
+  using K = key_t<T>;
+  constexpr K sign = K(1) << (8 * sizeof(K) - 1);
+  const K b = (k & sign) != 0 ? K(k & ~sign) : K(~k);
+  T x;
+  std::memcpy(&x, &b, sizeof(x));
+  return x;
+}
+
+// e = exp(x − m) of src[0, n) into dst (nullptr: not stored) and their sum in double, in order; a NaN x
+// adds nothing. The clamp and exp of the statistics (segment_stats).
+template <typename T>
+struct ExpShift {
+  struct Arg {
+    const T* src;
+    T* dst;
+    int64_t n;
+    T m;
+    double* sum;
+  };
+
+  template <int VB>
+  RLVR_INLINE static void run(const Arg& a) {
+    using V = typename Lanes<T, VB>::V;
+    constexpr int W = Lanes<T, VB>::W;
+    const V mx = splat<V>(a.m), floor = splat<V>(kExpFloor<T>), zero = splat<V>(T(0));
+    double s = 0;
+    for (int64_t i = 0; i < a.n; i += W) {
+      const int cnt = int(std::min<int64_t>(W, a.n - i));
+      const V x = load<T, VB>(a.src + i, cnt);
+      const V ex = vexp(vclamp(x - mx, floor, zero));
+      const V e = x == x ? ex : zero;
+      if (a.dst != nullptr) store(a.dst + i, e, cnt);
+      for (int l = 0; l < cnt; ++l) s += double(e[l]);
+    }
+    *a.sum = s;
+  }
+};
+
+// The largest key K with pred(h(K)), h(K) = Σ_{i : key_i >= K} w_i over the n candidates (kWeighted: w,
+// else 1 each; sums in double, in the candidates' order); false if pred(h(min key)) fails. pred must be
+// monotone (true up to some K, false after) and false for h = 0. The answer is a candidate's key (h
+// changes only at one). Candidates (key, w) are compacted in place: each step keeps the side of its
+// midpoint that holds the answer, [lo, hi] being the smallest and largest key left.
+template <bool kWeighted, typename K, typename T, typename Pred>
+bool largest_key(K* key, T* w, int64_t n, const Pred& pred, K& out) {
+  if (n == 0) return false;
+  double total = 0;
+  K lo = key[0], hi = key[0];
+  for (int64_t i = 0; i < n; ++i) {
+    total += kWeighted ? double(w[i]) : 1.0;
+    lo = std::min(lo, key[i]);
+    hi = std::max(hi, key[i]);
+  }
+  if (!pred(total)) return false;
+  double base = 0;  // h(hi + 1): the weight of the dropped candidates above the range
+  while (lo < hi && n > 0) {
+    const K mid = lo + (hi - lo) / 2 + 1;  // in (lo, hi]
+    double s = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (key[i] >= mid) s += kWeighted ? double(w[i]) : 1.0;
+    }
+    const bool up = pred(base + s);  // the answer is >= mid
+    if (!up) base += s;
+    int64_t m = 0;
+    K nlo = std::numeric_limits<K>::max(), nhi = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const K k = key[i];
+      if ((k >= mid) == up) {
+        key[m] = k;
+        if constexpr (kWeighted) w[m] = w[i];
+        ++m;
+        nlo = std::min(nlo, k);
+        nhi = std::max(nhi, k);
+      }
+    }
+    n = m;
+    lo = nlo;
+    hi = nhi;
+  }
+  out = lo;
+  return n > 0;
+}
+
+// One row's filter parameters (top_k <= 0 or >= V, top_p >= 1, min_p <= 0: off).
+template <typename T>
+struct RowFilter {
+  int64_t top_k;
+  T top_p, min_p;
+};
+
+template <typename T>
+struct Filters {
+  const int64_t* top_k;
+  const T *top_p, *min_p;
+  SamplingConvention conv;
+  RowFilter<T> at(int64_t n) const { return {top_k[n], top_p[n], min_p[n]}; }
+};
+
+// The threshold of the contract for one row z[0, V) (key, w: [V] of workspace). NaN z are no row values:
+// never counted, never kept (NaN >= t is false).
+template <typename T>
+T row_threshold(const T* z, int64_t V, const RowFilter<T>& f, SamplingConvention conv, key_t<T>* key, T* w) {
+  using K = key_t<T>;
+  T m = -kInf<T>;
+  for (int64_t v = 0; v < V; ++v) m = z[v] > m ? z[v] : m;
+  if (m == -kInf<T>) return m;  // no value above −inf: whatever is kept, the row is empty
+
+  // min-p: the least z with exp(z − m) >= min_p (in double: decided by the log below unless within its
+  // rounding of the bound). The max always qualifies.
+  T t1 = -kInf<T>;
+  if (f.min_p > T(0)) {
+    const double mp = double(f.min_p), bound = std::log(mp), eps = 1e-9 * (1.0 + std::abs(bound));
+    T least = m;
+    for (int64_t v = 0; v < V; ++v) {
+      const T x = z[v];
+      if (!(x < least)) continue;  // (NaN too)
+      const double d = double(x) - double(m);
+      if (d > bound + eps || (d >= bound - eps && std::exp(d) >= mp)) least = x;
+    }
+    t1 = least;
+  }
+  // top-k: the k-th largest value, counted with multiplicity; only binding above t1, where it is the k-th
+  // largest of the values >= t1.
+  if (f.top_k > 0 && f.top_k < V) {
+    int64_t n = 0;
+    for (int64_t v = 0; v < V; ++v) {
+      if (z[v] >= t1) key[n++] = order_key(z[v]);
+    }
+    K kk;
+    const double k = double(f.top_k);
+    if (largest_key<false>(key, w, n, [k](double h) { return h >= k; }, kk)) t1 = std::max(t1, from_key<T>(kk));
+  }
+  // top-p over U = {z >= t1}: the least value whose mass above is < P (VLLM) or <= P (SGLANG), i.e. the
+  // largest key K with h(K) = Σ_{z >= K} e >= P (VLLM) or > P (SGLANG).
+  T tp = -kInf<T>;
+  if (f.top_p < T(1)) {
+    int64_t n = 0;
+    for (int64_t v = 0; v < V; ++v) {
+      if (z[v] >= t1) {
+        key[n] = order_key(z[v]);
+        w[n] = z[v];
+        ++n;
+      }
+    }
+    double mass_u = 0, mass = 0;
+    run_isa<ExpShift<T>>({w, w, n, m, &mass_u});
+    mass = mass_u;
+    if (conv == SamplingConvention::SGLANG && t1 > -kInf<T>) run_isa<ExpShift<T>>({z, nullptr, V, m, &mass});
+    const double P = double(f.top_p) * mass;
+    K kp;
+    const bool found = conv == SamplingConvention::SGLANG
+                           ? largest_key<true>(key, w, n, [P](double h) { return h > P; }, kp)
+                           : largest_key<true>(key, w, n, [P](double h) { return h >= P; }, kp);
+    if (found) tp = from_key<T>(kp);
+  }
+  const T t = std::max(t1, tp);
+  if (t == -kInf<T>) return t;
+  // Strictly between t and the largest value below it, so that z recomputed in another tiling (within
+  // rounding of itself) falls on the same side; t itself when the midpoint rounds onto a neighbour.
+  T lo = -kInf<T>;
+  for (int64_t v = 0; v < V; ++v) {
+    if (z[v] < t && z[v] > lo) lo = z[v];
+  }
+  if (lo == -kInf<T>) return t;
+  const T r = lo + (t - lo) / T(2);
+  return r > lo && r <= t ? r : t;
+}
+
+// z[0, n) of a segment as zof forms it, in the lanes of segment_stats (so bitwise its z).
+template <typename T, int VB, typename ZOf>
+RLVR_INLINE void write_z(T* dst, int64_t n, const ZOf& zof) {
+  constexpr int W = Lanes<T, VB>::W;
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const auto z = zof(i, W);
+    std::memcpy(dst + i, &z, sizeof(z));
+  }
+  if (i < n) store(dst + i, zof(i, int(n - i)), int(n - i));
+}
+
+// z of one GEMM tile's rows into the block's z rows [rows, V], as the forward's epilogue forms it.
+template <typename T, typename in_t>
+struct LinearZTile {
+  struct Arg {
+    const Linear<T, in_t>* c;
+    const T* tile;  // [kFwdRows, kTile]
+    int64_t row0, rows, c0, w;
+    T* z;  // the block's z [rows, V]
+  };
+
+  static bool flag(const Arg& a) { return a.c->tanh_scale != T(0); }
+
+  template <int VB, bool kCap>
+  RLVR_INLINE static void body(const Arg& a) {
+    const Linear<T, in_t>& c = *a.c;
+    const T* bias = c.epilogue_bias(a.c0);
+    for (int64_t r = 0; r < a.rows; ++r) {
+      const int64_t n = a.row0 + r;
+      const T* acc = a.tile + r * kTile;
+      T* dst = a.z + r * c.V + a.c0;
+      if constexpr (kCap) {
+        write_z<T, VB>(dst, a.w, LinearZCap<T, VB>{acc, bias, c.inv_t[n], c.tanh_scale});
+      } else {
+        write_z<T, VB>(dst, a.w, LinearZ<T, VB>{acc, bias, c.inv_t[n]});
+      }
+    }
+  }
+};
+
+// Token blocks of kFwdRows rows in order: the threads share the block's GEMM tiles (the forward's GEMMs and
+// z: same shapes, operands and alignment), then its rows' thresholds. Memory: the block's z [kFwdRows, V]
+// and [V] of keys and values per thread, whatever N.
+template <typename T, typename in_t>
+void linear_threshold(const Linear<T, in_t>& c, const Filters<T>& f, T* out) {
+  constexpr bool kConvert = !std::is_same<in_t, T>::value;
+  const int64_t N = c.N, H = c.H, V = c.V;
+  const int64_t nblocks = (N + kFwdRows - 1) / kFwdRows, ntiles = (V + kTile - 1) / kTile;
+  const int nt = region_threads();
+  const bool copy_w = kConvert || c.prec != LogitsPrecision::FP32;
+  const int64_t per_thread = kFwdRows * kTile + (copy_w ? kTile * H : 0);
+  Scratch<T> hbuf(kFwdRows * H), zblock(kFwdRows * V), scratch(nt * per_thread), wsel(nt * V);
+  Scratch<key_t<T>> ksel(nt * V);
+  Errors errors;
+#pragma omp parallel num_threads(nt)
+  {
+    at::AutoDispatchBelowAutograd no_autograd;
+    const int tid = omp_get_thread_num();
+    T* tile = scratch.get() + tid * per_thread;
+    T* wbuf = tile + kFwdRows * kTile;
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t row0 = b * kFwdRows, rows = std::min(kFwdRows, N - row0);
+#pragma omp single
+      {
+        load_rows(hbuf.get(), c.hidden, row0, rows, H);
+        round_operands(hbuf.get(), rows * H, c.prec);
+      }
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t j = 0; j < ntiles; ++j) {
+        errors.run([&] {
+          const int64_t c0 = j * kTile, w = std::min(kTile, V - c0);
+          int64_t ldw;
+          const T* wt = weight_tile(c, c0, w, wbuf, ldw);
+          tile_gemm(hbuf.get(), wt, ldw, w, H, tile);
+          round_tile(c, tile, rows, c0, w);
+          run_isa_flagged<LinearZTile<T, in_t>>({&c, tile, row0, rows, c0, w, zblock.get()});
+        });
+      }
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t r = 0; r < rows; ++r) {
+        errors.run([&] {
+          out[row0 + r] =
+              row_threshold(zblock.get() + r * V, V, f.at(row0 + r), f.conv, ksel.get() + tid * V, wsel.get() + tid * V);
+        });
+      }
+    }
+  }
+  errors.rethrow();
+}
+
+// A logits row's z = logits·inv_T, in the lanes of the forward's segments.
+template <typename T, typename in_t>
+struct LogitsZRow {
+  struct Arg {
+    const in_t* x;
+    T inv_t;
+    int64_t V;
+    T* z;
+  };
+
+  template <int VB>
+  RLVR_INLINE static void run(const Arg& a) {
+    for (int64_t c0 = 0; c0 < a.V; c0 += kTile) {
+      write_z<T, VB>(a.z + c0, std::min(kTile, a.V - c0), LogitsZ<T, VB, in_t>{a.x + c0, a.inv_t});
+    }
+  }
+};
+
+template <typename T, typename in_t>
+void logits_threshold(const in_t* x, int64_t ld, const T* inv_t, int64_t N, int64_t V, const Filters<T>& f, T* out) {
+  const int64_t grain = std::max<int64_t>(1, 65536 / V);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    std::vector<T> z(V), w(V);
+    std::vector<key_t<T>> key(V);
+    for (int64_t n = n0; n < n1; ++n) {
+      run_isa<LogitsZRow<T, in_t>>({x + n * ld, inv_t[n], V, z.data()});
+      out[n] = row_threshold(z.data(), V, f.at(n), f.conv, key.data(), w.data());
+    }
+  });
 }
 
 // ------------------------------------------------------------------ argument checks
@@ -1033,10 +1485,9 @@ void check_vec(const char* op, const char* name, const torch::Tensor& t, int64_t
 
 at::ScalarType compute_dtype(at::ScalarType st) { return st == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32; }
 
-// The linear head's common checks; returns the compute dtype.
-at::ScalarType check_linear(const char* op, const torch::Tensor& hidden, const torch::Tensor& weight,
-                            const c10::optional<torch::Tensor>& bias, const torch::Tensor& inv_temperature,
-                            const torch::Tensor& row_ptr, const torch::Tensor& sorted_targets) {
+// The linear head's operands (hidden, weight, bias, inv_temperature); returns the compute dtype.
+at::ScalarType check_head(const char* op, const torch::Tensor& hidden, const torch::Tensor& weight,
+                          const c10::optional<torch::Tensor>& bias, const torch::Tensor& inv_temperature) {
   check_cpu_contig(op, "hidden", hidden);
   check_cpu_contig(op, "weight", weight);
   check_float(op, "hidden", hidden);
@@ -1045,18 +1496,25 @@ at::ScalarType check_linear(const char* op, const torch::Tensor& hidden, const t
   TORCH_CHECK(weight.size(0) >= 1, op, ": weight must have at least one row");
   TORCH_CHECK(weight.scalar_type() == hidden.scalar_type(), op, ": weight must have hidden's dtype");
   if (bias.has_value()) check_vec(op, "bias", *bias, weight.size(0), hidden.scalar_type());
-  const int64_t N = hidden.size(0);
   const auto ct = compute_dtype(hidden.scalar_type());
-  check_vec(op, "inv_temperature", inv_temperature, N, ct);
-  check_vec(op, "row_ptr", row_ptr, N + 1, torch::kInt64);
+  check_vec(op, "inv_temperature", inv_temperature, hidden.size(0), ct);
+  return ct;
+}
+
+// The linear head's common checks; returns the compute dtype.
+at::ScalarType check_linear(const char* op, const torch::Tensor& hidden, const torch::Tensor& weight,
+                            const c10::optional<torch::Tensor>& bias, const torch::Tensor& inv_temperature,
+                            const torch::Tensor& row_ptr, const torch::Tensor& sorted_targets) {
+  const auto ct = check_head(op, hidden, weight, bias, inv_temperature);
+  check_vec(op, "row_ptr", row_ptr, hidden.size(0) + 1, torch::kInt64);
   check_cpu_contig(op, "sorted_targets", sorted_targets);
   TORCH_CHECK(sorted_targets.dim() == 1 && sorted_targets.scalar_type() == torch::kInt64, op,
               ": sorted_targets must be a 1-D int64 tensor");
   return ct;
 }
 
-at::ScalarType check_logits(const char* op, const torch::Tensor& logits, const torch::Tensor& targets,
-                            const torch::Tensor& inv_temperature) {
+// The logits alone; returns the compute dtype.
+at::ScalarType check_logits_rows(const char* op, const torch::Tensor& logits) {
   TORCH_CHECK(logits.device().is_cpu(), op, ": logits must be a CPU tensor");
   check_float(op, "logits", logits);
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 1, op, ": logits must be [N, V] with V >= 1, got ",
@@ -1064,11 +1522,69 @@ at::ScalarType check_logits(const char* op, const torch::Tensor& logits, const t
   // Any row stride: rows are only read, so rows that overlap or coincide (stride 0: an expanded view)
   // are fine; the backward writes a fresh gradient.
   TORCH_CHECK(logits.stride(1) == 1 || logits.size(1) == 1, op, ": logits rows must be contiguous");
-  const int64_t N = logits.size(0);
-  const auto ct = compute_dtype(logits.scalar_type());
-  check_vec(op, "targets", targets, N, torch::kInt64);
-  check_vec(op, "inv_temperature", inv_temperature, N, ct);
+  return compute_dtype(logits.scalar_type());
+}
+
+at::ScalarType check_logits(const char* op, const torch::Tensor& logits, const torch::Tensor& targets,
+                            const torch::Tensor& inv_temperature) {
+  const auto ct = check_logits_rows(op, logits);
+  check_vec(op, "targets", targets, logits.size(0), torch::kInt64);
+  check_vec(op, "inv_temperature", inv_temperature, logits.size(0), ct);
   return ct;
+}
+
+// The support of a call with `code` (its support_mode) over N rows of V columns: None for NONE, int32
+// [N, ceil(V / 32)] for MASK, [N] in the compute dtype for THRESHOLD.
+SupportMode check_support(const char* op, int64_t code, const c10::optional<torch::Tensor>& support, int64_t N,
+                          int64_t V, at::ScalarType ct) {
+  TORCH_CHECK(valid_SupportMode(code), op, ": support_mode must be a SupportMode code, got ", code);
+  const auto mode = static_cast<SupportMode>(code);
+  if (mode == SupportMode::NONE) {
+    TORCH_CHECK(!support.has_value(), op, ": support must be None with SupportMode.NONE");
+    return mode;
+  }
+  TORCH_CHECK(support.has_value(), op, ": support is required with support_mode ", code);
+  if (mode == SupportMode::MASK) {
+    const torch::Tensor& s = *support;
+    check_cpu_contig(op, "support", s);
+    const int64_t words = (V + 31) / 32;
+    TORCH_CHECK(s.dim() == 2 && s.size(0) == N && s.size(1) == words, op, ": support (a MASK) must have shape [", N,
+                ", ", words, "], got ", s.sizes());
+    TORCH_CHECK(s.scalar_type() == torch::kInt32, op, ": support (a MASK) must be int32, got ", s.scalar_type());
+  } else {
+    check_vec(op, "support", *support, N, ct);
+  }
+  return mode;
+}
+
+template <typename T>
+Support<T> support_of(SupportMode mode, const c10::optional<torch::Tensor>& support) {
+  Support<T> s;
+  s.mode = mode;
+  if (mode == SupportMode::MASK) {
+    s.mask = support->data_ptr<int32_t>();
+    s.words = support->size(1);
+  } else if (mode == SupportMode::THRESHOLD) {
+    s.thr = support->data_ptr<T>();
+  }
+  return s;
+}
+
+// The threshold kernels' filters: top_k int64 [N], top_p and min_p [N] in the compute dtype.
+SamplingConvention check_filters(const char* op, const torch::Tensor& top_k, const torch::Tensor& top_p,
+                                 const torch::Tensor& min_p, int64_t convention, int64_t N, at::ScalarType ct) {
+  check_vec(op, "top_k", top_k, N, torch::kInt64);
+  check_vec(op, "top_p", top_p, N, ct);
+  check_vec(op, "min_p", min_p, N, ct);
+  TORCH_CHECK(valid_SamplingConvention(convention), op, ": convention must be a SamplingConvention code, got ",
+              convention);
+  return static_cast<SamplingConvention>(convention);
+}
+
+template <typename T>
+Filters<T> filters_of(const torch::Tensor& top_k, const torch::Tensor& top_p, const torch::Tensor& min_p,
+                      SamplingConvention conv) {
+  return {top_k.data_ptr<int64_t>(), top_p.data_ptr<T>(), min_p.data_ptr<T>(), conv};
 }
 
 template <typename T>
@@ -1101,12 +1617,13 @@ using compute_t = std::conditional_t<std::is_same<scalar_t, double>::value, doub
 std::tuple<torch::Tensor, torch::Tensor> linear_logprobs_stats_cpu(
     const torch::Tensor& hidden, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
     const torch::Tensor& inv_temperature, const torch::Tensor& row_ptr, const torch::Tensor& sorted_targets,
-    c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams) {
+    const c10::optional<torch::Tensor>& support, c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams) {
   const char* op = "linear_logprobs_stats";
   const auto p = LinearLogprobsStatsParams::unpack(fparams, iparams);
   const LogitsPrecision prec = check_precision(op, p.logits_precision);
   const auto ct = check_linear(op, hidden, weight, bias, inv_temperature, row_ptr, sorted_targets);
   const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0), M = sorted_targets.size(0);
+  const SupportMode mode = check_support(op, p.support_mode, support, N, V, ct);
   torch::Tensor stats = torch::empty({N, kNumStats}, torch::dtype(ct));
   torch::Tensor target_logits = torch::zeros({M}, torch::dtype(ct));
   if (N == 0) return {stats, target_logits};
@@ -1127,6 +1644,7 @@ std::tuple<torch::Tensor, torch::Tensor> linear_logprobs_stats_cpu(
     c.tanh_scale = T(p.tanh_scale);
     c.need_entropy = p.need_entropy != 0;
     c.extra = {p.need_sum_sq != 0, p.need_sum_z != 0, p.need_argmax != 0};
+    c.sup = support_of<T>(mode, support);
     c.target_logits = target_logits.data_ptr<T>();
     linear_fwd(c, stats.data_ptr<T>());
   });
@@ -1137,7 +1655,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> linear_logprobs_bwd_cpu(
     const torch::Tensor& hidden, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
     const torch::Tensor& inv_temperature, const torch::Tensor& row_ptr, const torch::Tensor& sorted_targets,
     const torch::Tensor& sorted_grad, const torch::Tensor& lse, const torch::Tensor& entropy,
-    const c10::optional<torch::Tensor>& grad_entropy, c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams) {
+    const c10::optional<torch::Tensor>& grad_entropy, const c10::optional<torch::Tensor>& support,
+    c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams) {
   const char* op = "linear_logprobs_bwd";
   const auto p = LinearLogprobsBwdParams::unpack(fparams, iparams);
   const LogitsPrecision prec = check_precision(op, p.logits_precision);
@@ -1148,6 +1667,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> linear_logprobs_bwd_cpu(
   check_vec(op, "lse", lse, N, ct);
   check_vec(op, "entropy", entropy, N, ct);
   if (grad_entropy.has_value()) check_vec(op, "grad_entropy", *grad_entropy, N, ct);
+  const SupportMode mode = check_support(op, p.support_mode, support, N, V, ct);
   TORCH_CHECK(!need_bias || bias.has_value(), op, ": need_bias without a bias");
 
   const auto dt = hidden.scalar_type();
@@ -1185,6 +1705,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> linear_logprobs_bwd_cpu(
     c.h = opt_ptr<T>(grad_entropy);
     c.G = G.data();
     c.tanh_scale = T(p.tanh_scale);
+    c.sup = support_of<T>(mode, support);
     linear_bwd(c, need_hidden ? gh.data_ptr<scalar_t>() : nullptr, need_weight ? gw.data_ptr<scalar_t>() : nullptr,
                need_bias ? gb.data_ptr<scalar_t>() : nullptr);
   });
@@ -1194,12 +1715,14 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> linear_logprobs_bwd_cpu(
 std::tuple<torch::Tensor, torch::Tensor> logprobs_from_logits_stats_cpu(const torch::Tensor& logits,
                                                                         const torch::Tensor& targets,
                                                                         const torch::Tensor& inv_temperature,
+                                                                        const c10::optional<torch::Tensor>& support,
                                                                         c10::ArrayRef<double> fparams,
                                                                         c10::ArrayRef<int64_t> iparams) {
   const char* op = "logprobs_from_logits_stats";
   const auto p = LogprobsStatsParams::unpack(fparams, iparams);
   const auto ct = check_logits(op, logits, targets, inv_temperature);
   const int64_t N = logits.size(0), V = logits.size(1);
+  const SupportMode mode = check_support(op, p.support_mode, support, N, V, ct);
   torch::Tensor stats = torch::empty({N, kNumStats}, torch::dtype(ct));
   torch::Tensor target_logits = torch::empty({N}, torch::dtype(ct));
   if (N == 0) return {stats, target_logits};
@@ -1213,9 +1736,10 @@ std::tuple<torch::Tensor, torch::Tensor> logprobs_from_logits_stats_cpu(const to
     c.N = N;
     c.V = V;
     c.need_entropy = p.need_entropy != 0;
+    c.sup = support_of<T>(mode, support);
     c.stats = stats.data_ptr<T>();
     c.target_logits = target_logits.data_ptr<T>();
-    logits_rows<LogitsFwdRows<T, scalar_t>>(c);
+    logits_rows<LogitsFwdRows>(c);
   });
   return {stats, target_logits};
 }
@@ -1223,14 +1747,18 @@ std::tuple<torch::Tensor, torch::Tensor> logprobs_from_logits_stats_cpu(const to
 torch::Tensor logprobs_from_logits_bwd_cpu(const torch::Tensor& logits, const torch::Tensor& targets,
                                            const torch::Tensor& inv_temperature, const torch::Tensor& grad_logp,
                                            const torch::Tensor& lse, const torch::Tensor& entropy,
-                                           const c10::optional<torch::Tensor>& grad_entropy) {
+                                           const c10::optional<torch::Tensor>& grad_entropy,
+                                           const c10::optional<torch::Tensor>& support, c10::ArrayRef<double> fparams,
+                                           c10::ArrayRef<int64_t> iparams) {
   const char* op = "logprobs_from_logits_bwd";
+  const auto p = LogprobsBwdParams::unpack(fparams, iparams);
   const auto ct = check_logits(op, logits, targets, inv_temperature);
   const int64_t N = logits.size(0), V = logits.size(1);
   check_vec(op, "grad_logp", grad_logp, N, ct);
   check_vec(op, "lse", lse, N, ct);
   check_vec(op, "entropy", entropy, N, ct);
   if (grad_entropy.has_value()) check_vec(op, "grad_entropy", *grad_entropy, N, ct);
+  const SupportMode mode = check_support(op, p.support_mode, support, N, V, ct);
   torch::Tensor grad = empty_output({N, V}, logits.scalar_type());
   if (N == 0) return grad;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "logprobs_from_logits_bwd", [&] {
@@ -1246,10 +1774,64 @@ torch::Tensor logprobs_from_logits_bwd_cpu(const torch::Tensor& logits, const to
     c.lse = lse.data_ptr<T>();
     c.ent = entropy.data_ptr<T>();
     c.h = opt_ptr<T>(grad_entropy);
+    c.sup = support_of<T>(mode, support);
     c.grad = grad.data_ptr<scalar_t>();
-    logits_rows<LogitsBwdRows<T, scalar_t>>(c);
+    logits_rows<LogitsBwdRows>(c);
   });
   return grad;
+}
+
+torch::Tensor linear_logprobs_threshold_cpu(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                            const c10::optional<torch::Tensor>& bias,
+                                            const torch::Tensor& inv_temperature, const torch::Tensor& top_k,
+                                            const torch::Tensor& top_p, const torch::Tensor& min_p,
+                                            c10::ArrayRef<double> fparams, c10::ArrayRef<int64_t> iparams) {
+  const char* op = "linear_logprobs_threshold";
+  const auto p = LinearLogprobsThresholdParams::unpack(fparams, iparams);
+  const LogitsPrecision prec = check_precision(op, p.logits_precision);
+  const auto ct = check_head(op, hidden, weight, bias, inv_temperature);
+  const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
+  const SamplingConvention conv = check_filters(op, top_k, top_p, min_p, p.convention, N, ct);
+  torch::Tensor out = torch::empty({N}, torch::dtype(ct));
+  if (N == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "linear_logprobs_threshold", [&] {
+    using T = compute_t<scalar_t>;
+    std::vector<T> bias_store;
+    Linear<T, scalar_t> c{};
+    c.hidden = hidden.data_ptr<scalar_t>();
+    c.weight = weight.data_ptr<scalar_t>();
+    c.bias = bias_ptr<T, scalar_t>(bias, bias_store, prec);
+    c.prec = prec;
+    c.inv_t = inv_temperature.data_ptr<T>();
+    c.N = N;
+    c.H = H;
+    c.V = V;
+    c.tanh_scale = T(p.tanh_scale);
+    linear_threshold(c, filters_of<T>(top_k, top_p, min_p, conv), out.data_ptr<T>());
+  });
+  return out;
+}
+
+torch::Tensor logprobs_from_logits_threshold_cpu(const torch::Tensor& logits, const torch::Tensor& inv_temperature,
+                                                 const torch::Tensor& top_k, const torch::Tensor& top_p,
+                                                 const torch::Tensor& min_p, c10::ArrayRef<double> fparams,
+                                                 c10::ArrayRef<int64_t> iparams) {
+  const char* op = "logprobs_from_logits_threshold";
+  const auto p = LogprobsThresholdParams::unpack(fparams, iparams);
+  const auto ct = check_logits_rows(op, logits);
+  const int64_t N = logits.size(0), V = logits.size(1);
+  check_vec(op, "inv_temperature", inv_temperature, N, ct);
+  const SamplingConvention conv = check_filters(op, top_k, top_p, min_p, p.convention, N, ct);
+  torch::Tensor out = torch::empty({N}, torch::dtype(ct));
+  if (N == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "logprobs_from_logits_threshold",
+                                  [&] {
+                                    using T = compute_t<scalar_t>;
+                                    logits_threshold(logits.data_ptr<scalar_t>(), logits.stride(0),
+                                                     inv_temperature.data_ptr<T>(), N, V,
+                                                     filters_of<T>(top_k, top_p, min_p, conv), out.data_ptr<T>());
+                                  });
+  return out;
 }
 
 }  // namespace rlvr

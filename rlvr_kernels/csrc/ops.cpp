@@ -9,6 +9,7 @@
 #include "packing.h"
 #include "policy_loss.h"
 #include "rollout_mismatch.h"
+#include "support_bits.h"
 
 TORCH_LIBRARY(rlvr_kernels_C, m) {
   m.def(
@@ -30,20 +31,27 @@ TORCH_LIBRARY(rlvr_kernels_C, m) {
   m.def("policy_loss_grad(Tensor coef, Tensor up, ScalarType dtype) -> Tensor");
   m.def(
       "linear_logprobs_stats(Tensor hidden, Tensor weight, Tensor? bias, Tensor inv_temperature, Tensor row_ptr, "
-      "Tensor sorted_targets, float[] fparams, int[] iparams) -> (Tensor, Tensor)");
+      "Tensor sorted_targets, Tensor? support, float[] fparams, int[] iparams) -> (Tensor, Tensor)");
   m.def(
       "linear_logprobs_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor inv_temperature, Tensor row_ptr, "
-      "Tensor sorted_targets, Tensor sorted_grad, Tensor lse, Tensor entropy, Tensor? grad_entropy, float[] fparams, "
-      "int[] iparams) -> (Tensor, Tensor, Tensor)");
+      "Tensor sorted_targets, Tensor sorted_grad, Tensor lse, Tensor entropy, Tensor? grad_entropy, Tensor? support, "
+      "float[] fparams, int[] iparams) -> (Tensor, Tensor, Tensor)");
   m.def(
-      "logprobs_from_logits_stats(Tensor logits, Tensor targets, Tensor inv_temperature, float[] fparams, "
-      "int[] iparams) -> (Tensor, Tensor)");
+      "logprobs_from_logits_stats(Tensor logits, Tensor targets, Tensor inv_temperature, Tensor? support, "
+      "float[] fparams, int[] iparams) -> (Tensor, Tensor)");
   m.def(
       "logprobs_from_logits_bwd(Tensor logits, Tensor targets, Tensor inv_temperature, Tensor grad_logp, Tensor lse, "
-      "Tensor entropy, Tensor? grad_entropy) -> Tensor");
+      "Tensor entropy, Tensor? grad_entropy, Tensor? support, float[] fparams, int[] iparams) -> Tensor");
+  m.def(
+      "linear_logprobs_threshold(Tensor hidden, Tensor weight, Tensor? bias, Tensor inv_temperature, Tensor top_k, "
+      "Tensor top_p, Tensor min_p, float[] fparams, int[] iparams) -> Tensor");
+  m.def(
+      "logprobs_from_logits_threshold(Tensor logits, Tensor inv_temperature, Tensor top_k, Tensor top_p, "
+      "Tensor min_p, float[] fparams, int[] iparams) -> Tensor");
   m.def(
       "rollout_mismatch_stats(Tensor train_logprobs, Tensor rollout_logprobs, Tensor? response_mask, "
       "Tensor? cu_seqlens, float[] fparams, int[] iparams) -> (Tensor, Tensor, Tensor)");
+  m.def("support_bits(Tensor support_ids, Tensor support_offsets, int vocab) -> Tensor");
   m.def(
       "prefix_tree_build(Tensor tokens, Tensor cu_tokens, Tensor trained, Tensor group, Tensor order, Tensor row_cu, "
       "Tensor? token_values, Tensor? sample_values, bool next_key) -> Tensor[]");
@@ -72,7 +80,10 @@ TORCH_LIBRARY_IMPL(rlvr_kernels_C, CPU, m) {
   m.impl("linear_logprobs_bwd", &rlvr::linear_logprobs_bwd_cpu);
   m.impl("logprobs_from_logits_stats", &rlvr::logprobs_from_logits_stats_cpu);
   m.impl("logprobs_from_logits_bwd", &rlvr::logprobs_from_logits_bwd_cpu);
+  m.impl("linear_logprobs_threshold", &rlvr::linear_logprobs_threshold_cpu);
+  m.impl("logprobs_from_logits_threshold", &rlvr::logprobs_from_logits_threshold_cpu);
   m.impl("rollout_mismatch_stats", &rlvr::rollout_mismatch_stats_cpu);
+  m.impl("support_bits", &rlvr::support_bits_cpu);
   m.impl("prefix_tree_build", &rlvr::prefix_tree_build_cpu);
 }
 

@@ -74,6 +74,44 @@ to bf16 (to nearest even) and y = bf16(acc + b) (fp64 inputs: each rounding thro
     (logits' dtype, a fresh contiguous tensor whatever the logits' strides), dz as above
     with one target per row (G_n = g_n). No scalar parameters.
 
+Sampling support (docs/logprobs.md, "Sampling support"): the four kernels above also take
+``support`` (after ``sorted_targets`` / ``targets`` in the forward kernels, after
+``grad_entropy`` in the backward ones) and ``support_mode`` (a ``SupportMode``, the last
+int parameter of each; ``logprobs_from_logits_bwd`` takes ``LogprobsBwdParams`` for it):
+    NONE: support is None, every column is kept (all of the above).
+    MASK: support int32 [N, ceil(V / 32)] contiguous (V: the local vocabulary); column v of
+      row n is kept iff bit (v % 32) of support[n, v // 32] is set (bits past V are ignored).
+    THRESHOLD: support [N] in the compute dtype; column v of row n is kept iff
+      z[n, v] >= support[n] (z as the kernel forms it; −inf keeps every column, NaN none).
+    Every statistic is taken over the kept columns only (a column not kept counts as
+    z = −inf); a row with no kept column gets MAX = −inf, SUM_EXP = 0, SUM_EXP_SHIFT = 0 and
+    the optional columns 0. target_logits[k] = z if the target is in [0, V) and kept, −inf if
+    it is in [0, V) and not kept, 0 if out of range. In the backward dz[n, v] = 0 for a column
+    not kept (selected, never a product with exp(z − lse), so an empty row's lse = −inf makes
+    no NaN) and the formula above for a kept one; the op passes g = 0 for a target outside the
+    support, so G_n sums the kept targets' gradients only.
+
+  linear_logprobs_threshold(hidden, weight, bias, inv_temperature, top_k [N] int64,
+                            top_p [N], min_p [N],
+                            LinearLogprobsThresholdParams(tanh_scale, logits_precision, convention))
+  logprobs_from_logits_threshold(logits, inv_temperature, top_k, top_p, min_p,
+                                 LogprobsThresholdParams(convention))
+      -> threshold [N] (compute dtype): the THRESHOLD support of the engine's top-k / top-p /
+         min-p filters (top_p, min_p in the compute dtype). With z the row as the stats kernel
+         forms it, m = max z and e_v = exp(z_v − m):
+    min-p (0 < min_p): t_min = the least z_v with e_v >= min_p; else −inf.
+    top-k (0 < top_k < V): t_k = the top_k-th largest z_v (counted with multiplicity, so a tie
+      with it is kept whole); else −inf.   t1 = max(t_min, t_k),  U = {v : z_v >= t1}.
+    top-p (top_p < 1): with B(v) = Σ_{u in U, z_u > z_v} e_u and P = top_p · Σ_{u in U} e_u
+      (VLLM) or P = top_p · Σ_u e_u (SGLANG), t_p = the least z_v in U with B(v) < P (VLLM) or
+      B(v) <= P (SGLANG); else −inf. The max is always kept.
+    t = max(t1, t_p) is a value of the row; the kernel returns a number strictly between t and
+      the largest row value below it (−inf if there is none): lo + (t − lo)/2, or t when that
+      rounds to lo. So recomputing z in another tiling cannot move a column across it.
+    The filters read z in the compute dtype; the sums may be taken in any order (a column whose
+    B(v) lies within the sums' rounding of P may go either way). Memory: a bounded buffer of
+    rows at a time (never [N, V]); no sort.
+
 Every kernel: N = 0 or M = 0 gives empty outputs; V >= 1 is guaranteed by validation, and
 every C++ entry point checks the shape relations above (TORCH_CHECK) itself. A row's
 forward result is bitwise independent of the other rows in the batch (fixed tiling, no
@@ -108,9 +146,14 @@ from ..contracts.logprobs import (
     NUM_STATS,
     LinearLogprobsBwdParams,
     LinearLogprobsStatsParams,
+    LinearLogprobsThresholdParams,
     LogitsPrecision,
+    LogprobsBwdParams,
     LogprobsStat,
     LogprobsStatsParams,
+    LogprobsThresholdParams,
+    SamplingConvention,
+    SupportMode,
 )
 
 _Triple = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -121,6 +164,8 @@ _INT64 = torch.iinfo(torch.int64)
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 # ``logits_precision`` values (docs/logprobs.md, "Logits precision") and their kernel codes.
 LOGITS_PRECISIONS = {"fp32": LogitsPrecision.FP32, "tf32": LogitsPrecision.TF32, "bf16": LogitsPrecision.BF16}
+# ``sampling_convention`` values (docs/logprobs.md, "Sampling support") and their kernel codes.
+SAMPLING_CONVENTIONS = {"vllm": SamplingConvention.VLLM, "sglang": SamplingConvention.SGLANG}
 # The ARGMAX stats column holds a column index in the compute dtype: exact up to 2^24 in fp32.
 _MAX_TOP1_VOCAB = 2**24
 
@@ -136,12 +181,23 @@ class LinearLogprobs(NamedTuple):
     mean_logits: Optional[torch.Tensor]  # [N]: mean over the vocabulary of z (no gradient)
     is_top1: Optional[torch.Tensor]  # [M] bool: the target is the row's first argmax (no gradient)
 
+    @property
+    def outside_support(self) -> torch.Tensor:
+        """[M] bool: the target lies outside its row's sampling support (its log-prob is −inf);
+        all False without a support."""
+        return torch.isneginf(self.logp.detach())
+
 
 class LogprobsFromLogits(NamedTuple):
     """What ``logprobs_from_logits`` returns, whatever is asked; both shaped like the targets."""
 
     logp: torch.Tensor  # log-prob of each target (0 for ignored ones)
     entropy: Optional[torch.Tensor]  # entropy of each row's distribution; None without return_entropy
+
+    @property
+    def outside_support(self) -> torch.Tensor:
+        """Shaped like the targets: outside its row's sampling support (log-prob −inf)."""
+        return torch.isneginf(self.logp.detach())
 
 
 # ------------------------------------------------------------------ custom ops: the kernels
@@ -155,12 +211,14 @@ def _linear_stats(
     inv_temperature: torch.Tensor,
     row_ptr: torch.Tensor,
     sorted_targets: torch.Tensor,
+    support: Optional[torch.Tensor],
     tanh_scale: float,
     need_entropy: bool,
     need_sum_sq: bool,
     need_sum_z: bool,
     need_argmax: bool,
     logits_precision: int,
+    support_mode: int,
     backend: str,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(stats [N, NUM_STATS], target_logits [M]) of the kernel contract."""
@@ -171,8 +229,9 @@ def _linear_stats(
         need_sum_z=need_sum_z,
         need_argmax=need_argmax,
         logits_precision=LogitsPrecision(logits_precision),
+        support_mode=SupportMode(support_mode),
     )
-    args = (hidden, weight, bias, inv_temperature, row_ptr, sorted_targets, *params.pack())
+    args = (hidden, weight, bias, inv_temperature, row_ptr, sorted_targets, support, *params.pack())
     return _dispatch.run("linear_logprobs_stats", backend, hidden.device, *args)
 
 
@@ -184,12 +243,14 @@ def _(
     inv_temperature,
     row_ptr,
     sorted_targets,
+    support,
     tanh_scale,
     need_entropy,
     need_sum_sq,
     need_sum_z,
     need_argmax,
     logits_precision,
+    support_mode,
     backend,
 ):
     dt = _compute_dtype(hidden.dtype)
@@ -208,11 +269,13 @@ def _linear_bwd(
     lse: torch.Tensor,
     entropy: torch.Tensor,
     grad_entropy: Optional[torch.Tensor],
+    support: Optional[torch.Tensor],
     tanh_scale: float,
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
     logits_precision: int,
+    support_mode: int,
     backend: str,
 ) -> _Triple:
     """(grad_hidden, grad_weight, grad_bias) of the kernel contract."""
@@ -222,8 +285,21 @@ def _linear_bwd(
         need_weight=need_weight,
         need_bias=need_bias,
         logits_precision=LogitsPrecision(logits_precision),
+        support_mode=SupportMode(support_mode),
     )
-    args = (hidden, weight, bias, inv_temperature, row_ptr, sorted_targets, sorted_grad, lse, entropy, grad_entropy)
+    args = (
+        hidden,
+        weight,
+        bias,
+        inv_temperature,
+        row_ptr,
+        sorted_targets,
+        sorted_grad,
+        lse,
+        entropy,
+        grad_entropy,
+        support,
+    )
     return _dispatch.run("linear_logprobs_bwd", backend, hidden.device, *args, *params.pack())
 
 
@@ -239,11 +315,13 @@ def _(
     lse,
     entropy,
     grad_entropy,
+    support,
     tanh_scale,
     need_hidden,
     need_weight,
     need_bias,
     logits_precision,
+    support_mode,
     backend,
 ):
     empty = hidden.new_empty((0,))
@@ -252,6 +330,56 @@ def _(
         torch.empty_like(weight) if need_weight else weight.new_empty((0,)),
         torch.empty_like(bias) if need_bias and bias is not None else weight.new_empty((0,)),
     )
+
+
+@torch.library.custom_op("rlvr_kernels::linear_logprobs_threshold", mutates_args=())
+def _linear_threshold(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    inv_temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    tanh_scale: float,
+    logits_precision: int,
+    convention: int,
+    backend: str,
+) -> torch.Tensor:
+    """threshold [N] of the kernel contract (the THRESHOLD support of top-k / top-p / min-p)."""
+    params = LinearLogprobsThresholdParams(
+        tanh_scale=tanh_scale,
+        logits_precision=LogitsPrecision(logits_precision),
+        convention=SamplingConvention(convention),
+    )
+    args = (hidden, weight, bias, inv_temperature, top_k, top_p, min_p, *params.pack())
+    return _dispatch.run("linear_logprobs_threshold", backend, hidden.device, *args)
+
+
+@_linear_threshold.register_fake
+def _(hidden, weight, bias, inv_temperature, top_k, top_p, min_p, tanh_scale, logits_precision, convention, backend):
+    return hidden.new_empty((hidden.shape[0],), dtype=_compute_dtype(hidden.dtype))
+
+
+@torch.library.custom_op("rlvr_kernels::logprobs_from_logits_threshold", mutates_args=())
+def _logits_threshold(
+    logits: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    convention: int,
+    backend: str,
+) -> torch.Tensor:
+    """threshold [N] of the kernel contract, from logits [N, V] (rows contiguous)."""
+    params = LogprobsThresholdParams(convention=SamplingConvention(convention))
+    args = (logits, inv_temperature, top_k, top_p, min_p, *params.pack())
+    return _dispatch.run("logprobs_from_logits_threshold", backend, logits.device, *args)
+
+
+@_logits_threshold.register_fake
+def _(logits, inv_temperature, top_k, top_p, min_p, convention, backend):
+    return logits.new_empty((logits.shape[0],), dtype=_compute_dtype(logits.dtype))
 
 
 # ------------------------------------------------------------------ custom ops: linear_logprobs
@@ -275,6 +403,8 @@ class _LinearArgs(NamedTuple):
     need_sum_z: bool  # mean_logits
     need_top1: bool  # is_top1
     logits_precision: int  # a LogitsPrecision (contract)
+    support: Optional[torch.Tensor]  # the kernels' sampling support (contract; None: every column)
+    support_mode: int  # a SupportMode (contract)
     backend: str
 
 
@@ -290,6 +420,8 @@ class _LinearSaved(NamedTuple):
     inv_temperature: torch.Tensor
     lse: torch.Tensor
     entropy: torch.Tensor
+    support: Optional[torch.Tensor]
+    outside: Optional[torch.Tensor]  # [M] bool: the target is outside the support (None without one)
 
 
 class _VocabShard(NamedTuple):
@@ -314,12 +446,14 @@ def _linear_forward(a: _LinearArgs, shard: Optional[_VocabShard]) -> _Six:
         a.inv_temperature,
         a.row_ptr,
         local,
+        a.support,
         a.tanh_scale,
         a.return_entropy,
         a.need_sum_sq,
         a.need_sum_z,
         a.need_top1,
         a.logits_precision,
+        a.support_mode,
         a.backend,
     )
     if shard is not None:
@@ -351,6 +485,8 @@ def _linear_logprobs(
     need_sum_z: bool,
     need_top1: bool,
     logits_precision: int,
+    support: Optional[torch.Tensor],
+    support_mode: int,
     backend: str,
 ) -> _Six:
     """(logp [M], entropy [N], lse [N], log_sum_sq_probs [N], mean_logits [N], is_top1 [M] bool)
@@ -376,6 +512,8 @@ def _linear_logprobs_vocab_parallel(
     need_sum_z: bool,
     need_top1: bool,
     logits_precision: int,
+    support: Optional[torch.Tensor],
+    support_mode: int,
     backend: str,
     group_name: str,
     vocab_start: int,
@@ -413,7 +551,7 @@ def _linear_setup_context(ctx, inputs, output):
     k = len(_LinearArgs._fields)
     a = _LinearArgs(*inputs[:k])
     ctx.shard = _VocabShard(*inputs[k:]) if len(inputs) > k else None
-    _, entropy, lse, log_sum_sq, mean_logits, _ = output
+    logp, entropy, lse, log_sum_sq, mean_logits, _ = output
     ctx.mark_non_differentiable(lse, log_sum_sq, mean_logits)
     saved = _LinearSaved(
         hidden=a.hidden,
@@ -425,10 +563,14 @@ def _linear_setup_context(ctx, inputs, output):
         inv_temperature=a.inv_temperature,
         lse=lse,
         entropy=entropy,
+        support=a.support,
+        # A target outside the support has the constant log-prob −inf: no gradient, and its
+        # upstream gradient must not pull its row's columns down (G_n of the contract).
+        outside=None if a.support is None else torch.isneginf(logp),
     )
     ctx.save_for_backward(*saved)
     ctx.ignore_index, ctx.return_entropy, ctx.backend = a.ignore_index, a.return_entropy, a.backend
-    ctx.tanh_scale, ctx.logits_precision = a.tanh_scale, a.logits_precision
+    ctx.tanh_scale, ctx.logits_precision, ctx.support_mode = a.tanh_scale, a.logits_precision, a.support_mode
 
 
 def _linear_backward(ctx, g_logp, g_entropy, *_no_grad):
@@ -439,7 +581,7 @@ def _linear_backward(ctx, g_logp, g_entropy, *_no_grad):
     # With a shard every rank runs the backward's all-reduce, whatever its own inputs need.
     if shard is None and not (need.hidden or need.weight or need.bias):
         return _grads_by_name(_LinearArgs)
-    g, grad_entropy = _upstream(ctx, g_logp, g_entropy, s.targets, s.order, s.lse)
+    g, grad_entropy = _upstream(ctx, g_logp, g_entropy, s.targets, s.order, s.lse, s.outside)
     local = _local_sorted_targets(s.targets, s.order, ctx.ignore_index, 0 if shard is None else shard.vocab_start)
     gh, gw, gb = _linear_bwd(
         s.hidden,
@@ -452,11 +594,13 @@ def _linear_backward(ctx, g_logp, g_entropy, *_no_grad):
         s.lse,
         s.entropy,
         grad_entropy,
+        s.support,
         ctx.tanh_scale,
         need.hidden or shard is not None,
         need.weight,
         need.bias and s.bias is not None,
         ctx.logits_precision,
+        ctx.support_mode,
         ctx.backend,
     )
     if shard is not None:
@@ -488,6 +632,8 @@ class _LogitsArgs(NamedTuple):
     inv_temperature: torch.Tensor  # [N], compute dtype
     ignore_index: int
     return_entropy: bool
+    support: Optional[torch.Tensor]  # the kernels' sampling support (contract; None: every column)
+    support_mode: int  # a SupportMode (contract)
     backend: str
 
 
@@ -497,6 +643,8 @@ class _LogitsSaved(NamedTuple):
     inv_temperature: torch.Tensor
     lse: torch.Tensor
     entropy: torch.Tensor
+    support: Optional[torch.Tensor]
+    outside: Optional[torch.Tensor]  # [N] bool: the target is outside the support (None without one)
 
 
 @torch.library.custom_op("rlvr_kernels::logprobs_from_logits", mutates_args=())
@@ -506,20 +654,22 @@ def _from_logits(
     inv_temperature: torch.Tensor,
     ignore_index: int,
     return_entropy: bool,
+    support: Optional[torch.Tensor],
+    support_mode: int,
     backend: str,
 ) -> _Triple:
     """(logp [N], entropy [N], lse [N]) from logits [N, V] (rows contiguous)."""
     ignored = targets == ignore_index
     local = torch.where(ignored, torch.full_like(targets, -1), targets)
-    params = LogprobsStatsParams(need_entropy=return_entropy)
-    args = (logits, local, inv_temperature, *params.pack())
+    params = LogprobsStatsParams(need_entropy=return_entropy, support_mode=SupportMode(support_mode))
+    args = (logits, local, inv_temperature, support, *params.pack())
     stats, tlog = _dispatch.run("logprobs_from_logits_stats", backend, logits.device, *args)
     lse, entropy = _row_statistics(stats, logits.shape[1], return_entropy)
     return _target_logprobs(tlog, lse, None, None, ignored), entropy, lse
 
 
 @_from_logits.register_fake
-def _(logits, targets, inv_temperature, ignore_index, return_entropy, backend):
+def _(logits, targets, inv_temperature, ignore_index, return_entropy, support, support_mode, backend):
     dt = _compute_dtype(logits.dtype)
     n = logits.shape[0]
     return (
@@ -538,36 +688,57 @@ def _from_logits_bwd(
     lse: torch.Tensor,
     entropy: torch.Tensor,
     grad_entropy: Optional[torch.Tensor],
+    support: Optional[torch.Tensor],
+    support_mode: int,
     backend: str,
 ) -> torch.Tensor:
     """grad_logits [N, V] of the kernel contract: a fresh contiguous tensor (the gradient of
     an expanded view of the logits is summed by autograd, not here)."""
-    args = (logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy)
+    params = LogprobsBwdParams(support_mode=SupportMode(support_mode))
+    args = (logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, support, *params.pack())
     return _dispatch.run("logprobs_from_logits_bwd", backend, logits.device, *args)
 
 
 @_from_logits_bwd.register_fake
-def _(logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, backend):
+def _(logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, support, support_mode, backend):
     return logits.new_empty(logits.shape)
 
 
 def _from_logits_setup_context(ctx, inputs, output):
     a = _LogitsArgs(*inputs)
-    _, entropy, lse = output
+    logp, entropy, lse = output
     saved = _LogitsSaved(
-        logits=a.logits, targets=a.targets, inv_temperature=a.inv_temperature, lse=lse, entropy=entropy
+        logits=a.logits,
+        targets=a.targets,
+        inv_temperature=a.inv_temperature,
+        lse=lse,
+        entropy=entropy,
+        support=a.support,
+        outside=None if a.support is None else torch.isneginf(logp),
     )
     ctx.save_for_backward(*saved)
     ctx.ignore_index, ctx.return_entropy, ctx.backend = a.ignore_index, a.return_entropy, a.backend
+    ctx.support_mode = a.support_mode
 
 
 def _from_logits_backward(ctx, g_logp, g_entropy, g_lse):
     s = _LogitsSaved(*ctx.saved_tensors)
     if not _LogitsArgs(*ctx.needs_input_grad).logits:
         return _grads_by_name(_LogitsArgs)
-    g, grad_entropy = _upstream(ctx, g_logp, g_entropy, s.targets, None, s.lse)
+    g, grad_entropy = _upstream(ctx, g_logp, g_entropy, s.targets, None, s.lse, s.outside)
     local = torch.where(s.targets == ctx.ignore_index, torch.full_like(s.targets, -1), s.targets)
-    grad = _from_logits_bwd(s.logits, local, s.inv_temperature, g, s.lse, s.entropy, grad_entropy, ctx.backend)
+    grad = _from_logits_bwd(
+        s.logits,
+        local,
+        s.inv_temperature,
+        g,
+        s.lse,
+        s.entropy,
+        grad_entropy,
+        s.support,
+        ctx.support_mode,
+        ctx.backend,
+    )
     return _grads_by_name(_LogitsArgs, logits=grad)
 
 
@@ -763,6 +934,157 @@ def _check_values(targets, row_index, vocab_size: int, n: int, ignore_index: int
             )
 
 
+# ------------------------------------------------------------------ sampling support
+@dataclasses.dataclass(frozen=True)
+class _Sampling:
+    """A sampling support after the static checks: an explicit CSR, or the engine's filters
+    (each a number, a tensor broadcast to the rows, or None when not given)."""
+
+    ids: Optional[torch.Tensor]  # [nnz] int64
+    offsets: Optional[torch.Tensor]  # [N + 1] int64
+    top_k: Union[None, int, torch.Tensor]
+    top_p: Union[None, float, torch.Tensor]
+    min_p: Union[None, float, torch.Tensor]
+    convention: str  # a SAMPLING_CONVENTIONS name
+
+
+def _check_filter(name: str, value, rows_shape, like, like_name, validate, integer: bool, low: float, open_low: bool):
+    """top_k (an int; <= 0 keeps every column), top_p (in (0, 1]) or min_p (in [0, 1]): a number
+    or a tensor broadcastable to the rows; the tensor's values are checked with ``validate``."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        dtypes = INDEX_DTYPES if integer else FLOAT_DTYPES
+        check_tensor(name, value, dtypes=dtypes, like=like, like_name=like_name)
+        try:
+            out = torch.broadcast_to(value.detach(), tuple(rows_shape))
+        except RuntimeError:
+            raise ValueError(
+                f"{name}: expected a number or a tensor broadcastable to {tuple(rows_shape)} (one per row), "
+                f"got shape {tuple(value.shape)}"
+            ) from None
+        if not integer and checks_enabled(validate, value) and value.numel():
+            v = value.detach().double()
+            bad = ~(((v > low) if open_low else (v >= low)) & (v <= 1.0))
+            if bool(bad.any()):
+                idx = tuple(int(i) for i in bad.nonzero()[0])
+                bracket = "(" if open_low else "["
+                raise ValueError(f"{name}: expected values in {bracket}{low}, 1], got {float(v[idx])} at {idx}")
+        return out
+    if integer:
+        return check_int(name, value, minimum=_INT64.min, maximum=_INT64.max)
+    return check_number(name, value, minimum=low, maximum=1.0, open_low=open_low)
+
+
+def _check_sampling(
+    support_ids, support_offsets, top_k, top_p, min_p, sampling_convention, rows_shape, like, like_name, validate
+) -> Optional[_Sampling]:
+    """The sampling-support arguments of both ops (docs/logprobs.md, "Sampling support"), None
+    when none is given. Value checks of the CSR need ``validate`` (one host sync)."""
+    if not isinstance(sampling_convention, str) or sampling_convention not in SAMPLING_CONVENTIONS:
+        raise ValueError(
+            f"sampling_convention: expected one of {tuple(SAMPLING_CONVENTIONS)}, got {sampling_convention!r}"
+        )
+    explicit = support_ids is not None or support_offsets is not None
+    computed = top_k is not None or top_p is not None or min_p is not None
+    if explicit and computed:
+        raise ValueError(
+            "support_ids: give an explicit support (support_ids, support_offsets) or top_k / top_p / min_p, not both"
+        )
+    n = math.prod(rows_shape)
+    if explicit:
+        if support_ids is None or support_offsets is None:
+            missing = "support_ids" if support_ids is None else "support_offsets"
+            raise ValueError(f"{missing}: expected a tensor (support_ids and support_offsets go together)")
+        check_tensor("support_ids", support_ids, dtypes=INDEX_DTYPES, ndim=(1,), like=like, like_name=like_name)
+        check_tensor("support_offsets", support_offsets, dtypes=INDEX_DTYPES, ndim=(1,), like=like, like_name=like_name)
+        if support_offsets.shape[0] != n + 1:
+            raise ValueError(
+                f"support_offsets: expected shape ({n + 1},) (one more than the {n} rows), "
+                f"got {tuple(support_offsets.shape)}"
+            )
+        _check_count("support_ids", "ids", support_ids.shape[0])
+        return _Sampling(support_ids.long(), support_offsets.long(), None, None, None, sampling_convention)
+    if not computed:
+        return None
+    return _Sampling(
+        None,
+        None,
+        _check_filter("top_k", top_k, rows_shape, like, like_name, validate, True, 0.0, False),
+        _check_filter("top_p", top_p, rows_shape, like, like_name, validate, False, 0.0, True),
+        _check_filter("min_p", min_p, rows_shape, like, like_name, validate, False, 0.0, False),
+        sampling_convention,
+    )
+
+
+def _check_support_values(sampling: _Sampling, vocab_size: int, validate: bool) -> None:
+    """The explicit CSR's values (one host sync on CUDA; skipped like :func:`_check_values`):
+    offsets from 0 to len(support_ids), non-decreasing; ids in [0, V)."""
+    if sampling.ids is None or not checks_enabled(validate, sampling.ids, sampling.offsets):
+        return
+    off, ids = sampling.offsets, sampling.ids
+    if int(off[0]) != 0 or int(off[-1]) != ids.shape[0] or bool((off[1:] < off[:-1]).any()):
+        raise ValueError(
+            f"support_offsets: expected non-decreasing offsets from 0 to len(support_ids) = {ids.shape[0]}, "
+            f"got [{int(off[0])}, ..., {int(off[-1])}]"
+        )
+    if ids.numel() and bool(((ids < 0) | (ids >= vocab_size)).any()):
+        raise ValueError(
+            f"support_ids: expected ids in [0, {vocab_size}), got values in [{int(ids.min())}, {int(ids.max())}]"
+        )
+
+
+def _support_bits(sampling: _Sampling, n: int, vocab: int, backend: str) -> torch.Tensor:
+    """The MASK support (int32 [N, ceil(V / 32)]) of an explicit CSR, on the device without a
+    host sync, a sort or an [N, V] temporary (the ``support_bits`` kernels)."""
+    return _support_bits_op(sampling.ids, sampling.offsets, vocab, "auto" if backend == "reference" else backend)
+
+
+@torch.library.custom_op("rlvr_kernels::support_bits", mutates_args=())
+def _support_bits_op(
+    support_ids: torch.Tensor, support_offsets: torch.Tensor, vocab: int, backend: str
+) -> torch.Tensor:
+    """bits [N, ceil(V / 32)] int32 of the kernel contract ("Sampling support")."""
+    return _dispatch.run("support_bits", backend, support_ids.device, support_ids, support_offsets, vocab)
+
+
+@_support_bits_op.register_fake
+def _(support_ids, support_offsets, vocab, backend):
+    return support_ids.new_empty((support_offsets.shape[0] - 1, (vocab + 31) // 32), dtype=torch.int32)
+
+
+def _filter_rows(value, n: int, device, dtype, off) -> torch.Tensor:
+    """A filter as the threshold kernels take it: [n] contiguous, ``off`` where not given."""
+    if value is None:
+        return torch.full((n,), off, device=device, dtype=dtype)
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype).reshape(n).contiguous()
+    return torch.full((n,), value, device=device, dtype=dtype)
+
+
+def _filters(sampling: _Sampling, n: int, device, dtype) -> _Triple:
+    """(top_k int64 [N], top_p [N], min_p [N]) of the threshold kernels; an absent filter off."""
+    return (
+        _filter_rows(sampling.top_k, n, device, torch.int64, 0),
+        _filter_rows(sampling.top_p, n, device, dtype, 1.0),
+        _filter_rows(sampling.min_p, n, device, dtype, 0.0),
+    )
+
+
+def _sampling_kwargs(sampling: Optional[_Sampling]) -> dict:
+    """The reference's keyword arguments for a sampling support."""
+    if sampling is None:
+        return {}
+    return dict(
+        support_ids=sampling.ids,
+        support_offsets=sampling.offsets,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        min_p=sampling.min_p,
+        sampling_convention=sampling.convention,
+    )
+
+
 # ------------------------------------------------------------------ public functions
 def linear_logprobs(
     hidden: torch.Tensor,
@@ -778,6 +1100,12 @@ def linear_logprobs(
     softcap: Optional[float] = None,
     outputs: Sequence[str] = (),
     logits_precision: str = "fp32",
+    support_ids: Optional[torch.Tensor] = None,
+    support_offsets: Optional[torch.Tensor] = None,
+    top_k: Union[None, int, torch.Tensor] = None,
+    top_p: Union[None, float, torch.Tensor] = None,
+    min_p: Union[None, float, torch.Tensor] = None,
+    sampling_convention: str = "vllm",
     process_group=None,
     validate: bool = True,
     backend: str = "auto",
@@ -822,6 +1150,23 @@ def linear_logprobs(
             through every rounding: it is that of the softmax of the rounded logits, with
             d y / d(unrounded y) = 1 and the GEMM gradients formed with the operands as
             given (not rounded).
+        support_ids, support_offsets: an explicit sampling support (docs/logprobs.md,
+            "Sampling support"), the set the rollout engine kept for each hidden row: the ids
+            of row n are ``support_ids[support_offsets[n]:support_offsets[n + 1]]`` (int32/int64;
+            duplicates allowed; ``support_offsets`` has N + 1 entries from 0 to
+            len(support_ids)). The log-probs and entropy are then those of the distribution
+            restricted to the kept ids (after the temperature); a target outside gets −inf
+            and is flagged in the result's ``outside_support``; an empty row has entropy 0.
+        top_k, top_p, min_p: a computed sampling support, the rollout engine's filters (a
+            number, or a tensor broadcastable to ``[N]``): ``top_k`` an int (<= 0 or >= V: off),
+            ``top_p`` in (0, 1] (1: off), ``min_p`` in [0, 1] (0: off), on the logits after the
+            temperature, with ties kept whole; found inside the kernels without a sort or an
+            ``[N, V]`` tensor. Not together with an explicit support.
+        sampling_convention: whose definition of the filters: ``"vllm"`` (min-p, then top-k,
+            then top-p over the renormalised survivors) or ``"sglang"`` (each on the full
+            distribution). With a support, ``outputs`` may hold ``"entropy"`` only, and
+            ``process_group`` is refused. The gradient is that of the restricted
+            distribution (the support itself is a constant).
         process_group: vocab-parallel group (``torch.distributed``): every rank passes
             the same hidden/targets and its own weight shard; the result equals the
             unsharded op (soft-cap, logit scale and every output included; is_top1's
@@ -837,7 +1182,8 @@ def linear_logprobs(
         A :class:`LinearLogprobs` (logp [M], entropy [N], log_sum_sq_probs [N],
         mean_logits [N], is_top1 [M]) in fp32 (fp64 for fp64 inputs; is_top1 bool), None
         for those not requested (``return_entropy=True`` requests the entropy), whatever
-        is asked.
+        is asked; ``.outside_support`` ([M] bool) flags the targets outside a sampling
+        support.
     """
     if process_group is not None:
         collectives.check_eager("linear_logprobs")
@@ -858,6 +1204,20 @@ def linear_logprobs(
             return_entropy,
             logits_precision,
         )
+        sampling = _check_sampling(
+            support_ids,
+            support_offsets,
+            top_k,
+            top_p,
+            min_p,
+            sampling_convention,
+            (x.num_rows,),
+            hidden,
+            "hidden",
+            validate,
+        )
+        if sampling is not None:
+            _check_support_options(x.outputs, process_group)
         if process_group is not None and backend == "reference":
             raise ValueError("process_group: the reference backend is single-process; pass backend='auto'")
     except Exception:
@@ -868,6 +1228,8 @@ def linear_logprobs(
     if "is_top1" in x.outputs and vocab_size > _MAX_TOP1_VOCAB:
         raise ValueError(f"outputs: 'is_top1' supports vocabularies of at most {_MAX_TOP1_VOCAB}, got {vocab_size}")
     _check_values(x.targets, x.row_index, vocab_size, x.num_rows, ignore_index, validate)
+    if sampling is not None:
+        _check_support_values(sampling, vocab_size, validate)
     if backend == "reference":
         wanted = tuple(o for o in OPTIONAL_OUTPUTS if o in x.outputs)
         out = _dispatch.kernel("linear_logprobs", "reference")(
@@ -883,12 +1245,32 @@ def linear_logprobs(
             softcap=x.softcap,
             outputs=wanted,
             logits_precision=x.logits_precision,
+            **_sampling_kwargs(sampling),
         )
         # The reference gives the bare log-probs when nothing else is asked.
-        return LinearLogprobs(*out) if wanted else LinearLogprobs(out, None, None, None, None)
+        return LinearLogprobs(*out) if (wanted or sampling is not None) else LinearLogprobs(out, None, None, None, None)
     n = x.num_rows
     row_ptr, order = _csr(x.row_index, n, x.hidden.device)
     out_scale, tanh_scale = _transform_scales(x.logit_scale, x.softcap)
+    inv_t = _inv_temperature(x.temperature, n, x.hidden.device, _compute_dtype(x.hidden.dtype), out_scale)
+    precision = int(LOGITS_PRECISIONS[x.logits_precision])
+    support, support_mode = None, int(SupportMode.NONE)
+    if sampling is not None and sampling.ids is not None:
+        support, support_mode = _support_bits(sampling, n, x.vocab, backend), int(SupportMode.MASK)
+    elif sampling is not None:
+        # (the support is a constant of the loss: the threshold op has no autograd)
+        support = _linear_threshold(
+            x.hidden.detach(),
+            x.weight.detach(),
+            None if x.bias is None else x.bias.detach(),
+            inv_t,
+            *_filters(sampling, n, x.hidden.device, inv_t.dtype),
+            tanh_scale,
+            precision,
+            int(SAMPLING_CONVENTIONS[sampling.convention]),
+            backend,
+        )
+        support_mode = int(SupportMode.THRESHOLD)
     args = _LinearArgs(
         hidden=x.hidden,
         weight=x.weight,
@@ -897,14 +1279,16 @@ def linear_logprobs(
         row_index=x.row_index,
         row_ptr=row_ptr,
         order=order,
-        inv_temperature=_inv_temperature(x.temperature, n, x.hidden.device, _compute_dtype(x.hidden.dtype), out_scale),
+        inv_temperature=inv_t,
         ignore_index=int(ignore_index),
         return_entropy="entropy" in x.outputs,
         tanh_scale=tanh_scale,
         need_sum_sq="log_sum_sq_probs" in x.outputs,
         need_sum_z="mean_logits" in x.outputs,
         need_top1="is_top1" in x.outputs,
-        logits_precision=int(LOGITS_PRECISIONS[x.logits_precision]),
+        logits_precision=precision,
+        support=support,
+        support_mode=support_mode,
         backend=backend,
     )
     if process_group is None:
@@ -929,6 +1313,12 @@ def logprobs_from_logits(
     *,
     ignore_index: int = -100,
     logits_precision: str = "fp32",
+    support_ids: Optional[torch.Tensor] = None,
+    support_offsets: Optional[torch.Tensor] = None,
+    top_k: Union[None, int, torch.Tensor] = None,
+    top_p: Union[None, float, torch.Tensor] = None,
+    min_p: Union[None, float, torch.Tensor] = None,
+    sampling_convention: str = "vllm",
     validate: bool = True,
     backend: str = "auto",
 ) -> LogprobsFromLogits:
@@ -952,21 +1342,39 @@ def logprobs_from_logits(
             the rounding. Unless the logits are bf16 already (then it changes nothing)
             this makes one rounded copy of them. ``"tf32"`` is refused (it rounds GEMM
             operands, and given logits have none).
+        support_ids, support_offsets, top_k, top_p, min_p, sampling_convention: a sampling
+            support, as in :func:`linear_logprobs`, for the rows of the flattened leading
+            dimensions (``support_offsets`` has prod(targets.shape) + 1 entries; the filters
+            are numbers or tensors broadcastable to ``targets``).
         validate, backend: as in :func:`linear_logprobs`.
 
     Returns:
         A :class:`LogprobsFromLogits` (logp, entropy), both shaped like ``targets`` (fp32;
-        fp64 for fp64 logits); entropy is None without ``return_entropy``.
+        fp64 for fp64 logits); entropy is None without ``return_entropy``;
+        ``.outside_support`` flags the targets outside a sampling support.
     """
     _dispatch.check_backend(backend)
     x = _validate_from_logits(logits, targets, temperature, ignore_index, validate, logits_precision)
+    sampling = _check_sampling(
+        support_ids, support_offsets, top_k, top_p, min_p, sampling_convention, x.lead, logits, "logits", validate
+    )
     flat_targets = einops.rearrange(targets, "... -> (...)").long()
     _check_values(flat_targets, None, x.vocab, x.num_rows, ignore_index, validate)
+    if sampling is not None:
+        _check_support_values(sampling, x.vocab, validate)
     if backend == "reference":
         ref = _dispatch.kernel("logprobs_from_logits", "reference")
         out = ref(
-            logits, targets, x.temperature, return_entropy, ignore_index=ignore_index, logits_precision=logits_precision
+            logits,
+            targets,
+            x.temperature,
+            return_entropy,
+            ignore_index=ignore_index,
+            logits_precision=logits_precision,
+            **_sampling_kwargs(sampling),
         )
+        if sampling is not None:
+            return LogprobsFromLogits(*out)
         return LogprobsFromLogits(*out) if return_entropy else LogprobsFromLogits(out, None)
     if logits_precision == "bf16" and logits.dtype != torch.bfloat16:
         logits = _RoundBF16.apply(logits)  # the kernels then see bf16-exact logits
@@ -975,12 +1383,24 @@ def logprobs_from_logits(
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     inv_t = _inv_temperature(x.temperature, x.num_rows, logits.device, _compute_dtype(logits.dtype))
+    support, support_mode = None, int(SupportMode.NONE)
+    if sampling is not None and sampling.ids is not None:
+        support, support_mode = _support_bits(sampling, x.num_rows, x.vocab, backend), int(SupportMode.MASK)
+    elif sampling is not None:
+        filters = _filters(sampling, x.num_rows, logits.device, inv_t.dtype)
+        conv = int(SAMPLING_CONVENTIONS[sampling.convention])
+        support, support_mode = (
+            _logits_threshold(rows.detach(), inv_t, *filters, conv, backend),
+            int(SupportMode.THRESHOLD),
+        )
     args = _LogitsArgs(
         logits=rows,
         targets=flat_targets,
         inv_temperature=inv_t,
         ignore_index=int(ignore_index),
         return_entropy=bool(return_entropy),
+        support=support,
+        support_mode=support_mode,
         backend=backend,
     )
     logp, entropy, _ = _from_logits(*args)
@@ -1002,6 +1422,15 @@ class _RoundBF16(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad
+
+
+def _check_support_options(outputs: frozenset, process_group) -> None:
+    """What a sampling support does not combine with (each raises, naming the argument)."""
+    extra = sorted(outputs - {"entropy"})
+    if extra:
+        raise ValueError(f"outputs: {extra} are not defined with a sampling support; only 'entropy' is")
+    if process_group is not None:
+        raise ValueError("process_group: a sampling support is not supported with a vocab-parallel head")
 
 
 def _unsaved(entropy: torch.Tensor) -> torch.Tensor:
@@ -1046,7 +1475,9 @@ def _row_statistics(stats: torch.Tensor, vocab_size: int, need_entropy: bool) ->
     lse = m + log_s
     if not need_entropy:
         return lse, torch.zeros_like(lse)
-    return lse, (log_s - u / s).clamp(0.0, math.log(vocab_size))
+    # s = 0 only for a row whose sampling support is empty (lse = −inf): entropy 0.
+    entropy = torch.where(s > 0, log_s - u / s, torch.zeros_like(s))
+    return lse, entropy.clamp(0.0, math.log(vocab_size))
 
 
 def _optional_statistics(
@@ -1077,7 +1508,9 @@ def _target_logprobs(target_logits, lse, row_index, order, ignored) -> torch.Ten
     if order is not None:
         target_logits = torch.empty_like(target_logits).index_copy_(0, order, target_logits)
     row_lse = lse if row_index is None else lse.index_select(0, row_index)
-    return (target_logits - row_lse).clamp(max=0.0).masked_fill(ignored, 0.0)
+    # A target outside a sampling support has z_t = −inf: −inf, also in an empty row (lse = −inf).
+    logp = torch.where(torch.isneginf(target_logits), target_logits, target_logits - row_lse)
+    return logp.clamp(max=0.0).masked_fill(ignored, 0.0)
 
 
 def _local_sorted_targets(targets, order, ignore_index: int, vocab_start: int) -> torch.Tensor:
@@ -1088,13 +1521,16 @@ def _local_sorted_targets(targets, order, ignore_index: int, vocab_start: int) -
     return torch.where(t == ignore_index, torch.full_like(local, -1), local)
 
 
-def _upstream(ctx, g_logp, g_entropy, targets, order, lse) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The kernels' upstream gradients: g in CSR order (0 for ignored targets and when the
-    log-probs carry no gradient) and the entropies' (None when they carry none)."""
+def _upstream(ctx, g_logp, g_entropy, targets, order, lse, outside=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The kernels' upstream gradients: g in CSR order (0 for ignored targets, for targets
+    outside the sampling support and when the log-probs carry no gradient) and the
+    entropies' (None when they carry none)."""
     dt = lse.dtype
     if g_logp is None:
         g_logp = torch.zeros(targets.shape, dtype=dt, device=lse.device)
     g = g_logp.to(dt).masked_fill(targets == ctx.ignore_index, 0.0)
+    if outside is not None:
+        g = g.masked_fill(outside, 0.0)
     g = (g if order is None else g.index_select(0, order)).contiguous()
     grad_entropy = g_entropy.to(dt).contiguous() if (g_entropy is not None and ctx.return_entropy) else None
     return g, grad_entropy

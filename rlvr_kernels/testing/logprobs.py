@@ -115,6 +115,10 @@ def run_logprobs(inputs: Dict, backend: str, upstream: Optional[Dict] = None) ->
     fn = logprobs_from_logits if "logits" in kw else linear_logprobs
     res = fn(**kw, backend=backend)
     logp, entropy = res.logp, res.entropy
+    outside = res.outside_support
+    # A target outside a sampling support has log-prob −inf: compared as 0 (and through
+    # ``outside``), with no gradient.
+    logp = torch.where(outside, torch.zeros_like(logp), logp)
     out = {"logp": logp.detach(), "entropy": entropy.detach()}
     if upstream is not None:
         loss = (logp * upstream["logp"].to(logp)).sum() + (entropy * upstream["entropy"].to(entropy)).sum()
@@ -122,6 +126,7 @@ def run_logprobs(inputs: Dict, backend: str, upstream: Optional[Dict] = None) ->
             loss.backward()
         for n, leaf in leaves.items():
             out[f"grad.{n}"] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+    out["outside"] = outside
     return out
 
 
@@ -150,6 +155,7 @@ def compare_logprobs(
     return [
         compare(k, fast[k], r, same[k], in_dtype if k.startswith("grad.") else torch.float32, atol_scale)
         for k, r in ref64.items()
+        if k != "outside"  # (bool: compared exactly by the callers)
     ]
 
 
@@ -163,13 +169,16 @@ def assert_matches_reference(inputs: Dict, backend: str, gen: torch.Generator) -
     in_dtype = inputs["logits" if "logits" in inputs else "hidden"].dtype
     bad = [c for c in compare_logprobs(fast, ref64, same, in_dtype, logit_scale(inputs)) if not c.ok]
     assert not bad, bad
+    if "outside" in ref64:
+        assert torch.equal(fast["outside"].cpu(), ref64["outside"].cpu()), "outside_support differs"
     vocab = (inputs["logits"] if "logits" in inputs else inputs["weight"]).shape[-1 if "logits" in inputs else 0]
     assert bool((fast["logp"] <= 0).all()), "a log-prob is positive"
     assert bool((fast["entropy"] >= 0).all() & (fast["entropy"] <= math.log(vocab)).all())
 
 
 def check_cases() -> List[tuple]:
-    """(name, random_logprobs_case kwargs, via logits?): small enough for the Triton interpreter."""
+    """(name, random_logprobs_case kwargs, via logits?, extra op kwargs): small enough for the
+    Triton interpreter."""
     base = [
         ("normal fp32, T=0.7", dict()),
         ("peaked rows (margin > 30), bias", dict(rows="peaked", bias=True)),
@@ -180,8 +189,16 @@ def check_cases() -> List[tuple]:
         ("bf16, bias", dict(dtype=torch.bfloat16, bias=True)),
         ("V = 1031 (not a tile multiple)", dict(V=1031, N=19)),
     ]
-    cases = [(f"linear: {n}", kw, False) for n, kw in base]
-    cases += [(f"logits: {base[i][0]}", base[i][1], True) for i in (0, 1, 4, 6)]
+    cases = [(f"linear: {n}", kw, False, {}) for n, kw in base]
+    cases += [(f"logits: {base[i][0]}", base[i][1], True, {}) for i in (0, 1, 4, 6)]
+    # Sampling supports (docs/logprobs.md, "Sampling support"), in fp64 so the kept set is the
+    # reference's exactly.
+    f64 = dict(dtype=torch.float64)
+    cases += [
+        ("linear: top-k 20 + top-p 0.8 + min-p 0.01", f64, False, dict(top_k=20, top_p=0.8, min_p=0.01)),
+        ("linear: sglang top-p 0.9, bias", dict(f64, bias=True), False, dict(top_p=0.9, sampling_convention="sglang")),
+        ("logits: top-p 0.7", f64, True, dict(top_p=0.7)),
+    ]
     return cases
 
 
@@ -192,10 +209,11 @@ def check_logprobs(
     entropies, gradients with random upstream), diffed against the fp64 reference."""
     rows = []
     gen = torch.Generator().manual_seed(seed)
-    for name, case_kw, via_logits in check_cases():
+    for name, case_kw, via_logits, extra in check_cases():
         inputs = random_logprobs_case(gen, device=device, **case_kw)
         if via_logits:
             inputs = logits_case_from(inputs)
+        inputs.update(extra)
         up = logprobs_upstream(inputs, gen)
         ref64 = run_logprobs(as_float64(inputs), "reference", up)
         same = run_logprobs(inputs, "reference", up)

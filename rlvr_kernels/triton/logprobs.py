@@ -51,6 +51,23 @@ Design:
   coarse for the fp64 path); the backward multiplies dz by a·(1 − t²). The optional
   statistics (Σ exp², Σ z, the first argmax) are constexpr flags of the forward: the
   default launch compiles the same kernel as before they existed.
+- Sampling support (the ``SUPPORT`` constexpr, a ``SupportMode``; NONE compiles the kernels
+  as before it): ``_kept_tile`` / ``_kept_row`` say which columns of a tile are kept (MASK:
+  a bit of the row's int32 bitmap, gathered per column; THRESHOLD: z >= the row's
+  threshold, on the z the kernel itself formed). The forwards set the others to z = −inf
+  right after the tile is formed, so the target logits and every statistic follow, and
+  select (never multiply) exp(z − max) and z − max to 0 there, so an empty row ends at
+  max −inf and zero sums without a NaN; the backwards select dz = 0 there.
+- Threshold kernels: ``logprobs_from_logits_threshold`` runs ``_threshold_kernel`` (one
+  program per row) on the logits themselves (z = logits · inv_T, the forward's product);
+  ``linear_logprobs_threshold`` first writes z for a chunk of rows into an [R, V] scratch
+  (``_linear_z_kernel``: the forward's ``_z_tile`` at the forward's tiles, R·V within
+  ``THRESHOLD_SCRATCH_BYTES``), then runs it on the chunk. The selection makes passes over
+  the row: max and Σe, t_min, then t_k and t_p by bisection on the order-preserving integer
+  key of z (int32 for fp32, int64 for fp64; one pass per halving, 32 / 64 of them per
+  filter), the largest value below t and the midpoint of the contract. Cost: up to ~70
+  passes over the row (fp32, top-k and top-p both on), memory-bound; a radix select with
+  16-way splits per pass would need a quarter of them (not done).
 Numerics: compute dtype fp64 for fp64 inputs, else fp32; every load and store is masked,
 offsets are int64 (column ids in the tile's layout are int32: int64 ones cost ~64
 registers there), CSR ranges are clamped into [0, M], no host syncs (the loop bounds
@@ -76,9 +93,14 @@ from ..contracts.logprobs import (
     NUM_STATS,
     LinearLogprobsBwdParams,
     LinearLogprobsStatsParams,
+    LinearLogprobsThresholdParams,
     LogitsPrecision,
+    LogprobsBwdParams,
     LogprobsStat,
     LogprobsStatsParams,
+    LogprobsThresholdParams,
+    SamplingConvention,
+    SupportMode,
 )
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -106,6 +128,17 @@ _STAT_SUM_EXP_SHIFT = tl.constexpr(int(LogprobsStat.SUM_EXP_SHIFT))
 _STAT_SUM_EXP_SQ = tl.constexpr(int(LogprobsStat.SUM_EXP_SQ))
 _STAT_SUM_Z = tl.constexpr(int(LogprobsStat.SUM_Z))
 _STAT_ARGMAX = tl.constexpr(int(LogprobsStat.ARGMAX))
+# Sampling support (contracts.logprobs.SupportMode; ops/logprobs.py, "Sampling support"): the SUPPORT
+# constexpr of the forward and backward kernels. NONE compiles the kernels as they were before it.
+_SUP_NONE = tl.constexpr(int(SupportMode.NONE))
+_SUP_MASK = tl.constexpr(int(SupportMode.MASK))
+_SUP_THRESHOLD = tl.constexpr(int(SupportMode.THRESHOLD))
+_CONV_VLLM = tl.constexpr(int(SamplingConvention.VLLM))
+_I32_MAX = tl.constexpr(2**31 - 1)
+_I64_MAX = tl.constexpr(2**63 - 1)
+# The linear head's threshold kernel holds z for R rows at a time in an [R, V] scratch of at most
+# this many bytes (one row if a row alone is larger): threshold_chunk_rows.
+THRESHOLD_SCRATCH_BYTES = 64 << 20
 # Smallest logits tile (a power of two): tl.arange needs at least 16 lanes.
 _MIN_LOGITS_BLOCK = 16
 
@@ -137,6 +170,19 @@ _CONFIGS = {
     ("logits_bwd", 16): dict(BLOCK=2048, num_warps=4),
     ("logits_bwd", 32): dict(BLOCK=2048, num_warps=4),
     ("logits_bwd", 64): dict(BLOCK=1024, num_warps=4),
+    # A MASK support gathers a bitmap word per tile element (a [BLOCK_N, BLOCK_V] tile of
+    # addresses): smaller tiles, so that neither the forward nor the backward spills.
+    ("linear_fwd_mask", 16): dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=64, num_warps=8, num_stages=3),
+    ("linear_fwd_mask", 32): dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=16, num_warps=8, num_stages=2),
+    ("linear_fwd_mask", 64): dict(BLOCK_N=32, BLOCK_V=32, BLOCK_H=32, num_warps=4, num_stages=2),
+    ("linear_bwd_mask", 16): dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=64, BLOCK_HG=64, num_warps=8, num_stages=2),
+    ("linear_bwd_mask", 32): dict(BLOCK_N=32, BLOCK_V=64, BLOCK_H=16, BLOCK_HG=16, num_warps=4, num_stages=2),
+    ("linear_bwd_mask", 64): dict(BLOCK_N=32, BLOCK_V=32, BLOCK_H=32, BLOCK_HG=32, num_warps=4, num_stages=2),
+    # The threshold kernels' per-row selection (one program per row, ~70 passes over its z). 2048
+    # lanes over 8 warps spill on sm_90 (ptxas holds that loop nest to 32 registers).
+    ("threshold_select", 16): dict(BLOCK=4096, num_warps=8),
+    ("threshold_select", 32): dict(BLOCK=4096, num_warps=8),
+    ("threshold_select", 64): dict(BLOCK=1024, num_warps=4),
 }
 _SM90_CONFIGS = {
     ("linear_fwd", 16): dict(BLOCK_N=128, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3),
@@ -192,8 +238,19 @@ def kernel_precision(logits_precision: int, dtype: torch.dtype) -> int:
     return int(prec)
 
 
-def _bwd_kind(prec: int, dtype: torch.dtype) -> str:
-    """The backward's configuration family: its own for fp32 inputs on TF32 tensor cores."""
+def _fwd_kind(extra: bool, support: int) -> str:
+    """The linear forward's configuration family: ``extra`` (a soft-cap or optional statistics)
+    and a THRESHOLD support take the "extra" tiles, a MASK support its own (smaller) ones."""
+    if support == SupportMode.MASK:
+        return "linear_fwd_mask"
+    return "linear_fwd_extra" if extra or support == SupportMode.THRESHOLD else "linear_fwd"
+
+
+def _bwd_kind(prec: int, dtype: torch.dtype, support: int = SupportMode.NONE) -> str:
+    """The backward's configuration family: its own for fp32 inputs on TF32 tensor cores, and
+    for a MASK support."""
+    if support == SupportMode.MASK:
+        return "linear_bwd_mask"
     return "linear_bwd_tf32" if prec == LogitsPrecision.TF32 and _width(dtype) == 32 else "linear_bwd"
 
 
@@ -347,6 +404,34 @@ def _tile_local(t, ok, v0, V, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _kept_tile(z, sup_ptr, rows, row_ok, c32, col_ok, V, SUPPORT: tl.constexpr):
+    """Which entries of the tile z [rows, cols] the sampling support keeps (False outside the
+    valid rows / columns); ``c32``: the tile's columns as int32 ids. MASK: bit c % 32 of word
+    c // 32 of the row's bitmap (int32 [N, ceil(V / 32)]); THRESHOLD: z >= the row's threshold
+    (a NaN threshold keeps nothing). SUPPORT is MASK or THRESHOLD."""
+    ok = row_ok[:, None] & col_ok[None, :]
+    if SUPPORT == _SUP_MASK:
+        words_per_row = (V + 31) // 32
+        w = tl.load(sup_ptr + rows[:, None] * words_per_row + (c32 >> 5)[None, :], mask=ok, other=0)
+        kept = ((w >> (c32 & 31)[None, :]) & 1) != 0
+    else:
+        thr = tl.load(sup_ptr + rows, mask=row_ok, other=0.0).to(z.dtype)
+        kept = z >= thr[:, None]
+    return kept & ok
+
+
+@triton.jit
+def _kept_row(z, sup_ptr, n, c32, ok, V, SUPPORT: tl.constexpr):
+    """``_kept_tile`` for one row n: z and the int32 column ids c32 are 1-D (or scalars)."""
+    if SUPPORT == _SUP_MASK:
+        w = tl.load(sup_ptr + n * ((V + 31) // 32) + (c32 >> 5), mask=ok, other=0)
+        kept = ((w >> (c32 & 31)) & 1) != 0
+    else:
+        kept = z >= tl.load(sup_ptr + n).to(z.dtype)
+    return kept & ok
+
+
+@triton.jit
 def _row_grad_stats(
     g_ptr,
     lse_ptr,
@@ -390,15 +475,19 @@ def _dz_tile(
     ent,
     hg,
     G,
+    rows,
     row_ok,
     col_ok,
+    sup_ptr,
     HAS_GENT: tl.constexpr,
     CDT: tl.constexpr,
+    SUPPORT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """dz = inv_T · (S − G·p − h·p·(z − lse + entropy)) on the tile, 0 outside the valid
-    rows / columns, with S[n, v] = Σ_{k in row n, t_k = v} g_k (an id outside [0, V)
-    never matches). S is added into the tile in z's own (MMA) layout: a separate
+    rows / columns and (SUPPORT) on the columns the support does not keep, selected: there
+    p may be inf or NaN (an empty row's lse is −inf). S[n, v] = Σ_{k in row n, t_k = v} g_k
+    (an id outside [0, V) never matches). S is added into the tile in z's own (MMA) layout: a separate
     zero-initialised accumulator would get a blocked layout that replicates the per-row
     vectors across a warp's lanes (int64 CSR offsets and pointers, ~150 registers)."""
     d = z - lse[:, None]
@@ -413,7 +502,11 @@ def _dz_tile(
             g = tl.load(g_ptr + beg + k, mask=loc >= 0, other=0.0).to(CDT)
             inner += tl.where(vl[None, :] == loc[:, None], g[:, None], 0.0)
     dz = inner * inv_t[:, None]
-    return tl.where(row_ok[:, None] & col_ok[None, :], dz, 0.0)
+    if SUPPORT == _SUP_NONE:
+        ok = row_ok[:, None] & col_ok[None, :]
+    else:
+        ok = _kept_tile(z, sup_ptr, rows, row_ok, v0 + vl, col_ok, V, SUPPORT)
+    return tl.where(ok, dz, 0.0)
 
 
 @triton.jit
@@ -463,6 +556,7 @@ def _linear_fwd_kernel(
     invt_ptr,  # [N] inverse temperature, compute dtype
     rowptr_ptr,  # [N + 1] int64 CSR of the targets
     tgt_ptr,  # [M] int64 local vocabulary ids (compared only)
+    sup_ptr,  # the sampling support (SUPPORT): int32 [N, ceil(V / 32)] bitmap or [N] compute-dtype threshold
     stats_ptr,  # [N, _NUM_STATS] compute dtype output: max z, Σexp(z − max), Σexp(z − max)·(z − max), ...
     tlog_ptr,  # [M] compute dtype output, zeroed by the launcher: z of each matching target
     tscale_ptr,  # [1] compute dtype: tanh_scale (HAS_CAP)
@@ -479,6 +573,7 @@ def _linear_fwd_kernel(
     CDT: tl.constexpr,
     OP: tl.constexpr,
     PREC: tl.constexpr,
+    SUPPORT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -523,6 +618,10 @@ def _linear_fwd_kernel(
             BLOCK_V,
             BLOCK_H,
         )
+        if SUPPORT != _SUP_NONE:
+            # A column the support does not keep is z = −inf from here on (its target logit too).
+            kept = _kept_tile(z, sup_ptr, rows, row_ok, v0 + vl, col_ok, V, SUPPORT)
+            z = tl.where(kept, z, _NEG_INF)
         # Target logits straight from the tile.
         for k in range(kmax):
             k_ok = k < cnt
@@ -540,13 +639,21 @@ def _linear_fwd_kernel(
             tile_max = tl.max(zm, 1)
             tile_arg = tl.min(tl.where(zm == tile_max[:, None], vl[None, :], BLOCK_V), 1)
             am = tl.where(tile_max > m, v0 + tile_arg, am)
-        if NEED_SUM_Z:
-            zs += tl.sum(tl.where(col_ok[None, :], z, 0.0), 1)
+        if SUPPORT == _SUP_NONE:
+            if NEED_SUM_Z:
+                zs += tl.sum(tl.where(col_ok[None, :], z, 0.0), 1)
+        elif NEED_SUM_Z:
+            zs += tl.sum(tl.where(kept, z, 0.0), 1)
         seen = m > _NEG_INF
         shift = tl.where(seen, m - m_new, 0.0)
         alpha = tl.where(seen, tl.exp(shift), 0.0)
-        d = z - m_new[:, None]
-        e = tl.where(col_ok[None, :], tl.exp(d), 0.0)
+        if SUPPORT == _SUP_NONE:
+            d = z - m_new[:, None]
+            e = tl.where(col_ok[None, :], tl.exp(d), 0.0)
+        else:
+            # Selected, not masked by a product: z − m_new is −inf or NaN off the support.
+            d = tl.where(kept, z - m_new[:, None], 0.0)
+            e = tl.where(kept, tl.exp(d), 0.0)
         if NEED_ENTROPY:
             t = alpha * (t + shift * s) + tl.sum(e * d, 1)
         if NEED_SUM_SQ:
@@ -573,6 +680,7 @@ def _linear_bwd_hidden_kernel(
     lse_ptr,
     ent_ptr,  # [N] compute dtype: global logsumexp and entropy
     gent_ptr,  # [N] compute dtype: gradient of the entropy (HAS_GENT)
+    sup_ptr,  # the forward's sampling support (SUPPORT)
     gh_ptr,  # [N, H] compute dtype output (accumulated in place): dz·W
     tscale_ptr,  # [1] compute dtype: tanh_scale (HAS_CAP)
     N,
@@ -585,6 +693,7 @@ def _linear_bwd_hidden_kernel(
     CDT: tl.constexpr,
     OP: tl.constexpr,
     PREC: tl.constexpr,
+    SUPPORT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -627,7 +736,28 @@ def _linear_bwd_hidden_kernel(
             BLOCK_H,
         )
         dz = _dz_tile(
-            z, tgt_ptr, g_ptr, beg, cnt, kmax, vl, v0, V, inv_t, lse, ent, hg, G, row_ok, col_ok, HAS_GENT, CDT, BLOCK_V
+            z,
+            tgt_ptr,
+            g_ptr,
+            beg,
+            cnt,
+            kmax,
+            vl,
+            v0,
+            V,
+            inv_t,
+            lse,
+            ent,
+            hg,
+            G,
+            rows,
+            row_ok,
+            col_ok,
+            sup_ptr,
+            HAS_GENT,
+            CDT,
+            SUPPORT,
+            BLOCK_V,
         )
         if HAS_CAP:
             dz = dz * (tanh_scale * (1.0 - tt * tt))
@@ -648,6 +778,7 @@ def _linear_bwd_weight_kernel(
     lse_ptr,
     ent_ptr,  # [N] compute dtype: global logsumexp and entropy
     gent_ptr,  # [N] compute dtype: gradient of the entropy (HAS_GENT)
+    sup_ptr,  # the forward's sampling support (SUPPORT)
     gw_ptr,  # [V, H] compute dtype output (accumulated in place): dzᵀ·hidden (NEED_W)
     gb_ptr,  # [V] bias-dtype output: Σ_rows dz (NEED_B)
     tscale_ptr,  # [1] compute dtype: tanh_scale (HAS_CAP)
@@ -663,6 +794,7 @@ def _linear_bwd_weight_kernel(
     CDT: tl.constexpr,
     OP: tl.constexpr,
     PREC: tl.constexpr,
+    SUPPORT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -707,7 +839,28 @@ def _linear_bwd_weight_kernel(
             BLOCK_H,
         )
         dz = _dz_tile(
-            z, tgt_ptr, g_ptr, beg, cnt, kmax, vl, v0, V, inv_t, lse, ent, hg, G, row_ok, col_ok, HAS_GENT, CDT, BLOCK_V
+            z,
+            tgt_ptr,
+            g_ptr,
+            beg,
+            cnt,
+            kmax,
+            vl,
+            v0,
+            V,
+            inv_t,
+            lse,
+            ent,
+            hg,
+            G,
+            rows,
+            row_ok,
+            col_ok,
+            sup_ptr,
+            HAS_GENT,
+            CDT,
+            SUPPORT,
+            BLOCK_V,
         )
         if HAS_CAP:
             dz = dz * (tanh_scale * (1.0 - tt * tt))
@@ -730,12 +883,14 @@ def _logits_fwd_kernel(
     l_ptr,  # [N, V] logits, any float dtype, row stride `stride` (may be 0), unit column stride
     tgt_ptr,  # [N] int64 local vocabulary ids (an address only when in [0, V))
     invt_ptr,  # [N] compute dtype
+    sup_ptr,  # the sampling support (SUPPORT): int32 [N, ceil(V / 32)] bitmap or [N] compute-dtype threshold
     stats_ptr,  # [N, _NUM_STATS] compute dtype output: max z, Σexp(z − max), Σexp(z − max)·(z − max)
-    tlog_ptr,  # [N] compute dtype output: z of the target, 0 when it is outside [0, V)
+    tlog_ptr,  # [N] compute dtype output: z of the target (−inf off the support), 0 when it is outside [0, V)
     V,
     stride,
     NEED_ENTROPY: tl.constexpr,
     CDT: tl.constexpr,
+    SUPPORT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
@@ -749,19 +904,30 @@ def _logits_fwd_kernel(
         cols = v0 + lanes
         ok = cols < V
         z = tl.load(base + cols, mask=ok, other=0.0).to(CDT) * inv_t
+        if SUPPORT != _SUP_NONE:
+            kept = _kept_row(z, sup_ptr, n, v0 + tl.arange(0, BLOCK), ok, V, SUPPORT)
+            z = tl.where(kept, z, _NEG_INF)
         m_new = tl.maximum(m, tl.max(tl.where(ok, z, _NEG_INF), 0))
         seen = m > _NEG_INF
         shift = tl.where(seen, m - m_new, 0.0)
         alpha = tl.where(seen, tl.exp(shift), 0.0)
-        d = z - m_new
-        e = tl.where(ok, tl.exp(d), 0.0)
+        if SUPPORT == _SUP_NONE:
+            d = z - m_new
+            e = tl.where(ok, tl.exp(d), 0.0)
+        else:
+            # Selected, not masked by a product: z − m_new is −inf or NaN off the support.
+            d = tl.where(kept, z - m_new, 0.0)
+            e = tl.where(kept, tl.exp(d), 0.0)
         if NEED_ENTROPY:
             t = alpha * (t + shift * s) + tl.sum(e * d, 0)
         s = alpha * s + tl.sum(e, 0)
         m = m_new
     tg = tl.load(tgt_ptr + n)
     t_ok = (tg >= 0) & (tg < V)
-    zt = tl.load(base + tl.where(t_ok, tg, 0), mask=t_ok, other=0.0).to(CDT) * inv_t
+    tc = tl.where(t_ok, tg, 0)
+    zt = tl.load(base + tc, mask=t_ok, other=0.0).to(CDT) * inv_t
+    if SUPPORT != _SUP_NONE:
+        zt = tl.where(_kept_row(zt, sup_ptr, n, tc.to(tl.int32), t_ok, V, SUPPORT), zt, _NEG_INF)
     tl.store(tlog_ptr + n, tl.where(t_ok, zt, 0.0))
     tl.store(stats_ptr + n * _NUM_STATS + _STAT_MAX, m)
     tl.store(stats_ptr + n * _NUM_STATS + _STAT_SUM_EXP, s)
@@ -781,11 +947,13 @@ def _logits_bwd_kernel(
     lse_ptr,
     ent_ptr,  # [N] compute dtype: inv T, grad of log p, lse, entropy
     gent_ptr,  # [N] compute dtype: gradient of the entropy (HAS_GENT)
+    sup_ptr,  # the forward's sampling support (SUPPORT)
     out_ptr,  # [N, V] contiguous, logits' dtype: dz
     V,
     stride,
     HAS_GENT: tl.constexpr,
     CDT: tl.constexpr,
+    SUPPORT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
@@ -804,14 +972,237 @@ def _logits_bwd_kernel(
         ent = tl.load(ent_ptr + n).to(CDT)
         inner -= h * p * (d + ent)
     dz = inner * inv_t
+    if SUPPORT != _SUP_NONE:
+        # Selected: off the support p may be inf or NaN (an empty row's lse is −inf).
+        dz = tl.where(_kept_row(z, sup_ptr, n, tl.program_id(1) * BLOCK + tl.arange(0, BLOCK), ok, V, SUPPORT), dz, 0.0)
     tl.store(out_ptr + n * V + cols, dz.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------
+# sampling thresholds (linear_logprobs_threshold, logprobs_from_logits_threshold)
+
+
+@triton.jit
+def _linear_z_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,  # hidden [N, H], weight [V, H], bias [V] (HAS_BIAS): input dtype
+    invt_ptr,  # [N] compute dtype
+    z_ptr,  # [R, V] compute dtype output: z of rows row0 .. row_end − 1 (scratch row r = row row0 + r)
+    tscale_ptr,  # [1] compute dtype: tanh_scale (HAS_CAP)
+    row0,
+    row_end,
+    V,
+    H,
+    HAS_BIAS: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    CDT: tl.constexpr,
+    OP: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """One (row block, vocabulary tile) of z, by the forward's own tile code (``_z_tile``) at the
+    forward's tiles (row0 is a multiple of BLOCK_N, so the row blocks are the forward's)."""
+    rows = row0 + tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    row_ok = rows < row_end
+    v0 = tl.program_id(1) * BLOCK_V
+    vl = tl.arange(0, BLOCK_V)
+    cols = v0 + vl.to(tl.int64)
+    col_ok = vl < V - v0
+    inv_t = tl.load(invt_ptr + rows, mask=row_ok, other=0.0).to(CDT)
+    tanh_scale = tl.zeros([], CDT)
+    if HAS_CAP:
+        tanh_scale = tl.load(tscale_ptr).to(CDT)
+    z, _ = _z_tile(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        rows,
+        cols,
+        row_ok,
+        col_ok,
+        inv_t,
+        tanh_scale,
+        H,
+        HAS_BIAS,
+        HAS_CAP,
+        CDT,
+        OP,
+        PREC,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_H,
+    )
+    tl.store(z_ptr + (rows - row0)[:, None] * V + cols[None, :], z, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _order_key(z, KEY: tl.constexpr):
+    """The integer key of a float that orders as the float does (−0 and +0 one key): the bits,
+    with the magnitude bits of a negative value flipped. Its own inverse on the bits."""
+    b = tl.where(z == 0, 0.0, z).to(KEY, bitcast=True)
+    if KEY == tl.int64:
+        flip = b ^ _I64_MAX
+    else:
+        flip = b ^ _I32_MAX
+    return tl.where(b >= 0, b, flip)
+
+
+@triton.jit
+def _key_value(key, CDT: tl.constexpr, KEY: tl.constexpr):
+    """The float whose ``_order_key`` is ``key``."""
+    if KEY == tl.int64:
+        flip = key ^ _I64_MAX
+    else:
+        flip = key ^ _I32_MAX
+    return tl.where(key >= 0, key, flip).to(CDT, bitcast=True)
+
+
+@triton.jit
+def _key_min(KEY: tl.constexpr):
+    """The least key (−2^31 or −2^63)."""
+    if KEY == tl.int64:
+        lo = tl.full([], -_I64_MAX - 1, tl.int64)
+    else:
+        lo = tl.full([], -_I32_MAX - 1, tl.int32)
+    return lo
+
+
+@triton.jit
+def _row_z(base, v0, lanes, V, inv_t, HAS_INVT: tl.constexpr, CDT: tl.constexpr):
+    """(z, ok) of the columns v0 + lanes of a row: the logits forward's z (logits · inv_T) with
+    HAS_INVT, else z as stored (the linear head's scratch); −inf on the lanes past V."""
+    cols = v0 + lanes
+    ok = cols < V
+    x = tl.load(base + cols, mask=ok, other=0.0).to(CDT)
+    if HAS_INVT:
+        x = x * inv_t
+    return tl.where(ok, x, _NEG_INF), ok
+
+
+@triton.jit
+def _threshold_kernel(
+    z_ptr,  # row r of the chunk at z_ptr + r·stride: the linear head's z scratch, or the logits
+    stride,
+    invt_ptr,  # [N] compute dtype (HAS_INVT: z = logits · inv_T)
+    topk_ptr,  # [N] int64: top-k (<= 0 or >= V: off)
+    topp_ptr,  # [N] compute dtype: top-p (>= 1: off; > 0)
+    minp_ptr,  # [N] compute dtype: min-p (<= 0: off; <= 1)
+    out_ptr,  # [N] compute dtype output: the THRESHOLD support
+    row0,  # the chunk's first row
+    V,
+    HAS_INVT: tl.constexpr,
+    CONV: tl.constexpr,
+    CDT: tl.constexpr,
+    KEY: tl.constexpr,
+    NBITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One row's threshold (ops/logprobs.py, "Sampling support"), by passes over its z: m and
+    Σe, t_min, t_k by bisection on the order key (the largest key T with count(key >= T) >= k),
+    Σ_U e, t_p by bisection on the key (the least T with B(T) = Σ_{z in U, key > T} e below P:
+    B only falls as T grows, in floating point too, since fl(a + b) is monotone), then the
+    largest value below t and the midpoint. NBITS halvings close the key range; no sort."""
+    r = tl.program_id(0).to(tl.int64)
+    n = row0 + r
+    base = z_ptr + r * stride
+    inv_t = tl.zeros([], CDT)
+    if HAS_INVT:
+        inv_t = tl.load(invt_ptr + n).to(CDT)
+    k = tl.load(topk_ptr + n)
+    top_p = tl.load(topp_ptr + n).to(CDT)
+    min_p = tl.load(minp_ptr + n).to(CDT)
+    lanes = tl.arange(0, BLOCK)
+
+    m = tl.full([], _NEG_INF, CDT)
+    for v0 in range(0, V, BLOCK):
+        z, ok = _row_z(base, v0, lanes, V, inv_t, HAS_INVT, CDT)
+        m = tl.maximum(m, tl.max(z, 0))
+    total = tl.zeros([], CDT)
+    t_min = tl.full([], _POS_INF, CDT)
+    for v0 in range(0, V, BLOCK):
+        z, ok = _row_z(base, v0, lanes, V, inv_t, HAS_INVT, CDT)
+        e = tl.where(ok, tl.exp(z - m), 0.0)
+        total += tl.sum(e, 0)
+        t_min = tl.minimum(t_min, tl.min(tl.where(ok & (e >= min_p), z, _POS_INF), 0))
+    t1 = tl.where(min_p > 0, t_min, _NEG_INF)
+
+    if (k > 0) & (k < V):
+        # lo: count(key >= lo) >= k holds (every column); hi = key(m) + 1: it does not.
+        lo = _key_min(KEY)
+        hi = _order_key(m, KEY) + 1
+        for _ in range(NBITS):
+            mid = (lo & hi) + ((lo ^ hi) >> 1)  # floor((lo + hi) / 2), no overflow
+            cnt = tl.zeros([], tl.int64)
+            for v0 in range(0, V, BLOCK):
+                z, ok = _row_z(base, v0, lanes, V, inv_t, HAS_INVT, CDT)
+                cnt += tl.sum((ok & (_order_key(z, KEY) >= mid)).to(tl.int64), 0)
+            enough = cnt >= k
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid)
+        t1 = tl.maximum(t1, _key_value(lo, CDT, KEY))
+
+    t = t1
+    if top_p < 1:
+        mass_u = tl.zeros([], CDT)
+        for v0 in range(0, V, BLOCK):
+            z, ok = _row_z(base, v0, lanes, V, inv_t, HAS_INVT, CDT)
+            mass_u += tl.sum(tl.where(ok & (z >= t1), tl.exp(z - m), 0.0), 0)
+        if CONV == _CONV_VLLM:
+            p_mass = top_p * mass_u
+        else:
+            p_mass = top_p * total
+        # lo: every key above it is counted (taken as failing; if it holds, the least column of
+        # U is the answer, which the bisection then finds); hi = key(m): B = 0, which holds.
+        lo = _key_min(KEY)
+        hi = _order_key(m, KEY)
+        for _ in range(NBITS):
+            mid = (lo & hi) + ((lo ^ hi) >> 1)
+            above = tl.zeros([], CDT)
+            for v0 in range(0, V, BLOCK):
+                z, ok = _row_z(base, v0, lanes, V, inv_t, HAS_INVT, CDT)
+                sel = ok & (z >= t1) & (_order_key(z, KEY) > mid)
+                above += tl.sum(tl.where(sel, tl.exp(z - m), 0.0), 0)
+            if CONV == _CONV_VLLM:
+                holds = above < p_mass
+            else:
+                holds = above <= p_mass
+            hi = tl.where(holds, mid, hi)
+            lo = tl.where(holds, lo, mid)
+        # t_p: the least column of U whose key is at least hi.
+        t_p = tl.full([], _POS_INF, CDT)
+        for v0 in range(0, V, BLOCK):
+            z, ok = _row_z(base, v0, lanes, V, inv_t, HAS_INVT, CDT)
+            sel = ok & (z >= t1) & (_order_key(z, KEY) >= hi)
+            t_p = tl.minimum(t_p, tl.min(tl.where(sel, z, _POS_INF), 0))
+        t = tl.maximum(t1, t_p)
+
+    # The largest value below t, and a number strictly between them (t when the midpoint
+    # rounds onto either end, or when nothing lies below t).
+    below = tl.full([], _NEG_INF, CDT)
+    for v0 in range(0, V, BLOCK):
+        z, ok = _row_z(base, v0, lanes, V, inv_t, HAS_INVT, CDT)
+        below = tl.maximum(below, tl.max(tl.where(ok & (z < t), z, _NEG_INF), 0))
+    mid_v = below + (t - below) / 2
+    tl.store(out_ptr + n, tl.where((mid_v > below) & (mid_v < t), mid_v, t))
 
 
 # ---------------------------------------------------------------------------------------
 # launchers (contract: rlvr_kernels/ops/logprobs.py; parameters: rlvr_kernels/contracts/logprobs.py)
 
 
-def linear_logprobs_stats(hidden, weight, bias, inv_temperature, row_ptr, sorted_targets, fparams, iparams):
+def _support_arg(support, mode: SupportMode, like: torch.Tensor) -> torch.Tensor:
+    """The support tensor a kernel reads under ``mode``, or an unread placeholder for NONE."""
+    if mode == SupportMode.NONE:
+        return like
+    if support is None:
+        raise ValueError(f"support: a tensor is required with support_mode {mode.name}")
+    return support
+
+
+def linear_logprobs_stats(hidden, weight, bias, inv_temperature, row_ptr, sorted_targets, support, fparams, iparams):
     """-> (stats [N, NUM_STATS], target_logits [M]), compute dtype."""
     p = LinearLogprobsStatsParams.unpack(fparams, iparams)
     N, H = hidden.shape
@@ -824,7 +1215,7 @@ def linear_logprobs_stats(hidden, weight, bias, inv_temperature, row_ptr, sorted
     if N == 0:
         return stats, target_logits
     extra = p.tanh_scale != 0.0 or p.need_sum_sq or p.need_sum_z or p.need_argmax
-    cfg = config("linear_fwd_extra" if extra else "linear_fwd", hidden.dtype, device_arch(dev))
+    cfg = config(_fwd_kind(extra, p.support_mode), hidden.dtype, device_arch(dev))
     grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
     _linear_fwd_kernel[grid](
         hidden,
@@ -833,6 +1224,7 @@ def linear_logprobs_stats(hidden, weight, bias, inv_temperature, row_ptr, sorted
         inv_temperature,
         row_ptr,
         sorted_targets,
+        _support_arg(support, p.support_mode, inv_temperature),
         stats,
         target_logits,
         _tanh_scale_arg(p.tanh_scale, cdt, inv_temperature),
@@ -849,6 +1241,7 @@ def linear_logprobs_stats(hidden, weight, bias, inv_temperature, row_ptr, sorted
         CDT=CDT,
         OP=operand_dtype(hidden.dtype),
         PREC=kernel_precision(p.logits_precision, hidden.dtype),
+        SUPPORT=int(p.support_mode),
         **cfg,
     )
     return stats, target_logits
@@ -865,6 +1258,7 @@ def linear_logprobs_bwd(
     lse,
     entropy,
     grad_entropy,
+    support,
     fparams,
     iparams,
 ):
@@ -880,7 +1274,7 @@ def linear_logprobs_bwd(
     need_bias = p.need_bias and bias is not None
     empty = torch.empty(0, dtype=hidden.dtype, device=dev)
     prec = kernel_precision(p.logits_precision, hidden.dtype)
-    cfg = config(_bwd_kind(prec, hidden.dtype), hidden.dtype, device_arch(dev))
+    cfg = config(_bwd_kind(prec, hidden.dtype, p.support_mode), hidden.dtype, device_arch(dev))
     common = dict(
         HAS_BIAS=bias is not None,
         HAS_GENT=grad_entropy is not None,
@@ -888,6 +1282,7 @@ def linear_logprobs_bwd(
         CDT=CDT,
         OP=operand_dtype(hidden.dtype),
         PREC=prec,
+        SUPPORT=int(p.support_mode),
         **cfg,
     )
     tscale = _tanh_scale_arg(p.tanh_scale, cdt, inv_temperature)
@@ -902,6 +1297,7 @@ def linear_logprobs_bwd(
         lse,
         entropy,
         grad_entropy if grad_entropy is not None else lse,
+        _support_arg(support, p.support_mode, lse),
     )
 
     grad_hidden = empty
@@ -955,7 +1351,7 @@ def _logits_block(kind: str, dtype: torch.dtype, device: torch.device, V: int) -
     return cfg
 
 
-def logprobs_from_logits_stats(logits, targets, inv_temperature, fparams, iparams):
+def logprobs_from_logits_stats(logits, targets, inv_temperature, support, fparams, iparams):
     """-> (stats [N, NUM_STATS], target_logits [N]), compute dtype. Any row stride (0 too)."""
     p = LogprobsStatsParams.unpack(fparams, iparams)
     N, V = logits.shape
@@ -968,19 +1364,24 @@ def logprobs_from_logits_stats(logits, targets, inv_temperature, fparams, iparam
         logits,
         targets,
         inv_temperature,
+        _support_arg(support, p.support_mode, inv_temperature),
         stats,
         target_logits,
         V,
         logits.stride(0),
         NEED_ENTROPY=p.need_entropy,
         CDT=CDT,
+        SUPPORT=int(p.support_mode),
         **_logits_block("logits_fwd", logits.dtype, logits.device, V),
     )
     return stats, target_logits
 
 
-def logprobs_from_logits_bwd(logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy):
+def logprobs_from_logits_bwd(
+    logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, support, fparams, iparams
+):
     """-> grad_logits [N, V], logits' dtype, contiguous (whatever the logits' row stride)."""
+    p = LogprobsBwdParams.unpack(fparams, iparams)
     N, V = logits.shape
     _, CDT = compute_dtype(logits.dtype)
     out = torch.empty((N, V), dtype=logits.dtype, device=logits.device)
@@ -996,12 +1397,120 @@ def logprobs_from_logits_bwd(logits, targets, inv_temperature, grad_logp, lse, e
         lse,
         entropy,
         grad_entropy if grad_entropy is not None else lse,
+        _support_arg(support, p.support_mode, lse),
         out,
         V,
         logits.stride(0),
         HAS_GENT=grad_entropy is not None,
         CDT=CDT,
+        SUPPORT=int(p.support_mode),
         **cfg,
+    )
+    return out
+
+
+def _threshold_launch(dtype: torch.dtype, device: torch.device, V: int) -> dict:
+    """The selection kernel's launch configuration (its tile shrunk to the vocabulary) and its
+    key: int32 keys and 32 halvings for fp32 z, int64 and 64 for fp64."""
+    cfg = config("threshold_select", dtype, device_arch(device))
+    cfg["BLOCK"] = min(cfg["BLOCK"], max(_MIN_LOGITS_BLOCK, triton.next_power_of_2(V)))
+    wide = layout.compute_dtype(dtype) == torch.float64
+    return dict(KEY=tl.int64 if wide else tl.int32, NBITS=64 if wide else 32, **cfg)
+
+
+def threshold_chunk_rows(N: int, V: int, block_n: int, itemsize: int) -> int:
+    """Rows of z the linear head's threshold kernel holds at a time: within
+    THRESHOLD_SCRATCH_BYTES (one row if a row is larger), a multiple of the forward's row block
+    when at least one block fits (then every chunk's row blocks are the forward's), and no more
+    than the batch needs."""
+    fit = max(1, THRESHOLD_SCRATCH_BYTES // (V * itemsize))
+    if fit >= block_n:
+        fit = fit // block_n * block_n
+    return min(fit, triton.cdiv(N, block_n) * block_n)
+
+
+def linear_logprobs_threshold(hidden, weight, bias, inv_temperature, top_k, top_p, min_p, fparams, iparams):
+    """-> threshold [N] (compute dtype): the THRESHOLD support of the rows' top-k / top-p / min-p.
+    z is written a chunk of rows at a time into a bounded [R, V] scratch by the forward's tile
+    code at the forward's tiles, then each row's threshold is selected from it."""
+    p = LinearLogprobsThresholdParams.unpack(fparams, iparams)
+    N, H = hidden.shape
+    V = weight.shape[0]
+    cdt, CDT = compute_dtype(hidden.dtype)
+    dev = hidden.device
+    out = torch.empty(N, dtype=cdt, device=dev)
+    if N == 0:
+        return out
+    cap = p.tanh_scale != 0.0
+    # The tiles of the THRESHOLD forward that follows (a row's z is then bitwise the stats
+    # kernel's; in another tiling the midpoint rule keeps the kept set).
+    cfg = config(_fwd_kind(cap, SupportMode.THRESHOLD), hidden.dtype, device_arch(dev))
+    R = threshold_chunk_rows(N, V, cfg["BLOCK_N"], cdt.itemsize)
+    scratch = torch.empty((R, V), dtype=cdt, device=dev)
+    tscale = _tanh_scale_arg(p.tanh_scale, cdt, inv_temperature)
+    sel = _threshold_launch(hidden.dtype, dev, V)
+    for r0 in range(0, N, R):
+        r1 = min(N, r0 + R)
+        grid = (triton.cdiv(r1 - r0, cfg["BLOCK_N"]), triton.cdiv(V, cfg["BLOCK_V"]))
+        _linear_z_kernel[grid](
+            hidden,
+            weight,
+            bias if bias is not None else hidden,
+            inv_temperature,
+            scratch,
+            tscale,
+            r0,
+            r1,
+            V,
+            H,
+            HAS_BIAS=bias is not None,
+            HAS_CAP=cap,
+            CDT=CDT,
+            OP=operand_dtype(hidden.dtype),
+            PREC=kernel_precision(p.logits_precision, hidden.dtype),
+            **cfg,
+        )
+        _threshold_kernel[(r1 - r0,)](
+            scratch,
+            V,
+            inv_temperature,
+            top_k,
+            top_p,
+            min_p,
+            out,
+            r0,
+            V,
+            HAS_INVT=False,
+            CONV=int(p.convention),
+            CDT=CDT,
+            **sel,
+        )
+    return out
+
+
+def logprobs_from_logits_threshold(logits, inv_temperature, top_k, top_p, min_p, fparams, iparams):
+    """-> threshold [N] (compute dtype), selected straight from the logits (z = logits · inv_T, the
+    forward's rounding); any row stride (0 too)."""
+    p = LogprobsThresholdParams.unpack(fparams, iparams)
+    N, V = logits.shape
+    cdt, CDT = compute_dtype(logits.dtype)
+    out = torch.empty(N, dtype=cdt, device=logits.device)
+    if N == 0:
+        return out
+    _threshold_kernel[(N,)](
+        logits,
+        logits.stride(0),
+        inv_temperature,
+        top_k,
+        top_p,
+        min_p,
+        out,
+        0,
+        V,
+        HAS_INVT=True,
+        CONV=int(p.convention),
+        CDT=CDT,
+        **_threshold_launch(logits.dtype, logits.device, V),
     )
     return out
 
@@ -1022,16 +1531,29 @@ def _aot_setup(kind, dt, arch):
     _, cdt = compute_dtype(_AOT_DTYPES[dt])
     c = "*fp64:16" if cdt is tl.float64 else "*fp32:16"
     const = dict(CDT=cdt, **cfg)
+    if kind.startswith(("linear", "logits")):
+        const["SUPPORT"] = int(SupportMode.NONE)
     if kind.startswith("linear"):
         const["OP"] = operand_dtype(_AOT_DTYPES[dt], interpret=False)
         const["PREC"] = int(LogitsPrecision.FP32)
     return f"*{dt}:16", c, const, opts
 
 
-def _aot_linear_fwd(dt, bias, entropy, arch, extra=False, prec=LogitsPrecision.FP32):
-    """``extra``: the soft-cap and every optional statistic; ``prec``: the logits precision."""
-    inp, c, const, opts = _aot_setup("linear_fwd_extra" if extra else "linear_fwd", dt, arch)
+def _support_sig(support, c):
+    """The support pointer's type (the bitmap's int32 or the threshold's compute dtype; NONE: an
+    unread compute-dtype placeholder) and the spec name's suffix."""
+    if support == SupportMode.NONE:
+        return c, ""
+    return ("*i32:16" if support == SupportMode.MASK else c), f",{support.name.lower()}"
+
+
+def _aot_linear_fwd(dt, bias, entropy, arch, extra=False, prec=LogitsPrecision.FP32, support=SupportMode.NONE):
+    """``extra``: the soft-cap and every optional statistic; ``prec``: the logits precision;
+    ``support``: the sampling support's mode."""
+    inp, c, const, opts = _aot_setup(_fwd_kind(extra, support), dt, arch)
     const["PREC"] = int(prec)
+    const["SUPPORT"] = int(support)
+    sup, sup_name = _support_sig(support, c)
     sig = dict(
         x_ptr=inp,
         w_ptr=inp,
@@ -1039,6 +1561,7 @@ def _aot_linear_fwd(dt, bias, entropy, arch, extra=False, prec=LogitsPrecision.F
         invt_ptr=c,
         rowptr_ptr=_AOT_I64,
         tgt_ptr=_AOT_I64,
+        sup_ptr=sup,
         stats_ptr=c,
         tlog_ptr=c,
         tscale_ptr=c,
@@ -1051,13 +1574,27 @@ def _aot_linear_fwd(dt, bias, entropy, arch, extra=False, prec=LogitsPrecision.F
         HAS_BIAS=bias, NEED_ENTROPY=entropy, HAS_CAP=extra, NEED_SUM_SQ=extra, NEED_SUM_Z=extra, NEED_ARGMAX=extra
     )
     tail = (",cap,stats" if extra else "") + ("" if prec == LogitsPrecision.FP32 else f",{prec.name.lower()}")
+    tail += sup_name
     name = f"_linear_fwd_kernel[{dt},bias={int(bias)},entropy={int(entropy)}{tail}]"
     return name, _linear_fwd_kernel, sig, const, opts
 
 
-def _aot_linear_bwd(which, dt, bias, gent, arch, need_w=True, need_b=True, cap=False, prec=LogitsPrecision.FP32):
-    inp, c, const, opts = _aot_setup(_bwd_kind(int(prec), _AOT_DTYPES[dt]), dt, arch)
+def _aot_linear_bwd(
+    which,
+    dt,
+    bias,
+    gent,
+    arch,
+    need_w=True,
+    need_b=True,
+    cap=False,
+    prec=LogitsPrecision.FP32,
+    support=SupportMode.NONE,
+):
+    inp, c, const, opts = _aot_setup(_bwd_kind(int(prec), _AOT_DTYPES[dt], support), dt, arch)
     const["PREC"] = int(prec)
+    const["SUPPORT"] = int(support)
+    sup, sup_name = _support_sig(support, c)
     sig = dict(
         x_ptr=inp,
         w_ptr=inp,
@@ -1069,6 +1606,7 @@ def _aot_linear_bwd(which, dt, bias, gent, arch, need_w=True, need_b=True, cap=F
         lse_ptr=c,
         ent_ptr=c,
         gent_ptr=c,
+        sup_ptr=sup,
     )
     const.update(HAS_BIAS=bias, HAS_GENT=gent, HAS_CAP=cap)
     if which == "hidden":
@@ -1082,17 +1620,19 @@ def _aot_linear_bwd(which, dt, bias, gent, arch, need_w=True, need_b=True, cap=F
         extra += ",cap"
     if prec != LogitsPrecision.FP32:
         extra += f",{prec.name.lower()}"
+    extra += sup_name
     sig.update(tscale_ptr=c, N="i32", V="i32", H="i32:16", M="i32")
     name = f"{kernel.__name__}[{dt},bias={int(bias)},grad_entropy={int(gent)}{extra}]"
     return name, kernel, sig, const, opts
 
 
-def _aot_logits(dt, flag, arch):
+def _aot_logits(dt, flag, arch, support=SupportMode.NONE):
     """The logits forward (entropy = flag) and backward (grad_entropy = flag)."""
     inp, c, const, opts = _aot_setup("logits_fwd", dt, arch)
-    sig = dict(l_ptr=inp, tgt_ptr=_AOT_I64, invt_ptr=c, stats_ptr=c, tlog_ptr=c, V="i32", stride="i32:16")
-    const["NEED_ENTROPY"] = flag
-    yield f"_logits_fwd_kernel[{dt},entropy={int(flag)}]", _logits_fwd_kernel, sig, const, opts
+    sup, sup_name = _support_sig(support, c)
+    sig = dict(l_ptr=inp, tgt_ptr=_AOT_I64, invt_ptr=c, sup_ptr=sup, stats_ptr=c, tlog_ptr=c, V="i32", stride="i32:16")
+    const.update(NEED_ENTROPY=flag, SUPPORT=int(support))
+    yield f"_logits_fwd_kernel[{dt},entropy={int(flag)}{sup_name}]", _logits_fwd_kernel, sig, const, opts
     inp, c, const, opts = _aot_setup("logits_bwd", dt, arch)
     sig = dict(
         l_ptr=inp,
@@ -1102,12 +1642,56 @@ def _aot_logits(dt, flag, arch):
         lse_ptr=c,
         ent_ptr=c,
         gent_ptr=c,
+        sup_ptr=sup,
         out_ptr=inp,
         V="i32:16",
         stride="i32:16",
     )
-    const["HAS_GENT"] = flag
-    yield f"_logits_bwd_kernel[{dt},grad_entropy={int(flag)}]", _logits_bwd_kernel, sig, const, opts
+    const.update(HAS_GENT=flag, SUPPORT=int(support))
+    yield f"_logits_bwd_kernel[{dt},grad_entropy={int(flag)}{sup_name}]", _logits_bwd_kernel, sig, const, opts
+
+
+def _aot_threshold(dt, arch, linear, convention=SamplingConvention.VLLM):
+    """The threshold kernels: the linear head's z writer at the forward's tiles (``linear``) and
+    the per-row selection, on the scratch (``linear``) or on the logits."""
+    if linear:
+        inp, c, const, opts = _aot_setup(_fwd_kind(False, SupportMode.THRESHOLD), dt, arch)
+        del const["SUPPORT"]
+        sig = dict(
+            x_ptr=inp,
+            w_ptr=inp,
+            b_ptr=inp,
+            invt_ptr=c,
+            z_ptr=c,
+            tscale_ptr=c,
+            row0="i32",
+            row_end="i32",
+            V="i32",
+            H="i32:16",
+        )
+        const.update(HAS_BIAS=True, HAS_CAP=False)
+        yield f"_linear_z_kernel[{dt}]", _linear_z_kernel, sig, const, opts
+    inp, c, const, opts = _aot_setup("threshold_select", dt, arch)
+    wide = const["CDT"] is tl.float64
+    sig = dict(
+        z_ptr=c if linear else inp,
+        stride="i32:16",
+        invt_ptr=c,
+        topk_ptr=_AOT_I64,
+        topp_ptr=c,
+        minp_ptr=c,
+        out_ptr=c,
+        row0="i32",
+        V="i32",
+    )
+    const.update(
+        HAS_INVT=not linear,
+        CONV=int(convention),
+        KEY=tl.int64 if wide else tl.int32,
+        NBITS=64 if wide else 32,
+    )
+    name = f"_threshold_kernel[{dt},{'linear' if linear else 'logits'},{convention.name.lower()}]"
+    yield name, _threshold_kernel, sig, const, opts
 
 
 def aot_specs():
@@ -1143,3 +1727,20 @@ def aot_specs():
         yield _aot_linear_bwd("weight", "bf16", True, True, arch, prec=LogitsPrecision.BF16)
         for dt, flag in (("bf16", True), ("fp32", False), ("fp64", True)):
             yield from _aot_logits(dt, flag, arch)
+        # Sampling support: each mode in the 16-bit forward and backward (the plain forward tile,
+        # sm_90's 128×128 included, and the extra statistics' one), fp32 / fp64 once; the threshold kernels.
+        for support in (SupportMode.MASK, SupportMode.THRESHOLD):
+            yield _aot_linear_fwd("bf16", True, True, arch, support=support)
+            yield _aot_linear_fwd("bf16", True, True, arch, extra=True, support=support)
+            yield _aot_linear_bwd("hidden", "bf16", True, True, arch, support=support)
+            yield _aot_linear_bwd("weight", "bf16", True, True, arch, support=support)
+            yield from _aot_logits("bf16", True, arch, support=support)
+        yield _aot_linear_fwd("fp32", True, True, arch, support=SupportMode.THRESHOLD)
+        yield _aot_linear_fwd("fp64", True, True, arch, support=SupportMode.MASK)
+        yield _aot_linear_bwd("weight", "fp32", True, True, arch, support=SupportMode.MASK)
+        yield _aot_linear_bwd("weight", "fp32", True, True, arch, prec=LogitsPrecision.TF32, support=SupportMode.MASK)
+        yield _aot_linear_bwd("hidden", "fp64", True, True, arch, support=SupportMode.THRESHOLD)
+        for dt in ("bf16", "fp32", "fp64"):
+            yield from _aot_threshold(dt, arch, linear=True)
+        yield from _aot_threshold("bf16", arch, linear=False, convention=SamplingConvention.SGLANG)
+        yield from _aot_threshold("fp32", arch, linear=False)

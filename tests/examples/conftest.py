@@ -33,3 +33,8 @@ def cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def dvg(ex):  # ``ex`` first: the script imports the same grpo_tiny module
     return load_example("dynamics_vs_grpo")
+
+
+@pytest.fixture(scope="session")
+def ra():
+    return load_example("rollout_alignment")

@@ -136,6 +136,25 @@ def model(tok):
     return Qwen2ForCausalLM(cfg)
 
 
+def grpo_config(output_dir: str, **kw):
+    """A GRPOConfig for the CPU runs: no logging backends, nothing saved, transformers'
+    generate, the runner's seed; ``kw`` the configuration's fields."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=output_dir,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=SEED,
+        use_vllm=False,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **kw,
+    )
+
+
 def reward_letters(completions, **kwargs):
     return [(c.count("a") + c.count("e") + 0.5 * c.count(" ") - 0.25 * len(c)) for c in completions]
 
@@ -147,7 +166,7 @@ def reward_sometimes(completions, **kwargs):
 
 def run_one(name: str, mode: str) -> Dict[str, Any]:
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from rlvr_kernels.integrations import trl as rk_trl
     from rlvr_kernels.integrations._patch import call_counts, reset_call_counts
@@ -182,18 +201,7 @@ def run_one(name: str, mode: str) -> Dict[str, Any]:
     result: Dict[str, Any] = {"name": name, "mode": mode}
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        args = GRPOConfig(
-            output_dir=tmp,
-            logging_steps=1,
-            report_to=[],
-            save_strategy="no",
-            use_cpu=True,
-            seed=SEED,
-            use_vllm=False,
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-            **kw,
-        )
+        args = grpo_config(tmp, **kw)
         model_arg = net
         if kw.get("beta", 0.0) != 0.0:
             # TRL loads the reference model by name: hand it a local copy (temporary, no download).

@@ -28,11 +28,12 @@ CASES = check_cases()
 @pytest.mark.parametrize("backend,device", FAST)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_check_cases(backend, device, case):
-    name, kw, via_logits = case
+    name, kw, via_logits, extra = case
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))  # str hash() varies per process
     inputs = random_logprobs_case(gen, device=device, **kw)
     if via_logits:
         inputs = logits_case_from(inputs)
+    inputs.update(extra)
     assert_matches_reference(inputs, backend, gen)
 
 

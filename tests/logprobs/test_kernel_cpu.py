@@ -16,6 +16,7 @@ from rlvr_kernels.contracts.logprobs import (
     NUM_STATS,
     LinearLogprobsBwdParams,
     LinearLogprobsStatsParams,
+    LogprobsBwdParams,
     LogprobsStatsParams,
 )
 
@@ -125,21 +126,25 @@ def linear_fwd(hidden, weight, bias, inv_t, row_ptr, targets, need_entropy=True,
     params = LinearLogprobsStatsParams(
         tanh_scale=tanh_scale, need_entropy=need_entropy, need_sum_sq=False, need_sum_z=False, need_argmax=False
     )
-    return K.linear_logprobs_stats(hidden, weight, bias, inv_t, row_ptr, targets, *params.pack())
+    return K.linear_logprobs_stats(hidden, weight, bias, inv_t, row_ptr, targets, None, *params.pack())
 
 
 def linear_bwd(*args, need_hidden=True, need_weight=True, need_bias=True, tanh_scale=0.0):
     params = LinearLogprobsBwdParams(
         tanh_scale=tanh_scale, need_hidden=need_hidden, need_weight=need_weight, need_bias=need_bias
     )
-    return K.linear_logprobs_bwd(*args, *params.pack())
+    return K.linear_logprobs_bwd(*args, None, *params.pack())
 
 
 def logits_fwd(logits, targets, inv_t, need_entropy=True):
-    return K.logprobs_from_logits_stats(logits, targets, inv_t, *LogprobsStatsParams(need_entropy=need_entropy).pack())
+    params = LogprobsStatsParams(need_entropy=need_entropy)
+    return K.logprobs_from_logits_stats(logits, targets, inv_t, None, *params.pack())
 
 
-logits_bwd = K.logprobs_from_logits_bwd
+def logits_bwd(logits, targets, inv_t, grad_logp, lse, entropy, grad_entropy):
+    return K.logprobs_from_logits_bwd(
+        logits, targets, inv_t, grad_logp, lse, entropy, grad_entropy, None, *LogprobsBwdParams().pack()
+    )
 
 
 def grad_inputs(stats, M, N, ct, gen, grad_entropy=True):
@@ -542,18 +547,18 @@ def test_linear_bwd_refuses_inconsistent_shapes(arg, bad, match):
 def test_linear_kernels_check_their_parameter_lists():
     a = _good_linear()
     fwd, bwd = [a[k] for k in FWD_ARGS], [a[k] for k in BWD_ARGS]
-    with pytest.raises(RuntimeError, match="LinearLogprobsStatsParams: expected 1 fparams and 5 iparams"):
-        K.linear_logprobs_stats(*fwd, [], [1, 1])
-    with pytest.raises(RuntimeError, match="LinearLogprobsStatsParams: expected 1 fparams and 5 iparams"):
-        K.linear_logprobs_stats(*fwd, [1.0], [1])
-    with pytest.raises(RuntimeError, match="LinearLogprobsBwdParams: expected 1 fparams and 4 iparams"):
-        K.linear_logprobs_bwd(*bwd, [], [1, 1])
+    with pytest.raises(RuntimeError, match="LinearLogprobsStatsParams: expected 1 fparams and 6 iparams"):
+        K.linear_logprobs_stats(*fwd, None, [], [1, 1])
+    with pytest.raises(RuntimeError, match="LinearLogprobsStatsParams: expected 1 fparams and 6 iparams"):
+        K.linear_logprobs_stats(*fwd, None, [1.0], [1])
+    with pytest.raises(RuntimeError, match="LinearLogprobsBwdParams: expected 1 fparams and 5 iparams"):
+        K.linear_logprobs_bwd(*bwd, None, [], [1, 1])
     with pytest.raises(RuntimeError, match="logits_precision must be a LogitsPrecision code, got 7"):
-        K.linear_logprobs_stats(*fwd, [0.0], [1, 0, 0, 0, 7])
+        K.linear_logprobs_stats(*fwd, None, [0.0], [1, 0, 0, 0, 7, 0])
     with pytest.raises(RuntimeError, match="logits_precision must be a LogitsPrecision code, got -1"):
-        K.linear_logprobs_bwd(*bwd, [0.0], [1, 1, 1, -1])
+        K.linear_logprobs_bwd(*bwd, None, [0.0], [1, 1, 1, -1, 0])
     with pytest.raises(RuntimeError, match="LogprobsStatsParams"):
-        K.logprobs_from_logits_stats(torch.randn(3, 5), torch.zeros(3, dtype=torch.int64), torch.ones(3), [], [])
+        K.logprobs_from_logits_stats(torch.randn(3, 5), torch.zeros(3, dtype=torch.int64), torch.ones(3), None, [], [])
     # need_bias without a bias.
     a["bias"] = None
     with pytest.raises(RuntimeError, match="need_bias without a bias"):

@@ -17,6 +17,7 @@ from rlvr_kernels.contracts.logprobs import (
     NUM_STATS,
     LinearLogprobsBwdParams,
     LinearLogprobsStatsParams,
+    LogprobsBwdParams,
     LogprobsStatsParams,
 )
 from rlvr_kernels.testing import compare
@@ -47,7 +48,7 @@ def stats_params(need_entropy, linear=True, tanh_scale=0.0):
         fparams, iparams = LinearLogprobsStatsParams(
             tanh_scale=tanh_scale, need_entropy=need_entropy, need_sum_sq=False, need_sum_z=False, need_argmax=False
         ).pack()
-    return dict(fparams=fparams, iparams=iparams)
+    return dict(support=None, fparams=fparams, iparams=iparams)  # no sampling support (test_support_triton.py)
 
 
 def bwd_params(need_hidden, need_weight, need_bias, tanh_scale=0.0):
@@ -55,7 +56,12 @@ def bwd_params(need_hidden, need_weight, need_bias, tanh_scale=0.0):
         tanh_scale=tanh_scale, need_hidden=need_hidden, need_weight=need_weight, need_bias=need_bias
     )
     fparams, iparams = params.pack()
-    return dict(fparams=fparams, iparams=iparams)
+    return dict(support=None, fparams=fparams, iparams=iparams)
+
+
+def logits_bwd_params():
+    fparams, iparams = LogprobsBwdParams().pack()
+    return dict(support=None, fparams=fparams, iparams=iparams)
 
 
 def cdt_of(dtype):
@@ -423,7 +429,7 @@ def test_logits_fwd_bwd(dtype, N, V, flag):
     g = torch.randn(N, generator=gen, dtype=F64).to(cdt)
     h = torch.randn(N, generator=gen, dtype=F64).to(cdt) if flag else None
     gi = on_device(dict(grad_logp=g, lse=lse.to(cdt), entropy=ent.to(cdt), grad_entropy=h))
-    grad = lp.logprobs_from_logits_bwd(**on_device(c), **gi)
+    grad = lp.logprobs_from_logits_bwd(**on_device(c), **gi, **logits_bwd_params())
     assert grad.is_contiguous() and grad.shape == (N, V)
     ref64 = ref_dz(z_of(F64), rows, tg, g, lse, ent, h, c["inv_temperature"])
     same = ref_dz(z_of(cdt), rows, tg, g, lse, ent, h, c["inv_temperature"]).to(dtype).to(F64)
@@ -435,7 +441,9 @@ def test_logits_empty_and_batch_invariant():
     stats, tlog = lp.logprobs_from_logits_stats(**on_device(c), **stats_params(True, linear=False))
     assert stats.shape == (0, NUM_STATS) and tlog.shape == (0,)
     z = torch.zeros(0)
-    assert lp.logprobs_from_logits_bwd(**on_device(c), grad_logp=z, lse=z, entropy=z, grad_entropy=None).shape == (0, 7)
+    assert lp.logprobs_from_logits_bwd(
+        **on_device(c), grad_logp=z, lse=z, entropy=z, grad_entropy=None, **logits_bwd_params()
+    ).shape == (0, 7)
     big = logits_case(37, 131, BF16, seed=2)
     pick = [20, 3, 36, 0]
     small = dict(logits=big["logits"][pick], targets=big["targets"][pick], inv_temperature=big["inv_temperature"][pick])
@@ -461,17 +469,18 @@ def test_logits_rows_at_any_stride(stride):
     gi = on_device(
         dict(grad_logp=torch.randn(N, generator=gen), lse=lse.float(), entropy=ent.float(), grad_entropy=None)
     )
-    grad = lp.logprobs_from_logits_bwd(**on_device(c), **gi)
-    assert grad.is_contiguous() and torch.equal(grad, lp.logprobs_from_logits_bwd(**on_device(dense), **gi))
+    grad = lp.logprobs_from_logits_bwd(**on_device(c), **gi, **logits_bwd_params())
+    want = lp.logprobs_from_logits_bwd(**on_device(dense), **gi, **logits_bwd_params())
+    assert grad.is_contiguous() and torch.equal(grad, want)
 
 
 def test_launchers_check_their_parameter_lists():
     c = on_device(linear_case(3, 7, 5, F32, True))
-    with pytest.raises(ValueError, match="LinearLogprobsStatsParams: expected 1 fparams and 5 iparams"):
-        lp.linear_logprobs_stats(**c, fparams=[], iparams=[1, 1])
+    with pytest.raises(ValueError, match="LinearLogprobsStatsParams: expected 1 fparams and 6 iparams"):
+        lp.linear_logprobs_stats(**c, support=None, fparams=[], iparams=[1, 1])
     gi = on_device(bwd_inputs(linear_case(3, 7, 5, F32, True), True))
-    with pytest.raises(ValueError, match="LinearLogprobsBwdParams: expected 1 fparams and 4 iparams"):
-        lp.linear_logprobs_bwd(**c, **gi, fparams=[], iparams=[1])
+    with pytest.raises(ValueError, match="LinearLogprobsBwdParams: expected 1 fparams and 5 iparams"):
+        lp.linear_logprobs_bwd(**c, **gi, support=None, fparams=[], iparams=[1])
     lc = on_device(logits_case(3, 7, F32))
     with pytest.raises(ValueError, match="LogprobsStatsParams"):
-        lp.logprobs_from_logits_stats(**lc, fparams=[1.0], iparams=[1])
+        lp.logprobs_from_logits_stats(**lc, support=None, fparams=[1.0], iparams=[1])

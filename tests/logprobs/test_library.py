@@ -17,7 +17,9 @@ from rlvr_kernels.testing.dist import free_port
 ops = importlib.import_module("rlvr_kernels.ops.logprobs")  # (the package re-exports functions of its names)
 
 
-def linear_op_args(device, backend, branching, dtype=torch.float32, extras=False):
+def linear_op_args(device, backend, branching, dtype=torch.float32, extras=False, support=None):
+    """The positional inputs of ``rlvr_kernels::linear_logprobs``; ``support``: None, "mask"
+    (an explicit support's bitmap) or "threshold" (top-p 0.8's thresholds, from the kernel)."""
     gen = torch.Generator().manual_seed(0)
     x = random_logprobs_case(
         gen,
@@ -51,8 +53,28 @@ def linear_op_args(device, backend, branching, dtype=torch.float32, extras=False
         extras,  # need_sum_z
         extras,  # need_top1
         2 if extras else 0,  # logits_precision: LogitsPrecision.BF16 with the extras
+        *_support_args(x, inv_t, support, backend),
         backend,
     )
+
+
+def _support_args(x, inv_t, support, backend):
+    """(support, support_mode) of the op's schema for ``linear_op_args``."""
+    n, v = x["hidden"].shape[0], x["weight"].shape[0]
+    device = x["hidden"].device
+    if support is None:
+        return None, 0
+    if support == "mask":
+        ids = torch.arange(0, v, 2, device=device).repeat(n)
+        offsets = torch.arange(n + 1, device=device) * ((v + 1) // 2)
+        return ops._support_bits_op(ids, offsets, v, backend), 1
+    filters = (
+        torch.zeros(n, dtype=torch.int64, device=device),
+        torch.full((n,), 0.8, device=device),
+        torch.zeros(n, device=device),
+    )
+    h, w, b = x["hidden"].detach(), x["weight"].detach(), x["bias"].detach()
+    return ops._linear_threshold(h, w, b, inv_t, *filters, 0.0, 0, 0, backend), 2
 
 
 @pytest.mark.parametrize("backend,device", FAST)
@@ -60,6 +82,31 @@ def linear_op_args(device, backend, branching, dtype=torch.float32, extras=False
 @pytest.mark.parametrize("extras", [False, True], ids=["plain", "softcap+outputs"])
 def test_opcheck_linear(backend, device, branching, extras):
     torch.library.opcheck(ops._linear_logprobs, linear_op_args(device, backend, branching, extras=extras))
+
+
+@pytest.mark.parametrize("backend,device", FAST)
+@pytest.mark.parametrize("support", ["mask", "threshold"])
+def test_opcheck_linear_with_support(backend, device, support):
+    torch.library.opcheck(ops._linear_logprobs, linear_op_args(device, backend, True, support=support))
+
+
+@pytest.mark.parametrize("backend,device", FAST)
+def test_opcheck_support_kernels(backend, device):
+    """The threshold ops and the CSR -> bitmap op (no autograd: their outputs are constants)."""
+    gen = torch.Generator().manual_seed(7)
+    h, w = torch.randn(6, 5, generator=gen).to(device), torch.randn(23, 5, generator=gen).to(device)
+    inv_t = torch.full((6,), 1.25, device=device)
+    filters = (
+        torch.tensor([0, 3, 30, 5, 0, 1], device=device),
+        torch.tensor([0.9, 1.0, 0.5, 0.7, 1.0, 0.3], device=device),
+        torch.tensor([0.0, 0.1, 0.0, 0.0, 0.05, 0.0], device=device),
+    )
+    torch.library.opcheck(ops._linear_threshold, (h, w, None, inv_t, *filters, 0.0, 2, 1, backend))
+    torch.library.opcheck(ops._logits_threshold, (h @ w.T, inv_t, *filters, 0, backend))
+    ids = torch.randint(0, 23, (40,), generator=gen).to(device)
+    torch.library.opcheck(
+        ops._support_bits_op, (ids, torch.tensor([0, 5, 5, 20, 33, 40, 40], device=device), 23, backend)
+    )
 
 
 def test_opcheck_linear_vocab_parallel():
@@ -80,7 +127,10 @@ def test_opcheck_from_logits(backend, device):
     targets = torch.randint(0, 29, (11,), generator=gen).to(device)
     targets[3] = -100
     inv_t = torch.full((11,), 1 / 0.7, device=device)
-    torch.library.opcheck(ops._from_logits, (logits, targets, inv_t, -100, True, backend))
+    torch.library.opcheck(ops._from_logits, (logits, targets, inv_t, -100, True, None, 0, backend))
+    filters = (torch.zeros(11, dtype=torch.int64, device=device), torch.full((11,), 0.6, device=device))
+    threshold = ops._logits_threshold(logits.detach(), inv_t, *filters, torch.zeros(11, device=device), 0, backend)
+    torch.library.opcheck(ops._from_logits, (logits, targets, inv_t, -100, True, threshold, 2, backend))
 
 
 @pytest.mark.parametrize("backend,device", FAST)
@@ -91,7 +141,7 @@ def test_opcheck_from_logits_expanded(backend, device):
     logits = base.expand(7, 29)
     targets = torch.randint(0, 29, (7,), generator=gen).to(device)
     inv_t = torch.full((7,), 1 / 0.7, device=device)
-    torch.library.opcheck(ops._from_logits, (logits, targets, inv_t, -100, True, backend))
+    torch.library.opcheck(ops._from_logits, (logits, targets, inv_t, -100, True, None, 0, backend))
 
 
 def test_autograd_reads_inputs_by_schema_name():
@@ -137,7 +187,15 @@ def test_torch_compile_fullgraph(backend, device):
             backend=backend,
         )[:2]
         lp2, ent2 = rk.logprobs_from_logits(logits, x["targets"][:12], 0.7, True, backend=backend)
-        return (logp * g).sum() + (ent * h).sum() + (lp2 * h).sum() + ent2.sum()
+        # Sampling supports: computed in the kernels, and an explicit one (its bitmap kernel).
+        lp3, ent3 = rk.linear_logprobs(
+            hidden, weight, x["targets"][:12], top_p=0.8, return_entropy=True, backend=backend
+        )[:2]
+        ids = torch.arange(0, 53, 3, device=device).repeat(12)
+        offsets = torch.arange(13, device=device) * 18
+        lp4 = rk.logprobs_from_logits(logits, ids[:12], support_ids=ids, support_offsets=offsets, backend=backend)[0]
+        extra = torch.where(torch.isneginf(lp3), 0.0, lp3).sum() + ent3.sum() + lp4.sum()
+        return (logp * g).sum() + (ent * h).sum() + (lp2 * h).sum() + ent2.sum() + extra
 
     results = []
     for fn in (step, torch.compile(step, fullgraph=True)):

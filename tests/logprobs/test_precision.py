@@ -126,7 +126,7 @@ def kernel_logits(hidden, weight, bias, precision, backend):
     targets = torch.arange(V, device=hidden.device).repeat(N)
     code = int(LogitsPrecision[precision.upper()])
     _, z = torch.ops.rlvr_kernels.linear_logprobs_stats(
-        hidden, weight, bias, inv_t, row_ptr, targets, 0.0, False, False, False, False, code, backend
+        hidden, weight, bias, inv_t, row_ptr, targets, None, 0.0, False, False, False, False, code, 0, backend
     )
     return z.reshape(N, V)
 

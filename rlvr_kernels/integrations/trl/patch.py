@@ -21,6 +21,12 @@ What each switch replaces (TRL 1.16; the details are in ``_grpo_patch``):
 ``async_grpo``  ``trl.experimental.async_grpo`` (tree packing, tree attention, its loss)
 ==============  =============================================================================
 
+Opt-in, off by default: ``logits_precision`` and ``match_sampling`` (the head;
+``match_sampling`` also wraps ``GRPOTrainer._get_per_token_logps_and_entropies`` and
+``grpo_trainer.use_adapter`` to bring the trainer's filters to it), ``mismatch_metrics``
+(the sampling-metric statements of ``_generate_and_score_completions``, rewritten like the
+advantage block). See ``_grpo_patch``.
+
 Semantics of repeated calls: ``apply()`` while applied first undoes the previous
 ``apply()`` and then applies the new switches (so the last call wins; the same switches
 twice is a no-op in effect). ``unapply()`` when nothing is applied does nothing and
@@ -35,7 +41,8 @@ from typing import Any, Dict, Optional
 
 from .._patch import Integration
 from ._async_patch import async_targets
-from ._grpo_patch import advantages_targets, logprobs_targets, loss_targets
+from ._grpo_patch import generate_and_score_targets, logprobs_targets, loss_targets
+from .kernels import configured
 
 __all__ = ["apply", "unapply", "is_applied", "applied_options", "TESTED_TRL"]
 
@@ -51,6 +58,9 @@ def apply(
     loss: bool = True,
     async_grpo: bool = True,
     compact_logprobs: bool = True,
+    logits_precision: str = "fp32",
+    match_sampling: bool = False,
+    mismatch_metrics: bool = False,
     strict: bool = True,
     count_calls: Optional[bool] = None,
 ) -> None:
@@ -66,12 +76,32 @@ def apply(
     (warned once per trainer; never silently different).
     ``count_calls``: True/False turns the debug call counting on/off (``call_counts()``);
     None leaves it as it is.
+
+    Opt-in (the defaults are TRL's numbers; docs/integrations-trl.md):
+    ``logits_precision``: "fp32" | "tf32" | "bf16", how the fused head forms the logits
+    (``linear_logprobs``'s). ``match_sampling``: the log-probs (and entropy) of the policy are
+    those of the distribution the completions were sampled from, restricted to the kept set
+    of the trainer's ``top_k`` / ``top_p`` / ``min_p`` (after ``temperature``), a target
+    outside it −inf; the reference model keeps the full vocabulary. Needs ``logprobs``.
+    A setting the head cannot reproduce (``repetition_penalty`` != 1, a sampling key in
+    ``generation_kwargs``, top-p with min-p under transformers' generate) raises
+    NotImplementedError naming it at the first log-prob call, a bad value ValueError.
+    ``mismatch_metrics``: TRL's ``sampling/sampling_logp_difference/mean`` and ``/max`` (vLLM
+    importance-sampling correction) from one ``rollout_mismatch`` call (the same tokens and
+    reductions; the mean summed in another order, so not bit for bit).
     """
+    configured(logits_precision=logits_precision, match_sampling=match_sampling)  # checks both
+    if not isinstance(mismatch_metrics, bool):
+        raise TypeError(f"mismatch_metrics: expected a bool, got {type(mismatch_metrics).__name__}")
+    if not logprobs and (match_sampling or logits_precision != "fp32"):
+        name = "match_sampling" if match_sampling else "logits_precision"
+        raise ValueError(f"{name}: acts on the fused log-prob head, which apply(logprobs=False) does not install")
 
     def plan():
+        head = dict(compact=compact_logprobs, logits_precision=logits_precision, match_sampling=match_sampling)
         return (
-            (logprobs_targets(compact=compact_logprobs) if logprobs else [])
-            + (advantages_targets() if advantages else [])
+            (logprobs_targets(**head) if logprobs else [])
+            + generate_and_score_targets(advantages=advantages, sampling_metrics=mismatch_metrics)
             + (loss_targets(strict=strict) if loss else [])
             + (async_targets(strict=strict, loss=loss) if async_grpo else [])
         )
@@ -82,6 +112,9 @@ def apply(
         loss=loss,
         async_grpo=async_grpo,
         compact_logprobs=compact_logprobs,
+        logits_precision=logits_precision,
+        match_sampling=match_sampling,
+        mismatch_metrics=mismatch_metrics,
         strict=strict,
     )
     _TRL.apply(plan, strict=strict, count_calls=count_calls, options=options)

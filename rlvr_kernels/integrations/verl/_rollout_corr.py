@@ -18,11 +18,34 @@ from typing import Dict, Optional
 import torch
 
 from ...ops.policy_loss import rollout_correction
+from ...ops.rollout_mismatch import rollout_mismatch
 from ...options import RS_BOUND_FIELDS, RolloutCorrection
+from .._backend import current_backend
 from .._torch_math import _counts, _masked_sum
 
 SAFETY_BOUND = 20.0
 Metrics = Dict[str, torch.Tensor]
+# apply(mismatch_metrics=True) sets this (through its patcher): verl's off-policy metrics
+# from one rollout_mismatch call instead of verl's formulas (:func:`offpolicy_metrics`).
+MISMATCH_OP = False
+# verl's compute_offpolicy_metrics names -> the RolloutMismatch field of the same definition
+# (docs/rollout-mismatch.md): the same mask and reductions; rollout_mismatch divides by the
+# count where verl divides by count + 1e-8.
+OFFPOLICY_FIELDS = {
+    "training_ppl": "training_ppl",
+    "training_log_ppl": "training_log_ppl",
+    "kl": "k1",
+    "k3_kl": "k3",
+    "rollout_ppl": "rollout_ppl",
+    "rollout_log_ppl": "rollout_log_ppl",
+    "log_ppl_diff": "log_ppl_diff",
+    "log_ppl_abs_diff": "log_ppl_abs_diff",
+    "log_ppl_diff_max": "log_ppl_diff_max",
+    "log_ppl_diff_min": "log_ppl_diff_min",
+    "ppl_ratio": "ppl_ratio",
+    "chi2_token": "chi2_token",
+    "chi2_seq": "chi2_seq",
+}
 
 
 def masked_sum(values, mask, axis=None):
@@ -211,7 +234,10 @@ def rs_metrics(rc: RolloutCorrection, log_ratio, mask, keep) -> Metrics:
 
 
 def offpolicy_metrics(old_log_prob, rollout_log_prob: Optional[torch.Tensor], mask) -> Metrics:
-    """verl's compute_offpolicy_metrics."""
+    """verl's compute_offpolicy_metrics (with ``MISMATCH_OP`` and rollout log-probs: from
+    :func:`offpolicy_from_mismatch`)."""
+    if MISMATCH_OP and rollout_log_prob is not None:
+        return offpolicy_from_mismatch(old_log_prob, rollout_log_prob, mask)
     m: Metrics = {}
     mean_train = masked_mean(old_log_prob, mask, axis=-1)
     m["training_ppl"] = torch.exp(-mean_train).mean()
@@ -235,6 +261,16 @@ def offpolicy_metrics(old_log_prob, rollout_log_prob: Optional[torch.Tensor], ma
     s = torch.clamp(masked_sum(lr, mask, axis=-1), min=-SAFETY_BOUND, max=SAFETY_BOUND)
     m["chi2_seq"] = torch.exp(2.0 * s).mean() - 1.0
     return m
+
+
+def offpolicy_from_mismatch(old_log_prob, rollout_log_prob, mask) -> Metrics:
+    """verl's compute_offpolicy_metrics (rollout log-probs given) as the fields of one
+    :func:`rlvr_kernels.rollout_mismatch` call on the padded [B, L] tensors (verl's
+    ``response_mask`` is 0/1: its non-zero entries are the valid tokens), in verl's order,
+    in the dtype verl's formulas give (the inputs')."""
+    m = rollout_mismatch(old_log_prob, rollout_log_prob, mask, backend=current_backend())
+    dtype = torch.promote_types(old_log_prob.dtype, rollout_log_prob.dtype)
+    return {name: getattr(m, field).to(dtype) for name, field in OFFPOLICY_FIELDS.items()}
 
 
 def correction_metrics(rc: RolloutCorrection, log_ratio, mask, keep) -> Metrics:

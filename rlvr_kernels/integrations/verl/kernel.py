@@ -12,6 +12,7 @@ from ..._core.validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from ...ops.logprobs import linear_logprobs
 from .._backend import current_backend
 from .._errors import caller_names
+from . import _head
 
 __all__ = ["linear_cross_entropy"]
 
@@ -32,7 +33,8 @@ def linear_cross_entropy(
     ``weight [V, H]``, fp32. Like verl's kernel, ``hidden`` is viewed as ``[N, H]`` and
     ``labels`` as ``[N]``, and both results are flat ``[N]`` whatever the input shapes
     (``[1, N]`` labels give ``[N]``). Runs on CPU and GPU; only ``reduction="none"``
-    (what verl's actor uses)."""
+    (what verl's actor uses). Under ``apply(logits_precision=..., match_sampling=True)``
+    the op gets those settings (``_head``)."""
     if reduction != "none":
         raise NotImplementedError(f"reduction: only 'none' is supported, got {reduction!r}")
     check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES)
@@ -48,5 +50,6 @@ def linear_cross_entropy(
             return_entropy=True,
             process_group=dist_process_group,
             backend=current_backend(),
+            **_head.head_kwargs(),
         )
     return out.logp, out.entropy

@@ -42,14 +42,23 @@ runs verl's own function for that call. Never silently different.
 Besides the named modules, every loaded ``verl.*`` module is swept for attributes that are
 the replaced objects (``is``), so a module that imported one by name is patched too; at
 ``unapply()`` the sweep also restores modules imported while the patch was applied.
+
+Opt-in, off by default (docs/integrations-verl.md): ``logits_precision`` ("fp32" | "bf16")
+and ``match_sampling`` (with ``rollout_config``, verl's ``actor_rollout_ref.rollout``: the
+log-prob drop-ins score the rollout's kept set, top-k / top-p in the engine's convention)
+set ``_head``'s attributes; ``mismatch_metrics`` sets ``_rollout_corr.MISMATCH_OP`` (verl's
+off-policy ``rollout_corr/*`` metrics from one ``rollout_mismatch`` call). All three are
+patcher targets on our own modules, so ``unapply()`` restores the defaults.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import rlvr_kernels.integrations.verl._head as _ours_head
+import rlvr_kernels.integrations.verl._rollout_corr as _ours_rc
 import rlvr_kernels.integrations.verl.core_algos as _ours_core
 import rlvr_kernels.integrations.verl.kernel as _ours_kernel
 import rlvr_kernels.integrations.verl.rollout_corr_helper as _ours_rch
@@ -194,6 +203,14 @@ def _make_ppo_loss(fallback: _Fallback, original: Callable) -> Callable:
             reason = f"config.kl_loss_type={config.kl_loss_type!r} is not supported"
         if reason is not None:
             return fallback("verl.ppo_loss", reason, original, (config, model_output, data, dp_group), {})
+        if config.use_kl_loss and _ours_head.SAMPLING is not None:
+            # The reference policy's log-probs come from the same patched logprobs_from_logits,
+            # so they are restricted to the reference's own kept set, which need not hold the
+            # sampled token (−inf): the KL term would not be verl's.
+            raise NotImplementedError(
+                "apply(match_sampling=True) with actor.use_kl_loss: the reference log-probs would be restricted "
+                "to the reference's own kept set too; turn one of them off"
+            )
 
         # ---- verl's ppo_loss, line for line, up to the arithmetic
         log_prob = no_padding_2_padding(model_output["log_probs"], data)
@@ -261,6 +278,10 @@ def apply(
     ppo_loss: bool = True,
     logprobs: bool = True,
     rollout_correction: bool = True,
+    logits_precision: str = "fp32",
+    match_sampling: bool = False,
+    rollout_config: Any = None,
+    mismatch_metrics: bool = False,
     strict: bool = True,
     count_calls: Optional[bool] = None,
 ) -> None:
@@ -274,17 +295,47 @@ def apply(
     fallbacks to verl's own code as "verl.<name>[verl]". Calling apply() again first undoes
     the previous call. Every name is looked up, and every replacement built, before the
     first one is set: a failure leaves verl untouched.
+
+    Opt-in (the defaults are verl's numbers): ``logits_precision`` ("fp32" | "bf16") of the
+    log-prob drop-ins; ``match_sampling=True`` with ``rollout_config`` (verl's
+    ``actor_rollout_ref.rollout``: ``name`` "vllm" / "sglang", ``top_k``, ``top_p``): the
+    log-prob and entropy drop-ins score the rollout's kept set (a token outside: −inf);
+    without ``rollout_config`` ValueError (verl's log-prob call has no config in reach), an
+    engine or setting the head cannot reproduce NotImplementedError naming it, and the
+    fused ``ppo_loss`` refuses ``use_kl_loss`` with it. ``mismatch_metrics=True``: verl's
+    off-policy ``rollout_corr/*`` metrics from one ``rollout_mismatch`` call (the same
+    tokens and reductions; rollout_mismatch divides by the count where verl divides by
+    count + 1e-8, so not bit for bit).
     """
+    precision = _ours_head.check_logits_precision(logits_precision)
+    for name, flag in (("match_sampling", match_sampling), ("mismatch_metrics", mismatch_metrics)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    if not logprobs and (match_sampling or precision != "fp32"):
+        name = "match_sampling" if match_sampling else "logits_precision"
+        raise ValueError(f"{name}: acts on the log-prob drop-ins, which apply(logprobs=False) does not install")
+    if rollout_config is not None and not match_sampling:
+        raise ValueError("rollout_config: only read with match_sampling=True")
+    sampling = _ours_head.rollout_sampling(rollout_config) if match_sampling else None
+    head = [Target(_ours_head, "LOGITS_PRECISION", precision), Target(_ours_head, "SAMPLING", sampling)]
+    metrics = [Target(_ours_rc, "MISMATCH_OP", True)] if mismatch_metrics else []
     options = dict(
         advantages=advantages,
         policy_loss=policy_loss,
         ppo_loss=ppo_loss,
         logprobs=logprobs,
         rollout_correction=rollout_correction,
+        logits_precision=precision,
+        match_sampling=match_sampling,
+        mismatch_metrics=mismatch_metrics,
         strict=strict,
     )
     _VERL.apply(
-        lambda: _targets(advantages, policy_loss, ppo_loss, logprobs, _Fallback(strict), rollout_correction),
+        lambda: (
+            _targets(advantages, policy_loss, ppo_loss, logprobs, _Fallback(strict), rollout_correction)
+            + head
+            + metrics
+        ),
         strict=strict,
         count_calls=count_calls,
         options=options,

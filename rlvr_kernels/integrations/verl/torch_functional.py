@@ -12,6 +12,7 @@ from ..._core.validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from ...ops.logprobs import logprobs_from_logits as _logprobs_from_logits
 from .._backend import current_backend
 from .._errors import caller_names
+from . import _head
 
 __all__ = ["logprobs_from_logits", "entropy_from_logits"]
 
@@ -25,7 +26,9 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_bac
     fp32, one pass, no ``[N, V]`` temporaries). As verl's flash-attn path (its GPU
     default), ``labels`` may have any shape with one label per row of logits (it is
     flattened), e.g. ``[1, N]`` with ``[N, V]`` logits. ``inplace_backward`` is accepted
-    for signature compatibility; the backward writes only the logits' gradient in any case."""
+    for signature compatibility; the backward writes only the logits' gradient in any case.
+    Under ``apply(logits_precision=..., match_sampling=True)`` the op gets those settings
+    (``_head``): then the log-probs of the rollout's kept set, −inf outside it."""
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES)
     check_tensor("labels", labels, dtypes=INDEX_DTYPES)
     if logits.dim() < 1:
@@ -39,7 +42,7 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_bac
             )
         labels = labels.reshape(lead)
     with caller_names(_NAMES):
-        logp = _logprobs_from_logits(logits, labels, backend=current_backend()).logp
+        logp = _logprobs_from_logits(logits, labels, backend=current_backend(), **_head.head_kwargs()).logp
     return logp.to(logits.dtype)
 
 
@@ -53,5 +56,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
         raise ValueError("logits: expected a [..., V] tensor, got a 0-d tensor")
     ignored = torch.full(logits.shape[:-1], -100, dtype=torch.int64, device=logits.device)
     with caller_names(_NAMES):
-        entropy = _logprobs_from_logits(logits, ignored, return_entropy=True, backend=current_backend()).entropy
+        entropy = _logprobs_from_logits(
+            logits, ignored, return_entropy=True, backend=current_backend(), **_head.head_kwargs()
+        ).entropy
     return entropy.to(logits.dtype)
