@@ -165,13 +165,34 @@ const T* as_compute(const in_t* src, int64_t rows, int64_t cols, int64_t ld, T* 
   }
 }
 
+// MKL's per-thread thread count, where torch's BLAS is MKL (a weak reference: null elsewhere). The
+// value-taking spelling: torch's static MKL exports mkl_set_num_threads_local as the Fortran entry,
+// which takes a pointer.
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+
+// One thread for the MKL calls of the calling thread while in scope (the previous setting after).
+// Inside an active parallel region MKL runs sequentially anyway, but the kernel it picks can still
+// depend on its global thread count (seen on Intel Xeons: a [256, 64] × K = 5000 product summed in
+// another order with 2 threads than with 1); with the local count at 1 it is the same whatever the
+// threads of the region.
+struct OneBlasThread {
+  int before = 0;
+  OneBlasThread() {
+    if (MKL_Set_Num_Threads_Local != nullptr) before = MKL_Set_Num_Threads_Local(1);
+  }
+  ~OneBlasThread() {
+    if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(before);
+  }
+};
+
 // C [m, n] (row stride ldc) = A·B, or C += A·B. A is [m, k] (row stride lda), or stored as
 // [k, m] when a_t; B is [k, n], or stored as [n, k] when b_t. Through ATen, so through the
 // BLAS torch was built with (MKL on x86-64); called from inside our parallel regions, it runs
-// on the calling thread.
+// on the calling thread, with one MKL thread (OneBlasThread).
 template <typename T>
 void gemm(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, bool a_t, const T* b, int64_t ldb, bool b_t, T* c,
           int64_t ldc, bool accumulate) {
+  const OneBlasThread one;
   const auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value).device(at::kCPU);
   auto view = [&](const T* p, int64_t rows, int64_t cols, int64_t ld, bool t) {
     const std::array<int64_t, 2> strides = t ? std::array<int64_t, 2>{1, ld} : std::array<int64_t, 2>{ld, 1};

@@ -155,9 +155,11 @@ from ..contracts.logprobs import (
     SamplingConvention,
     SupportMode,
 )
+from ..reference.logprobs import round_bf16, round_tf32
 
 _Triple = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-_Six = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+_Four = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+_Seven = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 _INT64 = torch.iinfo(torch.int64)
 
 # The optional statistics of ``linear_logprobs(outputs=...)``, in the order of :class:`LinearLogprobs`.
@@ -405,6 +407,7 @@ class _LinearArgs(NamedTuple):
     logits_precision: int  # a LogitsPrecision (contract)
     support: Optional[torch.Tensor]  # the kernels' sampling support (contract; None: every column)
     support_mode: int  # a SupportMode (contract)
+    keep_targets: bool  # a target outside the support joins its row's support (_widen_support)
     backend: str
 
 
@@ -422,6 +425,7 @@ class _LinearSaved(NamedTuple):
     entropy: torch.Tensor
     support: Optional[torch.Tensor]
     outside: Optional[torch.Tensor]  # [M] bool: the target is outside the support (None without one)
+    widened: Optional[torch.Tensor]  # [M] CSR order: z of a target joined to its row's support, else −inf
 
 
 class _VocabShard(NamedTuple):
@@ -434,7 +438,7 @@ class _VocabShard(NamedTuple):
     vocab_size: int  # the whole vocabulary
 
 
-def _linear_forward(a: _LinearArgs, shard: Optional[_VocabShard]) -> _Six:
+def _linear_forward(a: _LinearArgs, shard: Optional[_VocabShard]) -> _Seven:
     """The forward of both linear ops (outputs as in ``_linear_logprobs``): the kernel on the
     local columns; with a shard, the all-reduce of the statistics before the combine."""
     vocab_start, vocab_size = (0, a.weight.shape[0]) if shard is None else (shard.vocab_start, shard.vocab_size)
@@ -459,13 +463,19 @@ def _linear_forward(a: _LinearArgs, shard: Optional[_VocabShard]) -> _Six:
     if shard is not None:
         group = collectives.resolve_group(shard.group_name)
         stats, tlog = _all_reduce_stats(stats, tlog, group, vocab_start, a.need_sum_sq, a.need_sum_z, a.need_top1)
+    widened = a.hidden.new_empty((0,), dtype=tlog.dtype)
+    if a.keep_targets and a.support is not None:
+        rows = _csr_rows(a.row_ptr, a.hidden.shape[0])
+        head = (a.hidden, a.weight, a.bias, a.inv_temperature, a.tanh_scale, a.logits_precision)
+        widened = _outside_logits(tlog, local, rows, lambda r, c: _linear_logits(*head, r, c)[1])
+        stats, tlog = _widen_support(stats, tlog, rows, local, widened, vocab_size)
     lse, entropy = _row_statistics(stats, vocab_size, a.return_entropy)
     logp = _target_logprobs(tlog, lse, a.row_index, a.order, a.targets == a.ignore_index)
     # (after the all-reduce ARGMAX is a global vocabulary id)
     extras = _optional_statistics(
         stats, vocab_size, a.targets, a.row_index, a.ignore_index, a.need_sum_sq, a.need_sum_z, a.need_top1
     )
-    return (logp, entropy, lse, *extras)
+    return (logp, entropy, lse, *extras, widened)
 
 
 @torch.library.custom_op("rlvr_kernels::linear_logprobs", mutates_args=())
@@ -487,11 +497,14 @@ def _linear_logprobs(
     logits_precision: int,
     support: Optional[torch.Tensor],
     support_mode: int,
+    keep_targets: bool,
     backend: str,
-) -> _Six:
-    """(logp [M], entropy [N], lse [N], log_sum_sq_probs [N], mean_logits [N], is_top1 [M] bool)
-    in the compute dtype; entropy is 0 unless ``return_entropy``, an optional output not
-    requested is an empty [0] tensor. lse is returned for the backward only."""
+) -> _Seven:
+    """(logp [M], entropy [N], lse [N], log_sum_sq_probs [N], mean_logits [N], is_top1 [M] bool,
+    widened) in the compute dtype; entropy is 0 unless ``return_entropy``, an optional output
+    not requested is an empty [0] tensor. lse and widened (with ``keep_targets`` and a support:
+    [M] in CSR order, the logit of each target that joined its row's support, −inf for the
+    others; else [0]) are returned for the backward only."""
     return _linear_forward(_LinearArgs(**locals()), None)  # (locals(): the parameters, by name)
 
 
@@ -514,11 +527,12 @@ def _linear_logprobs_vocab_parallel(
     logits_precision: int,
     support: Optional[torch.Tensor],
     support_mode: int,
+    keep_targets: bool,
     backend: str,
     group_name: str,
     vocab_start: int,
     vocab_size: int,
-) -> _Six:
+) -> _Seven:
     """``rlvr_kernels::linear_logprobs`` (same outputs, the unsharded op's) with the
     vocabulary sharded over the process group registered as ``group_name``: ``weight`` and
     ``bias`` hold the ids [vocab_start, vocab_start + weight.shape[0]) of a ``vocab_size``
@@ -542,6 +556,7 @@ def _linear_fake(*inputs):
         a.hidden.new_empty((n if a.need_sum_sq else 0,), dtype=dt),
         a.hidden.new_empty((n if a.need_sum_z else 0,), dtype=dt),
         a.hidden.new_empty(a.targets.shape if a.need_top1 else (0,), dtype=torch.bool),
+        a.hidden.new_empty(a.targets.shape if (a.keep_targets and a.support is not None) else (0,), dtype=dt),
     )
 
 
@@ -551,8 +566,8 @@ def _linear_setup_context(ctx, inputs, output):
     k = len(_LinearArgs._fields)
     a = _LinearArgs(*inputs[:k])
     ctx.shard = _VocabShard(*inputs[k:]) if len(inputs) > k else None
-    logp, entropy, lse, log_sum_sq, mean_logits, _ = output
-    ctx.mark_non_differentiable(lse, log_sum_sq, mean_logits)
+    logp, entropy, lse, log_sum_sq, mean_logits, _, widened = output
+    ctx.mark_non_differentiable(lse, log_sum_sq, mean_logits, widened)
     saved = _LinearSaved(
         hidden=a.hidden,
         weight=a.weight,
@@ -567,6 +582,7 @@ def _linear_setup_context(ctx, inputs, output):
         # A target outside the support has the constant log-prob −inf: no gradient, and its
         # upstream gradient must not pull its row's columns down (G_n of the contract).
         outside=None if a.support is None else torch.isneginf(logp),
+        widened=widened if widened.numel() else None,
     )
     ctx.save_for_backward(*saved)
     ctx.ignore_index, ctx.return_entropy, ctx.backend = a.ignore_index, a.return_entropy, a.backend
@@ -603,6 +619,25 @@ def _linear_backward(ctx, g_logp, g_entropy, *_no_grad):
         ctx.support_mode,
         ctx.backend,
     )
+    if s.widened is not None:
+        _keep_targets_linear_bwd(
+            s.hidden.detach(),
+            s.weight.detach(),
+            None if s.bias is None else s.bias.detach(),
+            s.inv_temperature,
+            s.row_ptr,
+            local,
+            g,
+            s.lse,
+            s.entropy,
+            grad_entropy,
+            s.widened,
+            ctx.tanh_scale,
+            ctx.logits_precision,
+            gh if need.hidden else None,
+            gw if need.weight else None,
+            gb if (need.bias and s.bias is not None) else None,
+        )
     if shard is not None:
         # Every rank holds the same hidden rows, so each rank's dz·W_shard is a partial sum
         # of d hidden over the vocabulary: the matching reduction is an all-reduce.
@@ -634,6 +669,7 @@ class _LogitsArgs(NamedTuple):
     return_entropy: bool
     support: Optional[torch.Tensor]  # the kernels' sampling support (contract; None: every column)
     support_mode: int  # a SupportMode (contract)
+    keep_targets: bool  # a target outside the support joins its row's support (_widen_support)
     backend: str
 
 
@@ -645,6 +681,7 @@ class _LogitsSaved(NamedTuple):
     entropy: torch.Tensor
     support: Optional[torch.Tensor]
     outside: Optional[torch.Tensor]  # [N] bool: the target is outside the support (None without one)
+    widened: Optional[torch.Tensor]  # [N]: z of a target joined to its row's support, else −inf
 
 
 @torch.library.custom_op("rlvr_kernels::logprobs_from_logits", mutates_args=())
@@ -656,26 +693,38 @@ def _from_logits(
     return_entropy: bool,
     support: Optional[torch.Tensor],
     support_mode: int,
+    keep_targets: bool,
     backend: str,
-) -> _Triple:
-    """(logp [N], entropy [N], lse [N]) from logits [N, V] (rows contiguous)."""
+) -> _Four:
+    """(logp [N], entropy [N], lse [N], widened) from logits [N, V] (rows contiguous); widened
+    as in ``rlvr_kernels::linear_logprobs`` ([N], or [0] without ``keep_targets`` and a support)."""
     ignored = targets == ignore_index
     local = torch.where(ignored, torch.full_like(targets, -1), targets)
     params = LogprobsStatsParams(need_entropy=return_entropy, support_mode=SupportMode(support_mode))
     args = (logits, local, inv_temperature, support, *params.pack())
     stats, tlog = _dispatch.run("logprobs_from_logits_stats", backend, logits.device, *args)
+    widened = logits.new_empty((0,), dtype=tlog.dtype)
+    if keep_targets and support is not None:
+        rows = torch.arange(logits.shape[0], device=logits.device)
+
+        def z_of(r, c):  # the kernels' z = x · (1 / T), exactly
+            return logits[r, c].to(inv_temperature.dtype) * inv_temperature[r]
+
+        widened = _outside_logits(tlog, local, rows, z_of)
+        stats, tlog = _widen_support(stats, tlog, rows, local, widened, logits.shape[1])
     lse, entropy = _row_statistics(stats, logits.shape[1], return_entropy)
-    return _target_logprobs(tlog, lse, None, None, ignored), entropy, lse
+    return _target_logprobs(tlog, lse, None, None, ignored), entropy, lse, widened
 
 
 @_from_logits.register_fake
-def _(logits, targets, inv_temperature, ignore_index, return_entropy, support, support_mode, backend):
+def _(logits, targets, inv_temperature, ignore_index, return_entropy, support, support_mode, keep_targets, backend):
     dt = _compute_dtype(logits.dtype)
     n = logits.shape[0]
     return (
         logits.new_empty((n,), dtype=dt),
         logits.new_empty((n,), dtype=dt),
         logits.new_empty((n,), dtype=dt),
+        logits.new_empty((n if (keep_targets and support is not None) else 0,), dtype=dt),
     )
 
 
@@ -706,7 +755,8 @@ def _(logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, s
 
 def _from_logits_setup_context(ctx, inputs, output):
     a = _LogitsArgs(*inputs)
-    logp, entropy, lse = output
+    logp, entropy, lse, widened = output
+    ctx.mark_non_differentiable(lse, widened)
     saved = _LogitsSaved(
         logits=a.logits,
         targets=a.targets,
@@ -715,13 +765,14 @@ def _from_logits_setup_context(ctx, inputs, output):
         entropy=entropy,
         support=a.support,
         outside=None if a.support is None else torch.isneginf(logp),
+        widened=widened if widened.numel() else None,
     )
     ctx.save_for_backward(*saved)
     ctx.ignore_index, ctx.return_entropy, ctx.backend = a.ignore_index, a.return_entropy, a.backend
     ctx.support_mode = a.support_mode
 
 
-def _from_logits_backward(ctx, g_logp, g_entropy, g_lse):
+def _from_logits_backward(ctx, g_logp, g_entropy, g_lse, g_widened):
     s = _LogitsSaved(*ctx.saved_tensors)
     if not _LogitsArgs(*ctx.needs_input_grad).logits:
         return _grads_by_name(_LogitsArgs)
@@ -739,6 +790,8 @@ def _from_logits_backward(ctx, g_logp, g_entropy, g_lse):
         ctx.support_mode,
         ctx.backend,
     )
+    if s.widened is not None:
+        _keep_targets_logits_bwd(local, s.inv_temperature, g, s.lse, s.entropy, grad_entropy, s.widened, grad)
     return _grads_by_name(_LogitsArgs, logits=grad)
 
 
@@ -946,6 +999,7 @@ class _Sampling:
     top_p: Union[None, float, torch.Tensor]
     min_p: Union[None, float, torch.Tensor]
     convention: str  # a SAMPLING_CONVENTIONS name
+    keep_targets: bool  # a target outside joins its row's support
 
 
 def _check_filter(name: str, value, rows_shape, like, like_name, validate, integer: bool, low: float, open_low: bool):
@@ -977,10 +1031,22 @@ def _check_filter(name: str, value, rows_shape, like, like_name, validate, integ
 
 
 def _check_sampling(
-    support_ids, support_offsets, top_k, top_p, min_p, sampling_convention, rows_shape, like, like_name, validate
+    support_ids,
+    support_offsets,
+    top_k,
+    top_p,
+    min_p,
+    sampling_convention,
+    keep_targets,
+    rows_shape,
+    like,
+    like_name,
+    validate,
 ) -> Optional[_Sampling]:
     """The sampling-support arguments of both ops (docs/logprobs.md, "Sampling support"), None
     when none is given. Value checks of the CSR need ``validate`` (one host sync)."""
+    if not isinstance(keep_targets, bool):
+        raise TypeError(f"keep_targets: expected a bool, got {type(keep_targets).__name__}")
     if not isinstance(sampling_convention, str) or sampling_convention not in SAMPLING_CONVENTIONS:
         raise ValueError(
             f"sampling_convention: expected one of {tuple(SAMPLING_CONVENTIONS)}, got {sampling_convention!r}"
@@ -1004,8 +1070,14 @@ def _check_sampling(
                 f"got {tuple(support_offsets.shape)}"
             )
         _check_count("support_ids", "ids", support_ids.shape[0])
-        return _Sampling(support_ids.long(), support_offsets.long(), None, None, None, sampling_convention)
+        return _Sampling(
+            support_ids.long(), support_offsets.long(), None, None, None, sampling_convention, keep_targets
+        )
     if not computed:
+        if keep_targets:
+            raise ValueError(
+                "keep_targets: only with a sampling support (support_ids + support_offsets, or top_k / top_p / min_p)"
+            )
         return None
     return _Sampling(
         None,
@@ -1014,6 +1086,7 @@ def _check_sampling(
         _check_filter("top_p", top_p, rows_shape, like, like_name, validate, False, 0.0, True),
         _check_filter("min_p", min_p, rows_shape, like, like_name, validate, False, 0.0, False),
         sampling_convention,
+        keep_targets,
     )
 
 
@@ -1082,6 +1155,7 @@ def _sampling_kwargs(sampling: Optional[_Sampling]) -> dict:
         top_p=sampling.top_p,
         min_p=sampling.min_p,
         sampling_convention=sampling.convention,
+        keep_targets=sampling.keep_targets,
     )
 
 
@@ -1106,6 +1180,7 @@ def linear_logprobs(
     top_p: Union[None, float, torch.Tensor] = None,
     min_p: Union[None, float, torch.Tensor] = None,
     sampling_convention: str = "vllm",
+    keep_targets: bool = False,
     process_group=None,
     validate: bool = True,
     backend: str = "auto",
@@ -1167,6 +1242,11 @@ def linear_logprobs(
             distribution). With a support, ``outputs`` may hold ``"entropy"`` only, and
             ``process_group`` is refused. The gradient is that of the restricted
             distribution (the support itself is a constant).
+        keep_targets: with a support, a target outside its row's kept set joins that set
+            (its row's distribution is over kept ∪ {its targets}) instead of getting −inf:
+            a sampled token was in the engine's kept set, and a trainer recomputing it may
+            miss one at the boundary. ``outside_support`` is then all False. Costs one host
+            sync on CUDA and, per joined target, one dot product over H.
         process_group: vocab-parallel group (``torch.distributed``): every rank passes
             the same hidden/targets and its own weight shard; the result equals the
             unsharded op (soft-cap, logit scale and every output included; is_top1's
@@ -1211,6 +1291,7 @@ def linear_logprobs(
             top_p,
             min_p,
             sampling_convention,
+            keep_targets,
             (x.num_rows,),
             hidden,
             "hidden",
@@ -1289,13 +1370,14 @@ def linear_logprobs(
         logits_precision=precision,
         support=support,
         support_mode=support_mode,
+        keep_targets=sampling is not None and sampling.keep_targets,
         backend=backend,
     )
     if process_group is None:
-        logp, entropy, _, log_sum_sq, mean_logits, is_top1 = _linear_logprobs(*args)
+        logp, entropy, _, log_sum_sq, mean_logits, is_top1, _ = _linear_logprobs(*args)
     else:
         shard = _VocabShard(collectives.group_name(process_group), vocab_start, vocab_size)
-        logp, entropy, _, log_sum_sq, mean_logits, is_top1 = _linear_logprobs_vocab_parallel(*args, *shard)
+        logp, entropy, _, log_sum_sq, mean_logits, is_top1, _ = _linear_logprobs_vocab_parallel(*args, *shard)
     return LinearLogprobs(
         logp,
         _unsaved(entropy) if args.return_entropy else None,
@@ -1319,6 +1401,7 @@ def logprobs_from_logits(
     top_p: Union[None, float, torch.Tensor] = None,
     min_p: Union[None, float, torch.Tensor] = None,
     sampling_convention: str = "vllm",
+    keep_targets: bool = False,
     validate: bool = True,
     backend: str = "auto",
 ) -> LogprobsFromLogits:
@@ -1346,6 +1429,7 @@ def logprobs_from_logits(
             support, as in :func:`linear_logprobs`, for the rows of the flattened leading
             dimensions (``support_offsets`` has prod(targets.shape) + 1 entries; the filters
             are numbers or tensors broadcastable to ``targets``).
+        keep_targets: as in :func:`linear_logprobs`.
         validate, backend: as in :func:`linear_logprobs`.
 
     Returns:
@@ -1356,7 +1440,17 @@ def logprobs_from_logits(
     _dispatch.check_backend(backend)
     x = _validate_from_logits(logits, targets, temperature, ignore_index, validate, logits_precision)
     sampling = _check_sampling(
-        support_ids, support_offsets, top_k, top_p, min_p, sampling_convention, x.lead, logits, "logits", validate
+        support_ids,
+        support_offsets,
+        top_k,
+        top_p,
+        min_p,
+        sampling_convention,
+        keep_targets,
+        x.lead,
+        logits,
+        "logits",
+        validate,
     )
     flat_targets = einops.rearrange(targets, "... -> (...)").long()
     _check_values(flat_targets, None, x.vocab, x.num_rows, ignore_index, validate)
@@ -1401,9 +1495,10 @@ def logprobs_from_logits(
         return_entropy=bool(return_entropy),
         support=support,
         support_mode=support_mode,
+        keep_targets=sampling is not None and sampling.keep_targets,
         backend=backend,
     )
-    logp, entropy, _ = _from_logits(*args)
+    logp, entropy, _, _ = _from_logits(*args)
     logp = logp.reshape(x.lead)
     return LogprobsFromLogits(logp, _unsaved(entropy.reshape(x.lead)) if return_entropy else None)
 
@@ -1534,6 +1629,170 @@ def _upstream(ctx, g_logp, g_entropy, targets, order, lse, outside=None) -> Tupl
     g = (g if order is None else g.index_select(0, order)).contiguous()
     grad_entropy = g_entropy.to(dt).contiguous() if (g_entropy is not None and ctx.return_entropy) else None
     return g, grad_entropy
+
+
+# ------------------------------------------------------------------ keep_targets
+# A sampled token is in the engine's kept set by construction; the trainer's own kept set
+# (its filters on its own logits, or ids with a gap) may still miss it. With keep_targets
+# such a target joins its row's support: the row's distribution is over kept ∪ {those
+# targets}. The kernels see the support as it is; the ops layer folds the few extra
+# columns into the row statistics (forward) and adds their terms of dz (backward), so every
+# backend shares one implementation of it.
+_WIDEN_CHUNK = 4096  # (row, column) pairs per [chunk, H] gather of the linear head's z
+
+
+def _csr_rows(row_ptr: torch.Tensor, n: int) -> torch.Tensor:
+    """The row of each CSR position ([M] int64)."""
+    return torch.repeat_interleave(torch.arange(n, device=row_ptr.device), row_ptr.diff())
+
+
+def _outside_logits(tlog, local, rows, z_of) -> torch.Tensor:
+    """[M] (CSR order): z of each target the kernels found outside its row's support (their
+    target logit −inf for a column in range), −inf for every other target. ``z_of(r, c)``
+    forms z of the (row, column) pairs as the kernels would. A target whose own z is −inf
+    (or NaN) stays outside: it has no mass to add."""
+    out = torch.isneginf(tlog) & (local >= 0)
+    widened = torch.full_like(tlog, float("-inf"))
+    idx = out.nonzero().squeeze(1)  # (one host sync on CUDA; outside targets are few)
+    if idx.numel():
+        z = torch.cat([z_of(rows[i], local[i]) for i in idx.split(_WIDEN_CHUNK)])
+        widened[idx] = torch.where(torch.isfinite(z), z, torch.full_like(z, float("-inf")))
+    return widened
+
+
+def _unique_pairs(widened, rows, local, vocab: int):
+    """(positions [K'], inverse [K'], rows [K], columns [K], z [K]) of the distinct (row, column)
+    pairs among the targets with a finite ``widened`` (a row may hold one token twice)."""
+    idx = torch.isfinite(widened).nonzero().squeeze(1)
+    key = rows[idx] * vocab + local[idx]
+    uniq, inverse = torch.unique(key, return_inverse=True)
+    z = widened.new_empty(uniq.shape).scatter_(0, inverse, widened[idx])
+    return idx, inverse, uniq // vocab, uniq % vocab, z
+
+
+def _widen_support(stats, tlog, rows, local, widened, vocab: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(stats, target logits) of each row's support with its ``widened`` targets added: MAX,
+    SUM_EXP and SUM_EXP_SHIFT of the union (a row's old sums rescaled to the new max; an empty
+    row's are 0), the joined targets' logits their z. Rows without one are unchanged, bit for bit."""
+    idx, _, r, _, z = _unique_pairs(widened, rows, local, vocab)
+    if not idx.numel():
+        return stats, tlog
+    stats = stats.clone()
+    m, s, u = stats[:, LogprobsStat.MAX], stats[:, LogprobsStat.SUM_EXP], stats[:, LogprobsStat.SUM_EXP_SHIFT]
+    m2 = m.scatter_reduce(0, r, z, "amax")
+    nonempty = s > 0
+    shift = torch.where(nonempty, m - m2, torch.zeros_like(m))  # <= 0; m = −inf only when empty
+    scale = torch.where(nonempty, shift.exp(), torch.zeros_like(m))
+    zs = z - m2[r]
+    e = zs.exp()
+    stats[:, LogprobsStat.SUM_EXP_SHIFT] = ((u + s * shift) * scale).index_add(0, r, e * zs)
+    stats[:, LogprobsStat.SUM_EXP] = (s * scale).index_add(0, r, e)
+    stats[:, LogprobsStat.MAX] = m2
+    return stats, torch.where(torch.isfinite(widened), widened, tlog)
+
+
+def _widened_dz(widened, rows, local, g, lse, entropy, grad_entropy, vocab: int):
+    """(rows [K], columns [K], dz [K]) at the joined (row, column) pairs, the terms the kernels
+    leave out (they give dz = 0 off the support): dz = Σ g of the pair's targets − G_n p −
+    gH_n p (z − lse_n + H_n), p = exp(z − lse_n), G_n the row's Σ g (lse, H: the union's)."""
+    idx, inverse, r, c, z = _unique_pairs(widened, rows, local, vocab)
+    p = (z - lse[r]).exp()
+    row_g = torch.zeros_like(lse).index_add(0, rows, g)
+    dz = torch.zeros_like(z).index_add(0, inverse, g[idx]) - row_g[r] * p
+    if grad_entropy is not None:
+        dz = dz - grad_entropy[r] * p * (z - lse[r] + entropy[r])
+    return r, c, dz
+
+
+def _linear_logits(hidden, weight, bias, inv_temperature, tanh_scale: float, logits_precision: int, rows, cols):
+    """(y, z) of the (row, column) pairs of the linear head as the kernels form them (the
+    rounding of ``logits_precision``, the transform, 1 / T; a dot product's sum order aside)."""
+    dt = inv_temperature.dtype
+    h = hidden.detach().index_select(0, rows).to(dt)
+    w = weight.detach().index_select(0, cols).to(dt)
+    b = None if bias is None else bias.detach().index_select(0, cols).to(dt)
+    precision = LogitsPrecision(logits_precision)
+    if precision == LogitsPrecision.BF16:
+        h, w, b = round_bf16(h), round_bf16(w), None if b is None else round_bf16(b)
+    elif precision == LogitsPrecision.TF32:
+        h, w = round_tf32(h), round_tf32(w)
+    y = torch.einsum("kh,kh->k", h, w)
+    if b is not None:
+        y = y + b
+    if precision == LogitsPrecision.BF16:
+        y = round_bf16(y)
+    inv_t = inv_temperature[rows]
+    return y, (y * inv_t if tanh_scale == 0.0 else torch.tanh(y * tanh_scale) * inv_t)
+
+
+@torch.library.custom_op(
+    "rlvr_kernels::keep_targets_linear_bwd", mutates_args=("grad_hidden", "grad_weight", "grad_bias")
+)
+def _keep_targets_linear_bwd(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    inv_temperature: torch.Tensor,
+    row_ptr: torch.Tensor,
+    targets: torch.Tensor,
+    grad_logp: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_entropy: Optional[torch.Tensor],
+    widened: torch.Tensor,
+    tanh_scale: float,
+    logits_precision: int,
+    grad_hidden: Optional[torch.Tensor],
+    grad_weight: Optional[torch.Tensor],
+    grad_bias: Optional[torch.Tensor],
+) -> None:
+    """Adds the joined pairs' terms to the kernels' gradients, in place (targets, grad_logp,
+    widened in CSR order): dy = dz · dz/dy, straight through the rounding, then d hidden = dy · W
+    and d W = dy · hidden with the operands as given, d b = dy. An op of its own, so that a
+    traced backward sees no data-dependent shape."""
+    rows = _csr_rows(row_ptr, hidden.shape[0])
+    r, c, dz = _widened_dz(widened, rows, targets, grad_logp, lse, entropy, grad_entropy, weight.shape[0])
+    head = (hidden, weight, bias, inv_temperature, tanh_scale, logits_precision)
+    dt = inv_temperature.dtype
+    for part in torch.arange(r.numel(), device=r.device).split(_WIDEN_CHUNK):
+        rr, cc = r[part], c[part]
+        y, _ = _linear_logits(*head, rr, cc)
+        dy = dz[part] * inv_temperature[rr]
+        if tanh_scale != 0.0:
+            dy = dy * tanh_scale * (1 - torch.tanh(y * tanh_scale) ** 2)
+        if grad_hidden is not None:
+            grad_hidden.index_add_(0, rr, (dy[:, None] * weight.index_select(0, cc).to(dt)).to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight.index_add_(0, cc, (dy[:, None] * hidden.index_select(0, rr).to(dt)).to(grad_weight.dtype))
+        if grad_bias is not None:
+            grad_bias.index_add_(0, cc, dy.to(grad_bias.dtype))
+
+
+@_keep_targets_linear_bwd.register_fake
+def _(*args):
+    return None
+
+
+@torch.library.custom_op("rlvr_kernels::keep_targets_logits_bwd", mutates_args=("grad_logits",))
+def _keep_targets_logits_bwd(
+    targets: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    grad_logp: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_entropy: Optional[torch.Tensor],
+    widened: torch.Tensor,
+    grad_logits: torch.Tensor,
+) -> None:
+    """The same for ``logprobs_from_logits`` (one target per row): d logits = dz / T."""
+    rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
+    r, c, dz = _widened_dz(widened, rows, targets, grad_logp, lse, entropy, grad_entropy, grad_logits.shape[1])
+    grad_logits.index_put_((r, c), (dz * inv_temperature[r]).to(grad_logits.dtype), accumulate=True)
+
+
+@_keep_targets_logits_bwd.register_fake
+def _(*args):
+    return None
 
 
 def _csr(row_index: Optional[torch.Tensor], n: int, device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -213,6 +213,7 @@ def linear_logprobs(
     top_p=None,
     min_p=None,
     sampling_convention: str = "vllm",
+    keep_targets: bool = False,
 ) -> Union[torch.Tensor, tuple]:
     """y = hidden·Wᵀ + b; z_n = softcap·tanh(logit_scale·y_n / softcap) / T_n (without a
     softcap: logit_scale·y_n / T_n); logp_m = z_{row(m), t_m} − logsumexp(z_{row(m)}) (0 for
@@ -229,7 +230,8 @@ def linear_logprobs(
 
     A sampling support (``support_ids`` + ``support_offsets``, or ``top_k`` / ``top_p`` /
     ``min_p`` with ``sampling_convention``; :func:`support_mask`) restricts every row's
-    distribution to its kept columns after the temperature (a target outside gets −inf); the
+    distribution to its kept columns after the temperature (a target outside gets −inf; with
+    ``keep_targets`` it joins its row's kept columns instead, unless its z is −inf); the
     result is then the 5-tuple (logp, entropy or None, None, None, None)."""
     dt = _compute_dtype(hidden.dtype)
     z = _head(hidden, weight, bias, dt, logits_precision)
@@ -250,6 +252,8 @@ def linear_logprobs(
         convention=sampling_convention,
     )
     if kept is not None:
+        if keep_targets:
+            kept = _with_targets(kept, z, targets, row_index, ignore_index)
         return _with_support(z, kept, targets, row_index, ignore_index, "entropy" in outputs or return_entropy)
     if not outputs:
         return _from_scaled_logits(z, targets, row_index, ignore_index, return_entropy)
@@ -264,6 +268,17 @@ def linear_logprobs(
         z.mean(-1).detach() if "mean_logits" in outputs else None,
         top1 if "is_top1" in outputs else None,
     )
+
+
+def _with_targets(kept, z, targets, row_index, ignore_index) -> torch.Tensor:
+    """kept [N, V] with each (non-ignored) target's column of its row added where z is finite."""
+    rows = torch.arange(z.shape[0], device=z.device) if row_index is None else row_index.long()
+    use = targets != ignore_index
+    rows, cols = rows[use], targets[use].long()
+    rows, cols = rows[torch.isfinite(z[rows, cols])], cols[torch.isfinite(z[rows, cols])]
+    kept = kept.clone()
+    kept[rows, cols] = True
+    return kept
 
 
 def _with_support(z, kept, targets, row_index, ignore_index, return_entropy) -> tuple:
@@ -286,6 +301,7 @@ def logprobs_from_logits(
     top_p=None,
     min_p=None,
     sampling_convention: str = "vllm",
+    keep_targets: bool = False,
 ) -> Union[torch.Tensor, tuple]:
     """The same from logits ``[..., V]`` with targets ``[...]``; outputs are shaped like
     ``targets``. A per-row temperature tensor is shaped like ``targets`` (or broadcastable).
@@ -313,6 +329,8 @@ def logprobs_from_logits(
         convention=sampling_convention,
     )
     if kept is not None:
+        if keep_targets:
+            kept = _with_targets(kept, z, targets.reshape(-1), None, ignore_index)
         logp, entropy, *_ = _with_support(z, kept, targets.reshape(-1), None, ignore_index, return_entropy)
         return logp.reshape(lead), None if entropy is None else entropy.reshape(lead)
     out = _from_scaled_logits(z, targets.reshape(-1), None, ignore_index, return_entropy)

@@ -96,16 +96,22 @@ def _batch(vocab, B=3, P=4, C=6, seed=0):
 
 def _oracle(trainer, model, ids, mask, C, **filters):
     """TRL's per-token log-probs and entropies from the model's own logits (its stock
-    forward) in fp64, restricted to vLLM's kept set (``filters``; none: full vocabulary);
-    0 where TRL masks."""
+    forward) in fp64, restricted to vLLM's kept set with each row's sampled token added
+    (``filters``; none: full vocabulary); 0 where TRL masks. Also whether each token lies
+    outside vLLM's kept set."""
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits.double()
     z = logits[:, :-1] / trainer.temperature
     targets = ids[:, 1:]
     B, L, V = z.shape
     flat = z.reshape(-1, V)
+    outside = torch.zeros(B, L, dtype=torch.bool)
     if filters:
-        flat = torch.where(vllm_kept(flat, **filters), flat, torch.full_like(flat, -math.inf))
+        kept = vllm_kept(flat, **filters)
+        rows = torch.arange(flat.shape[0])
+        outside = ~kept[rows, targets.reshape(-1)].reshape(B, L)
+        kept[rows, targets.reshape(-1)] = True
+        flat = torch.where(kept, flat, torch.full_like(flat, -math.inf))
     logp_all = torch.log_softmax(flat, -1)
     logp = logp_all.gather(1, targets.reshape(-1, 1)).reshape(B, L)
     p = logp_all.exp()
@@ -113,7 +119,7 @@ def _oracle(trainer, model, ids, mask, C, **filters):
     valid = (mask[:, 1:] != 0).double()
     logp = torch.where(valid.bool(), logp, torch.zeros_like(logp))
     entropy = entropy * valid
-    return logp[:, -C:], entropy[:, -C:], valid[:, -C:].bool()
+    return logp[:, -C:], entropy[:, -C:], valid[:, -C:].bool(), outside[:, -C:]
 
 
 def _scored(trainer, model, ids, mask, C, entropy=True):
@@ -153,14 +159,15 @@ def test_match_sampling_logprobs_are_the_kept_sets(trainer):
             _refresh_head(trainer)
             rk_trl.apply(match_sampling=True)
             got, got_h = _scored(trainer, model, ids, mask, C)
-            want, want_h, valid = _oracle(trainer, model, ids, mask, C, **filters)
-            assert bool(torch.isneginf(want[valid]).any()), case  # some targets fall outside
+            want, want_h, valid, outside = _oracle(trainer, model, ids, mask, C, **filters)
+            assert bool(outside[valid].any()), case  # some targets fall outside vLLM's kept set: they join it
             _assert_logps(got, want, valid)
+            assert bool(torch.isfinite(got[valid]).all())
             torch.testing.assert_close(got_h[valid], want_h[valid], rtol=0, atol=2e-5)
 
             rk_trl.apply()  # the default: full vocabulary, whatever the trainer's filters
             got, got_h = _scored(trainer, model, ids, mask, C)
-            want, want_h, valid = _oracle(trainer, model, ids, mask, C)
+            want, want_h, valid, _ = _oracle(trainer, model, ids, mask, C)
             _assert_logps(got, want, valid)
             torch.testing.assert_close(got_h[valid], want_h[valid], rtol=0, atol=2e-5)
     finally:
@@ -190,10 +197,11 @@ def test_match_sampling_trains_and_reference_keeps_full_vocabulary(trainer):
 
     ids, mask, C = _batch(trainer.model.config.vocab_size, seed=1)
     got, _ = _scored(trainer, trainer.ref_model, ids, mask, C, entropy=False)
-    want, _, valid = _oracle(trainer, trainer.ref_model, ids, mask, C)
+    want, _, valid, _ = _oracle(trainer, trainer.ref_model, ids, mask, C)
     _assert_logps(got, want, valid)
     policy, _ = _scored(trainer, trainer.model, ids, mask, C)
-    assert bool(torch.isneginf(policy[valid]).any())  # the policy's is the kept set
+    kept, _, _, _ = _oracle(trainer, trainer.model, ids, mask, C, top_k=trainer.top_k, top_p=trainer.top_p)
+    _assert_logps(policy, kept, valid)  # the policy's is the kept set's (with the sampled token)
 
 
 def test_reference_adapter_marks_the_reference():

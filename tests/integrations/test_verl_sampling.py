@@ -46,13 +46,18 @@ def _unapplied():
 
 
 def _oracle(logits, labels, kept_fn, **filters):
+    """(log-probs over the engine's kept set with each row's label added, entropies over the
+    kept set alone: verl's entropy_from_logits has no labels, whether a label lies outside)."""
     z = logits.double().reshape(-1, logits.shape[-1])
-    z = torch.where(kept_fn(z, **filters), z, torch.full_like(z, -math.inf))
-    logp_all = torch.log_softmax(z, -1)
-    logp = logp_all.gather(1, labels.reshape(-1, 1)).reshape(labels.shape)
+    kept = kept_fn(z, **filters)
+    rows, flat = torch.arange(z.shape[0]), labels.reshape(-1)
+    outside = ~kept[rows, flat]
+    logp_all = torch.log_softmax(torch.where(kept, z, torch.full_like(z, -math.inf)), -1)
     p = logp_all.exp()
     entropy = -(p * torch.where(p > 0, logp_all, torch.zeros_like(logp_all))).sum(-1).reshape(labels.shape)
-    return logp, entropy
+    kept[rows, flat] = True
+    logp = torch.log_softmax(torch.where(kept, z, torch.full_like(z, -math.inf)), -1)[rows, flat].reshape(labels.shape)
+    return logp, entropy, outside.reshape(labels.shape)
 
 
 def _same(got, want, atol=1e-5):
@@ -67,8 +72,8 @@ def test_dropins_score_the_rollout_kept_set(name, filters):
     g = torch.Generator().manual_seed(len(str(filters)) + len(name))
     logits = 2 * torch.randn(5, 7, 23, generator=g)
     labels = torch.randint(0, 23, (5, 7), generator=g)
-    want, want_h = _oracle(logits, labels, KEPT[name], **filters)
-    assert bool(torch.isneginf(want).any())
+    want, want_h, outside = _oracle(logits, labels, KEPT[name], **filters)
+    assert bool(outside.any()) and bool(torch.isfinite(want).all())
     rk.apply(match_sampling=True, rollout_config={"name": name, **filters})
     with rk.use_backend(BACKEND):
         _same(verl_tf.logprobs_from_logits(logits, labels), want)
@@ -78,8 +83,14 @@ def test_dropins_score_the_rollout_kept_set(name, filters):
         weight = torch.randn(23, 8, generator=g)
         targets = torch.randint(0, 23, (9,), generator=g)
         logp, entropy = verl_lce_module.linear_cross_entropy(hidden, weight, targets, 0.7)
-    want, want_h = _oracle((hidden.double() @ weight.double().T) / 0.7, targets, KEPT[name], **filters)
+    want, _, _ = _oracle((hidden.double() @ weight.double().T) / 0.7, targets, KEPT[name], **filters)
     _same(logp, want)
+    # (linear_cross_entropy's entropy comes with the labels: over the kept set with them)
+    z = (hidden.double() @ weight.double().T) / 0.7
+    kept = KEPT[name](z, **filters)
+    kept[torch.arange(9), targets] = True
+    log_p = torch.log_softmax(torch.where(kept, z, -math.inf), -1)
+    want_h = -(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum(-1)
     torch.testing.assert_close(entropy.double(), want_h, rtol=0, atol=1e-5)
     rk.apply()  # the default: the full vocabulary, stock numbers
     with rk.use_backend(BACKEND):
@@ -159,13 +170,15 @@ def test_engine_compute_log_prob_on_the_kept_set(monkeypatch, model_dir):  # noq
         stock = infer()
         monkeypatch.setattr(ti, "logprobs_from_logits", stock_fn)
         filters = dict(top_k=5, top_p=0.9)
-        want = torch.cat([_oracle(lg, lb, vllm_kept, **filters)[0].reshape(-1) for lg, lb in calls])
+        oracles = [_oracle(lg, lb, vllm_kept, **filters) for lg, lb in calls]
+        want = torch.cat([o[0].reshape(-1) for o in oracles])
+        outside = torch.cat([o[2].reshape(-1) for o in oracles])
         full = torch.cat([_oracle(lg, lb, vllm_kept)[0].reshape(-1) for lg, lb in calls])
         assert want.shape == stock.shape
         _same(stock, full)  # the captured calls are the engine's output, in its order
         rk.apply(match_sampling=True, rollout_config={"name": "vllm", **filters})
         ours = infer()
-    assert bool(torch.isneginf(want).any())
+    assert bool(outside.any()) and bool(torch.isfinite(want).all())
     _same(ours, want)
 
 

@@ -17,9 +17,10 @@ from rlvr_kernels.testing.dist import free_port
 ops = importlib.import_module("rlvr_kernels.ops.logprobs")  # (the package re-exports functions of its names)
 
 
-def linear_op_args(device, backend, branching, dtype=torch.float32, extras=False, support=None):
+def linear_op_args(device, backend, branching, dtype=torch.float32, extras=False, support=None, keep_targets=False):
     """The positional inputs of ``rlvr_kernels::linear_logprobs``; ``support``: None, "mask"
-    (an explicit support's bitmap) or "threshold" (top-p 0.8's thresholds, from the kernel)."""
+    (an explicit support's bitmap) or "threshold" (top-p 0.8's thresholds, from the kernel);
+    ``keep_targets``: the targets outside it join it."""
     gen = torch.Generator().manual_seed(0)
     x = random_logprobs_case(
         gen,
@@ -54,6 +55,7 @@ def linear_op_args(device, backend, branching, dtype=torch.float32, extras=False
         extras,  # need_top1
         2 if extras else 0,  # logits_precision: LogitsPrecision.BF16 with the extras
         *_support_args(x, inv_t, support, backend),
+        keep_targets,
         backend,
     )
 
@@ -86,8 +88,10 @@ def test_opcheck_linear(backend, device, branching, extras):
 
 @pytest.mark.parametrize("backend,device", FAST)
 @pytest.mark.parametrize("support", ["mask", "threshold"])
-def test_opcheck_linear_with_support(backend, device, support):
-    torch.library.opcheck(ops._linear_logprobs, linear_op_args(device, backend, True, support=support))
+@pytest.mark.parametrize("keep_targets", [False, True], ids=["outside -inf", "keep_targets"])
+def test_opcheck_linear_with_support(backend, device, support, keep_targets):
+    args = linear_op_args(device, backend, True, support=support, keep_targets=keep_targets)
+    torch.library.opcheck(ops._linear_logprobs, args)
 
 
 @pytest.mark.parametrize("backend,device", FAST)
@@ -127,10 +131,11 @@ def test_opcheck_from_logits(backend, device):
     targets = torch.randint(0, 29, (11,), generator=gen).to(device)
     targets[3] = -100
     inv_t = torch.full((11,), 1 / 0.7, device=device)
-    torch.library.opcheck(ops._from_logits, (logits, targets, inv_t, -100, True, None, 0, backend))
+    torch.library.opcheck(ops._from_logits, (logits, targets, inv_t, -100, True, None, 0, False, backend))
     filters = (torch.zeros(11, dtype=torch.int64, device=device), torch.full((11,), 0.6, device=device))
     threshold = ops._logits_threshold(logits.detach(), inv_t, *filters, torch.zeros(11, device=device), 0, backend)
-    torch.library.opcheck(ops._from_logits, (logits, targets, inv_t, -100, True, threshold, 2, backend))
+    for keep in (False, True):
+        torch.library.opcheck(ops._from_logits, (logits, targets, inv_t, -100, True, threshold, 2, keep, backend))
 
 
 @pytest.mark.parametrize("backend,device", FAST)
@@ -141,7 +146,7 @@ def test_opcheck_from_logits_expanded(backend, device):
     logits = base.expand(7, 29)
     targets = torch.randint(0, 29, (7,), generator=gen).to(device)
     inv_t = torch.full((7,), 1 / 0.7, device=device)
-    torch.library.opcheck(ops._from_logits, (logits, targets, inv_t, -100, True, None, 0, backend))
+    torch.library.opcheck(ops._from_logits, (logits, targets, inv_t, -100, True, None, 0, False, backend))
 
 
 def test_autograd_reads_inputs_by_schema_name():

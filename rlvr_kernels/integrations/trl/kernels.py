@@ -127,7 +127,9 @@ class ChunkedLogProbFunction:
                     f"outputs: {extra} are not defined on the sampling support (apply(match_sampling=True)); "
                     "only 'log_probs' and 'entropy' are"
                 )
-            kwargs.update(sampling)
+            # A sampled token was in the engine's kept set: it joins the trainer's recomputed
+            # one where that misses it at the boundary (never a −inf log-prob, a NaN ratio).
+            kwargs.update(sampling, keep_targets=True)
         out = linear_logprobs(hidden, weight, targets, outputs=wanted, **kwargs)
         return (
             _fp32(out.logp),

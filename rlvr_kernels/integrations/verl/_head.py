@@ -30,7 +30,9 @@ def head_kwargs() -> Dict[str, Any]:
     """What the drop-ins pass to the op besides verl's arguments."""
     out: Dict[str, Any] = {"logits_precision": LOGITS_PRECISION}
     if SAMPLING is not None:
-        out.update(SAMPLING)
+        # A sampled token was in the engine's kept set: it joins the recomputed one where
+        # that misses it at the boundary (never a −inf log-prob, a NaN ratio).
+        out.update(SAMPLING, keep_targets=True)
     return out
 
 
