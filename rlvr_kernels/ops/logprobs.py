@@ -130,6 +130,7 @@ import torch
 from .._core import collectives
 from .._core import dispatch as _dispatch
 from .._core.layout import compute_dtype as _compute_dtype
+from .._core.rounding import round_bf16, round_tf32
 from .._core.validation import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -155,7 +156,6 @@ from ..contracts.logprobs import (
     SamplingConvention,
     SupportMode,
 )
-from ..reference.logprobs import round_bf16, round_tf32
 
 _Triple = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 _Four = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]

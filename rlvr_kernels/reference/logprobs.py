@@ -10,6 +10,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .._core.layout import compute_dtype as _compute_dtype
+from .._core.rounding import round_bf16, round_tf32
 
 # The optional per-row / per-target statistics of ``linear_logprobs`` (``outputs=``).
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -129,20 +130,6 @@ def support_mask(
     p = per_row(top_p, 1.0, z.dtype)
     mp = per_row(min_p, 0.0, z.dtype)
     return z >= sampling_threshold(z, k, p, mp, convention)[:, None]
-
-
-def round_bf16(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to bf16 (to nearest, ties to even; fp64 through fp32, as the kernels do),
-    returned in x's dtype."""
-    return x.to(torch.float32).to(torch.bfloat16).to(x.dtype)
-
-
-def round_tf32(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to tf32 (fp32 with a 10-bit mantissa: to nearest, ties away from zero, the
-    ``cvt.rna.tf32.f32`` rounding; ±inf and NaN kept; fp64 through fp32), in x's dtype."""
-    f = x.to(torch.float32)
-    bits = (f.view(torch.int32) + 0x1000) & -0x2000  # sign-magnitude: the carry rounds |x| up
-    return torch.where(torch.isfinite(f), bits.view(torch.float32), f).to(x.dtype)
 
 
 def _head(hidden, weight, bias, dt, logits_precision: str) -> torch.Tensor:

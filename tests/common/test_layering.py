@@ -6,7 +6,7 @@ The floors, lowest first (a layer is the first name under ``rlvr_kernels``; laye
 floor are independent of each other):
 
  0. ``_core`` (validation, dispatch table, CPU cache, packed-layout rules, collectives,
-    platform, the build of the C++ kernels);
+    platform, the roundings of the logits precisions, the build of the C++ kernels);
  1. ``contracts`` (kernel parameter lists and branch codes), ``options`` (option
     dataclasses and presets);
  2. ``reference`` (the spec, pure torch);
