@@ -303,6 +303,11 @@ def apply(
     the previous call. Every name is looked up, and every replacement built, before the
     first one is set: a failure leaves verl untouched.
 
+    ``logit_free`` (with ``logprobs``): ``FSDPEngineWithLMHead.forward_step`` computes the
+    log-probs and entropy from the hidden states and the LM head, never the ``[tokens, vocab]``
+    logits (:mod:`.transformer_impl`; what it cannot serve runs verl's step, with a warning);
+    False keeps verl's logits and the log-prob drop-ins on them.
+
     Opt-in (the defaults are verl's numbers): ``logits_precision`` ("fp32" | "bf16") of the
     log-prob drop-ins; ``match_sampling=True`` with ``rollout_config`` (verl's
     ``actor_rollout_ref.rollout``: ``name`` "vllm" / "sglang", ``top_k``, ``top_p``): the
