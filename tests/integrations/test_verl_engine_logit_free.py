@@ -294,3 +294,24 @@ def test_unapply_restores_forward_step():
     rk.unapply()
     with pytest.raises(TypeError, match="logit_free"):
         rk.apply(logit_free="yes")
+
+
+def test_engine_subclass_with_its_own_outputs_runs_its_step(monkeypatch, model_dir):
+    """An engine class with its own prepare_model_outputs (as the value-head engine, which
+    inherits forward_step): its own step, no warning."""
+    seen = []
+
+    class Engine(ti.FSDPEngineWithLMHead):
+        def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+            seen.append(output.logits.shape)
+            return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
+
+    stock = _infer(_engine(monkeypatch, model_dir), _td())
+    rk.apply()
+    engine = _engine(monkeypatch, model_dir)
+    engine.__class__ = Engine
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        ours = _infer(engine, _td())
+    assert call_counts()["verl.forward_step[verl]"] == 1 and seen and seen[0][-1] == V
+    _close(ours, stock, 1e-5)

@@ -38,8 +38,10 @@ are memory options of the logits path: here there are no logits, and the entropy
 Served where the head is known to be ``lm_head(hidden)`` and nothing else (:data:`MODELS`),
 and where verl's logits path computes only log-probs and entropy; anything else runs verl's
 ``forward_step`` unchanged (the logits, with the log-prob drop-ins), with a warning once per
-reason (:func:`unserved_reason`). ``use_fused_kernels`` is verl's own logit-free path and runs
-unchanged, without a warning (under apply() its ``linear_cross_entropy`` is the fused op).
+reason (:func:`unserved_reason`). Without a warning: ``use_fused_kernels`` (verl's own
+logit-free path; under apply() its ``linear_cross_entropy`` is the fused op) and an engine
+subclass with its own ``prepare_model_inputs`` / ``prepare_model_outputs`` (the value-head
+engine: not a log-prob step).
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ MODELS: Tuple[Tuple[str, str], ...] = (
 # Non-tensor settings of a micro-batch under which verl's logits path computes more than
 # log-probs and entropy from the logits.
 _LOGIT_USERS = ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only")
+# The reason given for an engine subclass with its own inputs or outputs (the value-head
+# engine, other backends): another engine, which runs its own step without a warning.
+_OVERRIDE = "the engine class overrides FSDPEngineWithLMHead."
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,10 +93,12 @@ def _served_forwards() -> Dict[Any, str]:
 
 
 def _inner(engine) -> torch.nn.Module:
-    """The Hugging Face model inside the engine's module (FSDP1 wraps it as ``.module``;
-    FSDP2 and the plain module are the model itself)."""
+    """The Hugging Face model inside the engine's module (FSDP1 wraps it, ``.module``; under
+    FSDP2 and unwrapped the module is the model itself)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
     module = engine.module
-    return getattr(module, "module", module) if not hasattr(module, "lm_head") else module
+    return module.module if isinstance(module, FullyShardedDataParallel) else module
 
 
 def _non_tensor(micro_batch, key: str, default: Any) -> Any:
@@ -106,7 +113,7 @@ def unserved_reason(engine, micro_batch, originals: Dict[str, Callable]) -> Opti
     cls = type(engine)
     for name, fn in originals.items():
         if getattr(cls, name) is not fn:
-            return f"{cls.__name__} overrides FSDPEngineWithLMHead.{name}"
+            return f"{_OVERRIDE}{name}"
     for key in _LOGIT_USERS:
         if _non_tensor(micro_batch, key, False):
             return f"{key}=True needs the logits"
@@ -243,7 +250,7 @@ def make_forward_step(original: Callable) -> Callable:
             return original(self, micro_batch, loss_function, forward_only)
         reason = unserved_reason(self, micro_batch, originals)
         if reason is not None:
-            if reason not in warned:
+            if reason not in warned and not reason.startswith(_OVERRIDE):
                 warned.add(reason)
                 warnings.warn(
                     f"rlvr_kernels' verl forward_step: {reason}; running verl's forward_step with the logits",
