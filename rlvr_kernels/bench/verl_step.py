@@ -14,8 +14,10 @@ a smoke-test size), fp32; loss_mode vanilla with verl's defaults (token-mean, cl
 entropy or KL term). Old log-probs: verl's ``infer_batch`` of the same weights (its
 compute_log_prob) plus noise, so that some ratios clip.
 
-Rows: verl stock; applied (the fused log-probs and ppo_loss); applied with
-``logprobs=False`` (verl's log-probs, the fused loss). Peak memory: each row once in a fresh
+Rows: verl stock; applied (the engine's forward logit-free: log-probs from the hidden states
+and the LM head, and the fused ppo_loss); applied with ``logit_free=False`` (verl's logits,
+the log-prob drop-ins on them); applied with ``logprobs=False`` (verl's log-probs, the fused
+loss). Peak memory: each row once in a fresh
 process (its first step, AdamW's state included).
 """
 
@@ -34,7 +36,11 @@ from .trainer import MEMORY_NOTE, model_note, qwen2_config, run_methods, shape, 
 # key -> (label, apply() switches or None for stock)
 METHODS: Dict[str, Tuple[str, Any]] = {
     "verl": ("verl 0.9 FSDPEngineWithLMHead.train_batch, stock", None),
-    "fused": ("train_batch after rlvr_kernels.integrations.verl.apply()", {}),
+    "fused": ("train_batch after rlvr_kernels.integrations.verl.apply() (logit-free engine forward)", {}),
+    "fused_logits": (
+        "apply(logit_free=False): the engine's logits, the log-prob drop-ins, the fused ppo_loss",
+        {"logit_free": False},
+    ),
     "fused_loss_only": ("apply(logprobs=False): verl's log-probs, the fused ppo_loss", {"logprobs": False}),
 }
 

@@ -246,8 +246,9 @@ def test_engine_update_matches_stock(monkeypatch, model_dir, loss_mode, agg, ext
     counts = call_counts()
     micro = 2 * (B // 2)  # steps × micro-batches
     assert counts["verl.ppo_loss"] == micro
-    assert counts["verl.logprobs_from_logits"] == micro
-    assert counts.get("verl.entropy_from_logits", 0) == (micro if entropy else 0)
+    # the engine's forward is logit-free: the log-probs (and entropy) from the hidden states
+    assert counts["verl.forward_step"] == micro
+    assert "verl.logprobs_from_logits" not in counts and "verl.entropy_from_logits" not in counts, counts
     assert not any(k.endswith("[verl]") for k in counts), counts
     # dppo: the moved policy of step 2 leaves the trust region somewhere; clip_cov: some tokens are selected
     if loss_mode.startswith("dppo") or loss_mode == "clip_cov":
@@ -347,6 +348,12 @@ def test_engine_compute_log_prob_matches_stock(monkeypatch, model_dir, torch_com
 
     stock = infer(False)
     rk.apply()
+    ours = infer(torch_compile)
+    assert call_counts() == {"verl.forward_step": B // 2}
+    _close(ours, stock, 1e-5 if torch_compile else 1e-6)
+    # apply(logit_free=False): verl's logits path with the log-prob drop-ins
+    reset_call_counts()
+    rk.apply(logit_free=False)
     ours = infer(torch_compile)
     assert call_counts() == {"verl.logprobs_from_logits": B // 2, "verl.entropy_from_logits": B // 2}
     _close(ours, stock, 1e-5 if torch_compile else 1e-6)
@@ -506,6 +513,8 @@ def _snapshot():
     mods = [core_algos, verl_F, verl_lce, verl_losses, ti]
     mods += [sys.modules[m] for m in ("verl.trainer.distillation.losses",) if m in sys.modules]
     attrs = {(m.__name__, a): v for m in mods for a, v in vars(m).items() if callable(v)}
+    engine = ti.FSDPEngineWithLMHead
+    attrs.update({(f"{ti.__name__}.{engine.__name__}", a): v for a, v in vars(engine).items() if callable(v)})
     return (
         attrs,
         dict(core_algos.POLICY_LOSS_REGISTRY),
@@ -531,6 +540,7 @@ def test_unapply_restores_everything():
         ("verl.utils.kernel.linear_cross_entropy", "linear_cross_entropy"),
         ("verl.workers.utils.losses", "ppo_loss"),
         ("verl.workers.engine.fsdp.transformer_impl", "logprobs_from_logits"),
+        ("verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead", "forward_step"),
     }
     expected.add(("verl.trainer.distillation.losses", "ppo_loss"))
     assert changed == expected, changed ^ expected
@@ -578,7 +588,7 @@ def test_signatures_are_verls():
     patched = [core_algos.POLICY_LOSS_REGISTRY[k] for k in rk_patch.POLICY_LOSSES]
     patched += [core_algos.ADV_ESTIMATOR_REGISTRY[k] for k in rk_patch.ADV_ESTIMATORS]
     patched += [verl_losses.ppo_loss, verl_F.logprobs_from_logits, verl_F.entropy_from_logits]
-    patched += [verl_lce.linear_cross_entropy]
+    patched += [verl_lce.linear_cross_entropy, ti.FSDPEngineWithLMHead.forward_step]
     for fn in patched:
         original = fn.__wrapped_verl__
         if getattr(original, "__self__", None) is verl_lce.LinearCrossEntropy:  # Function.apply: forward, less ctx

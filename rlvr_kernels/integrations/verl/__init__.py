@@ -12,6 +12,8 @@
 ``torch_functional``        ``verl.utils.torch_functional``: ``logprobs_from_logits``,
                             ``entropy_from_logits``
 ``kernel``                  ``verl.utils.kernel.linear_cross_entropy``
+``transformer_impl``        ``verl.workers.engine.fsdp.transformer_impl``: the FSDP actor
+                            engine's ``forward_step`` without the ``[tokens, vocab]`` logits
 ``_config``                 reading verl's actor config (parsed once per content)
 ``_advantages``             the body the advantage drop-ins share
 ``_losses``                 what the policy-loss drop-ins, ``losses`` and ``patch`` share

@@ -21,6 +21,10 @@ function when it builds them):
 ``logprobs``           ``verl.utils.torch_functional.logprobs_from_logits`` /
                        ``entropy_from_logits`` (and the engines that imported them by name),
                        ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy``
+``logit_free``         ``FSDPEngineWithLMHead.forward_step``: the FSDP actor engine's
+                       log-probs and entropy from the hidden states and the LM head, never
+                       the ``[tokens, vocab]`` logits (:mod:`.transformer_impl`); part of
+                       ``logprobs`` (off with it)
 =====================  ====================================================================
 
 ``rollout_correction``: ``verl.trainer.ppo.rollout_corr_helper``'s
@@ -63,8 +67,9 @@ import rlvr_kernels.integrations.verl.core_algos as _ours_core
 import rlvr_kernels.integrations.verl.kernel as _ours_kernel
 import rlvr_kernels.integrations.verl.rollout_corr_helper as _ours_rch
 import rlvr_kernels.integrations.verl.torch_functional as _ours_tf
+import rlvr_kernels.integrations.verl.transformer_impl as _ours_engine
 
-from .._patch import Build, Integration, Target, record
+from .._patch import Build, Integration, Needs, Target, record
 from ._losses import KL_FUSED, KL_UNFUSED, LOSS_MODES
 from .losses import policy_loss_verl
 
@@ -124,6 +129,7 @@ _TF = "verl.utils.torch_functional"
 _LCE = "verl.utils.kernel.linear_cross_entropy"
 _LOSSES = "verl.workers.utils.losses"
 _RCH = "verl.trainer.ppo.rollout_corr_helper"
+_ENGINE = "verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead"
 # Modules that import a patched function by name, besides the one where verl defines it
 # (which must import). These are patched when they import (one that cannot, for want of
 # another engine's or the rollout server's packages, cannot run either; imported later,
@@ -278,6 +284,7 @@ def apply(
     ppo_loss: bool = True,
     logprobs: bool = True,
     rollout_correction: bool = True,
+    logit_free: bool = True,
     logits_precision: str = "fp32",
     match_sampling: bool = False,
     rollout_config: Any = None,
@@ -296,6 +303,11 @@ def apply(
     the previous call. Every name is looked up, and every replacement built, before the
     first one is set: a failure leaves verl untouched.
 
+    ``logit_free`` (with ``logprobs``): ``FSDPEngineWithLMHead.forward_step`` computes the
+    log-probs and entropy from the hidden states and the LM head, never the ``[tokens, vocab]``
+    logits (:mod:`.transformer_impl`; what it cannot serve runs verl's step, with a warning);
+    False keeps verl's logits and the log-prob drop-ins on them.
+
     Opt-in (the defaults are verl's numbers): ``logits_precision`` ("fp32" | "bf16") of the
     log-prob drop-ins; ``match_sampling=True`` with ``rollout_config`` (verl's
     ``actor_rollout_ref.rollout``: ``name`` "vllm" / "sglang", ``top_k``, ``top_p``): the
@@ -308,7 +320,11 @@ def apply(
     count + 1e-8, so not bit for bit).
     """
     precision = _ours_head.check_logits_precision(logits_precision)
-    for name, flag in (("match_sampling", match_sampling), ("mismatch_metrics", mismatch_metrics)):
+    for name, flag in (
+        ("match_sampling", match_sampling),
+        ("mismatch_metrics", mismatch_metrics),
+        ("logit_free", logit_free),
+    ):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     if not logprobs and (match_sampling or precision != "fp32"):
@@ -325,6 +341,7 @@ def apply(
         ppo_loss=ppo_loss,
         logprobs=logprobs,
         rollout_correction=rollout_correction,
+        logit_free=logit_free and logprobs,
         logits_precision=precision,
         match_sampling=match_sampling,
         mismatch_metrics=mismatch_metrics,
@@ -332,7 +349,7 @@ def apply(
     )
     _VERL.apply(
         lambda: (
-            _targets(advantages, policy_loss, ppo_loss, logprobs, _Fallback(strict), rollout_correction)
+            _targets(advantages, policy_loss, ppo_loss, logprobs, _Fallback(strict), rollout_correction, logit_free)
             + head
             + metrics
         ),
@@ -349,7 +366,13 @@ def unapply() -> None:
 
 
 def _targets(
-    advantages: bool, policy_loss: bool, ppo_loss: bool, logprobs: bool, fallback: _Fallback, rollout_correction=True
+    advantages: bool,
+    policy_loss: bool,
+    ppo_loss: bool,
+    logprobs: bool,
+    fallback: _Fallback,
+    rollout_correction=True,
+    logit_free=True,
 ) -> List[Target]:
     """Every replacement. A Build shared by several targets gives them one object, and
     they must hold the identical original (verl's registry entry is its core_algos
@@ -377,6 +400,11 @@ def _targets(
             functools.partial(_entry, "verl.linear_cross_entropy", _ours_kernel.linear_cross_entropy, fallback)
         )
         out += [Target(_LCE, "linear_cross_entropy", entry)]
+        if logit_free:
+            out += [
+                Needs(_ENGINE, ("prepare_model_inputs", "prepare_model_outputs", "_gather_and_unpad_packed")),
+                Target(_ENGINE, "forward_step", Build(_ours_engine.make_forward_step)),
+            ]
     if rollout_correction:
         for name, ours in ROLLOUT_CORR.items():
             entry = Build(functools.partial(_entry, f"verl.rollout_corr.{name}", ours, fallback))
