@@ -7,8 +7,9 @@ and entropy from the hidden states and the LM head. Checked here: no allocation 
 ``tokens × vocab`` elements or more during either call (the CPU allocator's events, recorded
 by the profiler, and the C++ kernels' own output allocator; stock's logits prove the probe
 sees them), verl's numbers in both layouts (remove-padding and padded) and with per-row
-temperatures, the settings of ``apply()`` reaching the op, and the configurations served by
-verl's logits path instead (with a warning naming the reason).
+temperatures, the settings of ``apply()`` reaching the op, and the configurations it does
+not serve raising NotImplementedError naming the reason (apply(logit_free=False) runs verl's
+logits path for them).
 """
 
 from __future__ import annotations
@@ -242,25 +243,30 @@ class _ScaledQwen2(transformers.Qwen2ForCausalLM):
         return out
 
 
-def test_unknown_model_forward_runs_verls_path(monkeypatch, model_dir):
-    """A model class whose forward is not a known lm_head(hidden): verl's logits path (its
-    numbers, here the scaled logits), with a warning naming the reason."""
+def test_unknown_model_forward_raises(monkeypatch, model_dir):
+    """A model class whose forward is not a known lm_head(hidden): NotImplementedError naming
+    it; apply(logit_free=False) runs verl's logits path (its numbers, here the scaled logits)."""
     stock = _infer(_engine(monkeypatch, model_dir, _ScaledQwen2), _td())
     rk.apply()
-    with pytest.warns(RuntimeWarning, match="_ScaledQwen2"):
-        ours = _infer(_engine(monkeypatch, model_dir, _ScaledQwen2), _td())
-    assert call_counts()["verl.forward_step[verl]"] == 1 and "verl.forward_step" not in call_counts()
-    _close(ours, stock, 1e-5)
+    with pytest.raises(NotImplementedError, match=r"_ScaledQwen2.*logit_free=False"):
+        _infer(_engine(monkeypatch, model_dir, _ScaledQwen2), _td())
+    rk.unapply()
+    rk.apply(logit_free=False)
+    _close(_infer(_engine(monkeypatch, model_dir, _ScaledQwen2), _td()), stock, 1e-5)
 
 
-def test_sum_pi_squared_runs_verls_path(monkeypatch, model_dir):
-    """calculate_sum_pi_squared needs the logits: verl's path, a warning naming it."""
+def test_sum_pi_squared_raises(monkeypatch, model_dir):
+    """calculate_sum_pi_squared needs the logits: NotImplementedError naming it; verl's path
+    under apply(logit_free=False)."""
     td = functools.partial(_td, calculate_sum_pi_squared=True)
     stock = _infer(_engine(monkeypatch, model_dir), td())
     rk.apply()
-    with pytest.warns(RuntimeWarning, match="calculate_sum_pi_squared"):
-        ours = _infer(_engine(monkeypatch, model_dir), td())
-    assert "sum_pi_squared" in ours and call_counts()["verl.forward_step[verl]"] == 1
+    with pytest.raises(NotImplementedError, match="calculate_sum_pi_squared"):
+        _infer(_engine(monkeypatch, model_dir), td())
+    rk.unapply()
+    rk.apply(logit_free=False)
+    ours = _infer(_engine(monkeypatch, model_dir), td())
+    assert "sum_pi_squared" in ours
     _close(ours, stock, 1e-5)
 
 

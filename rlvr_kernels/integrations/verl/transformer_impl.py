@@ -36,12 +36,13 @@ flash-attn cross-entropy and its fused kernel return them), entropies in the log
 are memory options of the logits path: here there are no logits, and the entropy is the same.
 
 Served where the head is known to be ``lm_head(hidden)`` and nothing else (:data:`MODELS`),
-and where verl's logits path computes only log-probs and entropy; anything else runs verl's
-``forward_step`` unchanged (the logits, with the log-prob drop-ins), with a warning once per
-reason (:func:`unserved_reason`). Without a warning: ``use_fused_kernels`` (verl's own
-logit-free path; under apply() its ``linear_cross_entropy`` is the fused op) and an engine
-subclass with its own ``prepare_model_inputs`` / ``prepare_model_outputs`` (the value-head
-engine: not a log-prob step).
+and where verl's logits path computes only log-probs and entropy; anything else raises
+``NotImplementedError`` naming the reason (:func:`unserved_reason`): ``apply(logit_free=False)``
+keeps verl's logits path (with the log-prob drop-ins), never chosen behind the caller's back.
+Run as they are: ``use_fused_kernels`` (verl's own logit-free path; under apply() its
+``linear_cross_entropy`` is the fused op) and an engine subclass with its own
+``prepare_model_inputs`` / ``prepare_model_outputs`` (the value-head engine: not a log-prob
+step, nothing of it is replaced).
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import warnings
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -241,7 +241,6 @@ def make_forward_step(original: Callable) -> Callable:
         name: getattr(FSDPEngineWithLMHead, name)
         for name in ("prepare_model_inputs", "prepare_model_outputs", "_gather_and_unpad_packed")
     }
-    warned: set = set()
 
     @functools.wraps(original)
     def forward_step(self, micro_batch, loss_function, forward_only):
@@ -249,16 +248,14 @@ def make_forward_step(original: Callable) -> Callable:
             record("verl.forward_step[verl]")  # verl's own logit-free path
             return original(self, micro_batch, loss_function, forward_only)
         reason = unserved_reason(self, micro_batch, originals)
-        if reason is not None:
-            if reason not in warned and not reason.startswith(_OVERRIDE):
-                warned.add(reason)
-                warnings.warn(
-                    f"rlvr_kernels' verl forward_step: {reason}; running verl's forward_step with the logits",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-            record("verl.forward_step[verl]")
+        if reason is not None and reason.startswith(_OVERRIDE):
+            record("verl.forward_step[verl]")  # another engine's step: not replaced
             return original(self, micro_batch, loss_function, forward_only)
+        if reason is not None:
+            raise NotImplementedError(
+                f"rlvr_kernels.integrations.verl.apply(logit_free=True): {reason}; apply(logit_free=False) "
+                "keeps verl's forward_step with the logits (and the log-prob drop-ins)"
+            )
         record("verl.forward_step")
         state = {
             "use_remove_padding": bool(_non_tensor(micro_batch, "use_remove_padding", True)),
