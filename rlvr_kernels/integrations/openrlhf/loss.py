@@ -68,6 +68,7 @@ class PolicyLoss(nn.Module):
         is_correction_threshold: list = (0.5, 5.0),
     ) -> None:
         super().__init__()
+        record("openrlhf.PolicyLoss.__init__")
         if policy_loss_type not in POLICY_LOSS_TYPES:
             raise ValueError(f"policy_loss_type: expected one of {POLICY_LOSS_TYPES}, got {policy_loss_type!r}")
         if dual_clip is not None and not dual_clip > 1.0:
@@ -133,11 +134,9 @@ class PolicyLoss(nn.Module):
                 backend=current_backend(),
             )
         mask = action_mask.to(torch.float32)
-        if gspo and rc is not None:
-            # OpenRLHF's ppo_kl is against old_log_probs whatever the ratio was formed with.
-            ppo_kl = _masked_mean(-(log_probs.detach().float() - old_log_probs.float()), mask)
-        else:
-            ppo_kl = met.ppo_kl
+        # OpenRLHF's ppo_kl: of the unclamped δ, against old_log_probs whatever the ratio was
+        # formed with (the op's metric is of δ after its ±20 clamp).
+        ppo_kl = _masked_mean(-(log_probs.detach().float() - old_log_probs.float()), mask)
         vllm_kl = is_filter_ratio = None
         if rc is not None and not gspo:
             vllm_kl = _masked_mean(rollout_log_probs.float() - old_log_probs.float(), mask)

@@ -3,9 +3,9 @@
 
 The two log-prob functions run the fused ``logprobs_from_logits`` op (one pass over each row of
 logits, no ``[N, V]`` temporaries: OpenRLHF's fp32 path forms a logsumexp per 1024-row chunk
-and its bf16 path a ``log_softmax`` per row). ``compute_approx_kl`` is elementwise work, run as
-lean torch (``_torch_math.kl_estimate``) with OpenRLHF's clamps: every estimate to ±10, and its
-``unbiased_gradient`` straight-through form.
+and its bf16 path a ``log_softmax`` per row). ``compute_approx_kl`` is elementwise work (no kernel is
+faster), lean torch with OpenRLHF's clamps: every estimate to ±10, and its ``unbiased_gradient``
+straight-through form.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from ...ops.logprobs import logprobs_from_logits as _logprobs_from_logits
 from .._backend import current_backend
 from .._errors import caller_names
 from .._patch import record
-from .._torch_math import kl_estimate
 from . import _head
 
 __all__ = ["compute_approx_kl", "log_probs_from_logits", "compute_entropy"]
@@ -39,20 +38,27 @@ def compute_approx_kl(
     unbiased_gradient: bool = False,
 ) -> torch.Tensor:
     """OpenRLHF ``compute_approx_kl``: with x = logp − logp_base in fp32, k1 = x, k2 = x²/2,
-    k3 = e^(−x) − 1 + x, each clamped to ±10 (k3's x bounded below by −10 first in OpenRLHF;
-    under the ±10 clamp that gives the same values and gradients as ``kl_estimate``'s ±20).
+    k3 = e^(−x) − 1 + x (x bounded below by −10 first), each clamped to ±10.
     ``unbiased_gradient``: the value of the estimator with the gradient of w·x²/2, w =
     min(exp(logp − logp_old), 10) detached (1 without ``log_probs_old``). fp32 result."""
     record("openrlhf.compute_approx_kl")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator: expected one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     lp, base = log_probs.float(), log_probs_base.float()
-    value = kl_estimate(lp, base, kl_estimator, clamp=True)
-    if kl_estimator != "k3":  # (k3 is clamped to ±10 by kl_estimate already)
-        value = value.clamp(min=-10, max=10)
+    x = lp - base
+    # OpenRLHF's expressions in its order (k3 near x = 0 is a difference of nearly equal terms,
+    # whose rounding depends on the order)
+    if kl_estimator == "k1":
+        value = x
+    elif kl_estimator == "k2":
+        value = x.square() / 2.0
+    else:
+        x3 = x.clamp(min=-10)  # bounds exp(−x) and its derivative: the ±10 clamp below is active there
+        value = (-x3).exp() - 1 + x3
+    value = value.clamp(min=-10, max=10)
     if not unbiased_gradient:
         return value
-    k2 = 0.5 * (lp - base).square()
+    k2 = x.square() / 2.0
     if log_probs_old is not None:
         w = (lp - log_probs_old.float()).exp().clamp(max=KL_IS_WEIGHT_CLIP).detach()
         k2 = w * k2
