@@ -91,6 +91,11 @@ def test_policy_loss_ppo_matches_openrlhf(correction, token_level_loss, totals):
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
 def test_policy_loss_gspo_and_dual_clip_match_openrlhf(level, totals, dual_clip):
     x = batch(seed=1)
+    # token-level advantages that vary along a row (OpenRLHF's returns with a KL reward): GSPO's
+    # gradient goes through the row's mean log-ratio
+    x["advantages"] = x["advantages"] + 0.5 * torch.randn(
+        x["advantages"].shape, generator=torch.Generator().manual_seed(9)
+    )
     for loss_type in ("gspo", "ppo"):
         ctor = dict(clip_eps_high=0.28, dual_clip=dual_clip, policy_loss_type=loss_type, is_correction_level=level)
         peer, peer_grad = run_loss(peer_loss.PolicyLoss, x, totals, **ctor)

@@ -49,6 +49,20 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum()
 
 
+def _through_row_mean(log_probs: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """The same values, with the gradient of each row's masked mean spread over its valid tokens.
+
+    OpenRLHF's GSPO term of token t is f_t(s_i), s_i = exp(mean_t δ) of its row, so the
+    gradient of log-prob k is Σ_t f_t'(s_i)·s_i / n_i: the mean of the per-token terms'
+    gradients. The op attributes each token's term to its own log-prob (f_k'(s_i)·s_i, verl's
+    form); the two agree when the advantage is constant along a row and differ when it varies
+    (OpenRLHF's per-token returns with a KL reward). Feeding the op sg(x) + (x̄ − sg(x̄)), x̄ the
+    row's masked mean, turns its gradient into the row mean of it, OpenRLHF's."""
+    m = action_mask.to(log_probs.dtype)
+    mean = (log_probs * m).sum(dim=-1, keepdim=True) / m.sum(dim=-1, keepdim=True).clamp(min=1)
+    return log_probs.detach() + (mean - mean.detach())
+
+
 class PolicyLoss(nn.Module):
     """OpenRLHF ``models.loss.PolicyLoss`` on the fused ``policy_loss`` (module docstring).
     Its constructor checks, raised as ValueError naming the argument; a ``policy_loss_type``
@@ -111,6 +125,8 @@ class PolicyLoss(nn.Module):
         gspo = self.policy_loss_type == "gspo"
         # GSPO under a correction: the sequence ratio against the rollout policy, no weight.
         old = rollout_log_probs if (gspo and rc is not None) else old_log_probs
+        if gspo and log_probs.requires_grad:
+            log_probs = _through_row_mean(log_probs, action_mask)
         token_level = self.token_level_loss
         total = batch_num_tokens if token_level else global_batch_size
         with caller_names(_NAMES):
