@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _openrlhf import rollout, tiny_qwen
 
 from rlvr_kernels.integrations import PatchError, call_counts, reset_call_counts, set_counting
 from rlvr_kernels.integrations import openrlhf as ours
@@ -19,8 +20,6 @@ peer_loss, peer_utils = import_openrlhf_models()
 import openrlhf.models as peer_models  # noqa: E402
 import openrlhf.models.actor as peer_actor  # noqa: E402
 
-V = 97
-
 
 @pytest.fixture(autouse=True)
 def _unapplied():
@@ -28,37 +27,6 @@ def _unapplied():
     yield
     ours.unapply()
     set_counting(False)
-
-
-def tiny_qwen(tie=False, seed=0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-        attn_implementation="eager",
-    )
-    return Qwen2ForCausalLM(cfg)
-
-
-def rollout(seed=1, B=3, P=5, A=7):
-    """Left-padded prompts + right-padded responses, OpenRLHF's experience layout."""
-    g = torch.Generator().manual_seed(seed)
-    seq = torch.randint(3, V, (B, P + A), generator=g)
-    attn = torch.ones(B, P + A, dtype=torch.long)
-    attn[0, :2] = 0  # a shorter prompt
-    attn[1, -3:] = 0  # a shorter response
-    action_mask = attn[:, P:].clone()
-    seq = seq * attn  # pad id 0
-    old = -3 * torch.rand(B, A, generator=g)
-    return dict(sequences=seq, attention_mask=attn, action_mask=action_mask, old=old, ref=old + 0.3, adv=old * 0 + 1.0)
 
 
 def actor_step(model, x, packing, temperature, entropy_coef=0.01):

@@ -18,6 +18,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
+from _openrlhf import rollout, tiny_qwen
 
 from rlvr_kernels.integrations import call_counts, reset_call_counts, set_counting
 from rlvr_kernels.integrations import openrlhf as ours
@@ -28,7 +29,6 @@ stub_modules({"vllm": (), "vllm.inputs": ("TokensPrompt",), "vllm.utils": ("rand
 import openrlhf.trainer.ray.ppo_actor as ppo_actor  # noqa: E402
 from openrlhf.models import Actor  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
-from test_openrlhf_apply import rollout, tiny_qwen  # noqa: E402
 
 
 def args(policy_loss_type="ppo", correction="token", entropy_coef=0.01):
