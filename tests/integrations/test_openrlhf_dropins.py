@@ -184,3 +184,29 @@ def test_log_prob_errors_name_openrlhf_arguments():
         ours.log_probs_from_logits(torch.randn(2, 7), torch.zeros(2))
     with pytest.raises(ValueError, match="logits"):
         ours.compute_entropy(torch.tensor(1.0))
+
+
+def _params(fn, **kw):
+    import inspect
+
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn, **kw).parameters.values()]
+
+
+def test_signatures_are_openrlhfs():
+    """Names, order, kinds and defaults of every drop-in (Actor.forward: the function itself,
+    not the original it wraps)."""
+    import openrlhf.models.actor as peer_actor
+
+    from rlvr_kernels.integrations.openrlhf.actor import make_forward
+
+    pairs = [
+        (ours.PolicyLoss.__init__, peer_loss.PolicyLoss.__init__),
+        (ours.PolicyLoss.forward, peer_loss.PolicyLoss.forward),
+        (ours.compute_approx_kl, peer_utils.compute_approx_kl),
+        (ours.log_probs_from_logits, peer_utils.log_probs_from_logits),
+    ]
+    for mine, theirs in pairs:
+        assert _params(mine) == _params(theirs), mine.__qualname__
+    assert [p[0] for p in _params(ours.compute_entropy)] == ["logits"]
+    forward = peer_actor.Actor.forward
+    assert _params(make_forward(forward), follow_wrapped=False) == _params(forward)
