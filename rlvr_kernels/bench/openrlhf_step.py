@@ -100,6 +100,7 @@ def step_fn(actor, b) -> Callable[[], float]:
 def _switch(key: str) -> None:
     from ..integrations import openrlhf as rk_openrlhf
 
+    _peer()  # the flash_attn stand-ins first: apply() imports openrlhf.models
     switch_to(METHODS[key][1], rk_openrlhf.apply, rk_openrlhf.unapply)
 
 
