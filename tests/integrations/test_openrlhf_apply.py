@@ -55,12 +55,14 @@ def actor_step(model, x, packing, temperature, entropy_coef=0.01):
     return logp.detach(), output.entropy.detach(), loss.detach(), grads
 
 
-@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("packing,rows_only", [(False, True), (False, False), (True, True)])
 @pytest.mark.parametrize("temperature,tie", [(1.0, False), (0.7, True)])
-def test_logit_free_actor_step_matches_stock(packing, temperature, tie):
+def test_logit_free_actor_step_matches_stock(packing, rows_only, temperature, tie):
+    """The action log-probs, the loss and every gradient are stock's; the entropy too, at the
+    action tokens (``action_rows_only``: 0 elsewhere) or everywhere (``False``, and packed)."""
     x = rollout()
     stock = actor_step(tiny_qwen(tie), x, packing, temperature)
-    ours.apply(count_calls=True)
+    ours.apply(count_calls=True, action_rows_only=rows_only)
     reset_call_counts()
     fused = actor_step(tiny_qwen(tie), x, packing, temperature)
     counts = call_counts()
@@ -68,7 +70,15 @@ def test_logit_free_actor_step_matches_stock(packing, temperature, tie):
     assert counts.get("openrlhf.PolicyLoss") == 1 and counts.get("openrlhf.compute_approx_kl") == 1
     for a, b in zip(fused[:3], stock[:3]):
         assert a.shape == b.shape
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused[0], stock[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused[2], stock[2], rtol=1e-5, atol=1e-5)
+    m = x["action_mask"].bool()
+    A = m.shape[1]
+    if rows_only and not packing:
+        torch.testing.assert_close(fused[1][:, -A:][m], stock[1][:, -A:][m], rtol=1e-5, atol=1e-5)
+        assert bool((fused[1][:, :-A] == 0).all()) and bool((fused[1][:, -A:][~m] == 0).all())
+    else:
+        torch.testing.assert_close(fused[1], stock[1], rtol=1e-5, atol=1e-5)
     assert fused[3].keys() == stock[3].keys() and len(stock[3]) > 0
     for name, g in stock[3].items():
         torch.testing.assert_close(fused[3][name], g, rtol=1e-4, atol=1e-6, msg=name)

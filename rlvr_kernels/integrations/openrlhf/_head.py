@@ -8,6 +8,9 @@ from __future__ import annotations
 from typing import Any, Dict
 
 LOGITS_PRECISION = "fp32"
+# Only the rows that predict a valid action token through the head (padded layout, with an
+# action mask); False: every position, as OpenRLHF (output.entropy everywhere).
+ACTION_ROWS_ONLY = True
 # linear_logprobs' precisions; logprobs_from_logits (given logits, no GEMM) takes fp32 / bf16.
 LOGITS_PRECISIONS = ("fp32", "tf32", "bf16")
 

@@ -15,7 +15,10 @@ Which path runs (each counted under its own name with call counting on):
 
 - ``openrlhf.Actor.forward``: the fused head, whenever log-probs are asked for
   (``action_mask`` or ``return_logprobs``) of a transformers causal LM whose LM head is a
-  plain ``nn.Linear``;
+  plain ``nn.Linear``. With an ``action_mask`` in the padded layout only the rows that predict
+  a valid action token go through the head (``_action_rows``: the action log-probs are
+  OpenRLHF's, masked tokens 0 as there; ``output.entropy`` is 0 outside them) unless
+  ``apply(action_rows_only=False)``;
 - ``openrlhf.Actor.forward[logits]``: OpenRLHF's own forward, whose ``compute_entropy`` and
   ``log_probs_from_logits`` are the drop-ins once applied, when the caller asks for the logits
   (no log-probs requested) or the model has no LM head to fuse (any ``nn.Module`` returning
@@ -143,16 +146,22 @@ def _fused_forward(
     output = model.get_decoder()(ids, attention_mask=mask, position_ids=position_ids)
     hidden = output[0]
     head = model.get_output_embeddings()
-    res = linear_logprobs(
-        hidden.reshape(-1, hidden.shape[-1]),
-        head.weight,
-        rolled.reshape(-1),
-        temperature=actor.temperature,
-        bias=head.bias,
-        return_entropy=return_entropy,
-        backend=current_backend(),
-        **_head.head_kwargs(),
-    )
+
+    def score(h, targets):
+        return linear_logprobs(
+            h,
+            head.weight,
+            targets,
+            temperature=actor.temperature,
+            bias=head.bias,
+            return_entropy=return_entropy,
+            backend=current_backend(),
+            **_head.head_kwargs(),
+        )
+
+    if action_mask is not None and packing is None and _head.ACTION_ROWS_ONLY:
+        return _action_rows(output, hidden, sequences, action_mask, score, return_output, return_entropy)
+    res = score(hidden.reshape(-1, hidden.shape[-1]), rolled.reshape(-1))
     log_probs = res.logp.view(rolled.shape)
 
     def unpack(t):
@@ -166,4 +175,24 @@ def _fused_forward(
     if action_mask is None:  # return_logprobs
         return (log_probs, output) if return_output else log_probs
     action_log_probs = log_probs[:, -action_mask.shape[1] :] * action_mask.float()
+    return (action_log_probs, output) if return_output else action_log_probs
+
+
+def _action_rows(output, hidden, sequences, action_mask, score, return_output, return_entropy):
+    """Only the rows that predict an action token through the head (padded layout): action j
+    (token S − A + j) is predicted by hidden row S − A − 1 + j, and OpenRLHF multiplies the
+    rest by the mask. The entropy is 0 outside those rows (``ActorPPOTrainer`` aggregates it over
+    the action mask); ``apply(action_rows_only=False)`` scores every position, as OpenRLHF."""
+    batch, seqlen = sequences.shape
+    A = action_mask.shape[1]
+    if not 0 < A < seqlen:
+        raise ValueError(f"action_mask: expected 0 < {A} (its length) < {seqlen} (the sequence length)")
+    keep = action_mask.bool()
+    where = keep.nonzero(as_tuple=True)
+    h = hidden[:, seqlen - A - 1 : seqlen - 1][where]
+    res = score(h, sequences[:, seqlen - A :][where])
+    action_log_probs = res.logp.new_zeros(batch, A).index_put(where, res.logp)
+    if return_entropy:
+        entropy = res.entropy.new_zeros(batch, seqlen - 1)
+        output.entropy = entropy.index_put((where[0], where[1] + (seqlen - 1 - A)), res.entropy)
     return (action_log_probs, output) if return_output else action_log_probs

@@ -23,6 +23,9 @@ actor whose head the fused forward cannot reproduce raises NotImplementedError n
 ``strict=False``: a warning, and OpenRLHF's forward (the logits, through the drop-ins) for that
 actor. ``logits_precision`` ("fp32" | "tf32" | "bf16"): how the fused head forms the logits
 (``linear_logprobs``'s); "bf16" gives the logits of OpenRLHF's bf16 LM head.
+``action_rows_only`` (padded layout, with an action mask): only the rows that predict a valid
+action token go through the head, ``output.entropy`` 0 elsewhere (OpenRLHF's trainer reads it
+over the action mask); False scores every position, as OpenRLHF.
 """
 
 from __future__ import annotations
@@ -53,12 +56,19 @@ def apply(
     kl: bool = True,
     logprobs: bool = True,
     logits_precision: str = "fp32",
+    action_rows_only: bool = True,
     strict: bool = True,
     count_calls: Optional[bool] = None,
 ) -> None:
     """Put the fused ops into OpenRLHF (module docstring). ``count_calls``: True/False turns the
     debug call counting on/off (``call_counts()``); None leaves it."""
-    for name, value in (("policy_loss", policy_loss), ("kl", kl), ("logprobs", logprobs), ("strict", strict)):
+    for name, value in (
+        ("policy_loss", policy_loss),
+        ("kl", kl),
+        ("logprobs", logprobs),
+        ("strict", strict),
+        ("action_rows_only", action_rows_only),
+    ):
         if not isinstance(value, bool):
             raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
     _ours_head.check_logits_precision(logits_precision)
@@ -81,10 +91,18 @@ def apply(
                 Target(_ACTOR, "compute_entropy", compute_entropy),
                 Target(f"{_ACTOR}:Actor", "forward", Build(lambda original: make_forward(original, strict))),
                 Target(_ours_head, "LOGITS_PRECISION", logits_precision),
+                Target(_ours_head, "ACTION_ROWS_ONLY", action_rows_only),
             ]
         return targets
 
-    options = dict(policy_loss=policy_loss, kl=kl, logprobs=logprobs, logits_precision=logits_precision, strict=strict)
+    options = dict(
+        policy_loss=policy_loss,
+        kl=kl,
+        logprobs=logprobs,
+        logits_precision=logits_precision,
+        action_rows_only=action_rows_only,
+        strict=strict,
+    )
     _OPENRLHF.apply(plan, strict=strict, count_calls=count_calls, options=options)
 
 
