@@ -102,16 +102,18 @@ def make_forward(original: Callable, strict: bool = True) -> Callable:
         args = (sequences, action_mask, attention_mask, return_output, allgather_logits, return_logprobs)
         kwargs = dict(ring_attn_group=ring_attn_group, packed_seq_lens=packed_seq_lens, return_entropy=return_entropy)
         wants_logprobs = action_mask is not None or return_logprobs
-        reason = _unfusable(self, mm_inputs) if wants_logprobs and _has_head(self.model) else "no head"
+        # the logits asked for, or no LM head to fuse: OpenRLHF's forward (on the drop-ins)
+        reason = _unfusable(self, mm_inputs) if wants_logprobs and _has_head(self.model) else None
         if reason is not None:
-            if reason != "no head" and (strict or reason not in warned):
-                message = f"rlvr_kernels' Actor.forward: {reason}"
-                if strict:
-                    raise NotImplementedError(
-                        message + "; apply(strict=False) runs OpenRLHF's forward (the logits) for such actors"
-                    )
+            message = f"rlvr_kernels' Actor.forward: {reason}"
+            if strict:
+                raise NotImplementedError(
+                    message + "; apply(strict=False) runs OpenRLHF's forward (the logits) for such actors"
+                )
+            if reason not in warned:
                 warned.add(reason)
                 warnings.warn(message + "; running OpenRLHF's forward (the logits)", RuntimeWarning, stacklevel=2)
+        if reason is not None or not wants_logprobs or not _has_head(self.model):
             record("openrlhf.Actor.forward[logits]")
             return original(self, *args, **kwargs, **mm_inputs)
         if return_entropy and not return_output:
