@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import advantages, logprobs, packing, policy_loss, rollout_mismatch, trainer, verl_step
+from . import advantages, logprobs, openrlhf_step, packing, policy_loss, rollout_mismatch, trainer, verl_step
 
 SUITES = {
     "group_advantages": advantages.WORKLOADS,
@@ -25,7 +25,7 @@ SUITES = {
     "linear_logprobs": logprobs.WORKLOADS,
     "packing": packing.WORKLOADS,
     "rollout_mismatch": rollout_mismatch.WORKLOADS,
-    "trainer": {**trainer.WORKLOADS, **verl_step.WORKLOADS},
+    "trainer": {**trainer.WORKLOADS, **verl_step.WORKLOADS, **openrlhf_step.WORKLOADS},
 }
 
 

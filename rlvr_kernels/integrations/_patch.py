@@ -121,6 +121,20 @@ def _release(version: str) -> Optional[Tuple[int, ...]]:
     return tuple(parts) + (0,) * (3 - len(parts)) if parts else None
 
 
+def _installed_version(module: Any, package: str) -> str:
+    """The module's ``__version__``, else its distribution's (OpenRLHF has no ``__version__``);
+    "0" when neither is known."""
+    version = getattr(module, "__version__", None)
+    if version is None:
+        import importlib.metadata
+
+        try:
+            version = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            version = "0"
+    return str(version)
+
+
 # ---------------------------------------------------------------------------------------
 # What an integration declares
 # ---------------------------------------------------------------------------------------
@@ -393,7 +407,7 @@ class Integration:
                 raise PatchError(f"integrations.{self.package}.apply(): {self.package} is not installed ({e})") from e
             # stacklevel: warn -> check_version -> Integration.apply -> <peer>.apply -> caller
             check_version(
-                self.package, str(getattr(peer, "__version__", "0")), *self.tested, strict=strict, stacklevel=4
+                self.package, _installed_version(peer, self.package), *self.tested, strict=strict, stacklevel=4
             )
             patcher = Patcher(self.package)
             patcher.apply(plan(), sweep=self.sweep)

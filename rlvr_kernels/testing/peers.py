@@ -2,8 +2,12 @@
 
 ``openrlhf.models`` imports ``flash_attn`` (CUDA-only, not installable on a CPU machine) at
 module level; the policy loss and KL estimators do not call it. :func:`import_openrlhf_models`
-registers placeholder modules for the names imported (each raising if called) and then
-imports the real ``openrlhf.models.loss`` and ``openrlhf.models.utils``.
+registers stand-in modules for the names imported and then imports the real
+``openrlhf.models.loss`` and ``openrlhf.models.utils``. The four ``flash_attn.bert_padding``
+helpers that OpenRLHF's packed ``Actor.forward`` calls (``unpad_input``, ``pad_input``,
+``index_first_axis``, ``rearrange``) are pure index operations, given here in torch (einops'
+``rearrange``), so the packed layout runs on the CPU; ``flash_attn.utils.distributed.all_gather``
+(ring attention) is a placeholder that raises if called.
 """
 
 from __future__ import annotations
@@ -18,6 +22,43 @@ _FLASH_ATTN = {
     "flash_attn.bert_padding": ("index_first_axis", "pad_input", "rearrange", "unpad_input"),
     "flash_attn.utils": (),
     "flash_attn.utils.distributed": ("all_gather",),
+}
+
+
+def _index_first_axis(x, indices):
+    return x[indices]
+
+
+def _unpad_input(hidden_states, attention_mask, unused_mask=None):
+    """flash_attn's ``unpad_input``: the rows of the valid positions (row-major), their flat
+    indices, the int32 cumulative sequence lengths, the longest length, the lengths."""
+    import torch
+
+    seqlens = attention_mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
+    return flat[indices], indices, cu_seqlens, int(seqlens.max()), seqlens
+
+
+def _pad_input(hidden_states, indices, batch, seqlen):
+    """flash_attn's ``pad_input``: the rows back at their flat indices, zeros elsewhere."""
+    out = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:])
+    return out.index_put((indices,), hidden_states).reshape(batch, seqlen, *hidden_states.shape[1:])
+
+
+def _rearrange(*args, **kwargs):
+    import einops
+
+    return einops.rearrange(*args, **kwargs)
+
+
+# Stand-ins that compute (the rest of _FLASH_ATTN are placeholders that raise).
+_WORKING = {
+    ("flash_attn.bert_padding", "index_first_axis"): _index_first_axis,
+    ("flash_attn.bert_padding", "unpad_input"): _unpad_input,
+    ("flash_attn.bert_padding", "pad_input"): _pad_input,
+    ("flash_attn.bert_padding", "rearrange"): _rearrange,
 }
 
 
@@ -43,7 +84,7 @@ def stub_modules(spec: dict) -> None:
         mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
         mod.__path__ = []  # a package, so that submodules resolve
         for a in attrs:
-            setattr(mod, a, _unavailable(f"{name}.{a}"))
+            setattr(mod, a, _WORKING.get((name, a)) or _unavailable(f"{name}.{a}"))
         sys.modules[name] = mod
         parent, _, child = name.rpartition(".")
         if parent in sys.modules:
