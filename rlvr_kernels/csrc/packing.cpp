@@ -530,35 +530,17 @@ std::vector<torch::Tensor> prefix_tree_build_cpu(const torch::Tensor& tokens, co
   return out;
 }
 
-PrefixTrie::PrefixTrie(bool next_key) : trie_(new Trie(next_key)), next_key_(next_key) {}
+PrefixTrie::PrefixTrie(bool next_key) : trie_(new Trie(next_key)) {}
 PrefixTrie::~PrefixTrie() { delete trie_; }
 
-namespace {
-torch::Tensor ids_of(const torch::Tensor& ids, const char* what) {
-  TORCH_CHECK(ids.dim() == 1 && !ids.is_floating_point() && !ids.is_complex() && ids.scalar_type() != torch::kBool,
-              "PrefixTrie.", what, ": ids must be a 1-D integer tensor");
-  torch::Tensor t = ids.to(torch::kCPU, torch::kInt64).contiguous();
-  const int64_t* p = t.data_ptr<int64_t>();
-  for (int64_t i = 0; i < t.numel(); ++i) TORCH_CHECK(p[i] >= 0, "PrefixTrie.", what, ": ids must be non-negative");
-  return t;
-}
-}  // namespace
-
-int64_t PrefixTrie::match(const torch::Tensor& ids, int64_t group) const {
-  const torch::Tensor t = ids_of(ids, "match");
-  return trie_->match(t.data_ptr<int64_t>(), t.numel(), group);
+int64_t PrefixTrie::match(const int64_t* ids, int64_t n, int64_t group) const {
+  return trie_->match(ids, n, group);
 }
 
-void PrefixTrie::add(const torch::Tensor& ids, const torch::Tensor& trained, int64_t group) {
-  const torch::Tensor t = ids_of(ids, "add");
-  TORCH_CHECK(trained.dim() == 1 && trained.numel() == t.numel(),
-              "PrefixTrie.add: trained must be a 1-D mask shaped like ids");
-  const torch::Tensor m = trained.to(torch::kCPU).ne(0).contiguous();
-  const int64_t* p = t.data_ptr<int64_t>();
-  const uint8_t* q = reinterpret_cast<const uint8_t*>(m.data_ptr<bool>());
-  trie_->add(p, q, t.numel(), group);
-  tokens_.insert(tokens_.end(), p, p + t.numel());
-  trained_.insert(trained_.end(), q, q + t.numel());
+void PrefixTrie::add(const int64_t* ids, const uint8_t* trained, int64_t n, int64_t group) {
+  trie_->add(ids, trained, n, group);
+  tokens_.insert(tokens_.end(), ids, ids + n);
+  trained_.insert(trained_.end(), trained, trained + n);
   cu_.push_back(static_cast<int64_t>(tokens_.size()));
 }
 
