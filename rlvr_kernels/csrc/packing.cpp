@@ -17,6 +17,8 @@
 //  16 sample values [M, C'] f32 (empty without sample_values)
 #include "packing.h"
 
+#include "alloc.h"
+
 
 #include <torch/library.h>
 
@@ -324,12 +326,14 @@ int64_t count_targets(const Samples& s) {
 // The output tensors for rows of T tokens, B samples and M targets in all (the N-sized ones with
 // room for T: a row's nodes start at its first token's offset).
 std::vector<torch::Tensor> allocate(int64_t T, int64_t B, int64_t M, int64_t R) {
-  const auto i64 = torch::dtype(torch::kInt64);
-  const auto i32 = torch::dtype(torch::kInt32);
-  return {torch::empty({T}, i64), torch::empty({T}, i64), torch::empty({T}, i64), torch::empty({T}, i32),
-          torch::Tensor(),        torch::Tensor(),        torch::Tensor(),        torch::Tensor(),
-          torch::empty({T}, i64), torch::empty({M}, i64), torch::empty({M}, i64), torch::empty({M}, i64),
-          torch::empty({M}, i64), torch::empty({B + R}, i32), torch::empty({R, 8}, torch::kInt64)};
+  const auto i64 = torch::kInt64;
+  const auto i32 = torch::kInt32;
+  // The large ones from the huge-page cache (alloc.h): a row of a million tokens writes ~100 MB,
+  // whose first-touch page faults cost more than the build on fresh memory.
+  return {empty_output({T}, i64),  empty_output({T}, i64),  empty_output({T}, i64),      empty_output({T}, i32),
+          torch::Tensor(),         torch::Tensor(),         torch::Tensor(),             torch::Tensor(),
+          empty_output({T}, i64),  empty_output({M}, i64),  empty_output({M}, i64),      empty_output({M}, i64),
+          empty_output({M}, i64),  empty_output({B + R}, i32), torch::empty({R, 8}, torch::kInt64)};
 }
 
 RowOut row_out(std::vector<torch::Tensor>& out, int64_t t0, int64_t m0, int64_t b0) {
@@ -359,10 +363,10 @@ void finish(std::vector<torch::Tensor>& out, const std::vector<RowLayout>& rows)
     z[7] = w.first_token;
   }
   const int64_t S = off_s[R], K = off_k[R];
-  out[4] = torch::empty({S + R}, torch::kInt32);
-  out[5] = torch::empty({S}, torch::kInt32);
-  out[6] = torch::empty({K}, torch::kInt64);
-  out[7] = torch::empty({S + R}, torch::kInt32);
+  out[4] = empty_output({S + R}, torch::kInt32);
+  out[5] = empty_output({S}, torch::kInt32);
+  out[6] = empty_output({K}, torch::kInt64);
+  out[7] = empty_output({S + R}, torch::kInt32);
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t r = 0; r < R; ++r) {
     const RowLayout& w = rows[r];
@@ -509,8 +513,8 @@ std::vector<torch::Tensor> prefix_tree_build_cpu(const torch::Tensor& tokens, co
   // the target's token (token_values) or its sample (sample_values).
   const int64_t M = m_off[R];
   const int64_t ct = token_values ? token_values->size(1) : 0, cs = sample_values ? sample_values->size(1) : 0;
-  out.push_back(torch::empty({token_values ? M : 0, ct}, torch::kFloat32));
-  out.push_back(torch::empty({sample_values ? M : 0, cs}, torch::kFloat32));
+  out.push_back(empty_output({token_values ? M : 0, ct}, torch::kFloat32));
+  out.push_back(empty_output({sample_values ? M : 0, cs}, torch::kFloat32));
   if (token_values || sample_values) {
     const float* tv = token_values ? token_values->data_ptr<float>() : nullptr;
     const float* sv = sample_values ? sample_values->data_ptr<float>() : nullptr;

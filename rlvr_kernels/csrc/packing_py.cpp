@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "alloc.h"
 #include "packing.h"
 
 namespace py = pybind11;
@@ -365,6 +366,15 @@ bool read_values(const Part& p, const Name& name, float* dst) {
   return floating;
 }
 
+// Element i of an opened values part, as float32.
+float value_at(const Part& p, int64_t i, const Name& name) {
+  if (p.src == Part::kTensor) return p.t.data_ptr<float>()[i];
+  if (p.src == Part::kBuffer)
+    return element<float>(static_cast<const char*>(p.view->buf) + i * p.view->strides[0], p.fmt);
+  bool floating = false;
+  return static_cast<float>(list_number(PySequence_Fast_GET_ITEM(p.obj, i), name, floating));
+}
+
 // The items of a list or tuple (or any sequence, as a list), kept alive by the returned object.
 py::object fast_sequence(py::handle seq, const Name& name, const std::string& what) {
   PyObject* o = seq.ptr();
@@ -393,7 +403,7 @@ py::tuple read_token_ids(py::handle samples, const std::string& name) {
     parts.push_back(open_part(PySequence_Fast_GET_ITEM(seq.ptr(), b), Name{name, b}, Kind::Ids));
     c[b + 1] = c[b] + parts.back().n;
   }
-  torch::Tensor tokens = torch::empty({c[B]}, torch::kInt64);
+  torch::Tensor tokens = empty_output({c[B]}, torch::kInt64);
   int64_t* t = tokens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) read_ids(parts[b], Name{name, b}, t + c[b]);
   return py::make_tuple(tokens, cu);
@@ -429,7 +439,7 @@ torch::Tensor read_per_token(py::handle values, const std::string& name, const t
       value_error(Name{name, b}, "expected " + std::to_string(len) + " values (the sample's length), got " +
                                      std::to_string(parts.back().n));
   }
-  torch::Tensor out = torch::empty({cu[B]}, k == Kind::Mask ? torch::kBool : torch::kFloat32);
+  torch::Tensor out = empty_output({cu[B]}, k == Kind::Mask ? torch::kBool : torch::kFloat32);
   bool floating = B == 0;
   for (int64_t b = 0; b < B; ++b) {
     if (k == Kind::Mask) {
@@ -528,36 +538,37 @@ class PyTrie {
           t->numel() != token_pos.numel())
         value_error(Name{std::string("token_pos, segment_id"), -1}, "expected contiguous int64 CPU tensors [M]");
     const std::vector<int64_t>& cu = trie_.cu();
-    std::vector<float> flat(cu[B]), adv(B);
-    for (int64_t b = 0; b < B; ++b) {
-      py::handle s = PySequence_Fast_GET_ITEM(seq.ptr(), b);
-      py::object old = field(s, "old_log_probs", kOld, true);
-      const Part p = open_part(old, Name{kOld, -1}, Kind::Values);
-      if (p.n != cu[b + 1] - cu[b])
-        value_error(Name{kOld, -1}, "expected " + std::to_string(cu[b + 1] - cu[b]) +
-                                        " values (one per token), got " + std::to_string(p.n));
-      read_values(p, Name{kOld, -1}, flat.data() + cu[b]);
-      py::object a = field(s, "advantage", kAdv, true);
-      const double v = PyFloat_AsDouble(a.ptr());
-      if (v == -1.0 && PyErr_Occurred()) {
-        PyErr_Clear();
-        type_error(Name{kAdv, -1}, "expected a number, got " + type_name(a.ptr()));
-      }
-      adv[b] = static_cast<float>(v);
-    }
     const int64_t M = token_pos.numel();
-    torch::Tensor old_out = torch::empty({M}, torch::kFloat32), adv_out = torch::empty({M}, torch::kFloat32);
+    torch::Tensor old_out = empty_output({M}, torch::kFloat32), adv_out = empty_output({M}, torch::kFloat32);
     const int64_t* tp = token_pos.data_ptr<int64_t>();
     const int64_t* sg = segment_id.data_ptr<int64_t>();
     float* o = old_out.data_ptr<float>();
     float* a = adv_out.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) {
-      const int64_t b = sg[m], p = tp[m];
-      if (b < 0 || b >= B || p < 0 || p >= cu[b + 1] - cu[b])
-        value_error(Name{std::string("token_pos, segment_id"), -1}, "a target outside the row's samples");
-      o[m] = flat[cu[b] + p];
-      a[m] = adv[b];
+    int64_t m = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      py::handle s = PySequence_Fast_GET_ITEM(seq.ptr(), b);
+      py::object old = field(s, "old_log_probs", kOld, true);
+      const Part p = open_part(old, Name{kOld, -1}, Kind::Values);
+      const int64_t n = cu[b + 1] - cu[b];
+      if (p.n != n)
+        value_error(Name{kOld, -1},
+                    "expected " + std::to_string(n) + " values (one per token), got " + std::to_string(p.n));
+      py::object adv = field(s, "advantage", kAdv, true);
+      const double v = PyFloat_AsDouble(adv.ptr());
+      if (v == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        type_error(Name{kAdv, -1}, "expected a number, got " + type_name(adv.ptr()));
+      }
+      // Sample b's targets: the next run of segment_id == b (targets are sample-major). Only the
+      // trained positions are read (add() read and checked the whole field).
+      for (; m < M && sg[m] == b; ++m) {
+        const int64_t q = tp[m];
+        if (q < 0 || q >= n) break;
+        o[m] = value_at(p, q, Name{kOld, -1});
+        a[m] = static_cast<float>(v);
+      }
     }
+    if (m != M) value_error(Name{std::string("token_pos, segment_id"), -1}, "a target outside the row's samples");
     return py::make_tuple(old_out, adv_out);
   }
 
