@@ -96,6 +96,16 @@ def load_extension() -> bool:
     return True
 
 
+def extension_module():
+    """The C++ library's Python module (``rlvr_kernels._core.extension.module``); RuntimeError
+    when the C++ kernels cannot be built here."""
+    if not load_extension():
+        raise RuntimeError("the C++ kernels are not built (see `rlvr-kernels info`)")
+    from . import extension
+
+    return extension.module()
+
+
 def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

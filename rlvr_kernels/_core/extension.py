@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from types import ModuleType
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -46,6 +48,7 @@ LIB_FILE = NAME + ".so"
 
 _log = logging.getLogger("rlvr_kernels")
 _loaded: Dict[str, None] = {}
+_modules: Dict[str, ModuleType] = {}
 _failed: Optional[BaseException] = None
 
 
@@ -276,6 +279,19 @@ def load() -> Path:
         torch.ops.load_library(key)
         _loaded[key] = None
     return path
+
+
+def module() -> ModuleType:
+    """The loaded library as a Python module: what takes Python objects, which an op schema
+    cannot (the packing readers of per-sample lists and arrays, the incremental trie). The same
+    file as the ops (its ``PYBIND11_MODULE``), so one build serves both."""
+    key = str(load().resolve())
+    if key not in _modules:
+        spec = importlib.util.spec_from_file_location(NAME, key)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        _modules[key] = mod
+    return _modules[key]
 
 
 def loaded() -> List[str]:

@@ -5,6 +5,11 @@
   ``TreeRow`` (``add`` each sample, then ``pack()``) on the same samples, old log-probs and
   advantages. TRL's pure-Python trie takes seconds here, so it is timed once per run; ours is
   the median of several calls.
+- builder: one row of 64 GRPO groups of 16 samples (prompt 512 + completion 512), as TRL's
+  AsyncGRPO feeds its ``TreeRow``: one rollout dict at a time (numpy fields, as TRL's rollout
+  worker sends them), ``fits`` then ``add``, then ``pack()``: ``TreeRowBuilder`` against TRL
+  1.16's ``TreeRow``; and ``pack_prefix_tree`` of the same samples (per-token masks and
+  log-probs) from tensors, numpy arrays and Python lists.
 - forward: a small Llama (hidden 512, 4 layers, vocab 32k), G = 8, prompt 512, completion
   128: forward + ``linear_logprobs`` + backward on the packed row (``rk_tree_sdpa``) against
   the padded batch (SDPA), when the tree attention is available.
@@ -16,9 +21,10 @@ import time
 import warnings
 from typing import Callable, Dict
 
+import numpy as np
 import torch
 
-from ..packing import pack_rows
+from ..packing import TreeRowBuilder, pack_prefix_tree, pack_rows
 from .timing import in_fresh_processes, peak_extra_gb, time_fn
 
 BUILD_SPEEDUP_TARGET = 30.0
@@ -109,6 +115,136 @@ def build_workload(device: str, quick: bool = False) -> Dict:
         "targets": targets,
         "notes": notes,
     }
+
+
+BUILDER_SPEEDUP_TARGET = 50.0
+LISTS_OVER_TENSORS_TARGET = 1.5
+
+
+def builder_inputs(quick: bool = False) -> Dict:
+    """One row's samples in each input form; the rollout dicts have numpy fields."""
+    G, S, P, C = (8, 16, 512, 512) if quick else (64, 16, 512, 512)
+    gen = np.random.default_rng(0)
+    ids, mask, old, adv, group = [], [], [], [], []
+    for g in range(G):
+        prompt = gen.integers(0, 32000, P)
+        for _ in range(S):
+            ids.append(np.concatenate([prompt, gen.integers(0, 32000, C)]))
+            mask.append(np.concatenate([np.zeros(P, np.int64), np.ones(C, np.int64)]))
+            old.append(-gen.random(P + C, dtype=np.float32))
+            adv.append(float(gen.standard_normal()))
+            group.append(g)
+    dicts = [
+        dict(input_ids=i, completion_mask=m, old_log_probs=o, advantage=a, group_id=g)
+        for i, m, o, a, g in zip(ids, mask, old, adv, group)
+    ]
+    forms = {
+        "numpy": (ids, mask, old),
+        "tensors": tuple([torch.from_numpy(x) for x in xs] for xs in (ids, mask, old)),
+        "lists": tuple([x.tolist() for x in xs] for xs in (ids, mask, old)),
+    }
+    return dict(G=G, S=S, P=P, C=C, dicts=dicts, forms=forms, adv=adv)
+
+
+def _fill(row, dicts, budget):
+    for d in dicts:
+        row.fits(d, budget)
+        row.add(d)
+    return row
+
+
+def builder_workload(device: str, quick: bool = False) -> Dict:
+    x = builder_inputs(quick)
+    dicts, budget = x["dicts"], 1 << 40
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from trl.experimental.async_grpo.packing import TreeRow
+
+    def ours_add():
+        row = TreeRowBuilder()
+        for d in dicts:
+            row.add(d)
+        return row.pack()
+
+    def ours_fits_add():
+        return _fill(TreeRowBuilder(), dicts, budget).pack()
+
+    def trl_add():
+        row = TreeRow()
+        for d in dicts:
+            row.add(d)
+        return row.pack()
+
+    def from_form(form):
+        ids, mask, old = x["forms"][form]
+        return lambda: pack_prefix_tree(ids, completion_mask=mask, old_log_probs=old, advantages=x["adv"])
+
+    got, want = ours_add(), None
+    t0 = time.perf_counter()
+    want = trl_add()
+    t_trl = (time.perf_counter() - t0) * 1e3
+    agree = list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    ref = from_form("tensors")().to_trl()
+    agree_forms = all(
+        all(torch.equal(ref[k], v) for k, v in from_form(f)().to_trl().items()) for f in ("numpy", "lists")
+    )
+    agree_forms = agree_forms and all(torch.equal(ref[k], got[k]) for k in ref)
+    del got, want, ref
+    t = {
+        "add": time_fn(ours_add, "cpu", repeats=5, warmup=1)["ms"],
+        "fits_add": time_fn(ours_fits_add, "cpu", repeats=5, warmup=1)["ms"],
+        **{f: time_fn(from_form(f), "cpu", repeats=5, warmup=1)["ms"] for f in ("tensors", "numpy", "lists")},
+    }
+    # The per-sample calls alone: a planner's fits and add, without the final pack.
+    row = _fill(TreeRowBuilder(), dicts, budget)
+    n = len(dicts)
+    t_fits = time_fn(lambda: [row.fits(d, budget) for d in dicts], "cpu", repeats=5, warmup=1)["ms"] * 1e3 / n
+    t_one_add = time_fn(lambda: _adds(dicts), "cpu", repeats=5, warmup=1)["ms"] * 1e3 / n
+    base = t["tensors"]
+    rows = [
+        {"method": "TreeRowBuilder add + pack (C++ trie, numpy rollout dicts)", "key": "fused", "ms": t["add"]},
+        {"method": "TreeRowBuilder fits + add + pack", "key": "fits_add", "ms": t["fits_add"]},
+        {"method": "TRL 1.16 TreeRow add + pack (Python trie)", "key": "trl", "ms": t_trl},
+        {"method": "pack_prefix_tree from per-sample tensors", "key": "tensors", "ms": base},
+        {"method": "pack_prefix_tree from per-sample numpy arrays", "key": "numpy", "ms": t["numpy"]},
+        {"method": "pack_prefix_tree from per-sample Python lists", "key": "lists", "ms": t["lists"]},
+    ]
+    for r in rows:
+        r["ratio"] = r["ms"] / t["add"]
+    targets = [
+        {
+            "target": f"TRL TreeRow / TreeRowBuilder (add + pack) time >= {BUILDER_SPEEDUP_TARGET:.0f}",
+            "measured": t_trl / t["add"],
+            "met": t_trl / t["add"] >= BUILDER_SPEEDUP_TARGET,
+        },
+        {
+            "target": f"pack_prefix_tree lists / tensors time <= {LISTS_OVER_TENSORS_TARGET}",
+            "measured": t["lists"] / base,
+            "met": t["lists"] / base <= LISTS_OVER_TENSORS_TARGET,
+        },
+    ]
+    tokens = n * (x["P"] + x["C"])
+    notes = [
+        f"one row: {x['G']} groups × {x['S']} samples × (prompt {x['P']} + completion {x['C']}), "
+        f"{tokens / 1e6:.2f} M tokens in; per-token masks and old log-probs, per-sample advantages",
+        f"per sample: fits {t_fits:.2f} µs, add {t_one_add:.2f} µs (a row of {n} samples, median of 5)",
+        f"ours: median of 5 calls after a warm-up; TRL: one call. Builder output equal to TRL's: {agree}; "
+        f"the three input forms and the builder give the same pack: {agree_forms}",
+    ]
+    kind = "quick" if quick else "standard"
+    return {
+        "name": f"{kind} builder: one row of {x['G']} groups × {x['S']} samples × ({x['P']} + {x['C']}) tokens",
+        "rows": rows,
+        "targets": targets,
+        "notes": notes,
+    }
+
+
+def _adds(dicts):
+    row = TreeRowBuilder()
+    for d in dicts:
+        row.add(d)
+    return row
 
 
 FORWARD_SPEEDUP_TARGET = 2.0
@@ -278,4 +414,4 @@ def forward_workload(device: str, quick: bool = False) -> Dict:
     }
 
 
-WORKLOADS: Dict[str, Callable] = {"build": build_workload, "forward": forward_workload}
+WORKLOADS: Dict[str, Callable] = {"build": build_workload, "builder": builder_workload, "forward": forward_workload}

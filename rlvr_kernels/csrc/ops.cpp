@@ -7,6 +7,7 @@
 #include "alloc.h"
 #include "logprobs.h"
 #include "packing.h"
+#include "packing_py.h"
 #include "policy_loss.h"
 #include "rollout_mismatch.h"
 #include "support_bits.h"
@@ -55,17 +56,6 @@ TORCH_LIBRARY(rlvr_kernels_C, m) {
   m.def(
       "prefix_tree_build(Tensor tokens, Tensor cu_tokens, Tensor trained, Tensor group, Tensor order, Tensor row_cu, "
       "Tensor? token_values, Tensor? sample_values, bool next_key) -> Tensor[]");
-  // The incremental trie of the planners (TreeRowBuilder): host-side state, so a class, not an op.
-  m.class_<rlvr::PrefixTrie>("PrefixTrie")
-      .def(torch::init<bool>())
-      .def("match", &rlvr::PrefixTrie::match)
-      .def("add", &rlvr::PrefixTrie::add)
-      .def("num_nodes", &rlvr::PrefixTrie::num_nodes)
-      .def("num_samples", &rlvr::PrefixTrie::num_samples)
-      .def("load", &rlvr::PrefixTrie::load)
-      .def("trained", &rlvr::PrefixTrie::trained)
-      .def("node_tokens", &rlvr::PrefixTrie::node_tokens)
-      .def("layout", &rlvr::PrefixTrie::layout);
   m.def("cpu_cache_stats() -> int[]", &rlvr::cpu_cache_stats);
   m.def("empty_cpu_cache() -> ()", &rlvr::empty_cpu_cache);
 }
@@ -87,5 +77,7 @@ TORCH_LIBRARY_IMPL(rlvr_kernels_C, CPU, m) {
   m.impl("prefix_tree_build", &rlvr::prefix_tree_build_cpu);
 }
 
-// Importable as a Python module; the ops above register when the library loads.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
+// Importable as a Python module too (rlvr_kernels._core.extension.module()); the ops above register
+// when the library loads. The module holds what takes Python objects, which an op schema cannot:
+// the readers of per-sample lists and the incremental trie (packing_py.cpp).
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { rlvr::bind_packing(m); }

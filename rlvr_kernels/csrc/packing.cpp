@@ -17,6 +17,8 @@
 //  16 sample values [M, C'] f32 (empty without sample_values)
 #include "packing.h"
 
+#include "alloc.h"
+
 
 #include <torch/library.h>
 
@@ -324,12 +326,14 @@ int64_t count_targets(const Samples& s) {
 // The output tensors for rows of T tokens, B samples and M targets in all (the N-sized ones with
 // room for T: a row's nodes start at its first token's offset).
 std::vector<torch::Tensor> allocate(int64_t T, int64_t B, int64_t M, int64_t R) {
-  const auto i64 = torch::dtype(torch::kInt64);
-  const auto i32 = torch::dtype(torch::kInt32);
-  return {torch::empty({T}, i64), torch::empty({T}, i64), torch::empty({T}, i64), torch::empty({T}, i32),
-          torch::Tensor(),        torch::Tensor(),        torch::Tensor(),        torch::Tensor(),
-          torch::empty({T}, i64), torch::empty({M}, i64), torch::empty({M}, i64), torch::empty({M}, i64),
-          torch::empty({M}, i64), torch::empty({B + R}, i32), torch::empty({R, 8}, torch::kInt64)};
+  const auto i64 = torch::kInt64;
+  const auto i32 = torch::kInt32;
+  // The large ones from the huge-page cache (alloc.h): a row of a million tokens writes ~100 MB,
+  // whose first-touch page faults cost more than the build on fresh memory.
+  return {empty_output({T}, i64),  empty_output({T}, i64),  empty_output({T}, i64),      empty_output({T}, i32),
+          torch::Tensor(),         torch::Tensor(),         torch::Tensor(),             torch::Tensor(),
+          empty_output({T}, i64),  empty_output({M}, i64),  empty_output({M}, i64),      empty_output({M}, i64),
+          empty_output({M}, i64),  empty_output({B + R}, i32), torch::empty({R, 8}, torch::kInt64)};
 }
 
 RowOut row_out(std::vector<torch::Tensor>& out, int64_t t0, int64_t m0, int64_t b0) {
@@ -359,10 +363,10 @@ void finish(std::vector<torch::Tensor>& out, const std::vector<RowLayout>& rows)
     z[7] = w.first_token;
   }
   const int64_t S = off_s[R], K = off_k[R];
-  out[4] = torch::empty({S + R}, torch::kInt32);
-  out[5] = torch::empty({S}, torch::kInt32);
-  out[6] = torch::empty({K}, torch::kInt64);
-  out[7] = torch::empty({S + R}, torch::kInt32);
+  out[4] = empty_output({S + R}, torch::kInt32);
+  out[5] = empty_output({S}, torch::kInt32);
+  out[6] = empty_output({K}, torch::kInt64);
+  out[7] = empty_output({S + R}, torch::kInt32);
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t r = 0; r < R; ++r) {
     const RowLayout& w = rows[r];
@@ -509,8 +513,8 @@ std::vector<torch::Tensor> prefix_tree_build_cpu(const torch::Tensor& tokens, co
   // the target's token (token_values) or its sample (sample_values).
   const int64_t M = m_off[R];
   const int64_t ct = token_values ? token_values->size(1) : 0, cs = sample_values ? sample_values->size(1) : 0;
-  out.push_back(torch::empty({token_values ? M : 0, ct}, torch::kFloat32));
-  out.push_back(torch::empty({sample_values ? M : 0, cs}, torch::kFloat32));
+  out.push_back(empty_output({token_values ? M : 0, ct}, torch::kFloat32));
+  out.push_back(empty_output({sample_values ? M : 0, cs}, torch::kFloat32));
   if (token_values || sample_values) {
     const float* tv = token_values ? token_values->data_ptr<float>() : nullptr;
     const float* sv = sample_values ? sample_values->data_ptr<float>() : nullptr;
@@ -530,35 +534,17 @@ std::vector<torch::Tensor> prefix_tree_build_cpu(const torch::Tensor& tokens, co
   return out;
 }
 
-PrefixTrie::PrefixTrie(bool next_key) : trie_(new Trie(next_key)), next_key_(next_key) {}
+PrefixTrie::PrefixTrie(bool next_key) : trie_(new Trie(next_key)) {}
 PrefixTrie::~PrefixTrie() { delete trie_; }
 
-namespace {
-torch::Tensor ids_of(const torch::Tensor& ids, const char* what) {
-  TORCH_CHECK(ids.dim() == 1 && !ids.is_floating_point() && !ids.is_complex() && ids.scalar_type() != torch::kBool,
-              "PrefixTrie.", what, ": ids must be a 1-D integer tensor");
-  torch::Tensor t = ids.to(torch::kCPU, torch::kInt64).contiguous();
-  const int64_t* p = t.data_ptr<int64_t>();
-  for (int64_t i = 0; i < t.numel(); ++i) TORCH_CHECK(p[i] >= 0, "PrefixTrie.", what, ": ids must be non-negative");
-  return t;
-}
-}  // namespace
-
-int64_t PrefixTrie::match(const torch::Tensor& ids, int64_t group) const {
-  const torch::Tensor t = ids_of(ids, "match");
-  return trie_->match(t.data_ptr<int64_t>(), t.numel(), group);
+int64_t PrefixTrie::match(const int64_t* ids, int64_t n, int64_t group) const {
+  return trie_->match(ids, n, group);
 }
 
-void PrefixTrie::add(const torch::Tensor& ids, const torch::Tensor& trained, int64_t group) {
-  const torch::Tensor t = ids_of(ids, "add");
-  TORCH_CHECK(trained.dim() == 1 && trained.numel() == t.numel(),
-              "PrefixTrie.add: trained must be a 1-D mask shaped like ids");
-  const torch::Tensor m = trained.to(torch::kCPU).ne(0).contiguous();
-  const int64_t* p = t.data_ptr<int64_t>();
-  const uint8_t* q = reinterpret_cast<const uint8_t*>(m.data_ptr<bool>());
-  trie_->add(p, q, t.numel(), group);
-  tokens_.insert(tokens_.end(), p, p + t.numel());
-  trained_.insert(trained_.end(), q, q + t.numel());
+void PrefixTrie::add(const int64_t* ids, const uint8_t* trained, int64_t n, int64_t group) {
+  trie_->add(ids, trained, n, group);
+  tokens_.insert(tokens_.end(), ids, ids + n);
+  trained_.insert(trained_.end(), trained, trained + n);
   cu_.push_back(static_cast<int64_t>(tokens_.size()));
 }
 

@@ -14,7 +14,6 @@
 // path of packed positions laid end to end for the gathered-K/V attention path.
 #pragma once
 
-#include <torch/custom_class.h>
 #include <torch/types.h>
 
 #include <cstdint>
@@ -37,23 +36,29 @@ std::vector<torch::Tensor> prefix_tree_build_cpu(const torch::Tensor& tokens, co
 
 struct Trie;
 
-// The incremental form for planners (TreeRow's fits/add/pack): one row, samples added one at a time.
-struct PrefixTrie : torch::CustomClassHolder {
+// The incremental form for planners (TreeRowBuilder's fits/add/pack): one row, samples added one at
+// a time. Its inputs come already read and checked (packing_py.cpp, the Python binding, is the
+// entry point that reads and checks them); `group` is -1 (shared roots) or a group code >= 0.
+class PrefixTrie {
+ public:
   explicit PrefixTrie(bool next_key);
-  ~PrefixTrie() override;
-  // Leading tokens of `ids` already in the trie (under root key `group`, -1 for none).
-  int64_t match(const torch::Tensor& ids, int64_t group) const;
-  void add(const torch::Tensor& ids, const torch::Tensor& trained, int64_t group);
+  ~PrefixTrie();
+  PrefixTrie(const PrefixTrie&) = delete;
+  PrefixTrie& operator=(const PrefixTrie&) = delete;
+  // Leading tokens of ids[0:n] already in the trie under root key `group`.
+  int64_t match(const int64_t* ids, int64_t n, int64_t group) const;
+  // Adds a sample: its n tokens and trained flags (0/1), copied.
+  void add(const int64_t* ids, const uint8_t* trained, int64_t n, int64_t group);
   int64_t num_nodes() const;
   int64_t num_samples() const;
   int64_t load() const;
   int64_t trained() const;
+  const std::vector<int64_t>& cu() const { return cu_; }  // sample offsets [B+1] in the added tokens
   torch::Tensor node_tokens() const;
-  std::vector<torch::Tensor> layout() const;
+  std::vector<torch::Tensor> layout() const;  // outputs 0-14 of prefix_tree_build_cpu, one row
 
  private:
   Trie* trie_;
-  bool next_key_;
   std::vector<int64_t> tokens_;
   std::vector<uint8_t> trained_;
   std::vector<int64_t> cu_{0};

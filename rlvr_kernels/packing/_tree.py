@@ -176,8 +176,10 @@ def _as_int_tensor(name: str, x, what: str = "token ids") -> torch.Tensor:
     return t.to("cpu", torch.int64)
 
 
-def _flat_samples(samples, lengths):
-    """(tokens [T] int64, cu_tokens [B+1] int64, per-sample lengths list) from either input form."""
+def _flat_samples(samples, lengths, backend: str):
+    """(tokens [T] int64, per-sample lengths list) from either input form. Per-sample sequences
+    are read by the C++ reader in one pass (``csrc/packing_py.cpp``), or under
+    ``backend="reference"`` one tensor per sample, here."""
     if isinstance(samples, torch.Tensor) and samples.dim() == 2:
         check_has_data("samples", samples)
         if lengths is None:
@@ -203,13 +205,19 @@ def _flat_samples(samples, lengths):
         )
     if isinstance(samples, torch.Tensor):
         raise ValueError(f"samples: a tensor must be a padded [B, L] batch, got shape {tuple(samples.shape)}")
+    if backend != "reference":
+        tokens, cu = _dispatch.extension_module().read_token_ids(samples, "samples")
+        return tokens, cu.diff().tolist()
     parts = [_as_int_tensor(f"samples[{i}]", s) for i, s in enumerate(samples)]
     tokens = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
     return tokens, [p.shape[0] for p in parts]
 
 
-def _per_token(name: str, x, lengths: List[int], dtype=None) -> torch.Tensor:
-    """A per-token value given per sample (list of sequences) or padded [B, L], flattened to [T]."""
+def _per_token(name: str, x, lengths: List[int], kind: str, backend: str) -> torch.Tensor:
+    """A per-token value given per sample (list of sequences) or padded [B, L], flattened to [T].
+    Per-sample sequences outside the reference are read by the C++ reader, which checks them as
+    it reads: ``kind="mask"`` gives a bool mask (0/1 values), ``"values"`` float32 numbers (at
+    least one sample floating-point, as their concatenation's dtype would be)."""
     B = len(lengths)
     if isinstance(x, torch.Tensor) and x.dim() == 2:
         check_has_data(name, x)
@@ -225,6 +233,10 @@ def _per_token(name: str, x, lengths: List[int], dtype=None) -> torch.Tensor:
             raise TypeError(f"{name}: expected a padded [B, L] tensor or a list of B per-sample sequences")
         if len(x) != B:
             raise ValueError(f"{name}: expected {B} per-sample sequences (one per sample), got {len(x)}")
+        if backend != "reference":
+            cu = torch.zeros(B + 1, dtype=torch.int64)
+            torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0, out=cu[1:])
+            return _dispatch.extension_module().read_per_token(x, name, cu, kind, True)
         parts = []
         for i, (v, n) in enumerate(zip(x, lengths)):
             t = _numbers(f"{name}[{i}]", v).to("cpu").reshape(-1)
@@ -232,7 +244,7 @@ def _per_token(name: str, x, lengths: List[int], dtype=None) -> torch.Tensor:
                 raise ValueError(f"{name}[{i}]: expected {n} values (the sample's length), got {t.shape[0]}")
             parts.append(t)
         out = torch.cat(parts) if parts else torch.zeros(0)
-    return out if dtype is None else out.to(dtype)
+    return out
 
 
 def _numbers(name: str, v) -> torch.Tensor:
@@ -249,12 +261,12 @@ def _numbers(name: str, v) -> torch.Tensor:
     return numpy_to_tensor(name, v)
 
 
-def _trained_mask(completion_mask, completion_start, lengths: List[int], T: int) -> torch.Tensor:
+def _trained_mask(completion_mask, completion_start, lengths: List[int], T: int, backend: str) -> torch.Tensor:
     """The trained tokens as a bool mask [T], or as each sample's first trained position (int64 [B])."""
     if completion_mask is not None and completion_start is not None:
         raise ValueError("completion_mask, completion_start: give one of them, not both")
     if completion_mask is not None:
-        m = _per_token("completion_mask", completion_mask, lengths)
+        m = _per_token("completion_mask", completion_mask, lengths, "mask", backend)
         if m.dtype.is_complex:
             raise TypeError("completion_mask: expected a bool, integer or float mask")
         if m.dtype != torch.bool and bool(((m != 0) & (m != 1)).any()):
@@ -288,7 +300,7 @@ def _group_codes(group_index, B: int) -> torch.Tensor:
     return torch.unique(g, return_inverse=True)[1].to(torch.int64).contiguous()
 
 
-def _advantages(advantages, lengths: List[int]):
+def _advantages(advantages, lengths: List[int], backend: str):
     """(values, per_sample): one value per sample ([B]) or per token ([T])."""
     B = len(lengths)
     if isinstance(advantages, torch.Tensor) and advantages.dim() <= 1 or isinstance(advantages, np.ndarray):
@@ -309,7 +321,7 @@ def _advantages(advantages, lengths: List[int]):
             if isinstance(v, torch.Tensor):
                 check_has_data(f"advantages[{i}]", v)
         return torch.tensor([float(v) for v in advantages], dtype=torch.float64), True
-    a = _per_token("advantages", advantages, lengths)
+    a = _per_token("advantages", advantages, lengths, "values", backend)
     if not a.dtype.is_floating_point:
         raise TypeError("advantages: expected floating-point values")
     return a, False
@@ -329,8 +341,12 @@ class _Flat:
     advantages_per_sample: bool = False
 
 
-def _flatten(samples, lengths, completion_mask, completion_start, old_log_probs, advantages, group_index) -> _Flat:
-    tokens, lens = _flat_samples(samples, lengths)
+def _flatten(
+    samples, lengths, completion_mask, completion_start, old_log_probs, advantages, group_index, backend: str = "cpu"
+) -> _Flat:
+    """The inputs checked and laid end to end; ``backend="reference"`` reads per-sample
+    sequences in Python (no C++ needed), any other through the C++ reader."""
+    tokens, lens = _flat_samples(samples, lengths, backend)
     T = tokens.shape[0]
     if T > MAX_COUNT:
         raise ValueError(f"samples: {T} tokens in all exceeds {MAX_COUNT}")
@@ -339,11 +355,11 @@ def _flatten(samples, lengths, completion_mask, completion_start, old_log_probs,
         raise ValueError(f"samples: token ids must be non-negative, got {int(tokens[i])}")
     cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
-    trained = _trained_mask(completion_mask, completion_start, lens, T).contiguous()
-    old = None if old_log_probs is None else _per_token("old_log_probs", old_log_probs, lens)
+    trained = _trained_mask(completion_mask, completion_start, lens, T, backend).contiguous()
+    old = None if old_log_probs is None else _per_token("old_log_probs", old_log_probs, lens, "values", backend)
     if old is not None and not old.dtype.is_floating_point:
         raise TypeError("old_log_probs: expected floating-point values")
-    adv, per_sample = (None, False) if advantages is None else _advantages(advantages, lens)
+    adv, per_sample = (None, False) if advantages is None else _advantages(advantages, lens, backend)
     return _Flat(tokens.contiguous(), cu, trained, _group_codes(group_index, len(lens)), old, adv, per_sample)
 
 
@@ -464,7 +480,9 @@ def pack_prefix_tree(
     _key(key)
     if backend not in ("cpu", "reference"):
         raise ValueError(f"backend: expected 'cpu' or 'reference' (the build runs on the host), got {backend!r}")
-    flat = _flatten(samples, lengths, completion_mask, completion_start, old_log_probs, advantages, group_index)
+    flat = _flatten(
+        samples, lengths, completion_mask, completion_start, old_log_probs, advantages, group_index, backend
+    )
     B = flat.cu_tokens.shape[0] - 1
     # One row: its own tensors, not views into buffers sized for every input token.
     return build_rows(flat, torch.arange(B), torch.tensor([0, B]), key, backend)[0].clone()

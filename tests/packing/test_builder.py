@@ -230,7 +230,7 @@ def _ab(**kw):
 @pytest.mark.parametrize(
     "kwargs, err, match",
     [
-        (dict(samples=[[1, -2]], completion_start=0), ValueError, "samples: token ids must be non-negative"),
+        (dict(samples=[[1, -2]], completion_start=0), ValueError, "samples\\[0\\]: token ids must be non-negative"),
         (dict(samples=[[1.5, 2]], completion_start=0), TypeError, "samples\\[0\\]"),
         (dict(samples=[torch.tensor([1.0])], completion_start=0), TypeError, "samples\\[0\\]: token ids must be int"),
         (dict(samples="abc", completion_start=0), TypeError, "samples"),
@@ -241,7 +241,7 @@ def _ab(**kw):
             "lengths: expected values in",
         ),
         (dict(samples=[[1, 2]], completion_mask=[[1]]), ValueError, "completion_mask\\[0\\]: expected 2 values"),
-        (dict(samples=[[1, 2]], completion_mask=[[1, 2]]), ValueError, "completion_mask: expected 0/1"),
+        (dict(samples=[[1, 2]], completion_mask=[[1, 2]]), ValueError, "completion_mask\\[0\\]: expected 0/1"),
         (dict(samples=[[1, 2]], completion_mask=[[1, 1]], completion_start=0), ValueError, "give one of them"),
         (dict(samples=[[1, 2]]), ValueError, "completion_mask"),
         (dict(samples=[[1, 2]], completion_start=3), ValueError, "completion_start: expected 0 <="),
@@ -390,8 +390,8 @@ def _rollout(**over):
 
 
 MALFORMED_SAMPLES = [
-    (_rollout(input_ids=[1, 2, 3]), TypeError, "sample\\['input_ids'\\]: expected a 1-D tensor or numpy array"),
-    (_rollout(completion_mask=[0, 1, 1]), TypeError, "sample\\['completion_mask'\\]: expected a 1-D tensor"),
+    (_rollout(input_ids="123"), TypeError, "sample\\['input_ids'\\]: expected a list, 1-D tensor or numpy array"),
+    (_rollout(completion_mask={0: 1}), TypeError, "sample\\['completion_mask'\\]: expected a sequence of numbers"),
     (_rollout(completion_mask=None), ValueError, "sample\\['completion_mask'\\]: missing"),
     (_rollout(input_ids=None), ValueError, "sample\\['input_ids'\\]: missing"),
     (_rollout(input_ids=torch.tensor([[1, 2, 3]])), ValueError, "sample\\['input_ids'\\]: expected a 1-D"),
