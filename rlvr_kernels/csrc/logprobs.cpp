@@ -682,7 +682,9 @@ RLVR_INLINE void add_kept_targets(T* dst, const Targets& tg, int64_t n, int64_t 
   if constexpr (kMode == SupportMode::NONE) {
     add_targets(dst, tg, n, c0, c1, inv_t, g);
   } else {
-    tg.each_in(n, c0, c1, [&](int64_t k, int64_t j) {
+    // (always inlined: keep_at forms a vector of the caller's ISA, which a lambda compiled on
+    // its own, as at -O1, could not hold)
+    tg.each_in(n, c0, c1, [&](int64_t k, int64_t j) __attribute__((always_inline)) {
       if (zof.keep_at(j)) dst[j] += rounded(inv_t * g[k]);
     });
   }
