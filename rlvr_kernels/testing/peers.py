@@ -12,10 +12,12 @@ helpers that OpenRLHF's packed ``Actor.forward`` calls (``unpad_input``, ``pad_i
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.machinery
 import sys
 import types
+from typing import Iterator
 
 _FLASH_ATTN = {
     "flash_attn": (),
@@ -89,6 +91,22 @@ def stub_modules(spec: dict) -> None:
         parent, _, child = name.rpartition(".")
         if parent in sys.modules:
             setattr(sys.modules[parent], child, mod)
+
+
+@contextlib.contextmanager
+def stubbed_modules(spec: dict) -> Iterator[None]:
+    """:func:`stub_modules` for the block only: the placeholders it registered are removed
+    from ``sys.modules`` after it (a module imported inside keeps its references), so that
+    other libraries' availability checks (``importlib.util.find_spec``) do not see them."""
+    before = set(sys.modules)
+    stub_modules(spec)
+    added = [name for name in spec if name in sys.modules and name not in before]
+    try:
+        yield
+    finally:
+        for name in added:
+            if isinstance(sys.modules.get(name), types.ModuleType) and sys.modules[name].__spec__.origin is None:
+                del sys.modules[name]
 
 
 def import_openrlhf_models():

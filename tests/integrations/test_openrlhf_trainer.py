@@ -22,11 +22,13 @@ from _openrlhf import rollout, tiny_qwen
 
 from rlvr_kernels.integrations import call_counts, reset_call_counts, set_counting
 from rlvr_kernels.integrations import openrlhf as ours
-from rlvr_kernels.testing.peers import import_openrlhf_models, stub_modules
+from rlvr_kernels.testing.peers import import_openrlhf_models, stubbed_modules
 
 import_openrlhf_models()
-stub_modules({"vllm": (), "vllm.inputs": ("TokensPrompt",), "vllm.utils": ("random_uuid",)})
-import openrlhf.trainer.ray.ppo_actor as ppo_actor  # noqa: E402
+# vLLM's placeholders for the import only: left in sys.modules they would make TRL's
+# is_vllm_available() see a vLLM without a version in the tests collected after this one.
+with stubbed_modules({"vllm": (), "vllm.inputs": ("TokensPrompt",), "vllm.utils": ("random_uuid",)}):
+    import openrlhf.trainer.ray.ppo_actor as ppo_actor  # noqa: E402
 from openrlhf.models import Actor  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
 
