@@ -287,6 +287,7 @@ void check_size(const Part& p, const Name& name) {
 }
 
 void read_ids(const Part& p, const Name& name, int64_t* dst) {
+  if (p.n == 0) return;  // (an empty part's data pointer may be null: nothing to copy)
   if (p.src == Part::kTensor) {
     std::memcpy(dst, p.t.data_ptr<int64_t>(), p.n * sizeof(int64_t));
   } else if (p.src == Part::kBuffer) {
@@ -347,6 +348,7 @@ void read_mask(const Part& p, const Name& name, uint8_t* dst) {
 
 // Returns whether the part holds floating-point values.
 bool read_values(const Part& p, const Name& name, float* dst) {
+  if (p.n == 0) return p.floating;  // (an empty part's data pointer may be null)
   if (p.src == Part::kTensor) {
     std::memcpy(dst, p.t.data_ptr<float>(), p.n * sizeof(float));
     return p.floating;
