@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import re
 from typing import Callable, Iterator, Mapping, Tuple
+
+import torch
+
+from .._core.validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 
 
 @contextlib.contextmanager
@@ -36,3 +41,21 @@ def _renamer(pairs: Tuple[Tuple[str, str], ...]) -> Callable[[str], str]:
     table = dict(pairs)
     pattern = re.compile(r"(?<![\w.])(" + "|".join(re.escape(k) for k in sorted(table, key=len, reverse=True)) + r")\b")
     return lambda message: pattern.sub(lambda m: table[m.group(1)], message)
+
+
+def checked_labels(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The peers' ``(logits [..., V], labels)`` pair checked, ``labels`` shaped like the
+    logits' leading dimensions (any shape with that many elements is reshaped)."""
+    check_tensor("logits", logits, dtypes=FLOAT_DTYPES)
+    check_tensor("labels", labels, dtypes=INDEX_DTYPES)
+    if logits.dim() < 1:
+        raise ValueError("logits: expected a [..., V] tensor, got a 0-d tensor")
+    lead = tuple(logits.shape[:-1])
+    if tuple(labels.shape) != lead:
+        if labels.numel() != math.prod(lead):
+            raise ValueError(
+                f"labels: expected one label per row of logits ({math.prod(lead)} for logits "
+                f"{tuple(logits.shape)}), got shape {tuple(labels.shape)}"
+            )
+        labels = labels.reshape(lead)
+    return labels

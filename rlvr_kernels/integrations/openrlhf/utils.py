@@ -10,15 +10,14 @@ straight-through form.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
-from ..._core.validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from ..._core.validation import FLOAT_DTYPES, check_tensor
 from ...ops.logprobs import logprobs_from_logits as _logprobs_from_logits
 from .._backend import current_backend
-from .._errors import caller_names
+from .._errors import caller_names, checked_labels
 from .._patch import record
 from . import _head
 
@@ -71,17 +70,7 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperatur
     temperature other than 1 divides ``logits`` in place first (the caller's tensor is
     scaled)."""
     record("openrlhf.log_probs_from_logits")
-    check_tensor("logits", logits, dtypes=FLOAT_DTYPES)
-    check_tensor("labels", labels, dtypes=INDEX_DTYPES)
-    if logits.dim() < 1:
-        raise ValueError("logits: expected a [..., V] tensor, got a 0-d tensor")
-    lead = tuple(logits.shape[:-1])
-    if tuple(labels.shape) != lead:
-        if labels.numel() != math.prod(lead):
-            raise ValueError(
-                f"labels: expected shape {lead} (the logits' leading dimensions), got {tuple(labels.shape)}"
-            )
-        labels = labels.reshape(lead)
+    labels = checked_labels(logits, labels)
     if temperature != 1.0:
         logits.div_(temperature)
     with caller_names(_NAMES):

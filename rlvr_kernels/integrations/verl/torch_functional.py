@@ -4,14 +4,12 @@ of logits, no ``[N, V]`` temporaries)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ..._core.validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from ..._core.validation import FLOAT_DTYPES, check_tensor
 from ...ops.logprobs import logprobs_from_logits as _logprobs_from_logits
 from .._backend import current_backend
-from .._errors import caller_names
+from .._errors import caller_names, checked_labels
 from . import _head
 
 __all__ = ["logprobs_from_logits", "entropy_from_logits"]
@@ -29,18 +27,7 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_bac
     for signature compatibility; the backward writes only the logits' gradient in any case.
     Under ``apply(logits_precision=..., match_sampling=True)`` the op gets those settings
     (``_head``): then the log-probs of the rollout's kept set, −inf outside it."""
-    check_tensor("logits", logits, dtypes=FLOAT_DTYPES)
-    check_tensor("labels", labels, dtypes=INDEX_DTYPES)
-    if logits.dim() < 1:
-        raise ValueError("logits: expected a [..., V] tensor, got a 0-d tensor")
-    lead = tuple(logits.shape[:-1])
-    if tuple(labels.shape) != lead:
-        if labels.numel() != math.prod(lead):
-            raise ValueError(
-                f"labels: expected one label per row of logits ({math.prod(lead)} for logits "
-                f"{tuple(logits.shape)}), got shape {tuple(labels.shape)}"
-            )
-        labels = labels.reshape(lead)
+    labels = checked_labels(logits, labels)
     with caller_names(_NAMES):
         logp = _logprobs_from_logits(logits, labels, backend=current_backend(), **_head.head_kwargs()).logp
     return logp.to(logits.dtype)
