@@ -111,6 +111,64 @@ def build_engine(
     return engine
 
 
+def saved_qwen2(
+    *,
+    vocab: int,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    max_positions: int,
+    head_scale: float,
+    prefix: str = "rk-verl-qwen2-",
+) -> str:
+    """A config-built fp32 ``Qwen2ForCausalLM`` (seed 0, untied head scaled by ``head_scale``
+    for peaked distributions) saved to a new temporary directory; its path."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+    )
+    model = transformers.Qwen2ForCausalLM(cfg).float()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    d = tempfile.mkdtemp(prefix=prefix)
+    model.save_pretrained(d)
+    return d
+
+
+def cpu_engine(
+    monkeypatch, model_dir: str, *, micro_batch_size: int, model_cls=None, torch_compile: bool = False
+) -> "ti.FSDPEngineWithLMHead":
+    """:func:`build_engine` on the CPU for the model saved in ``model_dir`` (loaded as
+    ``model_cls``, default ``Qwen2ForCausalLM``, fp32), :func:`device_patches` held by pytest's
+    ``monkeypatch`` for the test. Plain SGD (lr 1): Adam's first steps are lr·g/(|g| + eps),
+    which turns rounding-level differences of near-zero gradient elements into lr-sized
+    parameter differences."""
+    import transformers
+
+    for obj, name, value in device_patches("cpu"):
+        monkeypatch.setattr(obj, name, value)
+    model_cls = model_cls or transformers.Qwen2ForCausalLM
+    module = model_cls.from_pretrained(model_dir, torch_dtype=torch.float32)
+    return build_engine(
+        model_dir,
+        module,
+        micro_batch_size=micro_batch_size,
+        optimizer=lambda params: torch.optim.SGD(params, lr=1.0),
+        torch_compile=torch_compile,
+    )
+
+
 def rollout_batch(
     *,
     vocab: int,

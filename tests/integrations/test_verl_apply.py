@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
-import tempfile
 import types
 import warnings
 
@@ -75,40 +74,14 @@ def clean_patch():
 
 @pytest.fixture(scope="module")
 def model_dir():
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
+    # a head scaled ×20: peaked distributions, ratios far from 1 after a step
+    return verl_engine.saved_qwen2(
+        vocab=V, hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, max_positions=64, head_scale=20.0
     )
-    model = transformers.Qwen2ForCausalLM(cfg).float()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)  # peaked distributions: ratios far from 1 after a step
-    d = tempfile.mkdtemp(prefix="rk-verl-qwen2-")
-    model.save_pretrained(d)
-    return d
 
 
 def _cpu_engine(monkeypatch, model_dir, torch_compile=False):
-    """verl's FSDPEngineWithLMHead on the CPU (rlvr_kernels.testing.verl_engine), the patches
-    held for the test."""
-    for obj, name, value in verl_engine.device_patches("cpu"):
-        monkeypatch.setattr(obj, name, value)
-    module = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    # Plain SGD: Adam's first steps are lr·g/(|g| + eps), which turns rounding-level differences
-    # of near-zero gradient elements into lr-sized parameter differences.
-    return verl_engine.build_engine(
-        model_dir,
-        module,
-        micro_batch_size=2,
-        optimizer=lambda params: torch.optim.SGD(params, lr=1.0),
-        torch_compile=torch_compile,
-    )
+    return verl_engine.cpu_engine(monkeypatch, model_dir, micro_batch_size=2, torch_compile=torch_compile)
 
 
 def _batch(seed=0):

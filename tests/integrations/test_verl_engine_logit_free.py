@@ -15,7 +15,6 @@ logits path for them).
 from __future__ import annotations
 
 import functools
-import tempfile
 import warnings
 
 import pytest
@@ -55,32 +54,21 @@ def clean_patch():
 
 @pytest.fixture(scope="module")
 def model_dir():
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
-        vocab_size=V,
-        hidden_size=H,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
+    return verl_engine.saved_qwen2(
+        vocab=V,
+        hidden=H,
+        intermediate=32,
+        layers=1,
+        heads=2,
+        kv_heads=1,
+        max_positions=512,
+        head_scale=8.0,
+        prefix="rk-verl-logit-free-",
     )
-    model = transformers.Qwen2ForCausalLM(cfg).float()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # peaked distributions
-    d = tempfile.mkdtemp(prefix="rk-verl-logit-free-")
-    model.save_pretrained(d)
-    return d
 
 
 def _engine(monkeypatch, model_dir, model_cls=transformers.Qwen2ForCausalLM):
-    for obj, name, value in verl_engine.device_patches("cpu"):
-        monkeypatch.setattr(obj, name, value)
-    module = model_cls.from_pretrained(model_dir, torch_dtype=torch.float32)
-    return verl_engine.build_engine(
-        model_dir, module, micro_batch_size=B, optimizer=lambda params: torch.optim.SGD(params, lr=1.0)
-    )
+    return verl_engine.cpu_engine(monkeypatch, model_dir, micro_batch_size=B, model_cls=model_cls)
 
 
 def _td(
