@@ -10,7 +10,7 @@ import torch
 from _slime import gae, grpo_returns, rpp_baseline, rpp_returns, tis_weights
 
 from rlvr_kernels.integrations import slime
-from rlvr_kernels.integrations.slime.advantages import discounted_returns
+from rlvr_kernels.integrations._torch_math import discounted_returns
 
 
 def _args(**kw):

@@ -16,13 +16,11 @@ from typing import Any, List
 
 import torch
 
+from .._torch_math import discounted_returns
 from .hooks import _arg
 
 # slime/utils/arguments.py --advantage-estimator choices.
 ESTIMATORS = ("grpo", "gspo", "cispo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-# Tokens per block of the discounted scan: the in-block matrix is C × C, the loop over
-# blocks is L / C steps.
-_SCAN_BLOCK = 128
 
 
 def _per_sample(name: str, xs: Any, n: int) -> List[torch.Tensor]:
@@ -43,32 +41,6 @@ def _padded(flat: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tens
     valid = torch.arange(width, device=flat.device)[None, :] < lengths[:, None]
     out[valid] = flat
     return out
-
-
-def discounted_returns(x: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G[:, t] = Σ_{s ≥ t} γ^(s − t) x[:, s] for a ``[B, L]`` tensor, as a blocked scan: within a
-    block of C tokens one ``[·, C] @ [C, C]`` product with the matrix of powers γ^(j − i), and
-    the carry from the block after it multiplied by γ^(C − i). Zeros after a row's end leave
-    its returns unchanged."""
-    B, L = x.shape
-    if L == 0:
-        return x.clone()
-    C = _SCAN_BLOCK
-    nb = (L + C - 1) // C
-    xp = torch.nn.functional.pad(x, (0, nb * C - L)).view(B, nb, C)
-    i = torch.arange(C, device=x.device)
-    expo = (i[:, None] - i[None, :]).to(x.dtype)  # [s, t] -> s − t
-    gam = torch.tensor(gamma, dtype=x.dtype, device=x.device)
-    # M[s, t] = γ^(s − t) for s >= t (0 ** 0 = 1 keeps the diagonal for γ = 0).
-    M = torch.where(expo >= 0, gam.pow(expo.clamp_min(0)), torch.zeros((), dtype=x.dtype, device=x.device))
-    local = torch.einsum("bks,st->bkt", xp, M)  # each block's returns with a zero carry
-    carry_pow = gam.pow((C - i).to(x.dtype))  # γ^(C − t): distance to the next block's first token
-    out = torch.empty_like(local)
-    carry = x.new_zeros(B)
-    for k in range(nb - 1, -1, -1):
-        out[:, k] = local[:, k] + carry[:, None] * carry_pow
-        carry = out[:, k, 0]
-    return out.reshape(B, nb * C)[:, :L]
 
 
 def compute_advantages_and_returns(args: Any, rollout_data: dict) -> None:
