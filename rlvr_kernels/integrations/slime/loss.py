@@ -71,7 +71,12 @@ def _response_index(total_lengths: List[int], response_lengths: List[int], devic
     """Rows of the packed logits that predict each response token (slime's cp = 1 slicing:
     ``logits[end − response − 1 : end − 1]``), in sample order, and the response lengths."""
     idx, end = [], 0
-    for total, resp in zip(total_lengths, response_lengths):
+    for i, (total, resp) in enumerate(zip(total_lengths, response_lengths)):
+        if not 0 <= int(resp) < int(total):
+            raise ValueError(
+                f"batch['response_lengths'][{i}]: {resp} with total length {total} (a response needs a prompt token "
+                "before it)"
+            )
         end += int(total)
         idx.append(torch.arange(end - int(resp) - 1, end - 1))
     rows = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
