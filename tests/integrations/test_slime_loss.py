@@ -243,6 +243,8 @@ def test_bad_input():
         )
     with pytest.raises(ValueError, match=r"response_lengths'\]\[0\]"):
         slime.policy_loss_function(_args(), dict(b, total_lengths=[5] + b["total_lengths"][1:]), case.logits, ssm)
+    with pytest.raises(ValueError, match="args.kl_loss_type"):
+        slime.policy_loss_function(_args(use_kl_loss=True, kl_loss_type="k4"), b, case.logits, ssm)
     with pytest.raises(ValueError, match="rollout_log_probs"):
         nb = {k: v for k, v in b.items() if k != "rollout_log_probs"}
         slime.policy_loss_function(_args(use_tis=True), nb, case.logits, ssm)

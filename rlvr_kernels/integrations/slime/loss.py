@@ -194,7 +194,10 @@ def policy_loss_function(
 
     kl_kw: Dict[str, Any] = {}
     if use_kl:
-        kind, clamp = _KL[_arg(args, "kl_loss_type")]
+        kl_loss_type = _arg(args, "kl_loss_type")
+        if kl_loss_type not in _KL:
+            raise ValueError(f"args.kl_loss_type: expected one of {tuple(_KL)}, got {kl_loss_type!r}")
+        kind, clamp = _KL[kl_loss_type]
         kl_kw = dict(
             kl=kind,
             kl_coef=float(_arg(args, "kl_loss_coef")),
