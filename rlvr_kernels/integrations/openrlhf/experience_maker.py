@@ -36,15 +36,19 @@ _WHITENED = ("gae", "reinforce", "reinforce_baseline")
 
 
 def _token_rewards(r, kl_coef: float, kl, action_mask, clip_range):
-    """``compute_reward``: −kl_coef·kl plus r on the last action token of each row (the last
-    column for a row without one, as OpenRLHF's argmax)."""
-    if kl_coef <= 0.0:
-        kl_coef = 0.0
+    """``compute_reward``: −kl_coef·kl (kl_coef clamped at 0), plus r (clipped to
+    ``clip_range`` when given) on the last action token of each row, or on the last column for
+    a row without one (where OpenRLHF's search for it ends)."""
+    kl_coef = max(float(kl_coef), 0.0)
     if clip_range:
         r = r.clamp(min=clip_range[0], max=clip_range[1])
-    A = action_mask.shape[1]
-    eos = A - 1 - action_mask.long().fliplr().argmax(dim=1, keepdim=True)
-    return torch.zeros_like(kl).scatter_(1, eos, r.unsqueeze(1).to(kl.dtype)) + (-kl_coef * kl)
+    B, A = action_mask.shape
+    cols = torch.arange(A, device=action_mask.device)
+    last = torch.where(action_mask.bool(), cols, -1).amax(dim=1)
+    last = torch.where(last < 0, A - 1, last)
+    out = -kl_coef * kl
+    out[torch.arange(B, device=out.device), last] += r.to(out.dtype)
+    return out
 
 
 @torch.no_grad()
