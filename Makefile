@@ -12,8 +12,9 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.rlvr-kernels-installed
 # Peers whose declared dependencies would replace torch (or need CUDA): installed without
 # them, plus what the modules the tests import need. flash-attn (imported by openrlhf.models)
-# has no CPU build; rlvr_kernels.testing.peers stands in for it.
-PEERS_NO_DEPS := openrlhf==0.11.2 deepspeed==0.19.6 areal==1.0.4 skyrl==0.3.0
+# has no CPU build; rlvr_kernels.testing.peers stands in for it. megatron-core is what slime's
+# hooks run under (slime itself is not a package on the registry).
+PEERS_NO_DEPS := openrlhf==0.11.2 deepspeed==0.19.6 areal==1.0.4 skyrl==0.3.0 megatron-core==0.16.1
 PEER_IMPORTS := hjson msgpack py-cpuinfo colorlog tenacity lark uvloop numba aiofiles openai jaxtyping loguru
 SOURCES := pyproject.toml $(wildcard rlvr_kernels/csrc/*.cpp rlvr_kernels/csrc/*.h)
 

@@ -29,6 +29,10 @@ Aggregation (:func:`aggregate`) of a per-token ``x [B, T]`` under ``mask [B, T]`
 the sequences with a valid token, × dp_size), with 0 where verl divides by a count of 0
 (NaN there). ``convention="trl"``: the normalisers of TRL's ``GRPOTrainer._compute_loss``
 (n_i and Σ m clamped at 1, S = B: empty rows count, as TRL's ``.mean()``).
+
+Discounted returns (:func:`discounted_returns`) of a ``[B, L]`` batch, the recurrence of
+REINFORCE returns and of GAE (on the TD errors, with γλ) that slime and OpenRLHF run as a
+Python loop over the tokens: a blocked scan, L / 128 steps.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import torch
 
 from .._core.layout import safe_div as _safe_div  # 0 where verl's divisor is 0 (verl gives NaN)
 
-__all__ = ["AGG_MODES", "KL_KINDS", "aggregate", "kl_estimate", "times_mask"]
+__all__ = ["AGG_MODES", "KL_KINDS", "aggregate", "discounted_returns", "kl_estimate", "times_mask"]
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
@@ -289,3 +293,34 @@ def _aggregate_trl(per_token, mask, mode, global_num_tokens, loss_scale_factor) 
     if mode == "token-sum":
         return x.sum()
     raise ValueError(f"mode: expected one of {AGG_MODES}, got {mode!r}")
+
+
+# Tokens per block of discounted_returns: the in-block matrix is C × C, the loop over
+# blocks L / C steps.
+_SCAN_BLOCK = 128
+
+
+def discounted_returns(x: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G[:, t] = Σ_{s ≥ t} γ^(s − t) x[:, s] for a ``[B, L]`` tensor, as a blocked scan: within a
+    block of C tokens one ``[·, C] @ [C, C]`` product with the matrix of powers γ^(j − i), and
+    the carry from the block after it multiplied by γ^(C − i). Zeros after a row's end leave
+    its returns unchanged."""
+    B, L = x.shape
+    if L == 0:
+        return x.clone()
+    C = _SCAN_BLOCK
+    nb = (L + C - 1) // C
+    xp = torch.nn.functional.pad(x, (0, nb * C - L)).view(B, nb, C)
+    i = torch.arange(C, device=x.device)
+    expo = (i[:, None] - i[None, :]).to(x.dtype)  # [s, t] -> s − t
+    gam = torch.tensor(gamma, dtype=x.dtype, device=x.device)
+    # M[s, t] = γ^(s − t) for s >= t (0 ** 0 = 1 keeps the diagonal for γ = 0).
+    M = torch.where(expo >= 0, gam.pow(expo.clamp_min(0)), torch.zeros((), dtype=x.dtype, device=x.device))
+    local = torch.einsum("bks,st->bkt", xp, M)  # each block's returns with a zero carry
+    carry_pow = gam.pow((C - i).to(x.dtype))  # γ^(C − t): distance to the next block's first token
+    out = torch.empty_like(local)
+    carry = x.new_zeros(B)
+    for k in range(nb - 1, -1, -1):
+        out[:, k] = local[:, k] + carry[:, None] * carry_pow
+        carry = out[:, k, 0]
+    return out.reshape(B, nb * C)[:, :L]

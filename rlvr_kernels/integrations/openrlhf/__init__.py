@@ -7,6 +7,8 @@
                             ``log_probs_from_logits``, ``compute_entropy``
 ``actor``                   ``openrlhf.models.actor.Actor.forward``, logit-free
                             (``make_forward`` builds it from OpenRLHF's)
+``experience_maker``        ``openrlhf.trainer.ppo_utils.experience_maker``:
+                            ``RemoteExperienceMaker.compute_advantages_and_returns``
 ``patch``                   :func:`apply` / :func:`unapply`
 ==========================  ================================================================
 

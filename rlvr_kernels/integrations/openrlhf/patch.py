@@ -12,6 +12,10 @@ OpenRLHF's actor or experience maker (its Ray workers included), before the PPO 
 ``logprobs``           ``openrlhf.models.utils.log_probs_from_logits`` / ``compute_entropy``
                        (and ``openrlhf.models.actor``'s by-name imports), and
                        ``openrlhf.models.actor.Actor.forward``: logit-free (``.actor``)
+``advantages``         ``openrlhf.trainer.ppo_utils.experience_maker.RemoteExperienceMaker.
+                       compute_advantages_and_returns`` (``.experience_maker``); off by
+                       default: that module imports Ray and vLLM, which a process that only
+                       trains may lack
 =====================  ====================================================================
 
 Every loaded ``openrlhf.*`` module is swept for attributes that are the replaced objects
@@ -36,6 +40,7 @@ import rlvr_kernels.integrations.openrlhf._head as _ours_head
 
 from .._patch import Build, Integration, Target
 from .actor import make_forward
+from .experience_maker import compute_advantages_and_returns
 from .loss import PolicyLoss
 from .utils import compute_approx_kl, compute_entropy, log_probs_from_logits
 
@@ -46,6 +51,7 @@ TESTED_VERSIONS = ("0.11.2", "0.12.0")  # low <= openrlhf's version < high
 _LOSS = "openrlhf.models.loss"
 _UTILS = "openrlhf.models.utils"
 _ACTOR = "openrlhf.models.actor"
+_EXPERIENCE_MAKER = "openrlhf.trainer.ppo_utils.experience_maker:RemoteExperienceMaker"
 
 _OPENRLHF = Integration("openrlhf", TESTED_VERSIONS, sweep=("openrlhf",))
 
@@ -55,6 +61,7 @@ def apply(
     policy_loss: bool = True,
     kl: bool = True,
     logprobs: bool = True,
+    advantages: bool = False,
     logits_precision: str = "fp32",
     action_rows_only: bool = True,
     strict: bool = True,
@@ -66,6 +73,7 @@ def apply(
         ("policy_loss", policy_loss),
         ("kl", kl),
         ("logprobs", logprobs),
+        ("advantages", advantages),
         ("strict", strict),
         ("action_rows_only", action_rows_only),
     ):
@@ -93,12 +101,15 @@ def apply(
                 Target(_ours_head, "LOGITS_PRECISION", logits_precision),
                 Target(_ours_head, "ACTION_ROWS_ONLY", action_rows_only),
             ]
+        if advantages:
+            targets.append(Target(_EXPERIENCE_MAKER, "compute_advantages_and_returns", compute_advantages_and_returns))
         return targets
 
     options = dict(
         policy_loss=policy_loss,
         kl=kl,
         logprobs=logprobs,
+        advantages=advantages,
         logits_precision=logits_precision,
         action_rows_only=action_rows_only,
         strict=strict,

@@ -3,7 +3,7 @@ runs a Python loop over the samples."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -83,11 +83,26 @@ def pg_loss_reducer(
     ``calculate_per_token_loss``. One segmented reduction for the whole micro-batch, where
     slime launches a few kernels per sample. Context parallelism (each rank holding zigzag
     chunks of every sample) is refused: a mask longer than its sample raises."""
-    lengths = [int(n) for n in response_lengths]
-    if len(lengths) != len(loss_masks) or len(total_lengths) != len(lengths):
+    if len(loss_masks) != len(response_lengths) or len(total_lengths) != len(response_lengths):
         raise ValueError(
-            f"loss_masks: expected one per sample ({len(lengths)} response_lengths, {len(total_lengths)} "
+            f"loss_masks: expected one per sample ({len(response_lengths)} response_lengths, {len(total_lengths)} "
             f"total_lengths), got {len(loss_masks)}"
+        )
+    return _sample_mean_reducer(response_lengths, loss_masks, None, calculate_per_token_loss)
+
+
+def _sample_mean_reducer(
+    response_lengths: Sequence[int],
+    loss_masks: Sequence[torch.Tensor],
+    denominators: Optional[Sequence] = None,
+    calculate_per_token_loss: bool = False,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Σ_i Σ_t x m / max(d_i, 1) (or Σ x m per token) over the concatenated samples, with d_i
+    each mask's own count, or ``denominators`` (slime's ``rollout_mask_sums``) when given."""
+    lengths = [int(n) for n in response_lengths]
+    if len(lengths) != len(loss_masks):
+        raise ValueError(
+            f"loss_masks: expected one per sample ({len(lengths)} response_lengths), got {len(loss_masks)}"
         )
     for i, (n, m) in enumerate(zip(lengths, loss_masks)):
         if not isinstance(m, torch.Tensor) or m.dim() != 1 or m.shape[0] != n:
@@ -98,7 +113,15 @@ def pg_loss_reducer(
     seg_lengths = torch.tensor(lengths, dtype=torch.int64, device=device)
     # Each sample's denominator, max(Σ m, 1): exact in fp32 below 2^24 tokens, as slime's
     # integer count is when it divides an fp32 sum.
-    counts = torch.segment_reduce(mask.double(), "sum", lengths=seg_lengths).clamp_min(1) if lengths else None
+    if denominators is not None:
+        if len(denominators) != len(lengths):
+            raise ValueError(f"rollout_mask_sums: expected one per sample ({len(lengths)}), got {len(denominators)}")
+        d = denominators if isinstance(denominators, torch.Tensor) else torch.tensor([float(v) for v in denominators])
+        counts = d.to(device=device, dtype=torch.float64).reshape(-1).clamp_min(1)
+    elif lengths:
+        counts = torch.segment_reduce(mask.double(), "sum", lengths=seg_lengths).clamp_min(1)
+    else:
+        counts = None
     total = sum(lengths)
 
     def reduce(x: torch.Tensor) -> torch.Tensor:
