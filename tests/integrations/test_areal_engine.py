@@ -263,3 +263,17 @@ def test_apply_checks_its_arguments():
     with pytest.raises(ValueError, match="logits_precision"):
         rk.apply(logit_free=False, logits_precision="bf16")
     assert not rk.is_applied()
+
+
+def test_version_gate(monkeypatch):
+    import areal
+
+    from rlvr_kernels.integrations._patch import PatchError
+
+    monkeypatch.setattr(areal, "__version__", "1.1.0")
+    with pytest.raises(PatchError, match="1.1.0"):
+        rk.apply()
+    assert not rk.is_applied()
+    with pytest.warns(RuntimeWarning, match="1.1.0"):
+        rk.apply(strict=False)
+    assert rk.is_applied()
