@@ -15,8 +15,9 @@ weights plus noise, behaviour log-probs off those, token-level rejection samplin
 [0.5, 2]), one advantage per response.
 
 Rows: AReaL stock (its logits path; ``gather_logprobs_entropy`` is ``torch.compile``-d by AReaL,
-compiled in the warm-up); applied (the logit-free step and the fused loss); applied with
-``logit_free=False`` (AReaL's logits, the fused loss). Peak memory: each row in a fresh
+compiled in the warm-up); applied (the logit-free step with only the loss-mask rows through the
+head, and the fused loss); applied with ``loss_rows_only=False`` (every packed row through the
+head, as AReaL); applied with ``logit_free=False`` (AReaL's logits, the fused loss). Peak memory: each row in a fresh
 process, its second step (the first compiles AReaL's gather and creates AdamW's state).
 """
 
@@ -35,7 +36,8 @@ from .trainer import MEMORY_NOTE, model_note, qwen2_config, run_methods, shape, 
 # key -> (label, apply() switches or None for stock)
 METHODS: Dict[str, Tuple[str, Any]] = {
     "areal": ("AReaL 1.0.4 FSDPEngine.train_batch with grpo_loss_fn, stock", None),
-    "fused": ("train_batch after rlvr_kernels.integrations.areal.apply() (logit-free step)", {}),
+    "fused": ("train_batch after rlvr_kernels.integrations.areal.apply() (logit-free, loss rows)", {}),
+    "fused_all_rows": ("apply(loss_rows_only=False): every packed row through the head", {"loss_rows_only": False}),
     "fused_loss_only": ("apply(logit_free=False): AReaL's logits, the fused loss", {"logit_free": False}),
 }
 
@@ -77,33 +79,25 @@ def build(device: str, quick: bool, seed: int = 0):
 
 
 def step_fn(engine, data) -> Callable[[], float]:
-    """One ``train_batch`` with AReaL's ``grpo_loss_fn`` bound as its actor binds it (its
-    module's losses are the fused ones when applied); returns the loss of the call."""
+    """One ``train_batch`` with AReaL's ``grpo_loss_fn`` bound as ``PPOActor._ppo_update`` binds
+    it (a ``functools.partial``; its module's losses are the fused ones when applied); returns
+    the mean per-token actor loss AReaL logs."""
     from areal.api.cli_args import RejectionSamplingConfig
     from areal.trainer.ppo import actor
+    from areal.utils import stats_tracker
 
-    losses = []
-
-    def loss_fn(*args, **kwargs):
-        loss = actor.grpo_loss_fn(
-            *args,
-            eps_clip=0.2,
-            eps_clip_higher=0.28,
-            c_clip=None,
-            rejection_sampling=RejectionSamplingConfig(upper=2.0, lower=0.5),
-            use_decoupled_loss=True,
-            **kwargs,
-        )
-        losses.append(loss.detach())
-        return loss
+    loss_fn = functools.partial(
+        actor.grpo_loss_fn,
+        eps_clip=0.2,
+        eps_clip_higher=0.28,
+        c_clip=None,
+        rejection_sampling=RejectionSamplingConfig(upper=2.0, lower=0.5),
+        use_decoupled_loss=True,
+    )
 
     def step():
-        from areal.utils import stats_tracker
-
-        losses.clear()
         engine.train_batch(copy.copy(data), loss_fn=loss_fn, loss_weight_fn=lambda x: x["loss_mask"].count_nonzero())
-        stats_tracker.export_all()  # as AReaL's trainer does after each step
-        return float(sum(losses))
+        return stats_tracker.export_all()["actor_loss/avg"]  # and reset, as AReaL's trainer does each step
 
     return step
 

@@ -129,7 +129,8 @@ def test_ppo_actor_update_matches_stock(model_dir):
     rk.apply()
     prox, after = ppo_update(model_dir)
     counts = call_counts()
-    assert counts["areal.FSDPEngine.forward_backward_batch"] == 4  # 2 compute_logp, 2 minibatches
+    assert counts["areal.FSDPEngine.forward_backward_batch"] == 2  # compute_logp: every row
+    assert counts["areal.FSDPEngine.forward_backward_batch[loss rows]"] == 2  # the 2 minibatches
     assert counts["areal.ppo_actor_loss_fn"] == 4  # 2 minibatches × 2 micro-batches
     torch.testing.assert_close(prox, prox_stock, atol=5e-6, rtol=0)
     assert (after_stock - prox_stock).abs().max() > 1e-4  # the update moved the policy
@@ -175,12 +176,19 @@ def steps(model_dir, temperature):
     return before, ev, stats["grad_norm"], after
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_engine_steps_match_stock(model_dir, temperature):
+@pytest.mark.parametrize("temperature,loss_rows_only", [(1.0, True), (0.7, True), (0.7, False)])
+def test_engine_steps_match_stock(model_dir, temperature, loss_rows_only):
+    """forward_batch (every row), eval_batch and train_batch with grpo_loss_fn (only the
+    loss-mask rows through the head, or every row) give stock's numbers."""
     stock = steps(model_dir, temperature)
-    rk.apply()
+    rk.apply(loss_rows_only=loss_rows_only)
     ours = steps(model_dir, temperature)
-    assert call_counts()["areal.FSDPEngine.forward_backward_batch"] == 4
+    counts = call_counts()
+    if loss_rows_only:
+        assert counts["areal.FSDPEngine.forward_backward_batch"] == 2
+        assert counts["areal.FSDPEngine.forward_backward_batch[loss rows]"] == 2
+    else:
+        assert counts["areal.FSDPEngine.forward_backward_batch"] == 4
     torch.testing.assert_close(ours[0], stock[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(ours[1], stock[1], atol=1e-6, rtol=1e-5)
     assert ours[2] == pytest.approx(stock[2], rel=1e-5)
@@ -204,7 +212,7 @@ def test_no_tokens_by_vocab_allocation(model_dir):
     assert stock >= logits_bytes, (stock, logits_bytes)
     rk.apply()
     ours = run()
-    assert call_counts()["areal.FSDPEngine.forward_backward_batch"] == 1
+    assert call_counts()["areal.FSDPEngine.forward_backward_batch[loss rows]"] == 1
     assert ours < logits_bytes // 4, (ours, logits_bytes)
 
 
@@ -231,11 +239,35 @@ def test_unserved_call_raises_or_warns(model_dir):
         e.forward_batch(copy.deepcopy(data))
 
 
+def test_other_loss_fn_scores_every_row(model_dir):
+    """A loss_fn other than grpo_loss_fn gets every row's log-prob and entropy (stock's)."""
+    got = {}
+
+    def loss_fn(logprobs, entropy, mb, **kwargs):
+        got.setdefault("logprobs", []).append(logprobs.detach())
+        got.setdefault("entropy", []).append(entropy.detach())
+        return logprobs.mean()
+
+    def run():
+        got.clear()
+        engine(model_dir).train_batch(train_data(), loss_fn=loss_fn, loss_weight_fn=weight)
+        return torch.cat(got["logprobs"]), torch.cat(got["entropy"])
+
+    stock = run()
+    rk.apply()
+    ours = run()
+    assert call_counts()["areal.FSDPEngine.forward_backward_batch"] == 1
+    torch.testing.assert_close(ours[0], stock[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours[1], stock[1], atol=1e-5, rtol=1e-5)
+
+
 def test_swaps_are_undone(model_dir):
     e = engine(model_dir)
     rk.apply()
     e.forward_batch(train_data())
+    e.train_batch(train_data(), loss_fn=LOSS, loss_weight_fn=weight)
     assert "forward" not in vars(e.model)
+    assert "_prepare_mb_inputs" not in vars(e)
     assert not any(k.startswith("_rlvr_kernels") for k in vars(e))
 
 
@@ -248,7 +280,9 @@ def test_unapply_restores_identical_objects():
     assert peer_actor.ppo_actor_loss_fn is rk.ppo_actor_loss_fn  # the by-name import, swept
     assert peer_functional.sapo_loss_fn is rk.sapo_loss_fn
     assert all(cls.__dict__[n] is not before[n] for n in names)
-    assert rk.applied_options() == dict(policy_loss=True, logit_free=True, logits_precision="fp32", strict=True)
+    assert rk.applied_options() == dict(
+        policy_loss=True, logit_free=True, logits_precision="fp32", loss_rows_only=True, strict=True
+    )
     assert rk.unapply()
     assert all(cls.__dict__[n] is before[n] for n in names)
     assert (peer_functional.ppo_actor_loss_fn, peer_functional.sapo_loss_fn, peer_actor.ppo_actor_loss_fn) == losses
@@ -262,6 +296,8 @@ def test_apply_checks_its_arguments():
         rk.apply(logits_precision="fp16")
     with pytest.raises(ValueError, match="logits_precision"):
         rk.apply(logit_free=False, logits_precision="bf16")
+    with pytest.raises(ValueError, match="loss_rows_only"):
+        rk.apply(logit_free=False, loss_rows_only=False)
     assert not rk.is_applied()
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import warnings
 from typing import Any, Callable, Iterator, Optional
 
@@ -106,7 +107,17 @@ def _head_dtype(hidden: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def _logit_free_forward(model, engine, entropy: bool, *args, **kwargs):
+class _Call:
+    """One served ``forward_backward_batch``: whether the step reads entropy, and, where the
+    loss reads only the loss-mask rows, those rows of the micro-batch being run."""
+
+    def __init__(self, entropy: bool, loss_rows_only: bool):
+        self.entropy = entropy
+        self.loss_rows_only = loss_rows_only
+        self.rows: Optional[torch.Tensor] = None
+
+
+def _logit_free_forward(model, engine, call: _Call, *args, **kwargs):
     """The model's forward for one micro-batch: the decoder, then the fused head; ``logits``
     are the (log-prob, entropy) columns of the packed tokens, ``[1, T, 2]`` (``[1, T, 1]``)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -124,6 +135,10 @@ def _logit_free_forward(model, engine, entropy: bool, *args, **kwargs):
     # AReaL's labels: the packed ids rolled by one (the next token; the last position of each
     # sequence reads the next one's first, outside the loss mask)
     labels = torch.roll(input_ids, shifts=-1, dims=-1).reshape(-1)
+    where = None
+    if call.rows is not None:  # only the rows the loss reads through the head, 0 elsewhere
+        where = call.rows.nonzero(as_tuple=True)[0]
+        rows, labels = rows[where], labels[where]
     dtype = _head_dtype(rows)
     with torch.autocast(rows.device.type, enabled=False):
         res = linear_logprobs(
@@ -131,26 +146,60 @@ def _logit_free_forward(model, engine, entropy: bool, *args, **kwargs):
             model.lm_head.weight.to(dtype),
             labels,
             temperature=float(engine.config.temperature),
-            return_entropy=entropy,
+            return_entropy=call.entropy,
             backend=current_backend(),
             **_head.head_kwargs(),
         )
-    cols = [res.logp.float()] + ([res.entropy.float()] if entropy else [])
-    # a ModelOutput: FSDP2 finds the tensors in it to hook the backward of the root module
-    # (a fresh tensor, not a view: FSDP2 hooks the backward of the root's outputs)
+    cols = [res.logp.float()] + ([res.entropy.float()] if call.entropy else [])
+    if where is not None:
+        n = hidden.shape[0] * hidden.shape[1]
+        cols = [c.new_zeros(n).index_put((where,), c) for c in cols]
+    # a ModelOutput, a fresh tensor (not a view): FSDP2 hooks the backward of the root's outputs
     return CausalLMOutputWithPast(logits=torch.stack([c[None] for c in cols], dim=-1))
 
 
+def _loss_fn_of(process_output_fn) -> Any:
+    """The ``loss_fn`` that AReaL's ``train_batch`` / ``eval_batch`` closure calls, or None."""
+    code, cells = getattr(process_output_fn, "__code__", None), getattr(process_output_fn, "__closure__", None)
+    if code is None or not cells or "loss_fn" not in code.co_freevars:
+        return None
+    return cells[code.co_freevars.index("loss_fn")].cell_contents
+
+
+def reads_loss_rows_only(loss_fn) -> bool:
+    """Whether ``loss_fn`` is AReaL's ``grpo_loss_fn`` (or ours; as ``PPOActor`` binds it, a
+    ``functools.partial``), which reads the log-probs and entropy on the loss mask only (its
+    loss and every statistic it logs are masked by it)."""
+    fn = loss_fn
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    from .actor import grpo_loss_fn
+
+    peer = sys.modules.get("areal.trainer.ppo.actor")
+    return fn is grpo_loss_fn or (peer is not None and fn is getattr(peer, "grpo_loss_fn", None))
+
+
 @contextlib.contextmanager
-def _swapped(engine, entropy: bool) -> Iterator[None]:
+def _swapped(engine, call: _Call) -> Iterator[None]:
     model = engine.model
-    model.forward = functools.partial(_logit_free_forward, model, engine, entropy)
-    setattr(engine, _STATE, entropy)
+    prepare = engine._prepare_mb_inputs
+
+    def prepare_mb_inputs(mb_item):
+        inputs, ctx = prepare(mb_item)
+        if call.loss_rows_only:  # the loss mask over the packed tokens and the padding after them
+            mask = ctx.mb_input["loss_mask"].reshape(-1) != 0
+            call.rows = torch.cat([mask, mask.new_zeros(ctx.pad_length)])
+        return inputs, ctx
+
+    model.forward = functools.partial(_logit_free_forward, model, engine, call)
+    engine._prepare_mb_inputs = prepare_mb_inputs
+    setattr(engine, _STATE, call)
     try:
         yield
     finally:
         delattr(engine, _STATE)
-        delattr(model, "forward")
+        del engine._prepare_mb_inputs
+        del model.forward
 
 
 def make_forward_backward_batch(original: Callable, strict: bool = True) -> Callable:
@@ -172,8 +221,10 @@ def make_forward_backward_batch(original: Callable, strict: bool = True) -> Call
         if reason is not None:
             record("areal.FSDPEngine.forward_backward_batch[logits]")
             return original(self, mb_list, process_output_fn, forward_only)
-        record("areal.FSDPEngine.forward_backward_batch")
-        with _swapped(self, _STEPS[process_output_fn.__qualname__]):
+        entropy = _STEPS[process_output_fn.__qualname__]
+        rows_only = _head.LOSS_ROWS_ONLY and entropy and reads_loss_rows_only(_loss_fn_of(process_output_fn))
+        record("areal.FSDPEngine.forward_backward_batch" + ("[loss rows]" if rows_only else ""))
+        with _swapped(self, _Call(entropy, rows_only)):
             return original(self, mb_list, process_output_fn, forward_only)
 
     forward_backward_batch.__wrapped_areal__ = original

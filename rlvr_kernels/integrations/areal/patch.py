@@ -16,6 +16,11 @@ Every loaded ``areal.*`` module is swept for attributes that are the replaced ob
 so a module that imported one by name is patched too; ``unapply()`` puts back the identical
 objects.
 
+``loss_rows_only`` (with AReaL's ``grpo_loss_fn`` as the ``loss_fn``, as ``PPOActor`` binds it):
+only the rows of the loss mask go through the fused head, log-prob and entropy 0 elsewhere
+(every loss term and statistic of ``grpo_loss_fn`` is masked by it); False scores every packed
+row, as AReaL. ``forward_batch`` (``compute_logp``) and any other ``loss_fn`` always score every row.
+
 ``strict=True`` (the default): AReaL outside the tested range raises PatchError, and an engine
 call the logit-free path cannot serve raises NotImplementedError naming the reason;
 ``strict=False``: a warning, and AReaL's logits path for that call. ``logits_precision``
@@ -49,18 +54,28 @@ def apply(
     policy_loss: bool = True,
     logit_free: bool = True,
     logits_precision: str = "fp32",
+    loss_rows_only: bool = True,
     strict: bool = True,
     count_calls: Optional[bool] = None,
 ) -> None:
     """Put the fused ops into AReaL (module docstring). ``count_calls``: True/False turns the
     debug call counting on/off (``call_counts()``); None leaves it."""
-    for name, value in (("policy_loss", policy_loss), ("logit_free", logit_free), ("strict", strict)):
+    for name, value in (
+        ("policy_loss", policy_loss),
+        ("logit_free", logit_free),
+        ("loss_rows_only", loss_rows_only),
+        ("strict", strict),
+    ):
         if not isinstance(value, bool):
             raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
     check_logits_precision(logits_precision)
     if not logit_free and logits_precision != "fp32":
         raise ValueError(
             "logits_precision: acts on the logit-free engine, which apply(logit_free=False) does not install"
+        )
+    if not logit_free and not loss_rows_only:
+        raise ValueError(
+            "loss_rows_only: acts on the logit-free engine, which apply(logit_free=False) does not install"
         )
 
     def plan():
@@ -81,10 +96,17 @@ def apply(
                 Target(_ENGINE, "_compute_logprobs_and_loss", Build(make_compute_logprobs_and_loss)),
                 Target(_ENGINE, "_compute_forward_result", Build(make_compute_forward_result)),
                 Target(_ours_head, "LOGITS_PRECISION", logits_precision),
+                Target(_ours_head, "LOSS_ROWS_ONLY", loss_rows_only),
             ]
         return targets
 
-    options = dict(policy_loss=policy_loss, logit_free=logit_free, logits_precision=logits_precision, strict=strict)
+    options = dict(
+        policy_loss=policy_loss,
+        logit_free=logit_free,
+        logits_precision=logits_precision,
+        loss_rows_only=loss_rows_only,
+        strict=strict,
+    )
     _AREAL.apply(plan, strict=strict, count_calls=count_calls, options=options)
 
 
