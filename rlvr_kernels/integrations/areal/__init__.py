@@ -6,6 +6,7 @@
                     ``sapo_loss_fn``
 ``actor``           ``areal.trainer.ppo.actor``: ``grpo_loss_fn``, the ``loss_fn`` of
                     ``engine.train_batch``
+``data``            ``areal.utils.data``: ``Normalization`` (reward / advantage normalisation)
 ``fsdp_engine``     ``areal.engine.fsdp_engine.FSDPEngine``: the logit-free micro-batch step
 ``patch``           :func:`apply` / :func:`unapply`
 ==================  ======================================================================
@@ -17,6 +18,7 @@ selection: the innermost ``with use_backend(...)`` block (as for every integrati
 
 from .._backend import use_backend
 from .actor import grpo_loss_fn
+from .data import Normalization
 from .functional import ppo_actor_loss_fn, sapo_loss_fn
 from .patch import applied_options, apply, is_applied, unapply
 
@@ -28,5 +30,6 @@ __all__ = [
     "grpo_loss_fn",
     "ppo_actor_loss_fn",
     "sapo_loss_fn",
+    "Normalization",
     "use_backend",
 ]
