@@ -13,6 +13,7 @@ import types
 
 import pytest
 import torch
+from _backends import ALL
 from areal.api.cli_args import RejectionSamplingConfig as RS
 from areal.utils import functional as peer
 from areal.utils import stats_tracker
@@ -263,3 +264,25 @@ def test_errors_name_areal_arguments():
         ours.sapo_loss_fn(lp, old, adv, 0.0, 1.0, mask, "token", cu)
     with pytest.raises(ValueError, match="importance_sampling_level"):
         ours.sapo_loss_fn(lp, old, adv, 1.0, 1.0, mask, "tokens", cu)
+
+
+@pytest.mark.parametrize("backend,device", ALL)
+def test_every_backend(backend, device):
+    """The drop-ins on each backend (``use_backend``): GSPO with sequence rejection, the dual
+    clip and token PPO with clamped weights, and SAPO, against AReaL's."""
+    lp, prox, old, adv, mask, cu = (t if t is None else t.to(device) for t in batch(packed=True, seed=7))
+    cases = [
+        (peer.ppo_actor_loss_fn, ours.ppo_actor_loss_fn, (prox, old, adv), dict(
+            eps_clip=0.2, loss_mask=mask, c_clip=3.0, rejection_sampling=RS(level="sequence", upper=1.4, lower=0.7),
+            importance_sampling_level="sequence", cu_seqlens=cu)),
+        (peer.ppo_actor_loss_fn, ours.ppo_actor_loss_fn, (prox, old, adv), dict(
+            eps_clip=0.2, loss_mask=mask, eps_clip_higher=0.3, rejection_sampling=RS(action="clamp", upper=1.3),
+            cu_seqlens=cu)),
+        (peer.sapo_loss_fn, ours.sapo_loss_fn, (old, adv, 1.0, 1.05, mask, "token", cu), {}),
+    ]  # fmt: skip
+    for theirs, mine, args, kw in cases:
+        l1, g1, _ = run(theirs, lp, *args, **kw)
+        with ours.use_backend(backend):
+            l2, g2, _ = run(mine, lp, *args, **kw)
+        torch.testing.assert_close(l2, l1, atol=1e-7, rtol=1e-6)
+        torch.testing.assert_close(g2, g1, atol=1e-7, rtol=1e-6)
