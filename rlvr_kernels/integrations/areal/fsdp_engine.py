@@ -19,7 +19,10 @@ on the hidden states, the head and the same labels and temperature. Its "logits"
 ``_compute_logprobs_and_loss`` / ``_compute_forward_result`` (replaced too, AReaL's own outside
 such a call) read instead of gathering from logits: the scaling by the loss weight and the
 padding removal are AReaL's. ``vocab_min_logits`` / ``vocab_max_logits`` are None (they read
-every logit), so ``grpo_loss_fn`` does not log those two statistics.
+every logit), so ``grpo_loss_fn`` does not log those two statistics. With AReaL's
+``grpo_loss_fn`` as the step's ``loss_fn`` (:func:`reads_loss_rows_only`) and
+``apply(loss_rows_only=True)``, only the rows of the micro-batch's loss mask go through the head
+(log-prob and entropy 0 elsewhere): ``grpo_loss_fn`` reads nothing else.
 
 Served: a text model of :data:`rlvr_kernels.integrations._lm_head.MODELS` with a bias-free
 ``nn.Linear`` head at ``model.lm_head``, without tree training, Ulysses sequence parallelism or
