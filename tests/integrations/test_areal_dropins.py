@@ -286,3 +286,49 @@ def test_every_backend(backend, device):
             l2, g2, _ = run(mine, lp, *args, **kw)
         torch.testing.assert_close(l2, l1, atol=1e-7, rtol=1e-6)
         torch.testing.assert_close(g2, g1, atol=1e-7, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# gather_logprobs / gather_logprobs_entropy: the engine's logits path
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_matches_areal(dtype, temperature):
+    """AReaL's functions eager (it wraps the per-chunk math in torch.compile: the same numbers);
+    log-probs, entropies and the logits' gradient of a loss that reads both."""
+    from areal.utils.functional import vocab_parallel as vp
+
+    eager = {n: getattr(vp, n)._torchdynamo_orig_callable for n in ("_gather_logprobs", "_gather_logprobs_entropy")}
+    g = torch.Generator().manual_seed(8)
+    logits = (3 * torch.randn(2, 19, 503, generator=g)).to(dtype)
+    labels = torch.randint(0, 503, (2, 19), generator=g)
+    results = []
+    for entropy_fn, logp_fn in (
+        (vp.gather_logprobs_entropy, vp.gather_logprobs),
+        (ours.gather_logprobs_entropy, ours.gather_logprobs),
+    ):
+        x = logits.clone().requires_grad_(True)
+        saved = {n: getattr(vp, n) for n in eager}
+        try:
+            for n, f in eager.items():
+                setattr(vp, n, f)
+            logp, ent = entropy_fn(x, labels, temperature)
+            only = logp_fn(logits, labels, temperature=temperature)
+        finally:
+            for n, f in saved.items():
+                setattr(vp, n, f)
+        (logp.sum() + 0.3 * ent.sum()).backward()
+        results.append((logp, ent, only, x.grad))
+    for a, b in zip(*results):
+        assert b.dtype == a.dtype
+        torch.testing.assert_close(b.float(), a.float(), atol=5e-6, rtol=1e-5)
+
+
+def test_gather_refuses_a_vocabulary_parallel_group(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)  # a 2-rank tp_group
+    with pytest.raises(NotImplementedError, match="tp_group"):
+        ours.gather_logprobs(torch.zeros(2, 5), torch.zeros(2, dtype=torch.long), tp_group=object())

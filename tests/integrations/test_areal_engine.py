@@ -239,6 +239,23 @@ def test_unserved_call_raises_or_warns(model_dir):
         e.forward_batch(copy.deepcopy(data))
 
 
+def test_logits_path_drop_ins(model_dir):
+    """apply(logit_free=False): AReaL's logits, its gathers the fused drop-ins (the engine's
+    by-name imports swept), stock's numbers."""
+    stock = steps(model_dir, 0.7)
+    rk.apply(logit_free=False)
+    assert peer_engine.gather_logprobs_entropy is rk.gather_logprobs_entropy
+    ours = steps(model_dir, 0.7)
+    counts = call_counts()
+    # 2 forward_batch and 2 loss steps, 2 micro-batches each
+    assert counts["areal.gather_logprobs"] == 4 and counts["areal.gather_logprobs_entropy"] == 4
+    assert "areal.FSDPEngine.forward_backward_batch" not in counts
+    torch.testing.assert_close(ours[0], stock[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours[1], stock[1], atol=1e-6, rtol=1e-5)
+    assert ours[2] == pytest.approx(stock[2], rel=1e-5)
+    torch.testing.assert_close(ours[3], stock[3], atol=1e-5, rtol=0)
+
+
 def test_other_loss_fn_scores_every_row(model_dir):
     """A loss_fn other than grpo_loss_fn gets every row's log-prob and entropy (stock's)."""
     got = {}
@@ -281,7 +298,7 @@ def test_unapply_restores_identical_objects():
     assert peer_functional.sapo_loss_fn is rk.sapo_loss_fn
     assert all(cls.__dict__[n] is not before[n] for n in names)
     assert rk.applied_options() == dict(
-        policy_loss=True, logit_free=True, logits_precision="fp32", loss_rows_only=True, strict=True
+        policy_loss=True, logprobs=True, logit_free=True, logits_precision="fp32", loss_rows_only=True, strict=True
     )
     assert rk.unapply()
     assert all(cls.__dict__[n] is before[n] for n in names)

@@ -2,8 +2,8 @@
 
 ==================  ======================================================================
 ``functional``      ``areal.utils.functional``: ``ppo_actor_loss_fn`` (decoupled PPO against
-                    the proximal log-probs, rejection sampling, GSPO, dual clip) and
-                    ``sapo_loss_fn``
+                    the proximal log-probs, rejection sampling, GSPO, dual clip),
+                    ``sapo_loss_fn``, ``gather_logprobs`` / ``gather_logprobs_entropy``
 ``actor``           ``areal.trainer.ppo.actor``: ``grpo_loss_fn``, the ``loss_fn`` of
                     ``engine.train_batch``
 ``data``            ``areal.utils.data``: ``Normalization`` (reward / advantage normalisation)
@@ -19,7 +19,7 @@ selection: the innermost ``with use_backend(...)`` block (as for every integrati
 from .._backend import use_backend
 from .actor import grpo_loss_fn
 from .data import Normalization
-from .functional import ppo_actor_loss_fn, sapo_loss_fn
+from .functional import gather_logprobs, gather_logprobs_entropy, ppo_actor_loss_fn, sapo_loss_fn
 from .patch import applied_options, apply, is_applied, unapply
 
 __all__ = [
@@ -30,6 +30,8 @@ __all__ = [
     "grpo_loss_fn",
     "ppo_actor_loss_fn",
     "sapo_loss_fn",
+    "gather_logprobs",
+    "gather_logprobs_entropy",
     "Normalization",
     "use_backend",
 ]

@@ -22,12 +22,19 @@ How AReaL's loss (``areal/utils/functional/functional.py``) maps onto the op:
 
 The ``stat`` dict (what ``grpo_loss_fn`` logs) is AReaL's, per token and detached, formed
 without gradient; ``loss`` is the op's per-token loss.
+
+``gather_logprobs`` / ``gather_logprobs_entropy`` (``areal/utils/functional/vocab_parallel.py``:
+``log_softmax`` of ``logits.float() / temperature`` per chunk of rows, ``torch.compile``-d) are
+one ``logprobs_from_logits`` pass over each row, no ``[rows, vocab]`` temporaries; fp32 results,
+as AReaL's. A ``tp_group`` of more than one rank (AReaL's vocabulary-parallel path) raises
+NotImplementedError.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...ops.logprobs import logprobs_from_logits as _logprobs_from_logits
 from ...ops.policy_loss import policy_loss as _policy_loss
 from ...options import resolve_policy_loss_options
 from .._backend import current_backend
@@ -35,7 +42,7 @@ from .._errors import caller_names
 from .._patch import record
 from . import _rejection
 
-__all__ = ["ppo_actor_loss_fn", "sapo_loss_fn"]
+__all__ = ["ppo_actor_loss_fn", "sapo_loss_fn", "gather_logprobs", "gather_logprobs_entropy"]
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # the op's argument names -> AReaL's
@@ -227,3 +234,43 @@ def sapo_loss_fn(
             sapo_scaled_gate_neg=gate_neg,
         )
     return loss, stat
+
+
+def _gather(logits, labels, temperature, tp_group, entropy: bool):
+    import torch.distributed as dist
+
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        raise NotImplementedError(
+            "tp_group: AReaL's vocabulary-parallel log-probs (logits sharded over the tensor-parallel ranks) are "
+            "not served by the drop-in"
+        )
+    with caller_names({"targets": "labels"}):
+        res = _logprobs_from_logits(
+            logits, labels, temperature=temperature, return_entropy=entropy, backend=current_backend()
+        )
+    return res.logp.float(), (res.entropy.float() if entropy else None)
+
+
+def gather_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    tp_group=None,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """AReaL ``gather_logprobs``: the log-probs of ``labels`` under ``logits / temperature``
+    (fp32), one fused pass (``chunk_size`` is a memory setting of AReaL's chunked path)."""
+    record("areal.gather_logprobs")
+    return _gather(logits, labels, temperature, tp_group, entropy=False)[0]
+
+
+def gather_logprobs_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    tp_group=None,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """AReaL ``gather_logprobs_entropy``: (log-probs, entropies), fp32, one fused pass."""
+    record("areal.gather_logprobs_entropy")
+    return _gather(logits, labels, temperature, tp_group, entropy=True)

@@ -7,6 +7,9 @@ actor (its training workers), before the first ``ppo_update``:
 ``policy_loss``    ``areal.utils.functional.ppo_actor_loss_fn`` / ``sapo_loss_fn`` (and the
                    names ``areal.trainer.ppo.actor`` imports, so AReaL's ``grpo_loss_fn``, the
                    ``loss_fn`` ``PPOActor`` gives ``engine.train_batch``, runs the fused loss)
+``logprobs``       ``areal.utils.functional.gather_logprobs`` / ``gather_logprobs_entropy`` (and
+                   ``areal.engine.fsdp_engine``'s by-name imports): the engine's logits path,
+                   one fused pass over each row of the logits
 ``logit_free``     ``areal.engine.fsdp_engine.FSDPEngine.forward_backward_batch`` (and the two
                    methods that read its output): the log-probs and entropy from the hidden
                    states and the LM head, never the ``[tokens, vocab]`` logits (``.fsdp_engine``)
@@ -37,13 +40,14 @@ import rlvr_kernels.integrations.areal._head as _ours_head
 from .._lm_head import check_logits_precision
 from .._patch import Build, Integration, Target
 from .fsdp_engine import make_compute_forward_result, make_compute_logprobs_and_loss, make_forward_backward_batch
-from .functional import ppo_actor_loss_fn, sapo_loss_fn
+from .functional import gather_logprobs, gather_logprobs_entropy, ppo_actor_loss_fn, sapo_loss_fn
 
 __all__ = ["apply", "unapply", "is_applied", "applied_options", "TESTED_VERSIONS"]
 
 TESTED_VERSIONS = ("1.0.4", "1.1.0")  # low <= areal's version < high
 
 _FUNCTIONAL = "areal.utils.functional.functional"
+_VOCAB_PARALLEL = "areal.utils.functional.vocab_parallel"
 _ENGINE = "areal.engine.fsdp_engine:FSDPEngine"
 
 _AREAL = Integration("areal", TESTED_VERSIONS, sweep=("areal",))
@@ -52,6 +56,7 @@ _AREAL = Integration("areal", TESTED_VERSIONS, sweep=("areal",))
 def apply(
     *,
     policy_loss: bool = True,
+    logprobs: bool = True,
     logit_free: bool = True,
     logits_precision: str = "fp32",
     loss_rows_only: bool = True,
@@ -62,6 +67,7 @@ def apply(
     debug call counting on/off (``call_counts()``); None leaves it."""
     for name, value in (
         ("policy_loss", policy_loss),
+        ("logprobs", logprobs),
         ("logit_free", logit_free),
         ("loss_rows_only", loss_rows_only),
         ("strict", strict),
@@ -86,6 +92,12 @@ def apply(
                     Target(owner, "ppo_actor_loss_fn", ppo_actor_loss_fn),
                     Target(owner, "sapo_loss_fn", sapo_loss_fn),
                 ]
+        if logprobs:
+            for owner in (_VOCAB_PARALLEL, "areal.utils.functional"):
+                targets += [
+                    Target(owner, "gather_logprobs", gather_logprobs),
+                    Target(owner, "gather_logprobs_entropy", gather_logprobs_entropy),
+                ]
         if logit_free:
             targets += [
                 Target(
@@ -102,6 +114,7 @@ def apply(
 
     options = dict(
         policy_loss=policy_loss,
+        logprobs=logprobs,
         logit_free=logit_free,
         logits_precision=logits_precision,
         loss_rows_only=loss_rows_only,
