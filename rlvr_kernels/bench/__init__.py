@@ -17,7 +17,17 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import advantages, logprobs, openrlhf_step, packing, policy_loss, rollout_mismatch, trainer, verl_step
+from . import (
+    advantages,
+    areal_step,
+    logprobs,
+    openrlhf_step,
+    packing,
+    policy_loss,
+    rollout_mismatch,
+    trainer,
+    verl_step,
+)
 
 SUITES = {
     "group_advantages": advantages.WORKLOADS,
@@ -25,7 +35,7 @@ SUITES = {
     "linear_logprobs": logprobs.WORKLOADS,
     "packing": packing.WORKLOADS,
     "rollout_mismatch": rollout_mismatch.WORKLOADS,
-    "trainer": {**trainer.WORKLOADS, **verl_step.WORKLOADS, **openrlhf_step.WORKLOADS},
+    "trainer": {**trainer.WORKLOADS, **verl_step.WORKLOADS, **openrlhf_step.WORKLOADS, **areal_step.WORKLOADS},
 }
 
 

@@ -50,8 +50,9 @@ def engine_session(device: str) -> Iterator[None]:
     """What the engine needs while it is built and runs: a world-size-1 process group and the
     engine module's device lookups on ``device``."""
     from ..testing import verl_engine
+    from ..testing.dist import single_process_group
 
-    with verl_engine.single_process_group(), verl_engine.engine_on(device):
+    with single_process_group(), verl_engine.engine_on(device):
         yield
 
 

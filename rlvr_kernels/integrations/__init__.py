@@ -1,4 +1,4 @@
-"""Drop-in replacements with the peers' exact signatures (``verl``, ``trl``, ``openrlhf``), and
+"""Drop-in replacements with the peers' exact signatures (``verl``, ``trl``, ``openrlhf``, ``areal``), and
 ``apply()`` / ``unapply()`` that put the fused ops into the peers' trainers.
 
 Importing these modules does not import the peers: they only reproduce their numbers.

@@ -1,6 +1,7 @@
 """Process-group plumbing shared by the multi-process tests (``tests/_workers``) and the
 data-parallel benchmark (``rlvr_kernels.bench.distributed``): gloo on CPU, started with
-``torch.multiprocessing.spawn``."""
+``torch.multiprocessing.spawn``; and the world-size-1 group the peers' engines run in within
+one process (:func:`single_process_group`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import gc
 import os
 import socket
 import sys
+import tempfile
 import traceback
 from typing import Iterator
 
@@ -64,3 +66,21 @@ def gloo_process(rank: int, world: int, port: int) -> Iterator[object]:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+@contextlib.contextmanager
+def single_process_group() -> Iterator[None]:
+    """A world-size-1 gloo process group (a peer engine's collectives run in it), unless one
+    exists; destroyed after if created here."""
+    import torch.distributed as dist
+
+    created = False
+    if not dist.is_initialized():
+        store = dist.FileStore(tempfile.mktemp(prefix="rk-gloo-"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        created = True
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()

@@ -149,3 +149,23 @@ def import_skyrl_ppo_utils():
         cfg.AlgorithmConfig = type("AlgorithmConfig", (types.SimpleNamespace,), {})
         sys.modules["skyrl.train.config"] = cfg
     return importlib.import_module("skyrl.backends.skyrl_train.utils.ppo_utils")
+
+
+# What ``areal.trainer.ppo.actor`` imports at module level that its loss and advantage code
+# never calls: AReaL's experiment-tracking backends (``areal.utils.stats_logger``: swanlab,
+# trackio, tensorboardX), tabulate and pybase64 (its RPC serialisation).
+_AREAL_ACTOR = {
+    "swanlab": (),
+    "trackio": (),
+    "tensorboardX": ("SummaryWriter",),
+    "tabulate": ("tabulate",),
+    "pybase64": (),
+}
+
+
+def import_areal_actor():
+    """AReaL 1.0.4's ``areal.trainer.ppo.actor`` (``grpo_loss_fn``, ``PPOActor``), with
+    placeholders for the packages it imports but its loss and advantage code do not call,
+    only around the import (:func:`stubbed_modules`)."""
+    with stubbed_modules(_AREAL_ACTOR):
+        return importlib.import_module("areal.trainer.ppo.actor")

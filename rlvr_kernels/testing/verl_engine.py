@@ -21,11 +21,9 @@ does not import it; callers do, where verl is installed.
 from __future__ import annotations
 
 import contextlib
-import tempfile
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from verl import DataProto
 from verl.trainer.config import CheckpointConfig
 from verl.utils import tensordict_utils as tu
@@ -66,22 +64,6 @@ def engine_on(device: str = "cpu") -> Iterator[None]:
     finally:
         for obj, name, value in reversed(saved):
             setattr(obj, name, value)
-
-
-@contextlib.contextmanager
-def single_process_group() -> Iterator[None]:
-    """A world-size-1 gloo process group (the engine's collectives run in it), unless one
-    exists; destroyed after if created here."""
-    created = False
-    if not dist.is_initialized():
-        store = dist.FileStore(tempfile.mktemp(prefix="rk-verl-gloo-"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        created = True
-    try:
-        yield
-    finally:
-        if created:
-            dist.destroy_process_group()
 
 
 def build_engine(

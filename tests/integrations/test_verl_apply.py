@@ -47,6 +47,7 @@ from rlvr_kernels.integrations import verl as rk
 from rlvr_kernels.integrations._patch import PatchError, call_counts, reset_call_counts, set_counting
 from rlvr_kernels.integrations.verl import patch as rk_patch
 from rlvr_kernels.testing import verl_engine
+from rlvr_kernels.testing.dist import single_process_group
 
 V, B, P, R = 97, 6, 5, 7
 
@@ -58,7 +59,7 @@ V, B, P, R = 97, 6, 5, 7
 
 @pytest.fixture(scope="module", autouse=True)
 def gloo():
-    with verl_engine.single_process_group():
+    with single_process_group():
         yield
 
 

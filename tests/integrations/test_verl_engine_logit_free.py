@@ -20,7 +20,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from torch.profiler import ProfilerActivity, profile
+from _memory import largest_allocation
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.fsdp import transformer_impl as ti
 from verl.workers.utils import losses as verl_losses
@@ -29,6 +29,7 @@ import rlvr_kernels
 from rlvr_kernels.integrations import verl as rk
 from rlvr_kernels.integrations._patch import call_counts, reset_call_counts, set_counting
 from rlvr_kernels.testing import verl_engine
+from rlvr_kernels.testing.dist import single_process_group
 
 # vocab ≫ hidden, so tokens × vocab is more than any weight, activation or attention score
 V, H, B, P, R = 8191, 16, 4, 8, 24
@@ -38,7 +39,7 @@ KERNEL_BLOCK_ROWS = 256
 
 @pytest.fixture(scope="module", autouse=True)
 def gloo():
-    with verl_engine.single_process_group():
+    with single_process_group():
         yield
 
 
@@ -115,16 +116,6 @@ def _tokens(td) -> int:
     return int(td["input_ids"].offsets()[-1])
 
 
-def _largest_allocation(fn) -> int:
-    """The largest single allocation (bytes) of ATen's CPU allocator while ``fn()`` runs: its
-    raw allocation events as the profiler records them (each one, wherever it is made)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    sizes = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    assert sizes, "the profiler recorded no allocation"
-    return max(sizes)
-
-
 def _kernel_output_bytes(fn) -> int:
     """Bytes the C++ kernels' own output allocator (huge-page blocks and their cache, which
     ATen's allocator and so the profiler do not see) handed out while ``fn()`` runs: with the
@@ -152,7 +143,7 @@ def test_no_tokens_by_vocab_allocation(monkeypatch, model_dir, call):
         logits_bytes = _tokens(td) * V * 4
         step = (lambda: engine.infer_batch(td)) if call == "infer_batch" else (lambda: _train(engine, td))
         kernel_bytes = []
-        largest = _largest_allocation(lambda: kernel_bytes.append(_kernel_output_bytes(step)))
+        largest = largest_allocation(lambda: kernel_bytes.append(_kernel_output_bytes(step)))
         return largest, kernel_bytes[0], logits_bytes
 
     stock, _, logits_bytes = run()

@@ -33,6 +33,7 @@ from verl.workers.engine.fsdp import transformer_impl as ti
 from rlvr_kernels.integrations import verl as rk
 from rlvr_kernels.integrations.verl import _head, _rollout_corr
 from rlvr_kernels.testing import verl_engine
+from rlvr_kernels.testing.dist import single_process_group
 from rlvr_kernels.testing.sampling import sglang_kept, vllm_kept
 
 BACKEND = "cpu"
@@ -145,7 +146,7 @@ def test_engine_compute_log_prob_on_the_kept_set(monkeypatch, model_dir):  # noq
     apply(match_sampling=True) its log-probs are the kept set's of the very logits verl's
     engine hands to logprobs_from_logits (captured in the stock run)."""
     V = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
-    with verl_engine.single_process_group():
+    with single_process_group():
         for obj, attr, value in verl_engine.device_patches("cpu"):
             monkeypatch.setattr(obj, attr, value)
         d = model_dir

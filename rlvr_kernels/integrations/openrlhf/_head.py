@@ -11,14 +11,8 @@ LOGITS_PRECISION = "fp32"
 # Only the rows that predict a valid action token through the head (padded layout, with an
 # action mask); False: every position, as OpenRLHF (output.entropy everywhere).
 ACTION_ROWS_ONLY = True
-# linear_logprobs' precisions; logprobs_from_logits (given logits, no GEMM) takes fp32 / bf16.
-LOGITS_PRECISIONS = ("fp32", "tf32", "bf16")
-
-
-def check_logits_precision(logits_precision: Any) -> str:
-    if not isinstance(logits_precision, str) or logits_precision not in LOGITS_PRECISIONS:
-        raise ValueError(f"logits_precision: expected one of {LOGITS_PRECISIONS}, got {logits_precision!r}")
-    return logits_precision
+# (the choices: linear_logprobs' precisions, rlvr_kernels/integrations/_lm_head.py; the logits
+# drop-ins, given logits and no GEMM, take fp32 / bf16)
 
 
 def head_kwargs() -> Dict[str, Any]:

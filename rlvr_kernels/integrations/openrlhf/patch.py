@@ -38,6 +38,7 @@ from typing import Any, Dict, Optional
 
 import rlvr_kernels.integrations.openrlhf._head as _ours_head
 
+from .._lm_head import check_logits_precision
 from .._patch import Build, Integration, Target
 from .actor import make_forward
 from .experience_maker import compute_advantages_and_returns
@@ -79,7 +80,7 @@ def apply(
     ):
         if not isinstance(value, bool):
             raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
-    _ours_head.check_logits_precision(logits_precision)
+    check_logits_precision(logits_precision)
     if not logprobs and logits_precision != "fp32":
         raise ValueError(
             "logits_precision: acts on the log-prob drop-ins, which apply(logprobs=False) does not install"

@@ -35,7 +35,8 @@ flash-attn cross-entropy and its fused kernel return them), entropies in the log
 (as ``entropy_from_logits``). ``entropy_checkpointing`` and ``entropy_from_logits_with_chunking``
 are memory options of the logits path: here there are no logits, and the entropy is the same.
 
-Served where the head is known to be ``lm_head(hidden)`` and nothing else (:data:`MODELS`),
+Served where the head is known to be ``lm_head(hidden)`` and nothing else (:data:`MODELS`, shared
+with AReaL's logit-free engine in ``rlvr_kernels/integrations/_lm_head.py``),
 and where verl's logits path computes only log-probs and entropy; anything else raises
 ``NotImplementedError`` naming the reason (:func:`unserved_reason`): ``apply(logit_free=False)``
 keeps verl's logits path (with the log-prob drop-ins), never chosen behind the caller's back.
@@ -49,47 +50,25 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
 from ...ops.logprobs import linear_logprobs
 from .._backend import current_backend
+from .._lm_head import MODELS
+from .._lm_head import served_forwards as _served_forwards
 from .._patch import record
 from . import _head
 
 __all__ = ["MODELS", "make_forward_step", "unserved_reason"]
 
-# transformers model classes whose forward is the decoder (``self.model``) then
-# ``logits = self.lm_head(hidden_states[:, slice_indices, :])``: no logit scale, soft-cap or bias.
-# (module, class) pairs, resolved when the check runs (a class transformers lacks is skipped).
-MODELS: Tuple[Tuple[str, str], ...] = (
-    ("transformers.models.llama.modeling_llama", "LlamaForCausalLM"),
-    ("transformers.models.mistral.modeling_mistral", "MistralForCausalLM"),
-    ("transformers.models.qwen2.modeling_qwen2", "Qwen2ForCausalLM"),
-    ("transformers.models.qwen3.modeling_qwen3", "Qwen3ForCausalLM"),
-    ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeForCausalLM"),
-    ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeForCausalLM"),
-)
 # Non-tensor settings of a micro-batch under which verl's logits path computes more than
 # log-probs and entropy from the logits.
 _LOGIT_USERS = ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only")
 # The reason given for an engine subclass with its own inputs or outputs (the value-head
 # engine, other backends): another engine, which runs its own step without a warning.
 _OVERRIDE = "the engine class overrides FSDPEngineWithLMHead."
-
-
-@functools.lru_cache(maxsize=None)
-def _served_forwards() -> Dict[Any, str]:
-    out = {}
-    for module_name, cls_name in MODELS:
-        try:
-            cls = getattr(importlib.import_module(module_name), cls_name)
-        except (ImportError, AttributeError):
-            continue
-        out[cls.forward] = cls_name
-    return out
 
 
 def _inner(engine) -> torch.nn.Module:
