@@ -21,6 +21,7 @@ does not import it; callers do, where verl is installed.
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
