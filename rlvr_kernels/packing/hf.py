@@ -234,8 +234,10 @@ def _tree_linear_forward(layer, original, config, names):
                     'model.set_attn_implementation("sdpa") for unpacked use'
                 )
             return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
-        if cache_params is not None:
-            raise ValueError(f"past_key_values: {where} on a tree keeps no cache; call with use_cache=False")
+        # A cache the call created (use_cache defaults to True, as in TRL's call) holds nothing
+        # to continue from; the tree's states are per segment, so none is written to it.
+        if cache_params is not None and cache_params.has_previous_state(getattr(layer, "layer_idx", None)):
+            raise ValueError(f"past_key_values: {where} cannot continue a cached sequence on a tree")
         if attention_mask is not None:
             raise ValueError(f"attention_mask: {where} on a tree reads its visibility from the tree; pass none")
         if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] != tree.num_tokens:

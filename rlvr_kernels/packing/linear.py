@@ -30,8 +30,6 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..reference.packing_linear import l2norm
-
 BACKENDS = ("auto", "torch", "fla")
 
 _TRL_KWARGS = ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")
@@ -210,7 +208,7 @@ def tree_gated_delta_rule(
     else:
         fla = None
     if use_qk_l2norm:  # once for the row, as the kernels do per token
-        q, k = l2norm(q), l2norm(k)
+        q, k = _l2norm(q), _l2norm(k)
     scale = Dk**-0.5 if scale is None else float(scale)
     outs, positions, finals = [], [], []
     state = None
@@ -227,6 +225,11 @@ def tree_gated_delta_rule(
     states = torch.cat([st for _, st in finals])
     inv_s = torch.empty_like(segs).scatter_(0, segs, torch.arange(segs.numel(), device=segs.device))
     return o.to(v.dtype), states.index_select(0, inv_s)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    # The reference's l2norm (not imported: the package's fast paths never load the reference).
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
 def _torch_level(fla, q, k, v, g, beta, level: _Level, init, scale, chunk_size):
