@@ -52,7 +52,7 @@ def forward_packed(model, pack, *, attn_implementation: str = SDPA, **attention_
         attention_kwargs: passed through the model to the attention (e.g.
             ``tree_sdpa_path="segments"``, ``tree_block_size=64``).
     """
-    linear = _check_model(model)
+    linear = check_tree_model(model)
     device = _model_device(model)
     if not hasattr(pack, "input_ids") or not hasattr(pack, "enter"):
         raise TypeError(f"pack: expected a TreePack, got {type(pack).__name__}")
@@ -102,7 +102,7 @@ def packed_logprobs(
 
     logp_m = log softmax(lm_head(hidden[token_index[m]]) / T)[target_ids[m]].
     """
-    _check_model(model)
+    check_tree_model(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise TypeError(f"model: {type(model).__name__} has no output embeddings (lm_head); pass a ...ForCausalLM")
@@ -123,7 +123,7 @@ def packed_logprobs(
     return PackedLogprobs(out.logp, out.entropy[pack.token_index] if return_entropy else None)
 
 
-def _check_model(model) -> List[torch.nn.Module]:
+def check_tree_model(model) -> List[torch.nn.Module]:
     """Raise unless every layer of the model can run on a tree; the linear-attention
     mixers that need the tree recurrence (:data:`TREE_LINEAR_LAYERS`), in model order."""
     config = getattr(model, "config", None)
@@ -210,7 +210,7 @@ def enable_tree_linear_layers(model, layers=None, *, attention_names: Iterable[s
     gate and norm are per token). Without one, while the model's attention implementation is
     a tree attention (ours, or one of ``attention_names``), the layer raises: it would scan
     across the samples of the packed row. Otherwise it runs as before."""
-    layers = _check_model(model) if layers is None else layers
+    layers = check_tree_model(model) if layers is None else layers
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for layer in layers:
         names = layer.__dict__.get("_rk_tree_attention_names")

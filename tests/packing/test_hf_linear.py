@@ -52,13 +52,18 @@ def _model(name: str):
         else:
             model = T.Qwen3NextForCausalLM(T.Qwen3NextConfig(**COMMON, **MOE))
     assert model.config.layer_types.count("linear_attention") == 3
-    with torch.no_grad():
-        # Slow decays (exp(g) of 0.5-0.99 a step rather than the init's ~1e-4), so that a
-        # token's state carries far along its path and a parent's state matters to its children.
-        for layer in model.model.layers[:3]:
-            layer.linear_attn.A_log.copy_(torch.empty_like(layer.linear_attn.A_log).uniform_(0.01, 0.3).log())
-            layer.linear_attn.dt_bias.normal_(-1.0, 0.5)
+    slow_decays(model)
     return model.float().eval()
+
+
+def slow_decays(model) -> None:
+    """Decays of exp(g) ≈ 0.5-0.99 a step rather than the init's ~1e-4, so that a token's
+    state carries far along its path and a parent's state matters to its children."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if getattr(layer, "layer_type", None) == "linear_attention":
+                layer.linear_attn.A_log.copy_(torch.empty_like(layer.linear_attn.A_log).uniform_(0.01, 0.3).log())
+                layer.linear_attn.dt_bias.normal_(-1.0, 0.5)
 
 
 _REFERENCE = {}
