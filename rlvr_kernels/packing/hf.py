@@ -13,6 +13,11 @@ it (``final_logit_softcapping``: Gemma 2/3; ``logit_scale`` / ``output_multiplie
 ``lm_head_multiplier`` / ``logits_scaling``: Cohere, Falcon-H1, Granite, ...).
 Each sample's log-probs, entropies and gradients equal running that sample alone.
 
+Layer kinds (:func:`check_tree_model`): full and sliding attention run the tree attention;
+Gated DeltaNet linear attention (Qwen3.5 dense and MoE, Qwen3-Next) runs the tree
+recurrence of ``rlvr_kernels.packing.linear`` (:func:`enable_tree_linear_layers`, keyword
+``tree_linear_backend=``); any other recurrent or convolutional layer raises, naming it.
+
 The model's attention implementation: ``forward_packed`` switches the model to the requested
 tree attention with ``model.set_attn_implementation`` (transformers' own setter, which also
 updates sub-configs) and leaves it there. Restoring it on return would be wrong under
@@ -50,7 +55,8 @@ def forward_packed(model, pack, *, attn_implementation: str = SDPA, **attention_
         attn_implementation: ``"rk_tree_sdpa"``, ``"rk_tree_flex"`` or ``"rk_tree_varlen"``;
             the model is left on it (see the module docstring).
         attention_kwargs: passed through the model to the attention (e.g.
-            ``tree_sdpa_path="segments"``, ``tree_block_size=64``).
+            ``tree_sdpa_path="segments"``, ``tree_block_size=64``) and the Gated DeltaNet
+            layers (``tree_linear_backend="auto"`` / ``"torch"`` / ``"fla"``).
     """
     linear = check_tree_model(model)
     device = _model_device(model)

@@ -277,7 +277,11 @@ def chunked_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, scale: flo
     a = (beta[..., None] * decay * (k @ k.transpose(-1, -2))).masked_fill(lower.logical_not() | eye.bool(), 0)
     system = eye + a
     rhs = torch.cat([beta[..., None] * v, (beta * gamma.exp())[..., None] * k], dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    # The inverse of the unit triangular system, then one product: on CPU a batched
+    # triangular solve against the [C, C] identity is several times faster than against the
+    # wider right-hand side (measured, torch 2.13), and it is the same forward substitution.
+    inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
+    solved = inverse @ rhs
     u0, w = solved[..., :Dv], solved[..., Dv:]  # U = u0 − w S₀
     attn = (q @ k.transpose(-1, -2)) * decay  # [B, H, n, C, C]
     qg = q * gamma.exp()[..., None]
