@@ -3,7 +3,8 @@ causal convolution and gated delta rule against the sequential reference
 (``rlvr_kernels.reference.packing_linear``) on random segment trees (depth up to 6, odd
 lengths, segments shorter than the convolution kernel), values and gradients, fp64; the
 reference against transformers' own recurrence and convolution on a single sequence; a
-segment's state is its parent's; TRL's keywords give the same tree; errors name the
+segment's state is its parent's; on packs of random forests every sample gets the results of
+its own sequence; TRL's keywords give the same tree; errors name the
 argument."""
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlvr_kernels.packing import linear as L
 from rlvr_kernels.packing import pack_prefix_tree
 from rlvr_kernels.reference import packing_linear as R
+
+from .forests import forests
 
 
 def _random_tree(seed: int, max_depth: int = 6):
@@ -184,3 +189,28 @@ def test_empty_tree_and_bad_arguments():
         L.tree_gated_delta_rule(q, k, v, decay, beta, L.SegmentTree(cu, torch.tensor([1, -1])))
     with pytest.raises(TypeError, match="tree_pack"):
         L.tree_causal_conv1d(x, w, b, {"segment_parent": parent})
+
+
+@settings(max_examples=20)
+@given(forest=forests(max_samples=8, vocab=3), key=st.sampled_from(["token+next", "token"]))
+def test_every_sample_of_a_forest_gets_its_own_sequence(forest, key):
+    """On packs of random forests (shared prompts, nesting, duplicates, prefixes, empty
+    samples), every sample's outputs of the tree convolution and recurrence equal running
+    the ops on that sample's own token sequence."""
+    pack = pack_prefix_tree(forest.ids, completion_start=0, key=key)
+    n = pack.num_tokens
+    g = torch.Generator().manual_seed(n)
+    q, k, v, decay, beta, x, w, b = (t.detach() for t in _inputs(n, g))
+    o, _ = L.tree_gated_delta_rule(q, k, v, decay, beta, pack, use_qk_l2norm=True, chunk_size=4)
+    y = L.tree_causal_conv1d(x, w, b, pack, "silu")
+    cu = pack.cu_tokens.tolist()
+    for s in range(pack.num_samples):
+        path = pack.gather_index[cu[s] : cu[s + 1]]
+        if not path.numel():
+            continue
+        chain = L.SegmentTree(torch.tensor([0, path.numel()]), torch.tensor([-1]))
+        o1, _ = L.tree_gated_delta_rule(
+            q[path], k[path], v[path], decay[path], beta[path], chain, use_qk_l2norm=True, chunk_size=4
+        )
+        torch.testing.assert_close(o[path], o1, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(y[path], L.tree_causal_conv1d(x[path], w, b, chain, "silu"), rtol=1e-12, atol=1e-12)
