@@ -308,7 +308,7 @@ def _fla_level(fla, q, k, v, g, beta, level: _Level, init, scale, chunk_size):
         q[pos][None],
         k[pos][None],
         v[pos][None],
-        g=g[pos][None].float(),
+        g=g[pos][None].to(torch.promote_types(g.dtype, torch.float32)),  # the log decays in fp32 at least
         beta=beta[pos][None],
         scale=scale,
         initial_state=init,

@@ -4,7 +4,8 @@ causal convolution and gated delta rule against the sequential reference
 lengths, segments shorter than the convolution kernel), values and gradients, fp64; the
 reference against transformers' own recurrence and convolution on a single sequence; a
 segment's state is its parent's; on packs of random forests every sample gets the results of
-its own sequence; TRL's keywords give the same tree; errors name the
+its own sequence; the "fla" path's batching against flash-linear-attention's contract (a
+plain-torch stand-in: no GPU here); TRL's keywords give the same tree; errors name the
 argument."""
 
 from __future__ import annotations
@@ -214,3 +215,36 @@ def test_every_sample_of_a_forest_gets_its_own_sequence(forest, key):
         )
         torch.testing.assert_close(o[path], o1, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(y[path], L.tree_causal_conv1d(x[path], w, b, chain, "silu"), rtol=1e-12, atol=1e-12)
+
+
+def _fla_stand_in(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel):
+    """flash-linear-attention's ``chunk_gated_delta_rule`` contract in plain torch: one row
+    [1, T, H, D] of ``cu_seqlens`` sequences, one initial state each, their final states."""
+    assert q.shape[0] == 1 and output_final_state and not use_qk_l2norm_in_kernel
+    assert cu_seqlens.dtype == torch.int64 and initial_state.shape[0] == cu_seqlens.numel() - 1
+    outs, finals = [], []
+    bounds = cu_seqlens.tolist()
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        o, s = L.chunked_gated_delta_rule(
+            *(x[:, a:b] for x in (q, k, v, g, beta)), initial_state=initial_state[i : i + 1], scale=scale
+        )
+        outs.append(o)
+        finals.append(s)
+    return torch.cat(outs, dim=1), torch.cat(finals)
+
+
+def test_fla_backend_batches_each_depth_as_variable_length_sequences(monkeypatch):
+    """The "fla" path hands each depth to the kernel as one variable-length batch with the
+    parents' final states; with the kernel's contract in plain torch it gives the reference."""
+    monkeypatch.setattr(L, "_fla_kernel", lambda device: _fla_stand_in)
+    parent, cu, _, g = _random_tree(3)
+    q, k, v, decay, beta, *_ = _inputs(int(cu[-1]), g)
+    want_o, want_s = R.tree_gated_delta_rule(q, k, v, decay, beta, parent, cu, use_qk_l2norm=True)
+    got_o, got_s = L.tree_gated_delta_rule(
+        q, k, v, decay, beta, L.SegmentTree(cu, parent), use_qk_l2norm=True, backend="fla"
+    )
+    torch.testing.assert_close(got_o, want_o, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got_s, want_s, rtol=1e-10, atol=1e-10)
+    (gq,) = torch.autograd.grad(got_o.sum() + got_s.sum(), q)
+    (wq,) = torch.autograd.grad(want_o.sum() + want_s.sum(), q)
+    torch.testing.assert_close(gq, wq, rtol=1e-9, atol=1e-9)
