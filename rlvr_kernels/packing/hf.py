@@ -252,14 +252,18 @@ def _tree_linear_forward(layer, original, config, names):
                 f"{tuple(hidden_states.shape)}"
             )
         backend = kwargs.get("tree_linear_backend", "auto")
-        saved = {a: layer.__dict__.get(a) for a in ("causal_conv1d_fn", "chunk_gated_delta_rule")}
+        missing = object()
+        saved = {a: layer.__dict__.get(a, missing) for a in ("causal_conv1d_fn", "chunk_gated_delta_rule")}
         layer.causal_conv1d_fn = functools.partial(_conv_on_tree, tree)
         layer.chunk_gated_delta_rule = functools.partial(_rule_on_tree, tree, backend)
         try:
             return original(hidden_states, cache_params=None, attention_mask=None, **kwargs)
         finally:
             for a, v in saved.items():
-                setattr(layer, a, v)
+                if v is missing:  # a class attribute: drop the instance's
+                    delattr(layer, a)
+                else:
+                    setattr(layer, a, v)
 
     forward.__wrapped__ = original
     return forward
