@@ -13,6 +13,11 @@ it (``final_logit_softcapping``: Gemma 2/3; ``logit_scale`` / ``output_multiplie
 ``lm_head_multiplier`` / ``logits_scaling``: Cohere, Falcon-H1, Granite, ...).
 Each sample's log-probs, entropies and gradients equal running that sample alone.
 
+Layer kinds (:func:`check_tree_model`): full and sliding attention run the tree attention;
+Gated DeltaNet linear attention (Qwen3.5 dense and MoE, Qwen3-Next) runs the tree
+recurrence of ``rlvr_kernels.packing.linear`` (:func:`enable_tree_linear_layers`, keyword
+``tree_linear_backend=``); any other recurrent or convolutional layer raises, naming it.
+
 The model's attention implementation: ``forward_packed`` switches the model to the requested
 tree attention with ``model.set_attn_implementation`` (transformers' own setter, which also
 updates sub-configs) and leaves it there. Restoring it on return would be wrong under
@@ -25,12 +30,20 @@ samples: switch back with ``model.set_attn_implementation("sdpa")`` (or the prev
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+import functools
+from typing import Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from ..ops.logprobs import linear_logprobs
-from .attention import SDPA, check_attn_implementation, register_tree_attention
+from .attention import NAMES, SDPA, check_attn_implementation, register_tree_attention
+from .linear import segment_tree, tree_causal_conv1d, tree_gated_delta_rule
+
+# The linear-attention mixers the tree recurrence routes (transformers 5.10): Qwen3.5 dense
+# and MoE, Qwen3-Next. Each takes its causal convolution and its chunked gated delta rule
+# through the attributes ``causal_conv1d_fn`` and ``chunk_gated_delta_rule``.
+TREE_LINEAR_LAYERS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet")
+_RUNS_ON_A_TREE = "a tree runs full_attention, sliding_attention and Gated DeltaNet linear_attention layers"
 
 
 def forward_packed(model, pack, *, attn_implementation: str = SDPA, **attention_kwargs) -> torch.Tensor:
@@ -42,9 +55,10 @@ def forward_packed(model, pack, *, attn_implementation: str = SDPA, **attention_
         attn_implementation: ``"rk_tree_sdpa"``, ``"rk_tree_flex"`` or ``"rk_tree_varlen"``;
             the model is left on it (see the module docstring).
         attention_kwargs: passed through the model to the attention (e.g.
-            ``tree_sdpa_path="segments"``, ``tree_block_size=64``).
+            ``tree_sdpa_path="segments"``, ``tree_block_size=64``) and the Gated DeltaNet
+            layers (``tree_linear_backend="auto"`` / ``"torch"`` / ``"fla"``).
     """
-    _check_model(model)
+    linear = check_tree_model(model)
     device = _model_device(model)
     if not hasattr(pack, "input_ids") or not hasattr(pack, "enter"):
         raise TypeError(f"pack: expected a TreePack, got {type(pack).__name__}")
@@ -57,6 +71,7 @@ def forward_packed(model, pack, *, attn_implementation: str = SDPA, **attention_
     register_tree_attention()
     if model.config._attn_implementation != attn_implementation:
         model.set_attn_implementation(attn_implementation)
+    enable_tree_linear_layers(model, linear)
     if pack.num_tokens == 0:  # an empty row (a rank with nothing this micro-batch): no forward
         weight = model.get_input_embeddings().weight
         return weight.new_zeros(0, weight.shape[1]) + 0 * weight.sum()  # keeps the graph: backward works
@@ -93,7 +108,7 @@ def packed_logprobs(
 
     logp_m = log softmax(lm_head(hidden[token_index[m]]) / T)[target_ids[m]].
     """
-    _check_model(model)
+    check_tree_model(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise TypeError(f"model: {type(model).__name__} has no output embeddings (lm_head); pass a ...ForCausalLM")
@@ -114,18 +129,51 @@ def packed_logprobs(
     return PackedLogprobs(out.logp, out.entropy[pack.token_index] if return_entropy else None)
 
 
-def _check_model(model) -> None:
+def check_tree_model(model) -> List[torch.nn.Module]:
+    """Raise unless every layer of the model can run on a tree; the linear-attention
+    mixers that need the tree recurrence (:data:`TREE_LINEAR_LAYERS`), in model order."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "base_model") or not hasattr(model, "set_attn_implementation"):
         raise TypeError(f"model: expected a transformers PreTrainedModel, got {type(model).__name__}")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    # Only attention layers can be routed along each sample's own path; a recurrent or
-    # convolutional layer would scan across the samples of the packed row.
-    other = set(getattr(text, "layer_types", None) or []) - {"full_attention", "sliding_attention"}
+    name = type(model).__name__
+    # Attention layers are routed along each sample's own path, Gated DeltaNet layers run their
+    # recurrence on the tree; any other recurrent or convolutional layer would scan across
+    # the samples of the packed row.
+    layer_types = list(getattr(text, "layer_types", None) or [])
+    other = set(layer_types) - {"full_attention", "sliding_attention", "linear_attention"}
     if other:
-        raise ValueError(f"model: {type(model).__name__} has {sorted(other)} layers, which cannot run on a tree")
-    if any(name.endswith(".sinks") for name, _ in model.named_parameters()):
-        raise ValueError(f"model: {type(model).__name__} uses attention sinks, which tree attention does not support")
+        raise ValueError(f"model: {name} has {sorted(other)} layers, which cannot run on a tree ({_RUNS_ON_A_TREE})")
+    linear = [m for m in model.modules() if type(m).__name__ in TREE_LINEAR_LAYERS]
+    if "linear_attention" in layer_types:
+        mixers = [
+            getattr(layer, "linear_attn", None)
+            for layer in model.modules()
+            if getattr(layer, "layer_type", None) == "linear_attention"
+        ]
+        bad = sorted({type(m).__name__ for m in mixers if type(m).__name__ not in TREE_LINEAR_LAYERS})
+        if bad or not mixers:
+            raise ValueError(
+                f"model: {name} has linear_attention layers of {bad or 'an unknown kind'}, which cannot run on a "
+                f"tree ({_RUNS_ON_A_TREE})"
+            )
+    for m in linear:
+        missing = [a for a in ("causal_conv1d_fn", "chunk_gated_delta_rule", "conv1d") if not hasattr(m, a)]
+        if missing:
+            raise ValueError(
+                f"model: {type(m).__name__} (layer {getattr(m, 'layer_idx', '?')}) has no {', '.join(missing)}: "
+                "this transformers version's Gated DeltaNet is not the one the tree path routes"
+            )
+    inside = {id(c) for m in linear for c in m.modules()}
+    for mod_name, m in model.named_modules():
+        if isinstance(m, torch.nn.Conv1d) and id(m) not in inside:
+            raise ValueError(
+                f"model: {name} has a 1-D convolution over the sequence ({mod_name}), which would run across the "
+                f"samples of a packed row ({_RUNS_ON_A_TREE})"
+            )
+    if any(n.endswith(".sinks") for n, _ in model.named_parameters()):
+        raise ValueError(f"model: {name} uses attention sinks, which tree attention does not support")
+    return linear
 
 
 def logit_transform(model) -> Tuple[Optional[float], float]:
@@ -151,3 +199,111 @@ def _model_device(model) -> torch.device:
     for p in model.parameters():
         return p.device
     raise ValueError(f"model: {type(model).__name__} has no parameters")
+
+
+# ----------------------------------------------------------------------------- linear-attention layers
+
+
+def enable_tree_linear_layers(model, layers=None, *, attention_names: Iterable[str] = ()) -> None:
+    """Route the model's Gated DeltaNet layers through the tree recurrence when a call carries
+    a tree (``tree_pack=`` or TRL's keywords). Idempotent; the layers stay routed, as the
+    attention implementation stays set (see the module docstring).
+
+    Each layer's ``forward`` is wrapped on the instance. With a tree in the call, the layer's
+    own forward runs with its ``causal_conv1d_fn`` and ``chunk_gated_delta_rule`` taken by
+    :func:`~rlvr_kernels.packing.linear.tree_causal_conv1d` and
+    :func:`~rlvr_kernels.packing.linear.tree_gated_delta_rule` for that call (the projections,
+    gate and norm are per token). Without one, while the model's attention implementation is
+    a tree attention (ours, or one of ``attention_names``), the layer raises: it would scan
+    across the samples of the packed row. Otherwise it runs as before."""
+    layers = check_tree_model(model) if layers is None else layers
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for layer in layers:
+        names = layer.__dict__.get("_rk_tree_attention_names")
+        if names is None:
+            names = set(NAMES)
+            layer._rk_tree_attention_names = names
+            layer.forward = _tree_linear_forward(layer, layer.forward, config, names)
+        names.update(attention_names)
+
+
+def _tree_linear_forward(layer, original, config, names):
+    def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        tree = segment_tree(kwargs)
+        where = f"{type(layer).__name__} (layer {getattr(layer, 'layer_idx', '?')})"
+        if tree is None:
+            if config._attn_implementation in names:
+                raise ValueError(
+                    f"tree_pack: {where} is reached without the tree layout while the model is on the tree attention "
+                    f"{config._attn_implementation!r}; its recurrence would run across the samples of the packed row. "
+                    "Call with tree_pack=<TreePack> (or TRL's tree keywords), or switch back with "
+                    'model.set_attn_implementation("sdpa") for unpacked use'
+                )
+            return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        # A cache the call created (use_cache defaults to True, as in TRL's call) holds nothing
+        # to continue from; the tree's states are per segment, so none is written to it.
+        if cache_params is not None and cache_params.has_previous_state(getattr(layer, "layer_idx", None)):
+            raise ValueError(f"past_key_values: {where} cannot continue a cached sequence on a tree")
+        if attention_mask is not None:
+            raise ValueError(f"attention_mask: {where} on a tree reads its visibility from the tree; pass none")
+        if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[1] != tree.num_tokens:
+            raise ValueError(
+                f"tree_pack: {where} runs one packed row of {tree.num_tokens} tokens, got hidden states of shape "
+                f"{tuple(hidden_states.shape)}"
+            )
+        backend = kwargs.get("tree_linear_backend", "auto")
+        missing = object()
+        saved = {a: layer.__dict__.get(a, missing) for a in ("causal_conv1d_fn", "chunk_gated_delta_rule")}
+        layer.causal_conv1d_fn = functools.partial(_conv_on_tree, tree)
+        layer.chunk_gated_delta_rule = functools.partial(_rule_on_tree, tree, backend)
+        try:
+            return original(hidden_states, cache_params=None, attention_mask=None, **kwargs)
+        finally:
+            for a, v in saved.items():
+                if v is missing:  # a class attribute: drop the instance's
+                    delattr(layer, a)
+                else:
+                    setattr(layer, a, v)
+
+    forward.__wrapped__ = original
+    return forward
+
+
+def _conv_on_tree(tree, x, weight, bias=None, activation=None, seq_idx=None, **kwargs):
+    """``causal_conv1d_fn``'s call as the layer makes it: x [1, C, N] -> [1, C, N]."""
+    if seq_idx is not None:
+        raise ValueError("seq_idx: a tree row takes its sequence boundaries from the tree, not seq_idx")
+    return tree_causal_conv1d(x[0].t(), weight, bias, tree, activation).t()[None]
+
+
+def _rule_on_tree(
+    tree,
+    backend,
+    query,
+    key,
+    value,
+    g,
+    beta,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+    scale=None,
+    **kwargs,
+):
+    """``chunk_gated_delta_rule``'s call as the layer makes it: q, k [1, N, H, Dk], v
+    [1, N, H, Dv], g, beta [1, N, H] -> (o [1, N, H, Dv], final states or None)."""
+    if initial_state is not None or cu_seqlens is not None:
+        raise ValueError("initial_state, cu_seqlens: a tree row takes its segments and states from the tree")
+    o, states = tree_gated_delta_rule(
+        query[0],
+        key[0],
+        value[0],
+        g[0],
+        beta[0],
+        tree,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm_in_kernel,
+        backend=backend,
+    )
+    return o[None], states if output_final_state else None

@@ -270,46 +270,59 @@ def _save_model(path):
     model.save_pretrained(path)
 
 
+def build_trainer(tmp, worker):
+    """TRL's AsyncGRPOTrainer on the model saved under ``tmp / "model"``, on CPU: a stub rollout
+    worker, a no-op weight transfer, SGD (the update is the gradient: two losses' updates
+    compare tightly), two gradient-accumulation steps."""
+    from datasets import Dataset
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp / "out"),
+        bf16=False,
+        dtype="float32",
+        use_cpu=True,
+        report_to=[],
+        max_steps=1,
+        gradient_accumulation_steps=GA_STEPS,
+        optim="sgd",
+        learning_rate=0.1,
+        logging_steps=1,
+        save_strategy="no",
+        token_budget=40,
+        epsilon=EPS_LOW,
+        epsilon_high=EPS_HIGH,
+        temperature=TEMPERATURE,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return async_grpo.AsyncGRPOTrainer(
+            model=str(tmp / "model"),
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["t3"] * 4}),
+            processing_class=_tokenizer(),
+            rollout_worker=worker,
+            weight_transfer=_NoSync(),
+        )
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """The applied AsyncGRPOTrainer (async_targets() applied before construction, as apply() then
     AsyncGRPOTrainer(...)), restored at the end of the module."""
-    from datasets import Dataset
-    from trl.experimental.async_grpo import AsyncGRPOConfig
-
     tmp = tmp_path_factory.mktemp("async_grpo")
     _save_model(tmp / "model")
+    yield from applied_env(tmp)
+
+
+def applied_env(tmp):
+    """async_targets() applied, the trainer built on ``tmp / "model"``; yields the test env,
+    then restores every patched name."""
     patcher, worker = Patcher("trl"), _Worker()
     try:
         with _counting():
             patcher.apply(AP.async_targets(strict=True, loss=True))
-            args = AsyncGRPOConfig(
-                output_dir=str(tmp / "out"),
-                bf16=False,
-                dtype="float32",
-                use_cpu=True,
-                report_to=[],
-                max_steps=1,
-                gradient_accumulation_steps=GA_STEPS,
-                optim="sgd",  # the update is the gradient: the two losses' updates compare tightly
-                learning_rate=0.1,
-                logging_steps=1,
-                save_strategy="no",
-                token_budget=40,
-                epsilon=EPS_LOW,
-                epsilon_high=EPS_HIGH,
-                temperature=TEMPERATURE,
-            )
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                trainer = async_grpo.AsyncGRPOTrainer(
-                    model=str(tmp / "model"),
-                    args=args,
-                    train_dataset=Dataset.from_dict({"prompt": ["t3"] * 4}),
-                    processing_class=_tokenizer(),
-                    rollout_worker=worker,
-                    weight_transfer=_NoSync(),
-                )
+            trainer = build_trainer(tmp, worker)
             init_counts = _patch.call_counts()
         trainer.current_gradient_accumulation_steps = GA_STEPS
         yield dict(trainer=trainer, worker=worker, path=tmp / "model", init_counts=init_counts)

@@ -27,6 +27,13 @@
   ``__init__`` calls, which asks ``torch.cuda.get_device_name`` and so cannot build the
   trainer on a CPU-only torch) -> the same probe on CUDA, None (MFU metrics off, as TRL
   does for an unknown device) elsewhere: with the rest, the trainer builds and trains on CPU.
+- ``create_model_from_path`` and ``add_fused_lm_head`` as the trainer module holds them ->
+  the same calls, with hybrid models admitted: the tree check of
+  ``rlvr_kernels.packing.hf`` (raising, naming the layer, for what cannot run on a tree)
+  and Qwen3.5 / Qwen3-Next's Gated DeltaNet layers routed through the tree recurrence
+  (``rlvr_kernels.packing.linear``), which reads the tree from TRL's keywords, so the
+  trainer trains these models packed where TRL 1.16's ``__init__`` refuses them (see
+  :func:`_make_create_model` for how its refusal is passed).
 - with ``loss=True``, ``AsyncGRPOTrainer.compute_loss`` -> the same forward (TRL's fused LM
   head, whatever ``apply()`` put there) with the clipped surrogate as one fused
   :func:`~rlvr_kernels.policy_loss` call (``loss_type="ppo"``, TRL's clamps, no δ clamp,
@@ -56,6 +63,7 @@ from ...ops.policy_loss import policy_loss
 from ...options import resolve_policy_loss_options
 from ...packing import TreeRowBuilder
 from ...packing.attention import ATTENTION_FUNCTIONS, FLEX, SDPA, VARLEN, _flash_dtype
+from ...packing.hf import check_tree_model, enable_tree_linear_layers
 from .._backend import current_backend
 from .._patch import Build, Patcher, PatchError, Target, record
 
@@ -142,6 +150,49 @@ def _make_peak_flops(original):
 
     get_peak_flops_per_device.__wrapped__ = original
     return get_peak_flops_per_device
+
+
+# ----------------------------------------------------------------------------- hybrid models
+
+
+def _make_create_model(original):
+    """TRL's ``create_model_from_path`` (the trainer's only way to its model), then the tree
+    check of ``rlvr_kernels.packing.hf`` (which raises, naming the layer, for any kind that
+    cannot run on a tree) and the Gated DeltaNet layers routed through the tree recurrence,
+    guarded under TRL's attention name. TRL's own check, next in its ``__init__``, refuses
+    every layer kind beyond full and sliding attention: for a model with routed layers it is
+    shown the attention kinds only (``linear_attention`` read as ``full_attention``), and the
+    true list is put back by the next call of ``__init__`` (``add_fused_lm_head``), before
+    anything else reads it."""
+
+    def create_model_from_path(model_id, *args, **kwargs):
+        model = original(model_id, *args, **kwargs)
+        record("trl.async_grpo.create_model_from_path")
+        linear = check_tree_model(model)
+        if linear:
+            name = Patcher.resolve(PACKING_MODULE).TREE_ATTENTION
+            enable_tree_linear_layers(model, linear, attention_names=(name,))
+            text = model.config.get_text_config()
+            setattr(model, _TRUE_LAYER_TYPES, list(text.layer_types))
+            text.layer_types = [t if t != "linear_attention" else "full_attention" for t in text.layer_types]
+        return model
+
+    create_model_from_path.__wrapped__ = original
+    return create_model_from_path
+
+
+_TRUE_LAYER_TYPES = "_rk_tree_layer_types"
+
+
+def _make_add_fused_lm_head(original):
+    def add_fused_lm_head(model, *args, **kwargs):
+        true = model.__dict__.pop(_TRUE_LAYER_TYPES, None)
+        if true is not None:
+            model.config.get_text_config().layer_types = true
+        return original(model, *args, **kwargs)
+
+    add_fused_lm_head.__wrapped__ = original
+    return add_fused_lm_head
 
 
 # ----------------------------------------------------------------------------- compute_loss
@@ -333,6 +384,8 @@ def async_targets(*, strict: bool, loss: bool) -> List[Target]:
         Target(PACKING_MODULE, "register_tree_attention", register_tree_attention),
         Target(TRAINER_MODULE, "register_tree_attention", register_tree_attention),
         Target(TRAINER_MODULE, "get_peak_flops_per_device", Build(_make_peak_flops)),
+        Target(TRAINER_MODULE, "create_model_from_path", Build(_make_create_model)),
+        Target(TRAINER_MODULE, "add_fused_lm_head", Build(_make_add_fused_lm_head)),
         Target(AttentionInterface._global_mapping, name, tree_attention, missing_ok=True),
         Target(AttentionMaskInterface._global_mapping, name, _no_mask, missing_ok=True),
     ]
