@@ -97,6 +97,13 @@ def check_shape(name: str, x: torch.Tensor, shape: Sequence[int], what: str) -> 
         raise ValueError(f"{name}: expected shape {tuple(shape)} ({what}), got {tuple(x.shape)}")
 
 
+def check_bools(**flags) -> None:
+    """Each keyword a bool (TypeError naming the first that is not)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+
+
 def check_int(name: str, value, *, minimum: int, maximum: int = MAX_COUNT) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")

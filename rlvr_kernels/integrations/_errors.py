@@ -59,3 +59,12 @@ def checked_labels(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             )
         labels = labels.reshape(lead)
     return labels
+
+
+def no_labels(logits: torch.Tensor) -> torch.Tensor:
+    """The peers' entropy-only ``logits [..., V]`` checked, and labels that score nothing
+    (-100 on every row) for ``logprobs_from_logits(..., return_entropy=True)``."""
+    check_tensor("logits", logits, dtypes=FLOAT_DTYPES)
+    if logits.dim() < 1:
+        raise ValueError("logits: expected a [..., V] tensor, got a 0-d tensor")
+    return torch.full(logits.shape[:-1], -100, dtype=torch.int64, device=logits.device)

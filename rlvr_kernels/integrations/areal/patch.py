@@ -37,6 +37,7 @@ from typing import Any, Dict, Optional
 
 import rlvr_kernels.integrations.areal._head as _ours_head
 
+from ..._core.validation import check_bools
 from .._lm_head import check_logits_precision
 from .._patch import Build, Integration, Target
 from .fsdp_engine import make_compute_forward_result, make_compute_logprobs_and_loss, make_forward_backward_batch
@@ -65,15 +66,9 @@ def apply(
 ) -> None:
     """Put the fused ops into AReaL (module docstring). ``count_calls``: True/False turns the
     debug call counting on/off (``call_counts()``); None leaves it."""
-    for name, value in (
-        ("policy_loss", policy_loss),
-        ("logprobs", logprobs),
-        ("logit_free", logit_free),
-        ("loss_rows_only", loss_rows_only),
-        ("strict", strict),
-    ):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    check_bools(
+        policy_loss=policy_loss, logprobs=logprobs, logit_free=logit_free, loss_rows_only=loss_rows_only, strict=strict
+    )
     check_logits_precision(logits_precision)
     if not logit_free and logits_precision != "fp32":
         raise ValueError(

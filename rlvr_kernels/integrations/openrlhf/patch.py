@@ -38,6 +38,7 @@ from typing import Any, Dict, Optional
 
 import rlvr_kernels.integrations.openrlhf._head as _ours_head
 
+from ..._core.validation import check_bools
 from .._lm_head import check_logits_precision
 from .._patch import Build, Integration, Target
 from .actor import make_forward
@@ -70,16 +71,14 @@ def apply(
 ) -> None:
     """Put the fused ops into OpenRLHF (module docstring). ``count_calls``: True/False turns the
     debug call counting on/off (``call_counts()``); None leaves it."""
-    for name, value in (
-        ("policy_loss", policy_loss),
-        ("kl", kl),
-        ("logprobs", logprobs),
-        ("advantages", advantages),
-        ("strict", strict),
-        ("action_rows_only", action_rows_only),
-    ):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    check_bools(
+        policy_loss=policy_loss,
+        kl=kl,
+        logprobs=logprobs,
+        advantages=advantages,
+        strict=strict,
+        action_rows_only=action_rows_only,
+    )
     check_logits_precision(logits_precision)
     if not logprobs and logits_precision != "fp32":
         raise ValueError(

@@ -14,10 +14,9 @@ from typing import Optional
 
 import torch
 
-from ..._core.validation import FLOAT_DTYPES, check_tensor
 from ...ops.logprobs import logprobs_from_logits as _logprobs_from_logits
 from .._backend import current_backend
-from .._errors import caller_names, checked_labels
+from .._errors import caller_names, checked_labels, no_labels
 from .._patch import record
 from . import _head
 
@@ -82,10 +81,7 @@ def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
     """OpenRLHF ``compute_entropy``: logsumexp(z) − Σ softmax(z)·z per row, shaped
     ``logits.shape[:-1]``, in the logits' dtype (fp32 inside, one pass)."""
     record("openrlhf.compute_entropy")
-    check_tensor("logits", logits, dtypes=FLOAT_DTYPES)
-    if logits.dim() < 1:
-        raise ValueError("logits: expected a [..., V] tensor, got a 0-d tensor")
-    ignored = torch.full(logits.shape[:-1], -100, dtype=torch.int64, device=logits.device)
+    ignored = no_labels(logits)
     with caller_names(_NAMES):
         entropy = _logprobs_from_logits(
             logits, ignored, return_entropy=True, backend=current_backend(), **_head.logits_kwargs()

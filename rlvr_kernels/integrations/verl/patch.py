@@ -69,6 +69,7 @@ import rlvr_kernels.integrations.verl.rollout_corr_helper as _ours_rch
 import rlvr_kernels.integrations.verl.torch_functional as _ours_tf
 import rlvr_kernels.integrations.verl.transformer_impl as _ours_engine
 
+from ..._core.validation import check_bools
 from .._patch import Build, Integration, Needs, Target, record
 from ._losses import KL_FUSED, KL_UNFUSED, LOSS_MODES
 from .losses import policy_loss_verl
@@ -320,13 +321,7 @@ def apply(
     count + 1e-8, so not bit for bit).
     """
     precision = _ours_head.check_logits_precision(logits_precision)
-    for name, flag in (
-        ("match_sampling", match_sampling),
-        ("mismatch_metrics", mismatch_metrics),
-        ("logit_free", logit_free),
-    ):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    check_bools(match_sampling=match_sampling, mismatch_metrics=mismatch_metrics, logit_free=logit_free)
     if not logprobs and (match_sampling or precision != "fp32"):
         name = "match_sampling" if match_sampling else "logits_precision"
         raise ValueError(f"{name}: acts on the log-prob drop-ins, which apply(logprobs=False) does not install")

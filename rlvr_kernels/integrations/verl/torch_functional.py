@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ..._core.validation import FLOAT_DTYPES, check_tensor
 from ...ops.logprobs import logprobs_from_logits as _logprobs_from_logits
 from .._backend import current_backend
-from .._errors import caller_names, checked_labels
+from .._errors import caller_names, checked_labels, no_labels
 from . import _head
 
 __all__ = ["logprobs_from_logits", "entropy_from_logits"]
@@ -38,10 +37,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     row, shaped ``logits.shape[:-1]``, in the logits' dtype. (When the log-probs are needed
     too, one call of :func:`rlvr_kernels.logprobs_from_logits` with ``return_entropy=True``
     reads the logits once.)"""
-    check_tensor("logits", logits, dtypes=FLOAT_DTYPES)
-    if logits.dim() < 1:
-        raise ValueError("logits: expected a [..., V] tensor, got a 0-d tensor")
-    ignored = torch.full(logits.shape[:-1], -100, dtype=torch.int64, device=logits.device)
+    ignored = no_labels(logits)
     with caller_names(_NAMES):
         entropy = _logprobs_from_logits(
             logits, ignored, return_entropy=True, backend=current_backend(), **_head.head_kwargs()
