@@ -16,7 +16,9 @@ weights plus noise, behaviour log-probs off those, token-level rejection samplin
 
 Rows: AReaL stock (its logits path; ``gather_logprobs_entropy`` is ``torch.compile``-d by AReaL,
 compiled in the warm-up); applied (the logit-free step with only the loss-mask rows through the
-head, and the fused loss); applied with ``loss_rows_only=False`` (every packed row through the
+head, its gradient formed in the forward, and the fused loss); applied with
+``grad_in_forward=False`` (those rows through ``linear_logprobs`` and its backward); applied with
+``loss_rows_only=False`` (every packed row through the
 head, as AReaL); applied with ``logit_free=False`` (AReaL's logits, the fused
 ``gather_logprobs_entropy`` and loss). Peak memory: each row in a fresh
 process, its second step (the first compiles AReaL's gather and creates AdamW's state).
@@ -38,6 +40,10 @@ from .trainer import MEMORY_NOTE, model_note, qwen2_config, run_methods, shape, 
 METHODS: Dict[str, Tuple[str, Any]] = {
     "areal": ("AReaL 1.0.4 FSDPEngine.train_batch with grpo_loss_fn, stock", None),
     "fused": ("train_batch after rlvr_kernels.integrations.areal.apply() (logit-free, loss rows)", {}),
+    "fused_backward": (
+        "apply(grad_in_forward=False): the loss rows through linear_logprobs and its backward",
+        {"grad_in_forward": False},
+    ),
     "fused_all_rows": ("apply(loss_rows_only=False): every packed row through the head", {"loss_rows_only": False}),
     "fused_loss_only": (
         "apply(logit_free=False): AReaL's logits, the fused gathers and loss",

@@ -14,11 +14,13 @@ a smoke-test size), fp32; loss_mode vanilla with verl's defaults (token-mean, cl
 entropy or KL term). Old log-probs: verl's ``infer_batch`` of the same weights (its
 compute_log_prob) plus noise, so that some ratios clip.
 
-Rows: verl stock; applied (the engine's forward logit-free: log-probs from the hidden states
-and the LM head, and the fused ppo_loss); applied with ``logit_free=False`` (verl's logits,
+Rows: verl stock; applied (the engine's forward logit-free: the response rows' log-probs from
+the hidden states and the LM head, the head's gradient formed in the forward, and the fused
+ppo_loss); applied with ``grad_in_forward=False`` (the same rows through ``linear_logprobs`` and
+its backward); applied with ``logit_free=False`` (verl's logits,
 the log-prob drop-ins on them); applied with ``logprobs=False`` (verl's log-probs, the fused
 loss). Peak memory: each row once in a fresh
-process (its first step, AdamW's state included).
+process (its second step: the first also makes AdamW's state, the same in every row).
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ from .trainer import MEMORY_NOTE, model_note, qwen2_config, run_methods, shape, 
 METHODS: Dict[str, Tuple[str, Any]] = {
     "verl": ("verl 0.9 FSDPEngineWithLMHead.train_batch, stock", None),
     "fused": ("train_batch after rlvr_kernels.integrations.verl.apply() (logit-free engine forward)", {}),
+    "fused_backward": (
+        "apply(grad_in_forward=False): the loss rows through linear_logprobs and its backward",
+        {"grad_in_forward": False},
+    ),
     "fused_logits": (
         "apply(logit_free=False): the engine's logits, the log-prob drop-ins, the fused ppo_loss",
         {"logit_free": False},
@@ -111,10 +117,13 @@ def _switch(key: str) -> None:
 
 
 def measure_memory(key: str, device: str, quick: bool) -> Dict:
-    """Peak extra memory of one step of ``key`` (a fresh process, see ``memory_rows``)."""
+    """Peak extra memory of the second step of ``key`` (a fresh process, see ``memory_rows``): a
+    training step as every step after the first runs it (the first also creates AdamW's state,
+    the same in every row)."""
     _switch(key)
     with engine_session(device):
         step = step_fn(*build(device, quick))
+        step()
         return {"extra_gb": peak_extra_gb(step, device)}
 
 
@@ -139,7 +148,7 @@ def workload(device: str, quick: bool = False) -> Dict:
         f"ppo_loss, backward, clip_grad_norm_ + AdamW step (lr 0: same weights every round); median of {rounds} "
         "interleaved rounds"
     )
-    notes = [model_note(s) + step, MEMORY_NOTE + " (the first step: AdamW's state included)"]
+    notes = [model_note(s) + step, MEMORY_NOTE + " (the second step: after AdamW's state is made)"]
     title = f"one verl FSDP engine training step (train_batch), V={s['V']}, H={s['H']}, B={s['B']}, responses"
     return step_result(title, quick, rows, losses, notes, stock="verl")
 

@@ -29,12 +29,13 @@ ran inside the trainer.
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib
 import os
 import sys
 import threading
 import warnings
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 __all__ = [
     "Build",
@@ -48,6 +49,7 @@ __all__ = [
     "record",
     "reset_call_counts",
     "set_counting",
+    "uncounted",
 ]
 
 
@@ -60,6 +62,7 @@ _MISSING = object()
 _lock = threading.Lock()
 _counts: "collections.Counter[str]" = collections.Counter()
 _counting = os.environ.get("RLVR_KERNELS_COUNT_CALLS", "") not in ("", "0")
+_paused = threading.local()  # calls made by our own code on the step's behalf (a loss probe)
 
 
 def set_counting(enabled: bool) -> None:
@@ -70,9 +73,20 @@ def set_counting(enabled: bool) -> None:
 
 def record(name: str) -> None:
     """Count one call of the patched entry point ``name`` (a no-op unless counting is on)."""
-    if _counting:
+    if _counting and not getattr(_paused, "depth", 0):
         with _lock:
             _counts[name] += 1
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Calls in this block (on this thread) are not counted: the evaluations of the step's loss
+    that the head makes to form its gradient are not the step's own calls."""
+    _paused.depth = getattr(_paused, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _paused.depth -= 1
 
 
 def call_counts() -> Dict[str, int]:

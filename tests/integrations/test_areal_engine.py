@@ -28,6 +28,7 @@ from areal.utils import functional as peer_functional
 from areal.utils import stats_tracker
 from areal.utils.functional import vocab_parallel as peer_vocab
 
+from rlvr_kernels.integrations import _head_grad
 from rlvr_kernels.integrations import areal as rk
 from rlvr_kernels.integrations._patch import call_counts, reset_call_counts, set_counting
 from rlvr_kernels.testing import areal_engine as ae
@@ -171,17 +172,27 @@ def steps(model_dir, temperature):
     before = e.forward_batch(copy.deepcopy(data))
     ev = e.eval_batch(copy.deepcopy(data), loss_fn=LOSS, loss_weight_fn=weight)
     stats = e.train_batch(copy.deepcopy(data), loss_fn=LOSS, loss_weight_fn=weight)
-    stats_tracker.export_all()
+    logged = stats_tracker.export_all()
     after = e.forward_batch(copy.deepcopy(data))
-    return before, ev, stats["grad_norm"], after
+    return before, ev, stats["grad_norm"], after, logged
 
 
-@pytest.mark.parametrize("temperature,loss_rows_only", [(1.0, True), (0.7, True), (0.7, False)])
-def test_engine_steps_match_stock(model_dir, temperature, loss_rows_only):
+# what grpo_loss_fn logs from every logit (vocab_min_logits / vocab_max_logits): not served
+_VOCAB_STATS = ("vocab_min_logits", "vocab_max_logits")
+
+
+@pytest.mark.parametrize(
+    "temperature,loss_rows_only,grad_in_forward",
+    [(1.0, True, True), (0.7, True, True), (0.7, False, True), (0.7, True, False)],
+)
+def test_engine_steps_match_stock(model_dir, temperature, loss_rows_only, grad_in_forward):
     """forward_batch (every row), eval_batch and train_batch with grpo_loss_fn (only the
-    loss-mask rows through the head, or every row) give stock's numbers."""
+    loss-mask rows through the head, or every row; the head's gradient formed in the forward,
+    no row run again, or not) give stock's numbers, and grpo_loss_fn logs the same statistics
+    (the probes of the loss leave none behind)."""
     stock = steps(model_dir, temperature)
-    rk.apply(loss_rows_only=loss_rows_only)
+    rk.apply(loss_rows_only=loss_rows_only, grad_in_forward=grad_in_forward)
+    rerun = _head_grad.STATS["rerun_rows"]
     ours = steps(model_dir, temperature)
     counts = call_counts()
     if loss_rows_only:
@@ -189,13 +200,19 @@ def test_engine_steps_match_stock(model_dir, temperature, loss_rows_only):
         assert counts["areal.FSDPEngine.forward_backward_batch[loss rows]"] == 2
     else:
         assert counts["areal.FSDPEngine.forward_backward_batch"] == 4
+    assert counts.get("areal.FSDPEngine.forward_backward_batch.grad_in_forward", 0) == int(grad_in_forward)
+    assert _head_grad.STATS["rerun_rows"] == rerun
     torch.testing.assert_close(ours[0], stock[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(ours[1], stock[1], atol=1e-6, rtol=1e-5)
     assert ours[2] == pytest.approx(stock[2], rel=1e-5)
     torch.testing.assert_close(ours[3], stock[3], atol=1e-5, rtol=0)
+    logged, stock_logged = ours[4], {k: v for k, v in stock[4].items() if not any(v in k for v in _VOCAB_STATS)}
+    assert logged.keys() == stock_logged.keys(), sorted(set(logged) ^ set(stock_logged))
+    for key, value in stock_logged.items():
+        assert logged[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
-def test_no_tokens_by_vocab_allocation(model_dir):
+def test_no_tokens_by_vocab_allocation(monkeypatch, model_dir):
     """The largest allocation of a train_batch: stock at least the fp32 logits of the valid
     tokens (tokens × vocab × 4 bytes); applied, less than a quarter of that."""
 
@@ -211,8 +228,12 @@ def test_no_tokens_by_vocab_allocation(model_dir):
     stock = run()
     assert stock >= logits_bytes, (stock, logits_bytes)
     rk.apply()
+    # the head's gradient formed in the forward holds one chunk of logits at a time: a budget
+    # of an eighth of this batch's logits makes the chunks distinct
+    monkeypatch.setattr(_head_grad, "CHUNK_ELEMENTS", logits_bytes // 4 // 8)
     ours = run()
     assert call_counts()["areal.FSDPEngine.forward_backward_batch[loss rows]"] == 1
+    assert call_counts()["areal.FSDPEngine.forward_backward_batch.grad_in_forward"] == 1
     assert ours < logits_bytes // 4, (ours, logits_bytes)
 
 
@@ -254,6 +275,27 @@ def test_logits_path_drop_ins(model_dir):
     torch.testing.assert_close(ours[1], stock[1], atol=1e-6, rtol=1e-5)
     assert ours[2] == pytest.approx(stock[2], rel=1e-5)
     torch.testing.assert_close(ours[3], stock[3], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("setting", [dict(m2_threshold=0.04), dict(importance_sampling_level="sequence")])
+def test_grad_in_forward_only_for_a_separable_loss(model_dir, setting):
+    """M2PO's token selection and a sequence-level importance ratio are not separable over
+    tokens: linear_logprobs' backward, stock's numbers."""
+    loss = functools.partial(LOSS, **setting)
+
+    def run():
+        e = engine(model_dir, n_mbs=1)
+        out = e.train_batch(train_data(), loss_fn=loss, loss_weight_fn=weight)
+        stats_tracker.export_all()
+        return out["grad_norm"]
+
+    stock = run()
+    rk.apply()
+    ours = run()
+    counts = call_counts()
+    assert counts["areal.FSDPEngine.forward_backward_batch[loss rows]"] == 1
+    assert "areal.FSDPEngine.forward_backward_batch.grad_in_forward" not in counts
+    assert ours == pytest.approx(stock, rel=1e-5)
 
 
 def test_other_loss_fn_scores_every_row(model_dir):
@@ -298,7 +340,13 @@ def test_unapply_restores_identical_objects():
     assert peer_functional.sapo_loss_fn is rk.sapo_loss_fn
     assert all(cls.__dict__[n] is not before[n] for n in names)
     assert rk.applied_options() == dict(
-        policy_loss=True, logprobs=True, logit_free=True, logits_precision="fp32", loss_rows_only=True, strict=True
+        policy_loss=True,
+        logprobs=True,
+        logit_free=True,
+        logits_precision="fp32",
+        loss_rows_only=True,
+        grad_in_forward=True,
+        strict=True,
     )
     assert rk.unapply()
     assert all(cls.__dict__[n] is before[n] for n in names)

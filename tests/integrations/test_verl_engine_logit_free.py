@@ -26,8 +26,10 @@ from verl.workers.engine.fsdp import transformer_impl as ti
 from verl.workers.utils import losses as verl_losses
 
 import rlvr_kernels
+from rlvr_kernels.integrations import _head_grad
 from rlvr_kernels.integrations import verl as rk
 from rlvr_kernels.integrations._patch import call_counts, reset_call_counts, set_counting
+from rlvr_kernels.integrations.verl import transformer_impl as ti_ours
 from rlvr_kernels.testing import verl_engine
 from rlvr_kernels.testing.dist import single_process_group
 
@@ -91,8 +93,9 @@ def _infer(engine, td):
     return {k: v.values().detach().clone() for k, v in mo.items()}
 
 
-def _train(engine, td):
-    config = verl_engine.actor_config("vanilla", batch_size=B, micro_batch_size=B, entropy_coeff=0.01)
+def _train(engine, td, loss_mode="vanilla", **overrides):
+    overrides.setdefault("entropy_coeff", 0.01)
+    config = verl_engine.actor_config(loss_mode, batch_size=B, micro_batch_size=B, **overrides)
     out = engine.train_batch(td, loss_function=functools.partial(verl_losses.ppo_loss, config=config))
     grads = {n: p.grad.detach().clone() for n, p in engine.module.named_parameters() if p.grad is not None}
     return out["loss"], grads
@@ -149,8 +152,13 @@ def test_no_tokens_by_vocab_allocation(monkeypatch, model_dir, call):
     stock, _, logits_bytes = run()
     assert stock >= logits_bytes, (stock, logits_bytes)
     rk.apply()
+    # the head's gradient formed in the forward holds one chunk of logits at a time: a budget
+    # of an eighth of this batch's logits makes the chunks distinct
+    monkeypatch.setattr(_head_grad, "CHUNK_ELEMENTS", logits_bytes // 4 // 8)
     ours, kernel_bytes, _ = run()
     assert call_counts()["verl.forward_step"] == 1
+    if call == "train_batch":
+        assert call_counts()["verl.forward_step.grad_in_forward"] == 1
     # (the largest left are weight-sized and the attention's [tokens, tokens] mask)
     assert ours < logits_bytes // 4, (ours, logits_bytes)
     # all the C++ kernels' outputs of the step together: the backward's workspace of one
@@ -185,9 +193,63 @@ def test_matches_stock(monkeypatch, model_dir, remove_padding, temperature):
     stock = run()
     rk.apply()
     ours = run()
-    assert call_counts() == {"verl.forward_step": 2, "verl.ppo_loss": 1}, call_counts()
+    assert call_counts() == {
+        "verl.forward_step": 2,
+        "verl.forward_step.loss_rows": 1,
+        "verl.forward_step.grad_in_forward": 1,
+        "verl.ppo_loss": 1,
+    }, call_counts()
     assert stock[0]["log_probs"].dtype == ours[0]["log_probs"].dtype == torch.float32
     _close(ours, stock, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "loss_mode,overrides",
+    [(m, {}) for m in ti_ours.SEPARABLE_LOSS_MODES]
+    + [
+        ("vanilla", dict(loss_agg_mode="seq-mean-token-mean", use_kl_loss=True, kl_loss_type="low_var_kl")),
+        ("vanilla", dict(clip_ratio_c=2.0, clip_ratio_high=0.28, loss_agg_mode="seq-mean-token-sum-norm")),
+        ("gspo", {}),
+        ("geo_mean", {}),
+        ("clip_cov", {}),
+    ],
+)
+def test_grad_in_forward_matches_stock(monkeypatch, model_dir, loss_mode, overrides):
+    """train_batch with the head's gradient formed in the forward: verl's loss and every gradient
+    to 1e-5 for each separable loss mode (and KL, entropy, other aggregations), none of their
+    rows run through the head again; a mode that is not separable takes linear_logprobs'
+    backward (the same numbers)."""
+    if loss_mode == "clip_cov":
+        torch.manual_seed(0)  # verl's clip_cov draws its token selection from the global RNG
+    td = _td(train=True, entropy=True)
+    stock = _train(_engine(monkeypatch, model_dir), td, loss_mode, **overrides)
+    rk.apply()
+    before = dict(_head_grad.STATS)
+    if loss_mode == "clip_cov":
+        torch.manual_seed(0)
+    ours = _train(_engine(monkeypatch, model_dir), td, loss_mode, **overrides)
+    separable = loss_mode in ti_ours.SEPARABLE_LOSS_MODES
+    assert call_counts().get("verl.forward_step.grad_in_forward", 0) == int(separable), call_counts()
+    assert call_counts()["verl.forward_step.loss_rows"] == 1
+    assert _head_grad.STATS["steps"] - before["steps"] == int(separable)
+    assert _head_grad.STATS["rerun_rows"] == before["rerun_rows"]
+    _close(ours, stock, 1e-5)
+
+
+def test_grad_in_forward_and_loss_rows_off(monkeypatch, model_dir):
+    """apply(loss_rows_only=False, grad_in_forward=False): every row through linear_logprobs and
+    its backward, verl's numbers; both are refused without the logit-free engine."""
+    td = _td(train=True)
+    stock = _train(_engine(monkeypatch, model_dir), td)
+    rk.apply(loss_rows_only=False, grad_in_forward=False)
+    ours = _train(_engine(monkeypatch, model_dir), td)
+    assert call_counts() == {"verl.forward_step": 1, "verl.ppo_loss": 1}, call_counts()
+    _close(ours, stock, 1e-5)
+    for name in ("loss_rows_only", "grad_in_forward"):
+        with pytest.raises(ValueError, match=name):
+            rk.apply(logit_free=False, **{name: False})
+        with pytest.raises(TypeError, match=name):
+            rk.apply(**{name: 1})
 
 
 def test_match_sampling_reaches_the_op(monkeypatch, model_dir):

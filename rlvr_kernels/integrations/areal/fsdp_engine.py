@@ -33,6 +33,7 @@ an engine subclass with its own steps and any other ``process_output`` run AReaL
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import sys
@@ -44,8 +45,9 @@ import torch.nn as nn
 
 from ...ops.logprobs import linear_logprobs
 from .._backend import current_backend
+from .._head_grad import head_logprobs
 from .._lm_head import MODELS, served_forwards
-from .._patch import record
+from .._patch import record, uncounted
 from . import _head
 
 __all__ = ["make_forward_backward_batch", "make_compute_logprobs_and_loss", "make_compute_forward_result"]
@@ -112,12 +114,15 @@ def _head_dtype(hidden: torch.Tensor) -> torch.dtype:
 
 class _Call:
     """One served ``forward_backward_batch``: whether the step reads entropy, and, where the
-    loss reads only the loss-mask rows, those rows of the micro-batch being run."""
+    loss reads only the loss-mask rows, those rows of the micro-batch being run; with the head's
+    gradient formed in the forward, the step's ``process_output`` and the micro-batch's context."""
 
-    def __init__(self, entropy: bool, loss_rows_only: bool):
+    def __init__(self, entropy: bool, loss_rows_only: bool, process_output: Optional[Callable] = None):
         self.entropy = entropy
         self.loss_rows_only = loss_rows_only
+        self.process_output = process_output
         self.rows: Optional[torch.Tensor] = None
+        self.ctx: Any = None
 
 
 def _logit_free_forward(model, engine, call: _Call, *args, **kwargs):
@@ -143,22 +148,104 @@ def _logit_free_forward(model, engine, call: _Call, *args, **kwargs):
         where = call.rows.nonzero(as_tuple=True)[0]
         rows, labels = rows[where], labels[where]
     dtype = _head_dtype(rows)
+    n = hidden.shape[0] * hidden.shape[1]
+    temperature = float(engine.config.temperature)
     with torch.autocast(rows.device.type, enabled=False):
-        res = linear_logprobs(
-            rows.to(dtype),
-            model.lm_head.weight.to(dtype),
-            labels,
-            temperature=float(engine.config.temperature),
-            return_entropy=call.entropy,
-            backend=current_backend(),
-            **_head.head_kwargs(),
-        )
-    cols = [res.logp.float()] + ([res.entropy.float()] if call.entropy else [])
-    if where is not None:
-        n = hidden.shape[0] * hidden.shape[1]
-        cols = [c.new_zeros(n).index_put((where,), c) for c in cols]
+        if call.process_output is not None and torch.is_grad_enabled():
+            logp, entropy = head_logprobs(
+                rows.to(dtype),
+                model.lm_head.weight.to(dtype),
+                labels,
+                temperature=temperature,
+                entropy=call.entropy,
+                probe=functools.partial(_probe, call, n, where),
+                head=_head.head_kwargs(),
+                backend=current_backend(),
+            )
+        else:
+            res = linear_logprobs(
+                rows.to(dtype),
+                model.lm_head.weight.to(dtype),
+                labels,
+                temperature=temperature,
+                return_entropy=call.entropy,
+                backend=current_backend(),
+                **_head.head_kwargs(),
+            )
+            logp, entropy = res.logp, res.entropy
     # a ModelOutput, a fresh tensor (not a view): FSDP2 hooks the backward of the root's outputs
-    return CausalLMOutputWithPast(logits=torch.stack([c[None] for c in cols], dim=-1))
+    return CausalLMOutputWithPast(logits=_columns(logp, entropy if call.entropy else None, n, where))
+
+
+def _columns(logp, entropy, n: int, where) -> torch.Tensor:
+    """The (log-prob, entropy) columns ``[1, T, 2]`` (``[1, T, 1]``) over every packed row from the
+    head rows' values (0 on a row the loss does not read)."""
+    cols = [logp.float()] + ([entropy.float()] if entropy is not None else [])
+    if where is not None:
+        cols = [c.new_zeros(n).index_put((where,), c) for c in cols]
+    return torch.stack([c[None] for c in cols], dim=-1)
+
+
+def _probe(call: _Call, n: int, where, logp, entropy):
+    """The step's loss at these head-row values and its gradient with respect to them: AReaL's
+    path from the model's output to the loss (``process_output`` of ``train_batch``: the loss
+    function, its weight), as ``forward_backward_batch`` runs it after the model, with AReaL's
+    statistics left as they were (see ``_head_grad``)."""
+    leaves = [logp.detach().requires_grad_()]
+    if entropy is not None:
+        leaves.append(entropy.detach().requires_grad_())
+    with torch.enable_grad(), uncounted(), _stats_untouched():
+        logits = _columns(leaves[0], leaves[1] if entropy is not None else None, n, where).squeeze(0)
+        loss = call.process_output(logits, call.ctx.to_dict())
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return grads[0], (grads[1] if entropy is not None else None)
+
+
+@contextlib.contextmanager
+def _stats_untouched() -> Iterator[None]:
+    """AReaL's statistics trackers (``areal.utils.stats_tracker``) as they were before the block:
+    what a probe of the loss records is dropped."""
+    from areal.utils import stats_tracker
+
+    saved = {
+        name: (
+            list(t.scope_stack),
+            dict(t.denominators),
+            dict(t.reduce_types),
+            {k: list(v) for k, v in t.stats.items()},
+        )
+        for name, t in stats_tracker.TRACKERS.items()
+    }
+    try:
+        yield
+    finally:
+        for name in [k for k in stats_tracker.TRACKERS if k not in saved]:
+            del stats_tracker.TRACKERS[name]
+        for name, (scopes, denominators, reduce_types, stats) in saved.items():
+            tracker = stats_tracker.TRACKERS[name]
+            tracker.scope_stack[:] = scopes
+            tracker.denominators = denominators
+            tracker.reduce_types = reduce_types
+            tracker.stats = collections.defaultdict(list, stats)
+
+
+def forms_grad_in_forward(loss_fn) -> bool:
+    """Whether ``loss_fn`` (AReaL's ``grpo_loss_fn`` or ours, bound as ``PPOActor`` binds it) is
+    separable over tokens: token-level importance sampling, no M2PO token selection, the proximal
+    log-probs recomputed (data of the step); its rejection sampling compares the proximal and
+    behaviour log-probs, also data."""
+    if not reads_loss_rows_only(loss_fn):
+        return False
+    keywords: dict = {}
+    fn = loss_fn
+    while isinstance(fn, functools.partial):
+        keywords = {**fn.keywords, **keywords}
+        fn = fn.func
+    return (
+        keywords.get("m2_threshold") is None
+        and keywords.get("importance_sampling_level", "token") == "token"
+        and keywords.get("prox_logp_method", "recompute") == "recompute"
+    )
 
 
 def _loss_fn_of(process_output_fn) -> Any:
@@ -189,6 +276,7 @@ def _swapped(engine, call: _Call) -> Iterator[None]:
 
     def prepare_mb_inputs(mb_item):
         inputs, ctx = prepare(mb_item)
+        call.ctx = ctx
         if call.loss_rows_only:  # the loss mask over the packed tokens and the padding after them
             mask = ctx.mb_input["loss_mask"].reshape(-1) != 0
             call.rows = torch.cat([mask, mask.new_zeros(ctx.pad_length)])
@@ -225,9 +313,15 @@ def make_forward_backward_batch(original: Callable, strict: bool = True) -> Call
             record("areal.FSDPEngine.forward_backward_batch[logits]")
             return original(self, mb_list, process_output_fn, forward_only)
         entropy = _STEPS[process_output_fn.__qualname__]
-        rows_only = _head.LOSS_ROWS_ONLY and entropy and reads_loss_rows_only(_loss_fn_of(process_output_fn))
+        loss_fn = _loss_fn_of(process_output_fn)
+        rows_only = _head.LOSS_ROWS_ONLY and entropy and reads_loss_rows_only(loss_fn)
         record("areal.FSDPEngine.forward_backward_batch" + ("[loss rows]" if rows_only else ""))
-        with _swapped(self, _Call(entropy, rows_only)):
+        grad_in_forward = (
+            not forward_only and entropy and _head.GRAD_IN_FORWARD and not self.parallel_helper.sp_size > 1
+        ) and forms_grad_in_forward(loss_fn)
+        if grad_in_forward:
+            record("areal.FSDPEngine.forward_backward_batch.grad_in_forward")
+        with _swapped(self, _Call(entropy, rows_only, process_output_fn if grad_in_forward else None)):
             return original(self, mb_list, process_output_fn, forward_only)
 
     forward_backward_batch.__wrapped_areal__ = original

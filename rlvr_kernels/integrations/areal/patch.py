@@ -23,6 +23,9 @@ objects.
 only the rows of the loss mask go through the fused head, log-prob and entropy 0 elsewhere
 (every loss term and statistic of ``grpo_loss_fn`` is masked by it); False scores every packed
 row, as AReaL. ``forward_batch`` (``compute_logp``) and any other ``loss_fn`` always score every row.
+``grad_in_forward`` (``train_batch`` with a ``grpo_loss_fn`` separable over tokens: token-level
+importance sampling, no M2PO, recomputed proximal log-probs): the head's gradient is formed in
+the forward, three GEMMs instead of four (exact whatever the loss: ``integrations/_head_grad.py``).
 
 ``strict=True`` (the default): AReaL outside the tested range raises PatchError, and an engine
 call the logit-free path cannot serve raises NotImplementedError naming the reason;
@@ -61,23 +64,28 @@ def apply(
     logit_free: bool = True,
     logits_precision: str = "fp32",
     loss_rows_only: bool = True,
+    grad_in_forward: bool = True,
     strict: bool = True,
     count_calls: Optional[bool] = None,
 ) -> None:
     """Put the fused ops into AReaL (module docstring). ``count_calls``: True/False turns the
     debug call counting on/off (``call_counts()``); None leaves it."""
     check_bools(
-        policy_loss=policy_loss, logprobs=logprobs, logit_free=logit_free, loss_rows_only=loss_rows_only, strict=strict
+        policy_loss=policy_loss,
+        logprobs=logprobs,
+        logit_free=logit_free,
+        loss_rows_only=loss_rows_only,
+        grad_in_forward=grad_in_forward,
+        strict=strict,
     )
     check_logits_precision(logits_precision)
     if not logit_free and logits_precision != "fp32":
         raise ValueError(
             "logits_precision: acts on the logit-free engine, which apply(logit_free=False) does not install"
         )
-    if not logit_free and not loss_rows_only:
-        raise ValueError(
-            "loss_rows_only: acts on the logit-free engine, which apply(logit_free=False) does not install"
-        )
+    for name, value in (("loss_rows_only", loss_rows_only), ("grad_in_forward", grad_in_forward)):
+        if not logit_free and not value:
+            raise ValueError(f"{name}: acts on the logit-free engine, which apply(logit_free=False) does not install")
 
     def plan():
         targets = []
@@ -104,6 +112,7 @@ def apply(
                 Target(_ENGINE, "_compute_forward_result", Build(make_compute_forward_result)),
                 Target(_ours_head, "LOGITS_PRECISION", logits_precision),
                 Target(_ours_head, "LOSS_ROWS_ONLY", loss_rows_only),
+                Target(_ours_head, "GRAD_IN_FORWARD", grad_in_forward),
             ]
         return targets
 
@@ -113,6 +122,7 @@ def apply(
         logit_free=logit_free,
         logits_precision=logits_precision,
         loss_rows_only=loss_rows_only,
+        grad_in_forward=grad_in_forward,
         strict=strict,
     )
     _AREAL.apply(plan, strict=strict, count_calls=count_calls, options=options)

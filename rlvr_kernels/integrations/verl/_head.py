@@ -15,6 +15,10 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 LOGITS_PRECISION = "fp32"
+# The logit-free engine step (transformer_impl): only the rows the actor loss reads through the
+# head, and, for a loss separable over tokens, the head's gradient formed in the forward.
+LOSS_ROWS_ONLY = True
+GRAD_IN_FORWARD = True
 # linear_logprobs / logprobs_from_logits keyword arguments of the rollout's kept set (top_k,
 # top_p, sampling_convention), or None: the full vocabulary.
 SAMPLING: Optional[Dict[str, Any]] = None

@@ -286,6 +286,8 @@ def apply(
     logprobs: bool = True,
     rollout_correction: bool = True,
     logit_free: bool = True,
+    loss_rows_only: bool = True,
+    grad_in_forward: bool = True,
     logits_precision: str = "fp32",
     match_sampling: bool = False,
     rollout_config: Any = None,
@@ -307,7 +309,12 @@ def apply(
     ``logit_free`` (with ``logprobs``): ``FSDPEngineWithLMHead.forward_step`` computes the
     log-probs and entropy from the hidden states and the LM head, never the ``[tokens, vocab]``
     logits (:mod:`.transformer_impl`; what it cannot serve runs verl's step, with a warning);
-    False keeps verl's logits and the log-prob drop-ins on them.
+    False keeps verl's logits and the log-prob drop-ins on them. Under it, for a training step
+    whose loss is verl's engine actor loss (``ppo_loss``, ours or verl's, bound as verl's worker
+    binds it): ``loss_rows_only`` sends only the response rows (those ``ppo_loss`` reads) through
+    the head, 0 elsewhere; ``grad_in_forward``, for a loss mode separable over tokens
+    (:data:`.transformer_impl.SEPARABLE_LOSS_MODES`), forms the head's gradient in the forward
+    (three GEMMs instead of four; exact for any loss, see ``integrations/_head_grad.py``).
 
     Opt-in (the defaults are verl's numbers): ``logits_precision`` ("fp32" | "bf16") of the
     log-prob drop-ins; ``match_sampling=True`` with ``rollout_config`` (verl's
@@ -321,14 +328,27 @@ def apply(
     count + 1e-8, so not bit for bit).
     """
     precision = _ours_head.check_logits_precision(logits_precision)
-    check_bools(match_sampling=match_sampling, mismatch_metrics=mismatch_metrics, logit_free=logit_free)
+    check_bools(
+        match_sampling=match_sampling,
+        mismatch_metrics=mismatch_metrics,
+        logit_free=logit_free,
+        loss_rows_only=loss_rows_only,
+        grad_in_forward=grad_in_forward,
+    )
     if not logprobs and (match_sampling or precision != "fp32"):
         name = "match_sampling" if match_sampling else "logits_precision"
         raise ValueError(f"{name}: acts on the log-prob drop-ins, which apply(logprobs=False) does not install")
+    for name, value in (("loss_rows_only", loss_rows_only), ("grad_in_forward", grad_in_forward)):
+        if not (logit_free and logprobs) and not value:
+            raise ValueError(f"{name}: acts on the logit-free engine, which apply(logit_free=False) does not install")
     if rollout_config is not None and not match_sampling:
         raise ValueError("rollout_config: only read with match_sampling=True")
     sampling = _ours_head.rollout_sampling(rollout_config) if match_sampling else None
     head = [Target(_ours_head, "LOGITS_PRECISION", precision), Target(_ours_head, "SAMPLING", sampling)]
+    head += [
+        Target(_ours_head, "LOSS_ROWS_ONLY", loss_rows_only),
+        Target(_ours_head, "GRAD_IN_FORWARD", grad_in_forward),
+    ]
     metrics = [Target(_ours_rc, "MISMATCH_OP", True)] if mismatch_metrics else []
     options = dict(
         advantages=advantages,
@@ -337,6 +357,8 @@ def apply(
         logprobs=logprobs,
         rollout_correction=rollout_correction,
         logit_free=logit_free and logprobs,
+        loss_rows_only=loss_rows_only,
+        grad_in_forward=grad_in_forward,
         logits_precision=precision,
         match_sampling=match_sampling,
         mismatch_metrics=mismatch_metrics,

@@ -56,9 +56,10 @@ import torch
 
 from ...ops.logprobs import linear_logprobs
 from .._backend import current_backend
+from .._head_grad import head_logprobs
 from .._lm_head import MODELS
 from .._lm_head import served_forwards as _served_forwards
-from .._patch import record
+from .._patch import record, uncounted
 from . import _head
 
 __all__ = ["MODELS", "make_forward_step", "unserved_reason"]
@@ -69,6 +70,9 @@ _LOGIT_USERS = ("calculate_sum_pi_squared", "distillation_use_topk", "distillati
 # The reason given for an engine subclass with its own inputs or outputs (the value-head
 # engine, other backends): another engine, which runs its own step without a warning.
 _OVERRIDE = "the engine class overrides FSDPEngineWithLMHead."
+# verl's loss modes whose pg term is separable over tokens (each token's gradient depends on its
+# own log-prob; the aggregations are linear): their gradient is formed in the forward.
+SEPARABLE_LOSS_MODES = ("vanilla", "cispo", "gpg", "sapo", "dppo_tv", "dppo_kl")
 
 
 def _inner(engine) -> torch.nn.Module:
@@ -154,18 +158,69 @@ def _logit_free_forward(model, state: Dict[str, Any], *args, **kwargs):
         temperature = 1.0
     else:  # what verl's _scale_logits_by_temperature divides the logits by
         temperature = temperature.clamp(min=1e-8).to(dtype).to(torch.float32)
+    n = rows.shape[0]
+    where = state.get("loss_rows")
+    if where is not None:  # only the rows the loss reads go through the head (0 elsewhere)
+        rows, labels = rows[where], labels[where]
+        if isinstance(temperature, torch.Tensor):
+            temperature = temperature[where]
+    entropy_on = state["calculate_entropy"]
     with torch.autocast(rows.device.type, enabled=False):
-        res = linear_logprobs(
-            rows,
-            weight,
-            labels,
-            temperature=temperature,
-            return_entropy=state["calculate_entropy"],
-            backend=current_backend(),
-            **_head.head_kwargs(),
+        if state.get("loss_function") is not None and torch.is_grad_enabled():
+            logp, entropy = head_logprobs(
+                rows,
+                weight,
+                labels,
+                temperature=temperature,
+                entropy=entropy_on,
+                probe=functools.partial(_probe, model, state, n, where, dtype),
+                head=_head.head_kwargs(),
+                backend=current_backend(),
+            )
+        else:
+            res = linear_logprobs(
+                rows,
+                weight,
+                labels,
+                temperature=temperature,
+                return_entropy=entropy_on,
+                backend=current_backend(),
+                **_head.head_kwargs(),
+            )
+            logp, entropy = res.logp, res.entropy
+    return _head_output(logp, entropy if entropy_on else None, n, where, dtype)
+
+
+def _head_output(logp, entropy, n: int, where, dtype) -> Dict[str, Any]:
+    """The model's output from the head rows' results: log-probs in fp32 (as verl's fused kernel
+    and flash-attn cross-entropy give them), entropies in the logits' dtype (as
+    ``entropy_from_logits``), over every packed row (0 on a row the loss does not read)."""
+
+    def spread(x):
+        return x if where is None else x.new_zeros(n).index_copy(0, where, x)
+
+    return {
+        "log_probs": spread(logp.to(torch.float32)),
+        "entropy": None if entropy is None else spread(entropy.to(dtype)),
+    }
+
+
+def _probe(model, state, n: int, where, dtype, logp, entropy):
+    """The step's loss at these head-row values, and its gradient with respect to them: verl's
+    path from the model's output to the loss (``prepare_model_outputs``, the bound loss), as
+    ``forward_step`` runs it after the model (see ``_head_grad``)."""
+    engine = state["engine"]
+    leaves = [logp.detach().requires_grad_()]
+    if entropy is not None:
+        leaves.append(entropy.detach().requires_grad_())
+    with torch.enable_grad(), uncounted():
+        out = _head_output(leaves[0], leaves[1] if entropy is not None else None, n, where, dtype)
+        model_output = _prepare_model_outputs(engine, state, out, state["output_args"], state["micro_batch"], None)
+        loss, _ = state["loss_function"](
+            model_output=model_output, data=state["micro_batch"], dp_group=engine.get_data_parallel_group()
         )
-    entropy = res.entropy.to(dtype) if state["calculate_entropy"] else None
-    return {"log_probs": res.logp.to(torch.float32), "entropy": entropy}
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return grads[0], (grads[1] if entropy is not None else None)
 
 
 def _prepare_model_outputs(engine, state, output, output_args, micro_batch, logits_processor_func):
@@ -183,6 +238,48 @@ def _prepare_model_outputs(engine, state, output, output_args, micro_batch, logi
     return model_output
 
 
+def response_rows(micro_batch, pad: int = 0) -> torch.Tensor:
+    """The packed rows whose log-probs ``no_padding_2_padding`` reads (a sequence's last
+    ``response_len`` positions before its final one: those that score its response tokens), as
+    indices into the packed tokens followed by ``pad`` padding rows."""
+    offsets = micro_batch["input_ids"].offsets()
+    responses = micro_batch["responses"]
+    if responses.is_nested:
+        response_lens = responses.offsets().diff()
+    else:
+        response_lens = micro_batch["attention_mask"][:, micro_batch["prompts"].shape[1] :].sum(dim=1)
+    ends = offsets[1:].to(response_lens.device)
+    lengths = response_lens.to(torch.long)
+    starts = ends - lengths - 1
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    first = torch.cumsum(lengths, 0) - lengths
+    within = torch.arange(int(lengths.sum()), device=lengths.device) - first[seq]
+    return (starts[seq] + within).to(offsets.device)
+
+
+def _reads_response_rows_only(loss_function) -> Optional[Any]:
+    """The ``config`` of ``loss_function`` when it is verl's engine actor loss, ours or verl's
+    (``ppo_loss`` bound with ``functools.partial`` as verl's worker binds it), which reads the
+    log-probs and entropies of the response rows only; None otherwise."""
+    import verl.workers.utils.losses as verl_losses
+
+    fn, keywords = loss_function, {}
+    while isinstance(fn, functools.partial):
+        keywords = {**fn.keywords, **keywords}
+        fn = fn.func
+    current = verl_losses.ppo_loss
+    if fn is not current and fn is not getattr(current, "__wrapped_verl__", current):
+        return None
+    return keywords.get("config")
+
+
+def _separable(config) -> bool:
+    """Whether the actor loss ``config`` describes is separable over tokens (``_head_grad``)."""
+    policy_loss = getattr(config, "policy_loss", None)
+    mode = policy_loss.get("loss_mode", "vanilla") if policy_loss is not None else "vanilla"
+    return mode in SEPARABLE_LOSS_MODES
+
+
 @contextlib.contextmanager
 def _swapped(engine, model, state) -> Iterator[None]:
     """The three swaps of one forward step (instance attributes, deleted after)."""
@@ -191,8 +288,12 @@ def _swapped(engine, model, state) -> Iterator[None]:
     def prepare_model_inputs(micro_batch):
         model_inputs, output_args = cls.prepare_model_inputs(engine, micro_batch=micro_batch)
         state["output_args"] = output_args
+        state["micro_batch"] = micro_batch
         if not state["use_remove_padding"]:
             state["seq_lengths"] = micro_batch["input_ids"].offsets().diff()
+        if state["rows_only"]:
+            pad = output_args.get("pad_size", 0) if state["use_remove_padding"] else 0
+            state["loss_rows"] = response_rows(micro_batch, pad)
         return model_inputs, output_args
 
     swaps = [
@@ -235,11 +336,25 @@ def make_forward_step(original: Callable) -> Callable:
                 f"rlvr_kernels.integrations.verl.apply(logit_free=True): {reason}; apply(logit_free=False) "
                 "keeps verl's forward_step with the logits (and the log-prob drop-ins)"
             )
-        record("verl.forward_step")
         state = {
+            "engine": self,
             "use_remove_padding": bool(_non_tensor(micro_batch, "use_remove_padding", True)),
             "calculate_entropy": bool(_non_tensor(micro_batch, "calculate_entropy", False)),
+            "rows_only": False,
+            "loss_function": None,
         }
+        config = None
+        if not forward_only and not self.use_ulysses_sp and not _non_tensor(micro_batch, "return_model_output", False):
+            config = _reads_response_rows_only(loss_function)
+        if config is not None:
+            state["rows_only"] = _head.LOSS_ROWS_ONLY
+            if _head.GRAD_IN_FORWARD and _separable(config) and getattr(self, "scaler", None) is None:
+                state["loss_function"] = loss_function
+        record("verl.forward_step")
+        if state["rows_only"]:
+            record("verl.forward_step.loss_rows")
+        if state["loss_function"] is not None:
+            record("verl.forward_step.grad_in_forward")
         with _swapped(self, _inner(self), state):
             return original(self, micro_batch, loss_function, forward_only)
 

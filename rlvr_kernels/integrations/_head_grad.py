@@ -1,0 +1,245 @@
+"""The LM head of a logit-free training step with the loss's gradient formed in the forward.
+
+A logit-free step through :func:`rlvr_kernels.linear_logprobs` runs four ``[rows, H] x [H, V]``
+GEMMs: the forward's logits, and in the backward the logits again, the hidden states' gradient
+and the head's. Where the step's loss is *separable over tokens* (a token's gradient depends on
+its own log-prob and entropy and on data fixed before the step: the clip-family policy losses
+under any of the linear aggregations, a per-token KL, an entropy bonus), a row's gradient is
+known as soon as its log-prob is. :func:`head_logprobs` then takes the rows a chunk at a time;
+while a chunk's logits exist (``[chunk, V]``, never all of them):
+
+1. its log-probs (and entropies) are read off them (:func:`rlvr_kernels.logprobs_from_logits`,
+   with the head options the caller passes);
+2. the caller's ``probe`` evaluates the step's loss on the log-probs known so far (zeros where
+   not yet known) and returns its gradient; the chunk's rows of it are kept;
+3. the logits' gradient, and from it the chunk's hidden-state gradient and its share of the
+   head's gradient, are formed: three GEMMs in all instead of four.
+
+The backward returns those gradients. It is exact whatever the loss: it compares the gradient
+it is handed with the one the probe gave and runs the rows where the two differ (any bit)
+through the head again with the difference (the four-GEMM schedule, on those rows only). A
+loss that is not separable, a probe that is wrong or a backward of a scaled loss cost time,
+never correctness; :data:`STATS` counts the rows run again (a caller that turns this on only
+for separable losses expects none, and its tests assert it). Finding those rows reads the
+difference on the host: one synchronisation per backward on a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..ops.logprobs import logprobs_from_logits
+
+__all__ = ["CHUNK_ELEMENTS", "STATS", "head_logprobs"]
+
+# Logits held at once: chunk rows × vocabulary ≤ this (64 MiB of fp32), at least one row.
+CHUNK_ELEMENTS = 1 << 24
+
+# Counters (for tests and benchmark notes): steps served, rows whose gradient was formed in the
+# forward, rows the backward ran through the head again.
+STATS: Dict[str, int] = {"steps": 0, "rows": 0, "rerun_rows": 0}
+
+# probe(logp [N], entropy [N] or None) -> (∂loss/∂logp [N], ∂loss/∂entropy [N] or None)
+Probe = Callable[[torch.Tensor, Optional[torch.Tensor]], Tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+def _chunks(n: int, vocab: int, chunk_rows: Optional[int]) -> List[Tuple[int, int]]:
+    step = chunk_rows if chunk_rows is not None else max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    return [(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def _temperature_rows(temperature: Any, lo: int, hi: int) -> Any:
+    return temperature[lo:hi] if isinstance(temperature, torch.Tensor) and temperature.dim() > 0 else temperature
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class _Grads:
+    """The gradients of the head's inputs, accumulated chunk by chunk (the head's in fp32 when it
+    is a lower precision, so that the chunks' sum is rounded once)."""
+
+    def __init__(self, rows: Optional[torch.Tensor], weight: Optional[torch.Tensor]):
+        self.rows = rows
+        self.weight = weight
+        self.need_weight = weight is not None
+
+    @classmethod
+    def fresh(cls, rows: torch.Tensor, need_rows: bool, need_weight: bool) -> "_Grads":
+        """For the forward, whose chunks cover every row once: the rows' gradient written chunk by
+        chunk (never read before), the head's made by the first chunk's GEMM (no zero fill)."""
+        out = cls(torch.empty_like(rows) if need_rows else None, None)
+        out.need_weight = need_weight
+        return out
+
+    def add(self, d_logits: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, where) -> None:
+        if self.rows is not None:
+            if isinstance(where, slice):  # the forward's chunks: disjoint, written once
+                torch.mm(d_logits, weight, out=self.rows[where])
+            else:
+                self.rows.index_add_(0, where, d_logits @ weight)
+        if self.weight is None and self.need_weight:
+            self.weight = (d_logits.t() @ rows).to(_accumulator(d_logits.dtype))
+        elif self.weight is not None:
+            if self.weight.dtype == d_logits.dtype:
+                self.weight.addmm_(d_logits.t(), rows)
+            else:
+                self.weight += (d_logits.t() @ rows).to(self.weight.dtype)
+
+    def result(self, weight: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        w = self.weight
+        if w is None and self.need_weight:  # no chunk (no rows) or no gradient reached the head
+            w = torch.zeros_like(weight)
+        return self.rows, (w if w is None or w.dtype == weight.dtype else w.to(weight.dtype))
+
+
+def _chunk_pass(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: Any,
+    entropy: bool,
+    head: Dict[str, Any],
+    backend: str,
+    grad_of: Callable[[torch.Tensor, Optional[torch.Tensor]], Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]],
+    grads: _Grads,
+    where,
+    buffer: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One chunk: its logits (into ``buffer`` when it is their size: one allocation for the
+    chunks), its log-probs (entropies), then the logits' gradient for the gradients ``grad_of``
+    gives, added to ``grads``. Returns the chunk's log-probs (entropies)."""
+    with torch.no_grad():
+        if buffer is not None and buffer.shape[0] == rows.shape[0]:
+            logits = torch.mm(rows, weight.t(), out=buffer)
+        else:
+            logits = rows @ weight.t()
+    with torch.enable_grad():
+        logits.requires_grad_()
+        res = logprobs_from_logits(logits, labels, temperature, entropy, backend=backend, **head)
+        logp = res.logp.detach()
+        ent = res.entropy.detach() if entropy else None
+        g_logp, g_ent = grad_of(logp, ent)
+        outs, seeds = [], []
+        if g_logp is not None:
+            outs.append(res.logp)
+            seeds.append(g_logp.to(res.logp.dtype))
+        if entropy and g_ent is not None:
+            outs.append(res.entropy)
+            seeds.append(g_ent.to(res.entropy.dtype))
+        d_logits = torch.autograd.grad(outs, [logits], seeds)[0] if outs else None
+    with torch.no_grad():  # the inputs require grad: no graph of the gradient's own GEMMs
+        if d_logits is not None:
+            grads.add(d_logits, rows, weight, where)
+        elif grads.rows is not None and isinstance(where, slice):
+            grads.rows[where].zero_()  # no gradient reached these rows
+    return logp, ent
+
+
+class _HeadGradInForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, weight, labels, temperature, entropy, head, backend, probe, chunk_rows):
+        n = rows.shape[0]
+        need_rows, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grads = _Grads.fresh(rows, need_rows, need_weight)
+        logp_all = torch.zeros(
+            n, dtype=torch.float32 if rows.dtype != torch.float64 else torch.float64, device=rows.device
+        )
+        ent_all = torch.zeros_like(logp_all) if entropy else None
+        g_logp_all = torch.zeros_like(logp_all)
+        g_ent_all = torch.zeros_like(logp_all) if entropy else None
+        chunks = _chunks(n, weight.shape[0], chunk_rows)
+        buffer = None
+        if len(chunks) > 1:
+            buffer = torch.empty(
+                (chunks[0][1], weight.shape[0]), dtype=torch.result_type(rows, weight), device=rows.device
+            )
+        for lo, hi in chunks:
+
+            def grad_of(logp, ent, lo=lo, hi=hi):
+                logp_all[lo:hi] = logp
+                if entropy:
+                    ent_all[lo:hi] = ent
+                g_logp, g_ent = probe(logp_all.clone(), ent_all.clone() if entropy else None)
+                g_l = None if g_logp is None else g_logp[lo:hi]
+                g_e = None if not entropy or g_ent is None else g_ent[lo:hi]
+                if g_l is not None:
+                    g_logp_all[lo:hi] = g_l
+                if g_e is not None:
+                    g_ent_all[lo:hi] = g_e
+                return g_l, g_e
+
+            _chunk_pass(
+                rows[lo:hi], weight, labels[lo:hi], _temperature_rows(temperature, lo, hi), entropy, head, backend,
+                grad_of, grads, slice(lo, hi), buffer,
+            )  # fmt: skip
+        ctx.grads = grads  # rounded to the head's dtype in the backward, once
+        ctx.predicted = (g_logp_all, g_ent_all)
+        ctx.inputs = (rows, weight, labels, temperature)
+        ctx.entropy, ctx.head, ctx.backend, ctx.chunk_rows = entropy, head, backend, chunk_rows
+        STATS["steps"] += 1
+        STATS["rows"] += n
+        return (logp_all, ent_all) if entropy else (logp_all,)
+
+    @staticmethod
+    def backward(ctx, g_logp, *g_rest):
+        grads = ctx.grads
+        rows, weight, labels, temperature = ctx.inputs
+        p_logp, p_ent = ctx.predicted
+        delta = (g_logp if g_logp is not None else torch.zeros_like(p_logp)) - p_logp
+        differs = delta != 0
+        d_ent = None
+        if ctx.entropy:
+            g_ent = g_rest[0] if g_rest and g_rest[0] is not None else torch.zeros_like(p_ent)
+            d_ent = g_ent - p_ent
+            differs |= d_ent != 0
+        idx = differs.nonzero(as_tuple=True)[0]
+        if idx.numel():
+            STATS["rerun_rows"] += int(idx.numel())
+            for lo, hi in _chunks(idx.numel(), weight.shape[0], ctx.chunk_rows):
+                sel = idx[lo:hi]
+                t = temperature[sel] if isinstance(temperature, torch.Tensor) and temperature.dim() > 0 else temperature
+
+                def grad_of(_logp, _ent, sel=sel):
+                    return delta[sel], (d_ent[sel] if d_ent is not None else None)
+
+                _chunk_pass(rows[sel], weight, labels[sel], t, ctx.entropy, ctx.head, ctx.backend, grad_of, grads, sel)
+        d_rows, d_weight = grads.result(weight)
+        return d_rows, d_weight, None, None, None, None, None, None, None
+
+
+def head_logprobs(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: Any = 1.0,
+    entropy: bool = False,
+    probe: Probe,
+    head: Optional[Dict[str, Any]] = None,
+    backend: str = "auto",
+    chunk_rows: Optional[int] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(log-probs ``[N]``, entropies ``[N]`` or None) of ``labels`` under ``rows @ weight.T /
+    temperature``, with their gradients formed in the forward from ``probe`` (module docstring).
+
+    ``rows`` ``[N, H]`` and ``weight`` ``[V, H]`` in the dtype the head computes in (the GEMMs run
+    in it, as ``lm_head(hidden)`` would); ``temperature`` a float or ``[N]``; ``head``: the head
+    keywords of :func:`rlvr_kernels.logprobs_from_logits` (``logits_precision``, a sampling
+    support). ``probe(logp, entropy)`` evaluates the step's loss at full-length log-probs (and
+    entropies) and returns its gradient with respect to them (None: no gradient), without side
+    effects the step would see. Log-probs and entropies come back in fp32 (fp64 for fp64 rows).
+    """
+    if rows.dim() != 2 or weight.dim() != 2 or rows.shape[1] != weight.shape[1]:
+        raise ValueError(f"rows, weight: expected [N, H] and [V, H], got {tuple(rows.shape)} and {tuple(weight.shape)}")
+    if labels.shape != (rows.shape[0],):
+        raise ValueError(f"labels: expected [{rows.shape[0]}], got {tuple(labels.shape)}")
+    if not callable(probe):
+        raise TypeError("probe: expected a callable")
+    out = _HeadGradInForward.apply(
+        rows, weight, labels, temperature, bool(entropy), dict(head or {}), backend, probe, chunk_rows
+    )
+    return (out[0], out[1]) if entropy else (out[0], None)

@@ -1,0 +1,273 @@
+"""The LM head with the loss's gradient formed in the forward (``integrations/_head_grad.py``),
+against the head and the loss written out in fp64 torch (the ``[N, V]`` logits materialised):
+log-probs, entropies and the gradients of the hidden rows and the head, for a loss separable over
+tokens (no row run again), losses that are not (a sequence-level ratio, a scaled backward, a
+loss reading only the entropies: rows run again, the same gradients), any chunking, per-row
+temperatures, ignored labels, a frozen head or frozen rows, no rows, low precision (the tolerance
+rule against torch in the same dtype), the logits held one chunk at a time, and bad arguments.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _memory import largest_allocation
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlvr_kernels.integrations import _head_grad as hg
+from rlvr_kernels.testing._compare import compare
+
+IGNORE = -100
+
+
+def _reference(h, w, labels, temperature, dtype=torch.float64):
+    """(logp, entropy) through the materialised logits, in ``dtype`` (autograd through them)."""
+    z = h.to(dtype) @ w.to(dtype).t()
+    t = temperature[:, None] if isinstance(temperature, torch.Tensor) else temperature
+    lsm = torch.log_softmax(z.float() / t if dtype != torch.float64 else z / t, dim=-1)
+    valid = labels != IGNORE
+    logp = lsm.gather(1, labels.clamp(min=0)[:, None])[:, 0] * valid
+    entropy = -(lsm.exp() * lsm).sum(-1)
+    return logp, entropy
+
+
+def _problem(n, h=12, v=40, dtype=torch.float64, seed=0, ignore=False):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(n, h, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g)
+    if ignore and n:
+        labels[::3] = IGNORE
+    old = torch.randn(n, generator=g, dtype=torch.float64) - 2.5
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    return rows, weight, labels, old, adv
+
+
+def _ppo(old, adv, entropy_coef=0.01):
+    """A clipped PPO loss (token mean) minus an entropy bonus: separable over tokens."""
+
+    def loss(logp, entropy):
+        ratio = torch.exp(logp.double() - old)
+        pg = -torch.minimum(adv * ratio, adv * ratio.clamp(0.8, 1.2))
+        out = pg.mean()
+        if entropy is not None:
+            out = out - entropy_coef * entropy.double().mean()
+        return out
+
+    return loss
+
+
+def _probe_of(loss):
+    def probe(logp, entropy):
+        leaves = [logp.detach().requires_grad_()] + ([entropy.detach().requires_grad_()] if entropy is not None else [])
+        with torch.enable_grad():
+            grads = torch.autograd.grad(loss(*leaves, *([None] if entropy is None else [])), leaves, allow_unused=True)
+        return grads[0], (grads[1] if entropy is not None else None)
+
+    return probe
+
+
+def _run(rows, weight, labels, loss, *, entropy, temperature=1.0, probe_loss=None, chunk_rows=None, backend="cpu"):
+    """(logp, entropy, ∂rows, ∂weight, rows run again) of ``head_logprobs`` with ``loss``
+    backpropagated (``probe_loss``: what the probe evaluates, default ``loss``)."""
+    before = hg.STATS["rerun_rows"]
+    logp, ent = hg.head_logprobs(
+        rows,
+        weight,
+        labels,
+        temperature=temperature,
+        entropy=entropy,
+        probe=_probe_of(probe_loss or loss),
+        chunk_rows=chunk_rows,
+        backend=backend,
+    )
+    value = loss(logp, ent)
+    inputs = [x for x in (rows, weight) if x.requires_grad]
+    grads = torch.autograd.grad(value, inputs, allow_unused=True) if value.requires_grad else [None] * len(inputs)
+    return logp, ent, grads, hg.STATS["rerun_rows"] - before
+
+
+def _expected(rows, weight, labels, loss, *, entropy, temperature=1.0):
+    logp, ent = _reference(rows, weight, labels, temperature)
+    value = loss(logp, ent if entropy else None)
+    inputs = [x for x in (rows, weight) if x.requires_grad]
+    return logp, ent, torch.autograd.grad(value, inputs)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 37, None])
+@pytest.mark.parametrize("entropy", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, "rows"])
+def test_separable_loss_fp64(chunk_rows, entropy, temperature):
+    rows, weight, labels, old, adv = _problem(37, ignore=True)
+    if temperature == "rows":
+        temperature = torch.rand(37, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) + 0.5
+    loss = _ppo(old, adv)
+    logp, ent, grads, rerun = _run(
+        rows, weight, labels, loss, entropy=entropy, temperature=temperature, chunk_rows=chunk_rows
+    )
+    ref_logp, ref_ent, ref_grads = _expected(rows, weight, labels, loss, entropy=entropy, temperature=temperature)
+    assert rerun == 0
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-12)
+    assert torch.all(logp[labels == IGNORE] == 0)
+    if entropy:
+        torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-12)
+    else:
+        assert ent is None
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+
+
+def _gspo(old, adv):
+    """A sequence-level ratio over all rows (not separable)."""
+
+    def loss(logp, entropy):
+        return -(adv * torch.exp((logp.double() - old).mean())).mean()
+
+    return loss
+
+
+@pytest.mark.parametrize(
+    "case", ["not separable", "scaled backward", "entropy only", "no gradient from the probe", "probe wrong"]
+)
+def test_exact_whatever_the_probe(case):
+    """The backward runs the rows whose gradient differs from the probe's through the head again:
+    the gradients are the reference's in every case (a loss of the entropies alone is separable:
+    no row runs again)."""
+    rows, weight, labels, old, adv = _problem(29, seed=1)
+    loss, probe_loss, entropy = _ppo(old, adv), None, True
+    if case == "not separable":
+        loss = _gspo(old, adv)
+    elif case == "scaled backward":
+        base = _ppo(old, adv)
+        probe_loss = base
+
+        def loss(logp, ent):
+            return 3.0 * base(logp, ent)
+
+    elif case == "entropy only":
+
+        def loss(logp, ent):
+            return ent.double().sum() + 0.0 * logp.double().sum()
+
+    elif case == "no gradient from the probe":
+
+        def probe_loss(logp, ent):
+            return torch.zeros((), dtype=torch.float64, requires_grad=True)
+
+    elif case == "probe wrong":
+        probe_loss = _ppo(old + 0.5, -adv)
+    logp, ent, grads, rerun = _run(rows, weight, labels, loss, entropy=entropy, probe_loss=probe_loss, chunk_rows=8)
+    _, _, ref_grads = _expected(rows, weight, labels, loss, entropy=entropy)
+    assert (rerun == 0) if case == "entropy only" else (rerun > 0)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("frozen", ["weight", "rows"])
+def test_one_input_frozen(frozen):
+    rows, weight, labels, old, adv = _problem(21, seed=2)
+    (weight if frozen == "weight" else rows).requires_grad_(False)
+    loss = _ppo(old, adv)
+    _, _, grads, rerun = _run(rows, weight, labels, loss, entropy=True, chunk_rows=5)
+    _, _, ref_grads = _expected(rows, weight, labels, loss, entropy=True)
+    assert rerun == 0 and len(grads) == 1
+    torch.testing.assert_close(grads[0], ref_grads[0], rtol=0, atol=1e-13)
+
+
+def test_no_rows():
+    rows, weight, labels, old, adv = _problem(0)
+    logp, ent, grads, _ = _run(rows, weight, labels, _ppo(old, adv, entropy_coef=0.0), entropy=True)
+    assert logp.shape == (0,) and ent.shape == (0,)
+    for g, x in zip(grads, (rows, weight)):
+        assert g is None or (g.shape == x.shape and torch.all(g == 0))
+
+
+def test_all_rows_ignored():
+    rows, weight, labels, old, adv = _problem(9, seed=4)
+    labels[:] = IGNORE
+    logp, _, grads, rerun = _run(rows, weight, labels, _ppo(old, adv), entropy=False, chunk_rows=4)
+    assert torch.all(logp == 0) and rerun == 0
+    for g in grads:
+        assert torch.all(g == 0) and not torch.isnan(g).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_tolerance_rule(dtype):
+    """The tolerance rule (``rlvr_kernels.testing._compare``) against torch in the same dtype for
+    the log-probs (derived from logits larger than them) and both gradients (sums: over the rows
+    for the head's, summed chunk by chunk in fp32 and rounded once; over the vocabulary for the
+    rows')."""
+    rows64, weight64, labels, old, adv = _problem(300, h=32, v=96, seed=5)
+    loss = _ppo(old, adv)
+    rows = rows64.detach().to(dtype).requires_grad_()
+    weight = weight64.detach().to(dtype).requires_grad_()
+    logp, _, grads, rerun = _run(rows, weight, labels, loss, entropy=True, chunk_rows=64)
+    assert rerun == 0
+    r64 = rows.detach().double().requires_grad_()
+    w64 = weight.detach().double().requires_grad_()
+    z64 = (r64 @ w64.t()).detach().requires_grad_()
+    lsm = torch.log_softmax(z64, -1)
+    ref_logp, ref_ent = lsm.gather(1, labels[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
+    (d_z,) = torch.autograd.grad(loss(ref_logp, ref_ent), [z64])
+    ref_grads = (d_z @ w64.detach(), d_z.t() @ r64.detach())
+    torch_logp, torch_ent = _reference(rows, weight, labels, 1.0, dtype=dtype)
+    torch_grads = torch.autograd.grad(loss(torch_logp, torch_ent), [rows, weight])
+    checks = [
+        compare("logp", logp, ref_logp, torch_logp, torch.float32, atol_scale=float(z64.abs().max())),
+        compare(
+            "d_rows", grads[0], ref_grads[0], torch_grads[0], dtype,
+            reduction=(float((d_z.abs() @ w64.detach().abs()).max()), weight.shape[0]),
+        ),
+        compare(
+            "d_weight", grads[1], ref_grads[1], torch_grads[1], dtype,
+            reduction=(float((d_z.abs().t() @ r64.detach().abs()).max()), rows.shape[0]),
+        ),
+    ]  # fmt: skip
+    assert all(c.ok for c in checks), checks
+
+
+def test_logits_one_chunk_at_a_time(monkeypatch):
+    """The largest allocation of a step is one chunk of logits (CHUNK_ELEMENTS), never the
+    ``[N, V]`` logits."""
+    n, v = 512, 2048
+    rows, weight, labels, old, adv = _problem(n, h=8, v=v, dtype=torch.float32, seed=6)
+    monkeypatch.setattr(hg, "CHUNK_ELEMENTS", 64 * v)
+    loss = _ppo(old, adv)
+
+    def step():
+        _run(rows, weight, labels, loss, entropy=True)
+
+    largest = largest_allocation(step)
+    assert largest <= 64 * v * 4, (largest, 64 * v * 4)
+    assert largest < n * v * 4 // 4
+
+
+def test_bad_arguments():
+    rows, weight, labels, old, adv = _problem(5)
+    probe = _probe_of(_ppo(old, adv))
+    with pytest.raises(ValueError, match="rows, weight"):
+        hg.head_logprobs(rows[:, :3], weight, labels, probe=probe)
+    with pytest.raises(ValueError, match="labels"):
+        hg.head_logprobs(rows, weight, labels[:3], probe=probe)
+    with pytest.raises(TypeError, match="probe"):
+        hg.head_logprobs(rows, weight, labels, probe=None)
+
+
+@settings(deadline=None, max_examples=25)
+@given(
+    n=st.integers(0, 40),
+    v=st.integers(2, 50),
+    chunk=st.one_of(st.none(), st.integers(1, 45)),
+    entropy=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_sizes(n, v, chunk, entropy, seed):
+    rows, weight, labels, old, adv = _problem(n, h=6, v=v, seed=seed, ignore=True)
+    loss = _ppo(old, adv)
+    logp, ent, grads, rerun = _run(rows, weight, labels, loss, entropy=entropy, chunk_rows=chunk)
+    ref_logp, ref_ent, ref_grads = _expected(rows, weight, labels, loss, entropy=entropy)
+    assert rerun == 0
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-12)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
