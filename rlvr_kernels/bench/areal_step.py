@@ -34,7 +34,17 @@ from typing import Any, Callable, Dict, Iterator, Tuple
 import torch
 
 from .timing import peak_extra_gb
-from .trainer import MEMORY_NOTE, model_note, qwen2_config, run_methods, shape, step_result, switch_to
+from .trainer import (
+    MEMORY_NOTE,
+    floor_target,
+    head_floor,
+    model_note,
+    qwen2_config,
+    run_methods,
+    shape,
+    step_result,
+    switch_to,
+)
 
 # key -> (label, apply() switches or None for stock)
 METHODS: Dict[str, Tuple[str, Any]] = {
@@ -142,6 +152,11 @@ def workload(device: str, quick: bool = False) -> Dict:
         engine, data = build(device, quick)
         make_step = functools.partial(step_fn, engine, data)
         rows, losses, rounds = run_methods(METHODS, _switch, make_step, restore, device, quick, __name__)
+        try:  # the applied step with the head's gradient formed in the forward (auto: at these sizes)
+            switch_to({"grad_in_forward": True}, rk_areal.apply, rk_areal.unapply)
+            floor = head_floor(make_step(), device, quick)
+        finally:
+            restore()
     step = (
         f"{s['B']} responses of up to {s['C']} tokens after prompts of up to {s['P']} (one packed micro-batch); "
         "decoupled PPO with token rejection sampling, fp32; one step = AReaL's train_batch: forward, log-probs, "
@@ -150,7 +165,11 @@ def workload(device: str, quick: bool = False) -> Dict:
     )
     notes = [model_note(s) + step, MEMORY_NOTE + " (the second step: after the compile and AdamW's state)"]
     title = f"one AReaL FSDP engine training step (train_batch), V={s['V']}, H={s['H']}, B={s['B']}, responses"
-    return step_result(title, quick, rows, losses, notes, stock="areal")
+    result = step_result(title, quick, rows, losses, notes, stock="areal")
+    bound, note = floor_target(floor, next(r["ms"] for r in rows if r["key"] == "areal"))
+    result["targets"].append(bound)
+    result["notes"].insert(-1, note)
+    return result
 
 
 WORKLOADS: Dict[str, Callable] = {"areal_engine_step": workload}

@@ -15,7 +15,9 @@ head, as stock TRL does off Triton devices). Peak memory: each row once in a fre
 from __future__ import annotations
 
 import functools
+import statistics
 import tempfile
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -250,6 +252,82 @@ def step_result(title: str, quick: bool, rows: List[Dict], losses: Dict[str, flo
         "targets": [{"target": "stock / applied step time", "measured": ms[stock] / ms["fused"], "met": "info"}],
         "notes": notes + [f"loss agreement with stock: {agreement}"],
     }
+
+
+def head_floor(step: Callable[[], object], device: str, quick: bool) -> Dict[str, float]:
+    """Where the applied logit-free step (``step``, with the head's gradient formed in the
+    forward) spends its time: ``head_ms`` in the head (``integrations/_head_grad``'s forward,
+    which forms every gradient of the head; its backward only returns them), ``rest_ms`` the
+    rest of the step, ``rows`` through the head, and ``gemms_ms`` the three ``[rows, H] x
+    [H, V]`` GEMMs of those rows timed on their own (torch.mm at this machine's rate): an exact
+    step cannot take less than ``rest_ms + gemms_ms``. Medians of a few steps."""
+    from ..integrations import _head_grad
+
+    function = _head_grad._HeadGradInForward
+    forward = function.forward
+    seen: Dict[str, Any] = {"s": 0.0, "rows": 0, "shape": None}
+
+    def timed(ctx, rows, weight, *args):
+        _sync(device)
+        t = time.perf_counter()
+        out = forward(ctx, rows, weight, *args)
+        _sync(device)
+        seen["s"] += time.perf_counter() - t
+        seen["rows"], seen["shape"] = rows.shape[0], (weight.shape[0], weight.dtype)
+        return out
+
+    function.forward = staticmethod(timed)
+    totals, heads = [], []
+    try:
+        step()
+        for _ in range(2 if quick else 5):
+            seen["s"] = 0.0
+            totals.append(time_fn(step, device, repeats=1, warmup=0)["ms"])
+            heads.append(seen["s"] * 1e3)
+    finally:
+        function.forward = staticmethod(forward)
+    if seen["shape"] is None:
+        raise RuntimeError("head_floor: the step did not form the head's gradient in the forward")
+    (vocab, dtype), n = seen["shape"], seen["rows"]
+    hidden = torch.randn(n, shape(quick)["H"], device=device, dtype=dtype)
+    weight = torch.randn(vocab, hidden.shape[1], device=device, dtype=dtype)
+
+    def gemms():
+        logits = hidden @ weight.t()
+        logits @ weight
+        logits.t() @ hidden
+
+    total, head = statistics.median(totals), statistics.median(heads)
+    return {
+        "head_ms": head,
+        "rest_ms": total - head,
+        "rows": n,
+        "hidden": hidden.shape[1],
+        "vocab": vocab,
+        "gemms_ms": time_fn(gemms, device, repeats=5 if not quick else 2)["ms"],
+    }
+
+
+def floor_target(floor: Dict[str, float], stock_ms: float) -> Tuple[Dict, str]:
+    """The step-time bound an exact logit-free step has on this machine, and its note."""
+    bound = stock_ms / (floor["rest_ms"] + floor["gemms_ms"])
+    gflops = 3 * 2 * floor["rows"] * floor["hidden"] * floor["vocab"] / floor["gemms_ms"] / 1e6
+    note = (
+        f"the applied step's head: {floor['head_ms']:.0f} ms for {floor['rows']} rows (its three GEMMs alone "
+        f"{floor['gemms_ms']:.0f} ms, {gflops:.0f} GFLOP/s), the rest of the step {floor['rest_ms']:.0f} ms: an exact "
+        f"step takes at least the rest + those GEMMs, at most {bound:.2f}x stock's time on this machine (measured "
+        "after the rounds)"
+    )
+    return {
+        "target": "bound: stock / (rest of the step + three GEMMs of the head rows)",
+        "measured": bound,
+        "met": "info",
+    }, note
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 WORKLOADS: Dict[str, Callable] = {"grpo_trainer_step": workload}

@@ -32,10 +32,16 @@ import torch
 
 from ..ops.logprobs import logprobs_from_logits
 
-__all__ = ["CHUNK_ELEMENTS", "STATS", "head_logprobs"]
+__all__ = ["CHUNK_ELEMENTS", "MIN_MACS", "STATS", "check_setting", "chosen", "head_logprobs"]
 
 # Logits held at once: chunk rows × vocabulary ≤ this (64 MiB of fp32), at least one row.
 CHUNK_ELEMENTS = 1 << 24
+
+# ``grad_in_forward=None`` of the integrations ("auto"): formed in the forward where that was
+# measured faster, the rows on the CPU and at least this many multiply-adds in each of the head's
+# GEMMs (below, the loss evaluations cost more than the GEMM saved; on a GPU, where the GEMM is
+# far cheaper than a loss evaluation's launches and host reads, it has not been measured).
+MIN_MACS = 1 << 30
 
 # Counters (for tests and benchmark notes): steps served, rows whose gradient was formed in the
 # forward, rows the backward ran through the head again.
@@ -209,6 +215,22 @@ class _HeadGradInForward(torch.autograd.Function):
                 _chunk_pass(rows[sel], weight, labels[sel], t, ctx.entropy, ctx.head, ctx.backend, grad_of, grads, sel)
         d_rows, d_weight = grads.result(weight)
         return d_rows, d_weight, None, None, None, None, None, None, None
+
+
+def check_setting(value: Any) -> Optional[bool]:
+    """An integration's ``grad_in_forward``: True, False or None (auto, :func:`chosen`)."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"grad_in_forward: expected a bool or None (auto), got {type(value).__name__}")
+    return value
+
+
+def chosen(setting: Optional[bool], rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a step whose loss is separable forms the head's gradient in the forward:
+    ``setting`` itself when it is a bool; None (auto): the rows on the CPU and at least
+    :data:`MIN_MACS` multiply-adds per GEMM."""
+    if setting is not None:
+        return setting
+    return rows.device.type == "cpu" and rows.shape[0] * rows.shape[1] * weight.shape[0] >= MIN_MACS
 
 
 def head_logprobs(

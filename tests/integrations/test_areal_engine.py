@@ -200,7 +200,8 @@ def test_engine_steps_match_stock(model_dir, temperature, loss_rows_only, grad_i
         assert counts["areal.FSDPEngine.forward_backward_batch[loss rows]"] == 2
     else:
         assert counts["areal.FSDPEngine.forward_backward_batch"] == 4
-    assert counts.get("areal.FSDPEngine.forward_backward_batch.grad_in_forward", 0) == int(grad_in_forward)
+    # (counted per micro-batch: train_batch's two)
+    assert counts.get("areal.FSDPEngine.forward_backward_batch.grad_in_forward", 0) == 2 * int(grad_in_forward)
     assert _head_grad.STATS["rerun_rows"] == rerun
     torch.testing.assert_close(ours[0], stock[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(ours[1], stock[1], atol=1e-6, rtol=1e-5)
@@ -227,7 +228,7 @@ def test_no_tokens_by_vocab_allocation(monkeypatch, model_dir):
     logits_bytes = tokens * V * 4
     stock = run()
     assert stock >= logits_bytes, (stock, logits_bytes)
-    rk.apply()
+    rk.apply(grad_in_forward=True)
     # the head's gradient formed in the forward holds one chunk of logits at a time: a budget
     # of an eighth of this batch's logits makes the chunks distinct
     monkeypatch.setattr(_head_grad, "CHUNK_ELEMENTS", logits_bytes // 4 // 8)
@@ -290,7 +291,7 @@ def test_grad_in_forward_only_for_a_separable_loss(model_dir, setting):
         return out["grad_norm"]
 
     stock = run()
-    rk.apply()
+    rk.apply(grad_in_forward=True)
     ours = run()
     counts = call_counts()
     assert counts["areal.FSDPEngine.forward_backward_batch[loss rows]"] == 1
@@ -345,7 +346,7 @@ def test_unapply_restores_identical_objects():
         logit_free=True,
         logits_precision="fp32",
         loss_rows_only=True,
-        grad_in_forward=True,
+        grad_in_forward=None,
         strict=True,
     )
     assert rk.unapply()
@@ -363,6 +364,10 @@ def test_apply_checks_its_arguments():
         rk.apply(logit_free=False, logits_precision="bf16")
     with pytest.raises(ValueError, match="loss_rows_only"):
         rk.apply(logit_free=False, loss_rows_only=False)
+    with pytest.raises(ValueError, match="grad_in_forward"):
+        rk.apply(logit_free=False, grad_in_forward=False)
+    with pytest.raises(TypeError, match="grad_in_forward"):
+        rk.apply(grad_in_forward="auto")
     assert not rk.is_applied()
 
 

@@ -135,8 +135,8 @@ def _kernel_output_bytes(fn) -> int:
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("call", ["infer_batch", "train_batch"])
-def test_no_tokens_by_vocab_allocation(monkeypatch, model_dir, call):
+@pytest.mark.parametrize("call,grad_in_forward", [("infer_batch", None), ("train_batch", None), ("train_batch", True)])
+def test_no_tokens_by_vocab_allocation(monkeypatch, model_dir, call, grad_in_forward):
     """The largest allocation: stock at least the fp32 logits (tokens × vocab × 4 bytes); applied,
     less than tokens × vocab bytes (a quarter of the logits). Entropy on."""
 
@@ -151,14 +151,13 @@ def test_no_tokens_by_vocab_allocation(monkeypatch, model_dir, call):
 
     stock, _, logits_bytes = run()
     assert stock >= logits_bytes, (stock, logits_bytes)
-    rk.apply()
+    rk.apply(grad_in_forward=grad_in_forward)
     # the head's gradient formed in the forward holds one chunk of logits at a time: a budget
     # of an eighth of this batch's logits makes the chunks distinct
     monkeypatch.setattr(_head_grad, "CHUNK_ELEMENTS", logits_bytes // 4 // 8)
     ours, kernel_bytes, _ = run()
     assert call_counts()["verl.forward_step"] == 1
-    if call == "train_batch":
-        assert call_counts()["verl.forward_step.grad_in_forward"] == 1
+    assert call_counts().get("verl.forward_step.grad_in_forward", 0) == int(bool(grad_in_forward))
     # (the largest left are weight-sized and the attention's [tokens, tokens] mask)
     assert ours < logits_bytes // 4, (ours, logits_bytes)
     # all the C++ kernels' outputs of the step together: the backward's workspace of one
@@ -193,12 +192,10 @@ def test_matches_stock(monkeypatch, model_dir, remove_padding, temperature):
     stock = run()
     rk.apply()
     ours = run()
-    assert call_counts() == {
-        "verl.forward_step": 2,
-        "verl.forward_step.loss_rows": 1,
-        "verl.forward_step.grad_in_forward": 1,
-        "verl.ppo_loss": 1,
-    }, call_counts()
+    # (grad_in_forward auto: this model's head is below _head_grad.MIN_MACS)
+    assert call_counts() == {"verl.forward_step": 2, "verl.forward_step.loss_rows": 1, "verl.ppo_loss": 1}, (
+        call_counts()
+    )
     assert stock[0]["log_probs"].dtype == ours[0]["log_probs"].dtype == torch.float32
     _close(ours, stock, 1e-5)
 
@@ -223,7 +220,7 @@ def test_grad_in_forward_matches_stock(monkeypatch, model_dir, loss_mode, overri
         torch.manual_seed(0)  # verl's clip_cov draws its token selection from the global RNG
     td = _td(train=True, entropy=True)
     stock = _train(_engine(monkeypatch, model_dir), td, loss_mode, **overrides)
-    rk.apply()
+    rk.apply(grad_in_forward=True)
     before = dict(_head_grad.STATS)
     if loss_mode == "clip_cov":
         torch.manual_seed(0)
@@ -233,6 +230,19 @@ def test_grad_in_forward_matches_stock(monkeypatch, model_dir, loss_mode, overri
     assert call_counts()["verl.forward_step.loss_rows"] == 1
     assert _head_grad.STATS["steps"] - before["steps"] == int(separable)
     assert _head_grad.STATS["rerun_rows"] == before["rerun_rows"]
+    _close(ours, stock, 1e-5)
+
+
+@pytest.mark.parametrize("min_macs,formed", [(0, True), (1 << 62, False)])
+def test_grad_in_forward_auto(monkeypatch, model_dir, min_macs, formed):
+    """apply()'s grad_in_forward=None: formed in the forward for CPU rows with at least
+    _head_grad.MIN_MACS multiply-adds per GEMM, else linear_logprobs' backward; verl's numbers."""
+    td = _td(train=True)
+    stock = _train(_engine(monkeypatch, model_dir), td)
+    rk.apply()
+    monkeypatch.setattr(_head_grad, "MIN_MACS", min_macs)
+    ours = _train(_engine(monkeypatch, model_dir), td)
+    assert call_counts().get("verl.forward_step.grad_in_forward", 0) == int(formed), call_counts()
     _close(ours, stock, 1e-5)
 
 
@@ -250,6 +260,7 @@ def test_grad_in_forward_and_loss_rows_off(monkeypatch, model_dir):
             rk.apply(logit_free=False, **{name: False})
         with pytest.raises(TypeError, match=name):
             rk.apply(**{name: 1})
+    rk.apply(logit_free=False)  # the defaults (True, None: auto) are accepted without it
 
 
 def test_match_sampling_reaches_the_op(monkeypatch, model_dir):

@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from ...ops.logprobs import linear_logprobs
 from .._backend import current_backend
-from .._head_grad import head_logprobs
+from .._head_grad import chosen, head_logprobs
 from .._lm_head import MODELS, served_forwards
 from .._patch import record, uncounted
 from . import _head
@@ -151,10 +151,13 @@ def _logit_free_forward(model, engine, call: _Call, *args, **kwargs):
     n = hidden.shape[0] * hidden.shape[1]
     temperature = float(engine.config.temperature)
     with torch.autocast(rows.device.type, enabled=False):
-        if call.process_output is not None and torch.is_grad_enabled():
+        rows, weight = rows.to(dtype), model.lm_head.weight.to(dtype)
+        probed = call.process_output is not None and torch.is_grad_enabled()
+        if probed and chosen(_head.GRAD_IN_FORWARD, rows, weight):
+            record("areal.FSDPEngine.forward_backward_batch.grad_in_forward")
             logp, entropy = head_logprobs(
-                rows.to(dtype),
-                model.lm_head.weight.to(dtype),
+                rows,
+                weight,
                 labels,
                 temperature=temperature,
                 entropy=call.entropy,
@@ -164,8 +167,8 @@ def _logit_free_forward(model, engine, call: _Call, *args, **kwargs):
             )
         else:
             res = linear_logprobs(
-                rows.to(dtype),
-                model.lm_head.weight.to(dtype),
+                rows,
+                weight,
                 labels,
                 temperature=temperature,
                 return_entropy=call.entropy,
@@ -316,12 +319,10 @@ def make_forward_backward_batch(original: Callable, strict: bool = True) -> Call
         loss_fn = _loss_fn_of(process_output_fn)
         rows_only = _head.LOSS_ROWS_ONLY and entropy and reads_loss_rows_only(loss_fn)
         record("areal.FSDPEngine.forward_backward_batch" + ("[loss rows]" if rows_only else ""))
-        grad_in_forward = (
-            not forward_only and entropy and _head.GRAD_IN_FORWARD and not self.parallel_helper.sp_size > 1
+        probed = (  # the head decides (_head_grad.chosen)
+            not forward_only and entropy and _head.GRAD_IN_FORWARD is not False and not self.parallel_helper.sp_size > 1
         ) and forms_grad_in_forward(loss_fn)
-        if grad_in_forward:
-            record("areal.FSDPEngine.forward_backward_batch.grad_in_forward")
-        with _swapped(self, _Call(entropy, rows_only, process_output_fn if grad_in_forward else None)):
+        with _swapped(self, _Call(entropy, rows_only, process_output_fn if probed else None)):
             return original(self, mb_list, process_output_fn, forward_only)
 
     forward_backward_batch.__wrapped_areal__ = original

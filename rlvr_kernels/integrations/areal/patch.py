@@ -25,7 +25,9 @@ only the rows of the loss mask go through the fused head, log-prob and entropy 0
 row, as AReaL. ``forward_batch`` (``compute_logp``) and any other ``loss_fn`` always score every row.
 ``grad_in_forward`` (``train_batch`` with a ``grpo_loss_fn`` separable over tokens: token-level
 importance sampling, no M2PO, recomputed proximal log-probs): the head's gradient is formed in
-the forward, three GEMMs instead of four (exact whatever the loss: ``integrations/_head_grad.py``).
+the forward, three GEMMs instead of four (exact whatever the loss: ``integrations/_head_grad.py``):
+True always, False never, None (the default) where that was measured faster (rows on the CPU, at
+least ``_head_grad.MIN_MACS`` multiply-adds per GEMM).
 
 ``strict=True`` (the default): AReaL outside the tested range raises PatchError, and an engine
 call the logit-free path cannot serve raises NotImplementedError naming the reason;
@@ -41,6 +43,7 @@ from typing import Any, Dict, Optional
 import rlvr_kernels.integrations.areal._head as _ours_head
 
 from ..._core.validation import check_bools
+from .._head_grad import check_setting as check_grad_in_forward
 from .._lm_head import check_logits_precision
 from .._patch import Build, Integration, Target
 from .fsdp_engine import make_compute_forward_result, make_compute_logprobs_and_loss, make_forward_backward_batch
@@ -64,7 +67,7 @@ def apply(
     logit_free: bool = True,
     logits_precision: str = "fp32",
     loss_rows_only: bool = True,
-    grad_in_forward: bool = True,
+    grad_in_forward: Optional[bool] = None,
     strict: bool = True,
     count_calls: Optional[bool] = None,
 ) -> None:
@@ -75,16 +78,16 @@ def apply(
         logprobs=logprobs,
         logit_free=logit_free,
         loss_rows_only=loss_rows_only,
-        grad_in_forward=grad_in_forward,
         strict=strict,
     )
+    check_grad_in_forward(grad_in_forward)
     check_logits_precision(logits_precision)
     if not logit_free and logits_precision != "fp32":
         raise ValueError(
             "logits_precision: acts on the logit-free engine, which apply(logit_free=False) does not install"
         )
     for name, value in (("loss_rows_only", loss_rows_only), ("grad_in_forward", grad_in_forward)):
-        if not logit_free and not value:
+        if not logit_free and value is False:
             raise ValueError(f"{name}: acts on the logit-free engine, which apply(logit_free=False) does not install")
 
     def plan():

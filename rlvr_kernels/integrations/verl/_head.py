@@ -16,9 +16,10 @@ from typing import Any, Dict, Optional
 
 LOGITS_PRECISION = "fp32"
 # The logit-free engine step (transformer_impl): only the rows the actor loss reads through the
-# head, and, for a loss separable over tokens, the head's gradient formed in the forward.
+# head, and, for a loss separable over tokens, the head's gradient formed in the forward (None:
+# where measured faster, integrations/_head_grad.chosen).
 LOSS_ROWS_ONLY = True
-GRAD_IN_FORWARD = True
+GRAD_IN_FORWARD: Optional[bool] = None
 # linear_logprobs / logprobs_from_logits keyword arguments of the rollout's kept set (top_k,
 # top_p, sampling_convention), or None: the full vocabulary.
 SAMPLING: Optional[Dict[str, Any]] = None

@@ -70,6 +70,7 @@ import rlvr_kernels.integrations.verl.torch_functional as _ours_tf
 import rlvr_kernels.integrations.verl.transformer_impl as _ours_engine
 
 from ..._core.validation import check_bools
+from .._head_grad import check_setting as check_grad_in_forward
 from .._patch import Build, Integration, Needs, Target, record
 from ._losses import KL_FUSED, KL_UNFUSED, LOSS_MODES
 from .losses import policy_loss_verl
@@ -287,7 +288,7 @@ def apply(
     rollout_correction: bool = True,
     logit_free: bool = True,
     loss_rows_only: bool = True,
-    grad_in_forward: bool = True,
+    grad_in_forward: Optional[bool] = None,
     logits_precision: str = "fp32",
     match_sampling: bool = False,
     rollout_config: Any = None,
@@ -314,7 +315,9 @@ def apply(
     binds it): ``loss_rows_only`` sends only the response rows (those ``ppo_loss`` reads) through
     the head, 0 elsewhere; ``grad_in_forward``, for a loss mode separable over tokens
     (:data:`.transformer_impl.SEPARABLE_LOSS_MODES`), forms the head's gradient in the forward
-    (three GEMMs instead of four; exact for any loss, see ``integrations/_head_grad.py``).
+    (three GEMMs instead of four; exact for any loss, see ``integrations/_head_grad.py``): True
+    always, False never, None (the default) where that was measured faster (rows on the CPU, at
+    least ``_head_grad.MIN_MACS`` multiply-adds per GEMM).
 
     Opt-in (the defaults are verl's numbers): ``logits_precision`` ("fp32" | "bf16") of the
     log-prob drop-ins; ``match_sampling=True`` with ``rollout_config`` (verl's
@@ -333,13 +336,13 @@ def apply(
         mismatch_metrics=mismatch_metrics,
         logit_free=logit_free,
         loss_rows_only=loss_rows_only,
-        grad_in_forward=grad_in_forward,
     )
+    check_grad_in_forward(grad_in_forward)
     if not logprobs and (match_sampling or precision != "fp32"):
         name = "match_sampling" if match_sampling else "logits_precision"
         raise ValueError(f"{name}: acts on the log-prob drop-ins, which apply(logprobs=False) does not install")
     for name, value in (("loss_rows_only", loss_rows_only), ("grad_in_forward", grad_in_forward)):
-        if not (logit_free and logprobs) and not value:
+        if not (logit_free and logprobs) and value is False:
             raise ValueError(f"{name}: acts on the logit-free engine, which apply(logit_free=False) does not install")
     if rollout_config is not None and not match_sampling:
         raise ValueError("rollout_config: only read with match_sampling=True")

@@ -56,7 +56,7 @@ import torch
 
 from ...ops.logprobs import linear_logprobs
 from .._backend import current_backend
-from .._head_grad import head_logprobs
+from .._head_grad import chosen, head_logprobs
 from .._lm_head import MODELS
 from .._lm_head import served_forwards as _served_forwards
 from .._patch import record, uncounted
@@ -166,7 +166,9 @@ def _logit_free_forward(model, state: Dict[str, Any], *args, **kwargs):
             temperature = temperature[where]
     entropy_on = state["calculate_entropy"]
     with torch.autocast(rows.device.type, enabled=False):
-        if state.get("loss_function") is not None and torch.is_grad_enabled():
+        probed = state.get("loss_function") is not None and torch.is_grad_enabled()
+        if probed and chosen(_head.GRAD_IN_FORWARD, rows, weight):
+            record("verl.forward_step.grad_in_forward")
             logp, entropy = head_logprobs(
                 rows,
                 weight,
@@ -267,8 +269,9 @@ def _reads_response_rows_only(loss_function) -> Optional[Any]:
     while isinstance(fn, functools.partial):
         keywords = {**fn.keywords, **keywords}
         fn = fn.func
-    current = verl_losses.ppo_loss
-    if fn is not current and fn is not getattr(current, "__wrapped_verl__", current):
+    # verl's function, or a patched one of ours around it (also one bound before a later apply())
+    original = getattr(verl_losses.ppo_loss, "__wrapped_verl__", verl_losses.ppo_loss)
+    if fn is not original and getattr(fn, "__wrapped_verl__", None) is not original:
         return None
     return keywords.get("config")
 
@@ -348,13 +351,11 @@ def make_forward_step(original: Callable) -> Callable:
             config = _reads_response_rows_only(loss_function)
         if config is not None:
             state["rows_only"] = _head.LOSS_ROWS_ONLY
-            if _head.GRAD_IN_FORWARD and _separable(config) and getattr(self, "scaler", None) is None:
-                state["loss_function"] = loss_function
+            if _head.GRAD_IN_FORWARD is not False and _separable(config) and getattr(self, "scaler", None) is None:
+                state["loss_function"] = loss_function  # the head decides (_head_grad.chosen)
         record("verl.forward_step")
         if state["rows_only"]:
             record("verl.forward_step.loss_rows")
-        if state["loss_function"] is not None:
-            record("verl.forward_step.grad_in_forward")
         with _swapped(self, _inner(self), state):
             return original(self, micro_batch, loss_function, forward_only)
 
