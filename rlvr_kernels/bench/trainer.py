@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import statistics
 import tempfile
-import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -256,55 +255,43 @@ def step_result(title: str, quick: bool, rows: List[Dict], losses: Dict[str, flo
 
 def head_floor(step: Callable[[], object], device: str, quick: bool) -> Dict[str, float]:
     """Where the applied logit-free step (``step``, with the head's gradient formed in the
-    forward) spends its time: ``head_ms`` in the head (``integrations/_head_grad``'s forward,
-    which forms every gradient of the head; its backward only returns them), ``rest_ms`` the
-    rest of the step, ``rows`` through the head, and ``gemms_ms`` the three ``[rows, H] x
-    [H, V]`` GEMMs of those rows timed on their own (torch.mm at this machine's rate): an exact
-    step cannot take less than ``rest_ms + gemms_ms``. Medians of a few steps."""
-    from ..integrations import _head_grad
+    forward) spends its time: ``head_ms`` in the head (the profiler range
+    "rlvr_kernels.head_grad_in_forward[<rows>x<vocab>]" of the integrations' head, which forms
+    every gradient of the head; its backward only returns them), ``rest_ms`` the rest of the
+    step (its time unprofiled less the head's), ``rows`` through the head, and ``gemms_ms`` the
+    three ``[rows, H] x [H, V]`` GEMMs of those rows timed on their own (torch.mm at this
+    machine's rate): an exact step cannot take less than ``rest_ms + gemms_ms``. Medians."""
+    from torch.profiler import ProfilerActivity, profile
 
-    function = _head_grad._HeadGradInForward
-    forward = function.forward
-    seen: Dict[str, Any] = {"s": 0.0, "rows": 0, "shape": None}
-
-    def timed(ctx, rows, weight, *args):
-        _sync(device)
-        t = time.perf_counter()
-        out = forward(ctx, rows, weight, *args)
-        _sync(device)
-        seen["s"] += time.perf_counter() - t
-        seen["rows"], seen["shape"] = rows.shape[0], (weight.shape[0], weight.dtype)
-        return out
-
-    function.forward = staticmethod(timed)
-    totals, heads = [], []
-    try:
-        step()
-        for _ in range(2 if quick else 5):
-            seen["s"] = 0.0
-            totals.append(time_fn(step, device, repeats=1, warmup=0)["ms"])
-            heads.append(seen["s"] * 1e3)
-    finally:
-        function.forward = staticmethod(forward)
-    if seen["shape"] is None:
-        raise RuntimeError("head_floor: the step did not form the head's gradient in the forward")
-    (vocab, dtype), n = seen["shape"], seen["rows"]
-    hidden = torch.randn(n, shape(quick)["H"], device=device, dtype=dtype)
-    weight = torch.randn(vocab, hidden.shape[1], device=device, dtype=dtype)
+    repeats = 2 if quick else 5
+    total = time_fn(step, device, repeats=repeats, warmup=1)["ms"]
+    heads, rows, vocab = [], 0, 0
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    for _ in range(repeats):
+        with profile(activities=activities) as prof:
+            step()
+            _sync(device)
+        ranges = [e for e in prof.events() if e.name.startswith("rlvr_kernels.head_grad_in_forward[")]
+        if not ranges:
+            raise RuntimeError("head_floor: the step did not form the head's gradient in the forward")
+        heads.append(sum(e.cpu_time_total for e in ranges) / 1e3)
+        rows, vocab = (int(x) for x in ranges[0].name.split("[")[1].rstrip("]").split("x"))
+    hidden = torch.randn(rows, shape(quick)["H"], device=device)
+    weight = torch.randn(vocab, hidden.shape[1], device=device)
 
     def gemms():
         logits = hidden @ weight.t()
         logits @ weight
         logits.t() @ hidden
 
-    total, head = statistics.median(totals), statistics.median(heads)
+    head = statistics.median(heads)
     return {
         "head_ms": head,
         "rest_ms": total - head,
-        "rows": n,
+        "rows": rows,
         "hidden": hidden.shape[1],
         "vocab": vocab,
-        "gemms_ms": time_fn(gemms, device, repeats=5 if not quick else 2)["ms"],
+        "gemms_ms": time_fn(gemms, device, repeats=repeats)["ms"],
     }
 
 

@@ -30,9 +30,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..ops.logprobs import logprobs_from_logits
+from ..ops.logprobs import linear_logprobs, logprobs_from_logits
+from ._patch import record
 
-__all__ = ["CHUNK_ELEMENTS", "MIN_MACS", "STATS", "check_setting", "chosen", "head_logprobs"]
+__all__ = ["CHUNK_ELEMENTS", "MIN_MACS", "STATS", "check_setting", "chosen", "head_logprobs", "step_head"]
 
 # Logits held at once: chunk rows × vocabulary ≤ this (64 MiB of fp32), at least one row.
 CHUNK_ELEMENTS = 1 << 24
@@ -42,6 +43,10 @@ CHUNK_ELEMENTS = 1 << 24
 # GEMMs (below, the loss evaluations cost more than the GEMM saved; on a GPU, where the GEMM is
 # far cheaper than a loss evaluation's launches and host reads, it has not been measured).
 MIN_MACS = 1 << 30
+
+# The profiler range of the forward (every gradient of the head is formed in it), named with the
+# rows and the vocabulary: "<PROFILE_RANGE>[<rows>x<vocab>]".
+PROFILE_RANGE = "rlvr_kernels.head_grad_in_forward"
 
 # Counters (for tests and benchmark notes): steps served, rows whose gradient was formed in the
 # forward, rows the backward ran through the head again.
@@ -261,7 +266,36 @@ def head_logprobs(
         raise ValueError(f"labels: expected [{rows.shape[0]}], got {tuple(labels.shape)}")
     if not callable(probe):
         raise TypeError("probe: expected a callable")
-    out = _HeadGradInForward.apply(
-        rows, weight, labels, temperature, bool(entropy), dict(head or {}), backend, probe, chunk_rows
-    )
+    with torch.profiler.record_function(f"{PROFILE_RANGE}[{rows.shape[0]}x{weight.shape[0]}]"):
+        out = _HeadGradInForward.apply(
+            rows, weight, labels, temperature, bool(entropy), dict(head or {}), backend, probe, chunk_rows
+        )
     return (out[0], out[1]) if entropy else (out[0], None)
+
+
+def step_head(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: Any,
+    entropy: bool,
+    probe: Optional[Probe],
+    setting: Optional[bool],
+    head: Dict[str, Any],
+    backend: str,
+    counted_as: str,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The head of an integration's logit-free step: :func:`head_logprobs` where the step gives a
+    ``probe`` (its loss is separable), gradients are on and :func:`chosen` says so for
+    ``setting`` (counted as ``counted_as``), else :func:`rlvr_kernels.linear_logprobs` and its
+    backward. (log-probs, entropies or None)."""
+    if probe is not None and torch.is_grad_enabled() and chosen(setting, rows, weight):
+        record(counted_as)
+        return head_logprobs(
+            rows, weight, labels, temperature=temperature, entropy=entropy, probe=probe, head=head, backend=backend
+        )
+    res = linear_logprobs(
+        rows, weight, labels, temperature=temperature, return_entropy=entropy, backend=backend, **head
+    )
+    return res.logp, res.entropy

@@ -43,9 +43,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from ...ops.logprobs import linear_logprobs
 from .._backend import current_backend
-from .._head_grad import chosen, head_logprobs
+from .._head_grad import step_head
 from .._lm_head import MODELS, served_forwards
 from .._patch import record, uncounted
 from . import _head
@@ -151,31 +150,18 @@ def _logit_free_forward(model, engine, call: _Call, *args, **kwargs):
     n = hidden.shape[0] * hidden.shape[1]
     temperature = float(engine.config.temperature)
     with torch.autocast(rows.device.type, enabled=False):
-        rows, weight = rows.to(dtype), model.lm_head.weight.to(dtype)
-        probed = call.process_output is not None and torch.is_grad_enabled()
-        if probed and chosen(_head.GRAD_IN_FORWARD, rows, weight):
-            record("areal.FSDPEngine.forward_backward_batch.grad_in_forward")
-            logp, entropy = head_logprobs(
-                rows,
-                weight,
-                labels,
-                temperature=temperature,
-                entropy=call.entropy,
-                probe=functools.partial(_probe, call, n, where),
-                head=_head.head_kwargs(),
-                backend=current_backend(),
-            )
-        else:
-            res = linear_logprobs(
-                rows,
-                weight,
-                labels,
-                temperature=temperature,
-                return_entropy=call.entropy,
-                backend=current_backend(),
-                **_head.head_kwargs(),
-            )
-            logp, entropy = res.logp, res.entropy
+        logp, entropy = step_head(
+            rows.to(dtype),
+            model.lm_head.weight.to(dtype),
+            labels,
+            temperature=temperature,
+            entropy=call.entropy,
+            probe=functools.partial(_probe, call, n, where) if call.process_output is not None else None,
+            setting=_head.GRAD_IN_FORWARD,
+            head=_head.head_kwargs(),
+            backend=current_backend(),
+            counted_as="areal.FSDPEngine.forward_backward_batch.grad_in_forward",
+        )
     # a ModelOutput, a fresh tensor (not a view): FSDP2 hooks the backward of the root's outputs
     return CausalLMOutputWithPast(logits=_columns(logp, entropy if call.entropy else None, n, where))
 

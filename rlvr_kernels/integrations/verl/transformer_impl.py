@@ -54,9 +54,8 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
-from ...ops.logprobs import linear_logprobs
 from .._backend import current_backend
-from .._head_grad import chosen, head_logprobs
+from .._head_grad import step_head
 from .._lm_head import MODELS
 from .._lm_head import served_forwards as _served_forwards
 from .._patch import record, uncounted
@@ -166,30 +165,19 @@ def _logit_free_forward(model, state: Dict[str, Any], *args, **kwargs):
             temperature = temperature[where]
     entropy_on = state["calculate_entropy"]
     with torch.autocast(rows.device.type, enabled=False):
-        probed = state.get("loss_function") is not None and torch.is_grad_enabled()
-        if probed and chosen(_head.GRAD_IN_FORWARD, rows, weight):
-            record("verl.forward_step.grad_in_forward")
-            logp, entropy = head_logprobs(
-                rows,
-                weight,
-                labels,
-                temperature=temperature,
-                entropy=entropy_on,
-                probe=functools.partial(_probe, model, state, n, where, dtype),
-                head=_head.head_kwargs(),
-                backend=current_backend(),
-            )
-        else:
-            res = linear_logprobs(
-                rows,
-                weight,
-                labels,
-                temperature=temperature,
-                return_entropy=entropy_on,
-                backend=current_backend(),
-                **_head.head_kwargs(),
-            )
-            logp, entropy = res.logp, res.entropy
+        separable = state.get("loss_function") is not None
+        logp, entropy = step_head(
+            rows,
+            weight,
+            labels,
+            temperature=temperature,
+            entropy=entropy_on,
+            probe=functools.partial(_probe, model, state, n, where, dtype) if separable else None,
+            setting=_head.GRAD_IN_FORWARD,
+            head=_head.head_kwargs(),
+            backend=current_backend(),
+            counted_as="verl.forward_step.grad_in_forward",
+        )
     return _head_output(logp, entropy if entropy_on else None, n, where, dtype)
 
 
