@@ -287,10 +287,11 @@ def step_head(
     counted_as: str,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The head of an integration's logit-free step: :func:`head_logprobs` where the step gives a
-    ``probe`` (its loss is separable), gradients are on and :func:`chosen` says so for
+    ``probe`` (its loss is separable), a gradient is wanted and :func:`chosen` says so for
     ``setting`` (counted as ``counted_as``), else :func:`rlvr_kernels.linear_logprobs` and its
     backward. (log-probs, entropies or None)."""
-    if probe is not None and torch.is_grad_enabled() and chosen(setting, rows, weight):
+    needs_grad = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
+    if probe is not None and needs_grad and chosen(setting, rows, weight):
         record(counted_as)
         return head_logprobs(
             rows, weight, labels, temperature=temperature, entropy=entropy, probe=probe, head=head, backend=backend

@@ -270,3 +270,54 @@ def test_random_sizes(n, v, chunk, entropy, seed):
     torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-12)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "case,formed",
+    [
+        ("formed", True),
+        ("no probe", False),
+        ("off", False),
+        ("no grad", False),
+        ("frozen", False),
+        ("auto small", False),
+    ],
+)
+def test_step_head_routes(monkeypatch, case, formed):
+    """step_head forms the gradient in the forward only with a probe, a gradient wanted and the
+    setting (True, or None on CPU rows of at least MIN_MACS per GEMM); else linear_logprobs. The
+    log-probs and gradients are the same either way."""
+    rows, weight, labels, old, adv = _problem(19, seed=8)
+    loss = _ppo(old, adv)
+    probe = None if case == "no probe" else _probe_of(loss)
+    setting = {"off": False, "auto small": None}.get(case, True)
+    if case == "frozen":
+        rows.requires_grad_(False)
+        weight.requires_grad_(False)
+    steps = hg.STATS["steps"]
+    with torch.set_grad_enabled(case != "no grad"):
+        logp, ent = hg.step_head(
+            rows, weight, labels, temperature=1.0, entropy=True, probe=probe, setting=setting,
+            head={}, backend="cpu", counted_as="test.step_head",
+        )  # fmt: skip
+    assert hg.STATS["steps"] - steps == int(formed)
+    ref_logp, ref_ent = _reference(rows, weight, labels, 1.0)
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-12)
+    if case in ("formed", "no probe", "off", "auto small"):
+        grads = torch.autograd.grad(loss(logp, ent), [rows, weight])
+        _, _, ref_grads = _expected(rows, weight, labels, loss, entropy=True)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_chosen_auto(monkeypatch):
+    rows, weight = torch.zeros(4, 8), torch.zeros(16, 8)
+    assert hg.chosen(True, rows, weight) and not hg.chosen(False, rows, weight)
+    monkeypatch.setattr(hg, "MIN_MACS", 4 * 8 * 16)
+    assert hg.chosen(None, rows, weight)
+    monkeypatch.setattr(hg, "MIN_MACS", 4 * 8 * 16 + 1)
+    assert not hg.chosen(None, rows, weight)
+    with pytest.raises(TypeError, match="grad_in_forward"):
+        hg.check_setting("auto")
+    assert hg.check_setting(None) is None and hg.check_setting(True) is True
