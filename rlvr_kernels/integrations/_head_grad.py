@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..ops.logprobs import linear_logprobs, logprobs_from_logits
 from ._patch import record
@@ -65,26 +66,26 @@ def _temperature_rows(temperature: Any, lo: int, hi: int) -> Any:
     return temperature[lo:hi] if isinstance(temperature, torch.Tensor) and temperature.dim() > 0 else temperature
 
 
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the chunks' GEMMs and accumulators compute in: fp32 (fp64 for fp64 inputs), as
+    ``linear_logprobs`` accumulates; a bf16 / fp16 head's products are exact in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class _Grads:
-    """The gradients of the head's inputs, accumulated chunk by chunk (the head's in fp32 when it
-    is a lower precision, so that the chunks' sum is rounded once)."""
+    """The gradients of the head's inputs, accumulated chunk by chunk in the compute dtype and
+    rounded to the inputs' dtypes once, at the end."""
 
-    def __init__(self, rows: Optional[torch.Tensor], weight: Optional[torch.Tensor]):
+    def __init__(self, rows: Optional[torch.Tensor], need_weight: bool):
         self.rows = rows
-        self.weight = weight
-        self.need_weight = weight is not None
+        self.weight: Optional[torch.Tensor] = None
+        self.need_weight = need_weight
 
     @classmethod
-    def fresh(cls, rows: torch.Tensor, need_rows: bool, need_weight: bool) -> "_Grads":
+    def fresh(cls, rows: torch.Tensor, need_rows: bool, need_weight: bool, dtype: torch.dtype) -> "_Grads":
         """For the forward, whose chunks cover every row once: the rows' gradient written chunk by
         chunk (never read before), the head's made by the first chunk's GEMM (no zero fill)."""
-        out = cls(torch.empty_like(rows) if need_rows else None, None)
-        out.need_weight = need_weight
-        return out
+        return cls(torch.empty(rows.shape, dtype=dtype, device=rows.device) if need_rows else None, need_weight)
 
     def add(self, d_logits: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, where) -> None:
         if self.rows is not None:
@@ -92,19 +93,21 @@ class _Grads:
                 torch.mm(d_logits, weight, out=self.rows[where])
             else:
                 self.rows.index_add_(0, where, d_logits @ weight)
-        if self.weight is None and self.need_weight:
-            self.weight = (d_logits.t() @ rows).to(_accumulator(d_logits.dtype))
-        elif self.weight is not None:
-            if self.weight.dtype == d_logits.dtype:
-                self.weight.addmm_(d_logits.t(), rows)
+        if self.need_weight:
+            if self.weight is None:
+                self.weight = d_logits.t() @ rows
             else:
-                self.weight += (d_logits.t() @ rows).to(self.weight.dtype)
+                self.weight.addmm_(d_logits.t(), rows)
 
-    def result(self, weight: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def result(self, rows: torch.Tensor, weight: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         w = self.weight
         if w is None and self.need_weight:  # no chunk (no rows) or no gradient reached the head
             w = torch.zeros_like(weight)
-        return self.rows, (w if w is None or w.dtype == weight.dtype else w.to(weight.dtype))
+        r = self.rows
+        return (
+            None if r is None else r.to(rows.dtype),
+            None if w is None else w.to(weight.dtype),
+        )
 
 
 def _chunk_pass(
@@ -120,9 +123,10 @@ def _chunk_pass(
     where,
     buffer: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """One chunk: its logits (into ``buffer`` when it is their size: one allocation for the
-    chunks), its log-probs (entropies), then the logits' gradient for the gradients ``grad_of``
-    gives, added to ``grads``. Returns the chunk's log-probs (entropies)."""
+    """One chunk (``rows`` and ``weight`` in the compute dtype): its logits (into ``buffer`` when
+    it is their size: one allocation for the chunks), its log-probs (entropies), then the logits'
+    gradient for the gradients ``grad_of`` gives, added to ``grads``. Returns the chunk's
+    log-probs (entropies)."""
     with torch.no_grad():
         if buffer is not None and buffer.shape[0] == rows.shape[0]:
             logits = torch.mm(rows, weight.t(), out=buffer)
@@ -154,20 +158,17 @@ class _HeadGradInForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, weight, labels, temperature, entropy, head, backend, probe, chunk_rows):
         n = rows.shape[0]
-        need_rows, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grads = _Grads.fresh(rows, need_rows, need_weight)
-        logp_all = torch.zeros(
-            n, dtype=torch.float32 if rows.dtype != torch.float64 else torch.float64, device=rows.device
-        )
+        dtype = _compute_dtype(rows.dtype)
+        w = weight.to(dtype)  # (no copy for an fp32 head)
+        grads = _Grads.fresh(rows, ctx.needs_input_grad[0], ctx.needs_input_grad[1], dtype)
+        logp_all = torch.zeros(n, dtype=dtype, device=rows.device)
         ent_all = torch.zeros_like(logp_all) if entropy else None
         g_logp_all = torch.zeros_like(logp_all)
         g_ent_all = torch.zeros_like(logp_all) if entropy else None
         chunks = _chunks(n, weight.shape[0], chunk_rows)
-        buffer = None
-        if len(chunks) > 1:
-            buffer = torch.empty(
-                (chunks[0][1], weight.shape[0]), dtype=torch.result_type(rows, weight), device=rows.device
-            )
+        buffer = (
+            torch.empty((chunks[0][1], weight.shape[0]), dtype=dtype, device=rows.device) if len(chunks) > 1 else None
+        )
         for lo, hi in chunks:
 
             def grad_of(logp, ent, lo=lo, hi=hi):
@@ -184,22 +185,33 @@ class _HeadGradInForward(torch.autograd.Function):
                 return g_l, g_e
 
             _chunk_pass(
-                rows[lo:hi], weight, labels[lo:hi], _temperature_rows(temperature, lo, hi), entropy, head, backend,
-                grad_of, grads, slice(lo, hi), buffer,
+                rows[lo:hi].to(dtype), w, labels[lo:hi], _temperature_rows(temperature, lo, hi), entropy, head,
+                backend, grad_of, grads, slice(lo, hi), buffer,
             )  # fmt: skip
-        ctx.grads = grads  # rounded to the head's dtype in the backward, once
+        del buffer, w
+        ctx.grads = grads  # rounded to the inputs' dtypes in the backward, once
         ctx.predicted = (g_logp_all, g_ent_all)
-        ctx.inputs = (rows, weight, labels, temperature)
+        ctx.save_for_backward(rows, weight, labels, temperature if isinstance(temperature, torch.Tensor) else None)
+        ctx.temperature = None if isinstance(temperature, torch.Tensor) else temperature
         ctx.entropy, ctx.head, ctx.backend, ctx.chunk_rows = entropy, head, backend, chunk_rows
         STATS["steps"] += 1
         STATS["rows"] += n
         return (logp_all, ent_all) if entropy else (logp_all,)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g_logp, *g_rest):
         grads = ctx.grads
-        rows, weight, labels, temperature = ctx.inputs
+        if grads is None:
+            raise RuntimeError(
+                "rlvr_kernels' LM head with the gradient formed in the forward: a second backward through it "
+                "(retain_graph=True) is not supported"
+            )
+        ctx.grads = None  # released with this backward (the graph may outlive it)
+        rows, weight, labels, t_rows = ctx.saved_tensors
+        temperature = t_rows if t_rows is not None else ctx.temperature
         p_logp, p_ent = ctx.predicted
+        ctx.predicted = None
         delta = (g_logp if g_logp is not None else torch.zeros_like(p_logp)) - p_logp
         differs = delta != 0
         d_ent = None
@@ -210,6 +222,8 @@ class _HeadGradInForward(torch.autograd.Function):
         idx = differs.nonzero(as_tuple=True)[0]
         if idx.numel():
             STATS["rerun_rows"] += int(idx.numel())
+            dtype = _compute_dtype(rows.dtype)
+            w = weight.to(dtype)
             for lo, hi in _chunks(idx.numel(), weight.shape[0], ctx.chunk_rows):
                 sel = idx[lo:hi]
                 t = temperature[sel] if isinstance(temperature, torch.Tensor) and temperature.dim() > 0 else temperature
@@ -217,8 +231,10 @@ class _HeadGradInForward(torch.autograd.Function):
                 def grad_of(_logp, _ent, sel=sel):
                     return delta[sel], (d_ent[sel] if d_ent is not None else None)
 
-                _chunk_pass(rows[sel], weight, labels[sel], t, ctx.entropy, ctx.head, ctx.backend, grad_of, grads, sel)
-        d_rows, d_weight = grads.result(weight)
+                _chunk_pass(
+                    rows[sel].to(dtype), w, labels[sel], t, ctx.entropy, ctx.head, ctx.backend, grad_of, grads, sel
+                )
+        d_rows, d_weight = grads.result(rows, weight)
         return d_rows, d_weight, None, None, None, None, None, None, None
 
 
@@ -253,8 +269,9 @@ def head_logprobs(
     """(log-probs ``[N]``, entropies ``[N]`` or None) of ``labels`` under ``rows @ weight.T /
     temperature``, with their gradients formed in the forward from ``probe`` (module docstring).
 
-    ``rows`` ``[N, H]`` and ``weight`` ``[V, H]`` in the dtype the head computes in (the GEMMs run
-    in it, as ``lm_head(hidden)`` would); ``temperature`` a float or ``[N]``; ``head``: the head
+    ``rows`` ``[N, H]`` and ``weight`` ``[V, H]`` in the head's dtype (the chunks' GEMMs multiply
+    them in fp32, fp64 for fp64 inputs, and accumulate there, as ``linear_logprobs`` does; a bf16
+    head is copied to fp32 once per call); ``temperature`` a float or ``[N]``; ``head``: the head
     keywords of :func:`rlvr_kernels.logprobs_from_logits` (``logits_precision``, a sampling
     support). ``probe(logp, entropy)`` evaluates the step's loss at full-length log-probs (and
     entropies) and returns its gradient with respect to them (None: no gradient), without side
@@ -273,6 +290,15 @@ def head_logprobs(
     return (out[0], out[1]) if entropy else (out[0], None)
 
 
+def _schedulable(head: Dict[str, Any]) -> bool:
+    """Whether the chunks can reproduce ``linear_logprobs`` with these head keywords: not with
+    ``logits_precision="tf32"`` (it rounds the GEMM's operands, which logprobs_from_logits has
+    not) nor a per-row tensor among them (a sampling support or filter per row)."""
+    return head.get("logits_precision", "fp32") != "tf32" and not any(
+        isinstance(v, torch.Tensor) for v in head.values()
+    )
+
+
 def step_head(
     rows: torch.Tensor,
     weight: torch.Tensor,
@@ -287,11 +313,12 @@ def step_head(
     counted_as: str,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The head of an integration's logit-free step: :func:`head_logprobs` where the step gives a
-    ``probe`` (its loss is separable), a gradient is wanted and :func:`chosen` says so for
-    ``setting`` (counted as ``counted_as``), else :func:`rlvr_kernels.linear_logprobs` and its
-    backward. (log-probs, entropies or None)."""
+    ``probe`` (its loss is separable), a gradient is wanted, the head keywords can be reproduced
+    chunk by chunk and :func:`chosen` says so for ``setting`` (counted as ``counted_as``), else
+    :func:`rlvr_kernels.linear_logprobs` and its backward (the same numbers). (log-probs,
+    entropies or None)."""
     needs_grad = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
-    if probe is not None and needs_grad and chosen(setting, rows, weight):
+    if probe is not None and needs_grad and _schedulable(head) and chosen(setting, rows, weight):
         record(counted_as)
         return head_logprobs(
             rows, weight, labels, temperature=temperature, entropy=entropy, probe=probe, head=head, backend=backend

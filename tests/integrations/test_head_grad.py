@@ -177,10 +177,11 @@ def test_one_input_frozen(frozen):
 
 def test_no_rows():
     rows, weight, labels, old, adv = _problem(0)
-    logp, ent, grads, _ = _run(rows, weight, labels, _ppo(old, adv, entropy_coef=0.0), entropy=True)
+    logp, ent = hg.head_logprobs(rows, weight, labels, entropy=True, probe=_probe_of(_ppo(old, adv)), backend="cpu")
     assert logp.shape == (0,) and ent.shape == (0,)
-    for g, x in zip(grads, (rows, weight)):
-        assert g is None or (g.shape == x.shape and torch.all(g == 0))
+    (logp.sum() + ent.sum()).backward()
+    assert rows.grad.shape == rows.shape and weight.grad.shape == weight.shape
+    assert torch.all(weight.grad == 0)
 
 
 def test_all_rows_ignored():
@@ -321,3 +322,55 @@ def test_chosen_auto(monkeypatch):
     with pytest.raises(TypeError, match="grad_in_forward"):
         hg.check_setting("auto")
     assert hg.check_setting(None) is None and hg.check_setting(True) is True
+
+
+def test_bf16_head_routes_agree():
+    """A bf16 head: the chunks multiply in fp32 and accumulate there, as linear_logprobs does, so
+    the log-probs do not depend on the route (a step's old log-probs come from linear_logprobs'
+    forward, its update's from the chunks); the gradients agree to fp32 summation order, rounded
+    once to bf16."""
+    rows, weight, labels, old, adv = _problem(70, h=24, v=300, dtype=torch.bfloat16, seed=9)
+    loss = _ppo(old, adv)
+    out = {}
+    for setting in (True, False):
+        r = rows.detach().clone().requires_grad_()
+        w = weight.detach().clone().requires_grad_()
+        logp, ent = hg.step_head(
+            r, w, labels, temperature=0.9, entropy=True, probe=_probe_of(loss), setting=setting,
+            head={}, backend="cpu", counted_as="test.bf16",
+        )  # fmt: skip
+        out[setting] = (logp, ent, *torch.autograd.grad(loss(logp, ent), [r, w]))
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=0, atol=2e-5)
+    torch.testing.assert_close(out[True][1], out[False][1], rtol=0, atol=2e-5)
+    for a, b in zip(out[True][2:], out[False][2:]):
+        assert a.dtype == b.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize("head", [dict(logits_precision="tf32"), dict(top_k=torch.tensor([3] * 11))])
+def test_head_keywords_the_chunks_do_not_reproduce(head):
+    """tf32 operands and per-row tensors among the head keywords: linear_logprobs and its
+    backward (no chunks)."""
+    rows, weight, labels, old, adv = _problem(11, dtype=torch.float32, seed=10)
+    steps = hg.STATS["steps"]
+    hg.step_head(
+        rows, weight, labels, temperature=1.0, entropy=False, probe=_probe_of(_ppo(old, adv)), setting=True,
+        head=head, backend="cpu", counted_as="test.head",
+    )  # fmt: skip
+    assert hg.STATS["steps"] == steps
+
+
+def test_one_backward_then_released():
+    """The forward's gradients leave the graph's node with its backward; a second backward through
+    it (retain_graph=True) raises instead of adding the reruns twice."""
+    rows, weight, labels, old, adv = _problem(13, seed=11)
+    loss = _gspo(old, adv)  # not separable: the backward reruns rows
+    logp, _ = hg.head_logprobs(rows, weight, labels, probe=_probe_of(loss), chunk_rows=5, backend="cpu")
+    value = loss(logp, None)
+    value.backward(retain_graph=True)
+    node = logp.grad_fn
+    assert node.grads is None and node.predicted is None
+    _, _, ref_grads = _expected(rows, weight, labels, loss, entropy=False)
+    torch.testing.assert_close(rows.grad, ref_grads[0], rtol=0, atol=1e-13)
+    with pytest.raises(RuntimeError, match="second backward"):
+        value.backward()

@@ -233,6 +233,22 @@ def test_grad_in_forward_matches_stock(monkeypatch, model_dir, loss_mode, overri
     _close(ours, stock, 1e-5)
 
 
+@pytest.mark.parametrize("temperature", [None, "rows"])
+def test_grad_in_forward_padded_layout(monkeypatch, model_dir, temperature):
+    """use_remove_padding=False (the padded batch, its rows gathered per sequence) with the head's
+    gradient formed in the forward: verl's loss and gradients, no row run again."""
+    if temperature == "rows":
+        temperature = torch.tensor([0.5, 1.0, 1.7, 0.9])
+    td = _td(train=True, remove_padding=False, temperature=temperature)
+    stock = _train(_engine(monkeypatch, model_dir), td)
+    rk.apply(grad_in_forward=True)
+    rerun = _head_grad.STATS["rerun_rows"]
+    ours = _train(_engine(monkeypatch, model_dir), td)
+    assert call_counts()["verl.forward_step.grad_in_forward"] == 1
+    assert _head_grad.STATS["rerun_rows"] == rerun
+    _close(ours, stock, 1e-5)
+
+
 @pytest.mark.parametrize("min_macs,formed", [(0, True), (1 << 62, False)])
 def test_grad_in_forward_auto(monkeypatch, model_dir, min_macs, formed):
     """apply()'s grad_in_forward=None: formed in the forward for CPU rows with at least
@@ -255,9 +271,10 @@ def test_grad_in_forward_and_loss_rows_off(monkeypatch, model_dir):
     ours = _train(_engine(monkeypatch, model_dir), td)
     assert call_counts() == {"verl.forward_step": 1, "verl.ppo_loss": 1}, call_counts()
     _close(ours, stock, 1e-5)
-    for name in ("loss_rows_only", "grad_in_forward"):
+    for name, value in (("loss_rows_only", False), ("grad_in_forward", False), ("grad_in_forward", True)):
         with pytest.raises(ValueError, match=name):
-            rk.apply(logit_free=False, **{name: False})
+            rk.apply(logit_free=False, **{name: value})
+    for name in ("loss_rows_only", "grad_in_forward"):
         with pytest.raises(TypeError, match=name):
             rk.apply(**{name: 1})
     rk.apply(logit_free=False)  # the defaults (True, None: auto) are accepted without it

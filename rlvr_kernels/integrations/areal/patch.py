@@ -86,8 +86,12 @@ def apply(
         raise ValueError(
             "logits_precision: acts on the logit-free engine, which apply(logit_free=False) does not install"
         )
-    for name, value in (("loss_rows_only", loss_rows_only), ("grad_in_forward", grad_in_forward)):
-        if not logit_free and value is False:
+    # their non-defaults act on the logit-free engine only
+    for name, value in (
+        ("loss_rows_only", loss_rows_only is not True),
+        ("grad_in_forward", grad_in_forward is not None),
+    ):
+        if not logit_free and value:
             raise ValueError(f"{name}: acts on the logit-free engine, which apply(logit_free=False) does not install")
 
     def plan():

@@ -341,9 +341,16 @@ def apply(
     if not logprobs and (match_sampling or precision != "fp32"):
         name = "match_sampling" if match_sampling else "logits_precision"
         raise ValueError(f"{name}: acts on the log-prob drop-ins, which apply(logprobs=False) does not install")
-    for name, value in (("loss_rows_only", loss_rows_only), ("grad_in_forward", grad_in_forward)):
-        if not (logit_free and logprobs) and value is False:
-            raise ValueError(f"{name}: acts on the logit-free engine, which apply(logit_free=False) does not install")
+    # their non-defaults act on the logit-free engine only
+    for name, value in (
+        ("loss_rows_only", loss_rows_only is not True),
+        ("grad_in_forward", grad_in_forward is not None),
+    ):
+        if not (logit_free and logprobs) and value:
+            raise ValueError(
+                f"{name}: acts on the logit-free engine, which apply(logit_free=False) or apply(logprobs=False) "
+                "does not install"
+            )
     if rollout_config is not None and not match_sampling:
         raise ValueError("rollout_config: only read with match_sampling=True")
     sampling = _ours_head.rollout_sampling(rollout_config) if match_sampling else None

@@ -164,7 +164,10 @@ def _logit_free_forward(model, state: Dict[str, Any], *args, **kwargs):
         if isinstance(temperature, torch.Tensor):
             temperature = temperature[where]
     entropy_on = state["calculate_entropy"]
-    with torch.autocast(rows.device.type, enabled=False):
+    device_type = rows.device.type
+    # forward_step's autocast, under which verl runs the loss (and so the probe does)
+    autocast = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
+    with torch.autocast(device_type, enabled=False):
         separable = state.get("loss_function") is not None
         logp, entropy = step_head(
             rows,
@@ -172,7 +175,7 @@ def _logit_free_forward(model, state: Dict[str, Any], *args, **kwargs):
             labels,
             temperature=temperature,
             entropy=entropy_on,
-            probe=functools.partial(_probe, model, state, n, where, dtype) if separable else None,
+            probe=functools.partial(_probe, state, n, where, dtype, autocast) if separable else None,
             setting=_head.GRAD_IN_FORWARD,
             head=_head.head_kwargs(),
             backend=current_backend(),
@@ -195,7 +198,7 @@ def _head_output(logp, entropy, n: int, where, dtype) -> Dict[str, Any]:
     }
 
 
-def _probe(model, state, n: int, where, dtype, logp, entropy):
+def _probe(state, n: int, where, dtype, autocast, logp, entropy):
     """The step's loss at these head-row values, and its gradient with respect to them: verl's
     path from the model's output to the loss (``prepare_model_outputs``, the bound loss), as
     ``forward_step`` runs it after the model (see ``_head_grad``)."""
@@ -203,7 +206,8 @@ def _probe(model, state, n: int, where, dtype, logp, entropy):
     leaves = [logp.detach().requires_grad_()]
     if entropy is not None:
         leaves.append(entropy.detach().requires_grad_())
-    with torch.enable_grad(), uncounted():
+    device_type, autocast_dtype, enabled = autocast
+    with torch.enable_grad(), uncounted(), torch.autocast(device_type, dtype=autocast_dtype, enabled=enabled):
         out = _head_output(leaves[0], leaves[1] if entropy is not None else None, n, where, dtype)
         model_output = _prepare_model_outputs(engine, state, out, state["output_args"], state["micro_batch"], None)
         loss, _ = state["loss_function"](
@@ -228,14 +232,13 @@ def _prepare_model_outputs(engine, state, output, output_args, micro_batch, logi
     return model_output
 
 
-def response_rows(micro_batch, pad: int = 0) -> torch.Tensor:
+def response_rows(micro_batch) -> torch.Tensor:
     """The packed rows whose log-probs ``no_padding_2_padding`` reads (a sequence's last
     ``response_len`` positions before its final one: those that score its response tokens), as
-    indices into the packed tokens followed by ``pad`` padding rows."""
+    indices into the packed tokens (any padding after them is not read)."""
     offsets = micro_batch["input_ids"].offsets()
-    responses = micro_batch["responses"]
-    if responses.is_nested:
-        response_lens = responses.offsets().diff()
+    if micro_batch["prompts"].is_nested:  # the response lengths as no_padding_2_padding takes them
+        response_lens = micro_batch["responses"].offsets().diff()
     else:
         response_lens = micro_batch["attention_mask"][:, micro_batch["prompts"].shape[1] :].sum(dim=1)
     ends = offsets[1:].to(response_lens.device)
@@ -283,8 +286,7 @@ def _swapped(engine, model, state) -> Iterator[None]:
         if not state["use_remove_padding"]:
             state["seq_lengths"] = micro_batch["input_ids"].offsets().diff()
         if state["rows_only"]:
-            pad = output_args.get("pad_size", 0) if state["use_remove_padding"] else 0
-            state["loss_rows"] = response_rows(micro_batch, pad)
+            state["loss_rows"] = response_rows(micro_batch)
         return model_inputs, output_args
 
     swaps = [
