@@ -26,15 +26,25 @@ difference on the host: one synchronisation per backward on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from ..ops.logprobs import linear_logprobs, logprobs_from_logits
-from ._patch import record
+from ._patch import record, uncounted
 
-__all__ = ["CHUNK_ELEMENTS", "MIN_MACS", "STATS", "check_setting", "chosen", "head_logprobs", "step_head"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "MIN_MACS",
+    "STATS",
+    "check_setting",
+    "chosen",
+    "head_logprobs",
+    "loss_gradient",
+    "step_head",
+]
 
 # Logits held at once: chunk rows × vocabulary ≤ this (64 MiB of fp32), at least one row.
 CHUNK_ELEMENTS = 1 << 24
@@ -288,6 +298,23 @@ def head_logprobs(
             rows, weight, labels, temperature, bool(entropy), dict(head or {}), backend, probe, chunk_rows
         )
     return (out[0], out[1]) if entropy else (out[0], None)
+
+
+def loss_gradient(
+    logp: torch.Tensor, entropy: Optional[torch.Tensor], loss_of: Callable[..., torch.Tensor], *contexts
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """What a probe returns: the gradient of ``loss_of(logp, entropy)`` (a scalar) with respect to
+    the two (None: no gradient), evaluated on detached copies with gradients on, the calls of the
+    patched entry points not counted (they are not the step's own), inside ``contexts``."""
+    leaves = [logp.detach().requires_grad_()]
+    if entropy is not None:
+        leaves.append(entropy.detach().requires_grad_())
+    with contextlib.ExitStack() as stack:
+        for context in (torch.enable_grad(), uncounted(), *contexts):
+            stack.enter_context(context)
+        loss = loss_of(leaves[0], leaves[1] if entropy is not None else None)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return grads[0], (grads[1] if entropy is not None else None)
 
 
 def _schedulable(head: Dict[str, Any]) -> bool:

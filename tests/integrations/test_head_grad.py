@@ -59,13 +59,7 @@ def _ppo(old, adv, entropy_coef=0.01):
 
 
 def _probe_of(loss):
-    def probe(logp, entropy):
-        leaves = [logp.detach().requires_grad_()] + ([entropy.detach().requires_grad_()] if entropy is not None else [])
-        with torch.enable_grad():
-            grads = torch.autograd.grad(loss(*leaves, *([None] if entropy is None else [])), leaves, allow_unused=True)
-        return grads[0], (grads[1] if entropy is not None else None)
-
-    return probe
+    return lambda logp, entropy: hg.loss_gradient(logp, entropy, loss)
 
 
 def _run(rows, weight, labels, loss, *, entropy, temperature=1.0, probe_loss=None, chunk_rows=None, backend="cpu"):

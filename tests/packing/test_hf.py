@@ -209,16 +209,21 @@ def test_trl_keywords_through_the_model():
     pack = pack_prefix_tree(ids, completion_mask=mask)
     with torch.no_grad():
         hidden = forward_packed(model, pack)
-        trl = model.model(
-            input_ids=pack.input_ids[None],
-            position_ids=pack.position_ids[None],
-            tree_kv_index=pack.tree_kv_index,
-            tree_cu_seqlens_q=pack.tree_cu_seqlens_q,
-            tree_cu_seqlens_k=pack.tree_cu_seqlens_k,
-            tree_max_seqlen_q=int(pack.tree_max_seqlens[0]),
-            tree_max_seqlen_k=int(pack.tree_max_seqlens[1]),
-        ).last_hidden_state[0]
+        trl = _trl_call(model, pack)
     assert torch.equal(hidden, trl)
+
+
+def _trl_call(model, pack):
+    """The decoder's last hidden states of ``pack`` called with TRL's tree keywords."""
+    return model.model(
+        input_ids=pack.input_ids[None],
+        position_ids=pack.position_ids[None],
+        tree_kv_index=pack.tree_kv_index,
+        tree_cu_seqlens_q=pack.tree_cu_seqlens_q,
+        tree_cu_seqlens_k=pack.tree_cu_seqlens_k,
+        tree_max_seqlen_q=int(pack.tree_max_seqlens[0]),
+        tree_max_seqlen_k=int(pack.tree_max_seqlens[1]),
+    ).last_hidden_state[0]
 
 
 def test_model_stays_on_tree_attention_and_refuses_unpacked_calls():

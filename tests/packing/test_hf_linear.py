@@ -16,7 +16,7 @@ import torch
 
 from rlvr_kernels.packing import forward_packed, pack_prefix_tree, packed_logprobs
 
-from .test_hf import VOCAB, _grads, _samples
+from .test_hf import VOCAB, _grads, _samples, _trl_call
 
 MODELS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_next_moe")
 COMMON = dict(
@@ -159,15 +159,7 @@ def test_model_stays_routed_and_refuses_unpacked_calls():
         hidden = forward_packed(model, pack)
         with pytest.raises(ValueError, match=r"tree_pack: Qwen3_5GatedDeltaNet \(layer 0\)"):
             model(input_ids=torch.tensor([[1, 2, 3]]))
-        trl = model.model(
-            input_ids=pack.input_ids[None],
-            position_ids=pack.position_ids[None],
-            tree_kv_index=pack.tree_kv_index,
-            tree_cu_seqlens_q=pack.tree_cu_seqlens_q,
-            tree_cu_seqlens_k=pack.tree_cu_seqlens_k,
-            tree_max_seqlen_q=int(pack.tree_max_seqlens[0]),
-            tree_max_seqlen_k=int(pack.tree_max_seqlens[1]),
-        ).last_hidden_state[0]
+        trl = _trl_call(model, pack)
         assert torch.equal(trl, hidden)  # TRL's keywords give the same tree
         model.set_attn_implementation("sdpa")
         unpacked = model.model(input_ids=torch.tensor([ids[0]])).last_hidden_state[0]

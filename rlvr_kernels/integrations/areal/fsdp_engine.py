@@ -44,9 +44,9 @@ import torch
 import torch.nn as nn
 
 from .._backend import current_backend
-from .._head_grad import step_head
+from .._head_grad import loss_gradient, step_head
 from .._lm_head import MODELS, served_forwards
-from .._patch import record, uncounted
+from .._patch import record
 from . import _head
 
 __all__ = ["make_forward_backward_batch", "make_compute_logprobs_and_loss", "make_compute_forward_result"]
@@ -180,14 +180,11 @@ def _probe(call: _Call, n: int, where, logp, entropy):
     path from the model's output to the loss (``process_output`` of ``train_batch``: the loss
     function, its weight), as ``forward_backward_batch`` runs it after the model, with AReaL's
     statistics left as they were (see ``_head_grad``)."""
-    leaves = [logp.detach().requires_grad_()]
-    if entropy is not None:
-        leaves.append(entropy.detach().requires_grad_())
-    with torch.enable_grad(), uncounted(), _stats_untouched():
-        logits = _columns(leaves[0], leaves[1] if entropy is not None else None, n, where).squeeze(0)
-        loss = call.process_output(logits, call.ctx.to_dict())
-        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-    return grads[0], (grads[1] if entropy is not None else None)
+
+    def loss_of(lp, ent):
+        return call.process_output(_columns(lp, ent, n, where).squeeze(0), call.ctx.to_dict())
+
+    return loss_gradient(logp, entropy, loss_of, _stats_untouched())
 
 
 @contextlib.contextmanager

@@ -55,10 +55,10 @@ from typing import Any, Callable, Dict, Iterator, Optional
 import torch
 
 from .._backend import current_backend
-from .._head_grad import step_head
+from .._head_grad import loss_gradient, step_head
 from .._lm_head import MODELS
 from .._lm_head import served_forwards as _served_forwards
-from .._patch import record, uncounted
+from .._patch import record
 from . import _head
 
 __all__ = ["MODELS", "make_forward_step", "unserved_reason"]
@@ -203,18 +203,17 @@ def _probe(state, n: int, where, dtype, autocast, logp, entropy):
     path from the model's output to the loss (``prepare_model_outputs``, the bound loss), as
     ``forward_step`` runs it after the model (see ``_head_grad``)."""
     engine = state["engine"]
-    leaves = [logp.detach().requires_grad_()]
-    if entropy is not None:
-        leaves.append(entropy.detach().requires_grad_())
-    device_type, autocast_dtype, enabled = autocast
-    with torch.enable_grad(), uncounted(), torch.autocast(device_type, dtype=autocast_dtype, enabled=enabled):
-        out = _head_output(leaves[0], leaves[1] if entropy is not None else None, n, where, dtype)
+
+    def loss_of(lp, ent):
+        out = _head_output(lp, ent, n, where, dtype)
         model_output = _prepare_model_outputs(engine, state, out, state["output_args"], state["micro_batch"], None)
         loss, _ = state["loss_function"](
             model_output=model_output, data=state["micro_batch"], dp_group=engine.get_data_parallel_group()
         )
-        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-    return grads[0], (grads[1] if entropy is not None else None)
+        return loss
+
+    device_type, autocast_dtype, enabled = autocast
+    return loss_gradient(logp, entropy, loss_of, torch.autocast(device_type, dtype=autocast_dtype, enabled=enabled))
 
 
 def _prepare_model_outputs(engine, state, output, output_args, micro_batch, logits_processor_func):
