@@ -6,11 +6,16 @@ from __future__ import annotations
 from torch.profiler import ProfilerActivity, profile
 
 
-def largest_allocation(fn) -> int:
-    """The largest single allocation (bytes) of ATen's CPU allocator while ``fn()`` runs: its
-    raw allocation events as the profiler records them (each one, wherever it is made)."""
+def allocations(fn) -> list:
+    """The sizes (bytes) of ATen's CPU allocations while ``fn()`` runs, in order: its raw
+    allocation events as the profiler records them (each one, wherever it is made)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    sizes = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    sizes = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() > 0]
     assert sizes, "the profiler recorded no allocation"
-    return max(sizes)
+    return sizes
+
+
+def largest_allocation(fn) -> int:
+    """The largest single allocation (bytes) of ATen's CPU allocator while ``fn()`` runs."""
+    return max(allocations(fn))

@@ -63,6 +63,8 @@ KERNELS: Dict[Tuple[str, str], str] = {
     ("logprobs_from_logits_stats", "triton"): "rlvr_kernels.triton.logprobs:logprobs_from_logits_stats",
     ("logprobs_from_logits_bwd", "cpu"): "torch.ops.rlvr_kernels_C:logprobs_from_logits_bwd",
     ("logprobs_from_logits_bwd", "triton"): "rlvr_kernels.triton.logprobs:logprobs_from_logits_bwd",
+    ("logprobs_from_logits_bwd_", "cpu"): "torch.ops.rlvr_kernels_C:logprobs_from_logits_bwd_",
+    ("logprobs_from_logits_bwd_", "triton"): "rlvr_kernels.triton.logprobs:logprobs_from_logits_bwd_",
     ("support_bits", "reference"): "rlvr_kernels.reference.logprobs:support_bits",
     ("support_bits", "cpu"): "torch.ops.rlvr_kernels_C:support_bits",
     ("support_bits", "triton"): "rlvr_kernels.triton.support_bits:support_bits",

@@ -29,7 +29,7 @@ Methods:
 Time: median of interleaved rounds in this process (every method once per round, so a
 load change on a shared machine hits all alike). Memory: each method once more in a fresh
 subprocess; on CPU the peak RSS of the call above the RSS before it (VmHWM reset through
-``/proc/self/clear_refs``), on CUDA ``max_memory_allocated`` above the inputs.
+``/proc/self/clear_refs``, the heap's free pages given back first), on CUDA ``max_memory_allocated`` above the inputs.
 """
 
 from __future__ import annotations
@@ -331,7 +331,11 @@ def workload(device: str, quick: bool = False) -> Dict:
     for key in keys:
         if key not in ("fused", "fused_bf16", *SAMPLING_METHODS) and rows[key].get("ms"):
             targets.append(_target(f"{key} / fused time", rows, key, "fused", "info", None))
-    mem_kind = "peak RSS above the RSS before the call" if device == "cpu" else "max_memory_allocated above inputs"
+    mem_kind = (
+        "peak RSS above the RSS before the call (free heap pages returned first)"
+        if device == "cpu"
+        else "max_memory_allocated above inputs"
+    )
     notes = [
         f"N={N} tokens, H={H}, V={V}, {str(x['dtype']).replace('torch.', '')}; log-probs + entropy, forward + "
         f"backward into hidden and weight with random upstream gradients; {repeats} interleaved rounds (median)",

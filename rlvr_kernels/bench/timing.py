@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import statistics
@@ -51,10 +52,21 @@ def _rss() -> Tuple[int, int]:
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
 
+def _trim_heap() -> None:
+    """Give the heap's free pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 def peak_extra_gb(step: Callable[[], object], device: str) -> float:
     """Peak memory one call of ``step`` adds, in GB: CUDA's max_memory_allocated above what
     was allocated before; on CPU the peak RSS above the RSS before, the C++ kernels' block cache
-    emptied first (run it in a fresh process: a warm allocator would hide the first call's peak)."""
+    emptied and the heap's free pages given back first (run it in a fresh process: a warm
+    allocator would hide the first call's peak)."""
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -62,11 +74,13 @@ def peak_extra_gb(step: Callable[[], object], device: str) -> float:
         step()
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 1e9
-    # the C++ kernels' output blocks kept from an earlier call are this step's memory too: given
-    # back first, so that the step's own allocations show in its peak
+    # the C++ kernels' output blocks kept from an earlier call, and the heap's pages glibc keeps
+    # after frees, are this step's memory too: given back first, so that the step's own
+    # allocations show in its peak (else a step reusing an earlier step's freed heap looks free)
     from .. import empty_cpu_cache
 
     empty_cpu_cache()
+    _trim_heap()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM, the peak RSS, to the current RSS
     base, _ = _rss()

@@ -218,7 +218,10 @@ def workload(device: str, quick: bool = False) -> Dict:
     return step_result(title, quick, rows, losses, [model_note(s) + step, MEMORY_NOTE], stock="trl")
 
 
-MEMORY_NOTE = "extra memory: each row once in a fresh process (peak RSS above the RSS before the step on the CPU)"
+MEMORY_NOTE = (
+    "extra memory: each row once in a fresh process (on the CPU the peak RSS above the RSS before the step, "
+    "the heap's free pages given back to the OS first)"
+)
 
 
 def model_note(s: Dict[str, int]) -> str:

@@ -1767,23 +1767,17 @@ std::tuple<torch::Tensor, torch::Tensor> logprobs_from_logits_stats_cpu(const to
   return {stats, target_logits};
 }
 
-torch::Tensor logprobs_from_logits_bwd_cpu(const torch::Tensor& logits, const torch::Tensor& targets,
-                                           const torch::Tensor& inv_temperature, const torch::Tensor& grad_logp,
-                                           const torch::Tensor& lse, const torch::Tensor& entropy,
-                                           const c10::optional<torch::Tensor>& grad_entropy,
-                                           const c10::optional<torch::Tensor>& support, c10::ArrayRef<double> fparams,
-                                           c10::ArrayRef<int64_t> iparams) {
-  const char* op = "logprobs_from_logits_bwd";
-  const auto p = LogprobsBwdParams::unpack(fparams, iparams);
-  const auto ct = check_logits(op, logits, targets, inv_temperature);
+namespace {
+
+// logprobs_from_logits_bwd's checks and kernel, dz written to `grad` ([N, V] contiguous, the logits' dtype;
+// the logits themselves for the in-place entry point: each tile of a row is read before it is written and the
+// NONE / MASK target terms read no logits, so the aliasing is safe).
+void logits_bwd_into(const torch::Tensor& logits, const torch::Tensor& targets, const torch::Tensor& inv_temperature,
+                     const torch::Tensor& grad_logp, const torch::Tensor& lse, const torch::Tensor& entropy,
+                     const c10::optional<torch::Tensor>& grad_entropy, const c10::optional<torch::Tensor>& support,
+                     SupportMode mode, const torch::Tensor& grad) {
   const int64_t N = logits.size(0), V = logits.size(1);
-  check_vec(op, "grad_logp", grad_logp, N, ct);
-  check_vec(op, "lse", lse, N, ct);
-  check_vec(op, "entropy", entropy, N, ct);
-  if (grad_entropy.has_value()) check_vec(op, "grad_entropy", *grad_entropy, N, ct);
-  const SupportMode mode = check_support(op, p.support_mode, support, N, V, ct);
-  torch::Tensor grad = empty_output({N, V}, logits.scalar_type());
-  if (N == 0) return grad;
+  if (N == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "logprobs_from_logits_bwd", [&] {
     using T = compute_t<scalar_t>;
     Logits<T, scalar_t> c{};
@@ -1801,7 +1795,53 @@ torch::Tensor logprobs_from_logits_bwd_cpu(const torch::Tensor& logits, const to
     c.grad = grad.data_ptr<scalar_t>();
     logits_rows<LogitsBwdRows>(c);
   });
+}
+
+SupportMode check_logits_bwd(const char* op, const torch::Tensor& logits, const torch::Tensor& targets,
+                             const torch::Tensor& inv_temperature, const torch::Tensor& grad_logp,
+                             const torch::Tensor& lse, const torch::Tensor& entropy,
+                             const c10::optional<torch::Tensor>& grad_entropy,
+                             const c10::optional<torch::Tensor>& support, const LogprobsBwdParams& p) {
+  const auto ct = check_logits(op, logits, targets, inv_temperature);
+  const int64_t N = logits.size(0), V = logits.size(1);
+  check_vec(op, "grad_logp", grad_logp, N, ct);
+  check_vec(op, "lse", lse, N, ct);
+  check_vec(op, "entropy", entropy, N, ct);
+  if (grad_entropy.has_value()) check_vec(op, "grad_entropy", *grad_entropy, N, ct);
+  return check_support(op, p.support_mode, support, N, V, ct);
+}
+
+}  // namespace
+
+torch::Tensor logprobs_from_logits_bwd_cpu(const torch::Tensor& logits, const torch::Tensor& targets,
+                                           const torch::Tensor& inv_temperature, const torch::Tensor& grad_logp,
+                                           const torch::Tensor& lse, const torch::Tensor& entropy,
+                                           const c10::optional<torch::Tensor>& grad_entropy,
+                                           const c10::optional<torch::Tensor>& support, c10::ArrayRef<double> fparams,
+                                           c10::ArrayRef<int64_t> iparams) {
+  const char* op = "logprobs_from_logits_bwd";
+  const auto p = LogprobsBwdParams::unpack(fparams, iparams);
+  const SupportMode mode =
+      check_logits_bwd(op, logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, support, p);
+  torch::Tensor grad = empty_output({logits.size(0), logits.size(1)}, logits.scalar_type());
+  logits_bwd_into(logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, support, mode, grad);
   return grad;
+}
+
+void logprobs_from_logits_bwd_inplace_cpu(const torch::Tensor& logits, const torch::Tensor& targets,
+                                          const torch::Tensor& inv_temperature, const torch::Tensor& grad_logp,
+                                          const torch::Tensor& lse, const torch::Tensor& entropy,
+                                          const c10::optional<torch::Tensor>& grad_entropy,
+                                          const c10::optional<torch::Tensor>& support, c10::ArrayRef<double> fparams,
+                                          c10::ArrayRef<int64_t> iparams) {
+  const char* op = "logprobs_from_logits_bwd_";
+  const auto p = LogprobsBwdParams::unpack(fparams, iparams);
+  const SupportMode mode =
+      check_logits_bwd(op, logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, support, p);
+  TORCH_CHECK(logits.is_contiguous(), op, ": logits must be contiguous (their gradient is written over them)");
+  // THRESHOLD keeps a target by its z, which the tile holding it has already overwritten.
+  TORCH_CHECK(mode != SupportMode::THRESHOLD, op, ": a THRESHOLD support is not supported in place");
+  logits_bwd_into(logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, support, mode, logits);
 }
 
 torch::Tensor linear_logprobs_threshold_cpu(const torch::Tensor& hidden, const torch::Tensor& weight,

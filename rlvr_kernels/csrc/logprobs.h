@@ -89,6 +89,14 @@ torch::Tensor logprobs_from_logits_bwd_cpu(const torch::Tensor& logits, const to
                                            const c10::optional<torch::Tensor>& support, c10::ArrayRef<double> fparams,
                                            c10::ArrayRef<int64_t> iparams);
 
+// logprobs_from_logits_bwd_: the same gradient written over the logits (contiguous; support NONE or MASK).
+void logprobs_from_logits_bwd_inplace_cpu(const torch::Tensor& logits, const torch::Tensor& targets,
+                                          const torch::Tensor& inv_temperature, const torch::Tensor& grad_logp,
+                                          const torch::Tensor& lse, const torch::Tensor& entropy,
+                                          const c10::optional<torch::Tensor>& grad_entropy,
+                                          const c10::optional<torch::Tensor>& support, c10::ArrayRef<double> fparams,
+                                          c10::ArrayRef<int64_t> iparams);
+
 // threshold [N] (compute dtype): the THRESHOLD support of top_k / top_p / min_p over the rows' z.
 torch::Tensor linear_logprobs_threshold_cpu(const torch::Tensor& hidden, const torch::Tensor& weight,
                                             const c10::optional<torch::Tensor>& bias,

@@ -44,6 +44,9 @@ TORCH_LIBRARY(rlvr_kernels_C, m) {
       "logprobs_from_logits_bwd(Tensor logits, Tensor targets, Tensor inv_temperature, Tensor grad_logp, Tensor lse, "
       "Tensor entropy, Tensor? grad_entropy, Tensor? support, float[] fparams, int[] iparams) -> Tensor");
   m.def(
+      "logprobs_from_logits_bwd_(Tensor(a!) logits, Tensor targets, Tensor inv_temperature, Tensor grad_logp, "
+      "Tensor lse, Tensor entropy, Tensor? grad_entropy, Tensor? support, float[] fparams, int[] iparams) -> ()");
+  m.def(
       "linear_logprobs_threshold(Tensor hidden, Tensor weight, Tensor? bias, Tensor inv_temperature, Tensor top_k, "
       "Tensor top_p, Tensor min_p, float[] fparams, int[] iparams) -> Tensor");
   m.def(
@@ -70,6 +73,7 @@ TORCH_LIBRARY_IMPL(rlvr_kernels_C, CPU, m) {
   m.impl("linear_logprobs_bwd", &rlvr::linear_logprobs_bwd_cpu);
   m.impl("logprobs_from_logits_stats", &rlvr::logprobs_from_logits_stats_cpu);
   m.impl("logprobs_from_logits_bwd", &rlvr::logprobs_from_logits_bwd_cpu);
+  m.impl("logprobs_from_logits_bwd_", &rlvr::logprobs_from_logits_bwd_inplace_cpu);
   m.impl("linear_logprobs_threshold", &rlvr::linear_logprobs_threshold_cpu);
   m.impl("logprobs_from_logits_threshold", &rlvr::logprobs_from_logits_threshold_cpu);
   m.impl("rollout_mismatch_stats", &rlvr::rollout_mismatch_stats_cpu);

@@ -13,7 +13,10 @@ while a chunk's logits exist (``[chunk, V]``, never all of them):
 2. the caller's ``probe`` evaluates the step's loss on the log-probs known so far (zeros where
    not yet known) and returns its gradient; the chunk's rows of it are kept;
 3. the logits' gradient, and from it the chunk's hidden-state gradient and its share of the
-   head's gradient, are formed: three GEMMs in all instead of four.
+   head's gradient, are formed: three GEMMs in all instead of four. Without head options the
+   logits' gradient is written over the logits (:func:`rlvr_kernels.ops.logprobs.
+   logprobs_from_logits_grad_`): the chunks share one ``[chunk, V]`` buffer and nothing else
+   of that size.
 
 The backward returns those gradients. It is exact whatever the loss: it compares the gradient
 it is handed with the one the probe gave and runs the rows where the two differ (any bit)
@@ -32,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..ops.logprobs import linear_logprobs, logprobs_from_logits
+from ..ops.logprobs import linear_logprobs, logprobs_from_logits, logprobs_from_logits_grad_
 from ._patch import record, uncounted
 
 __all__ = [
@@ -68,8 +71,14 @@ Probe = Callable[[torch.Tensor, Optional[torch.Tensor]], Tuple[torch.Tensor, Opt
 
 
 def _chunks(n: int, vocab: int, chunk_rows: Optional[int]) -> List[Tuple[int, int]]:
-    step = chunk_rows if chunk_rows is not None else max(1, CHUNK_ELEMENTS // max(vocab, 1))
-    return [(i, min(i + step, n)) for i in range(0, n, step)]
+    """Row ranges of at most ``chunk_rows`` (default: CHUNK_ELEMENTS // vocab) rows, as even as
+    that allows (the buffer is the first chunk's size, the memory the head holds)."""
+    most = chunk_rows if chunk_rows is not None else max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    if n == 0:
+        return []
+    count = -(-n // most)
+    bounds = [n * k // count for k in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _temperature_rows(temperature: Any, lo: int, hi: int) -> Any:
@@ -133,29 +142,34 @@ def _chunk_pass(
     where,
     buffer: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """One chunk (``rows`` and ``weight`` in the compute dtype): its logits (into ``buffer`` when
-    it is their size: one allocation for the chunks), its log-probs (entropies), then the logits'
-    gradient for the gradients ``grad_of`` gives, added to ``grads``. Returns the chunk's
-    log-probs (entropies)."""
+    """One chunk (``rows`` and ``weight`` in the compute dtype): its logits (into the first rows
+    of ``buffer`` when it has enough: one allocation for the chunks), its log-probs (entropies),
+    then the logits' gradient for the gradients ``grad_of`` gives, added to ``grads``. Without
+    head keywords the gradient is written over the logits (the chunk's one ``[rows, V]``
+    tensor). Returns the chunk's log-probs (entropies)."""
     with torch.no_grad():
-        if buffer is not None and buffer.shape[0] == rows.shape[0]:
-            logits = torch.mm(rows, weight.t(), out=buffer)
+        if buffer is not None and buffer.shape[0] >= rows.shape[0]:
+            logits = torch.mm(rows, weight.t(), out=buffer[: rows.shape[0]])
         else:
             logits = rows @ weight.t()
-    with torch.enable_grad():
-        logits.requires_grad_()
-        res = logprobs_from_logits(logits, labels, temperature, entropy, backend=backend, **head)
-        logp = res.logp.detach()
-        ent = res.entropy.detach() if entropy else None
-        g_logp, g_ent = grad_of(logp, ent)
-        outs, seeds = [], []
-        if g_logp is not None:
-            outs.append(res.logp)
-            seeds.append(g_logp.to(res.logp.dtype))
-        if entropy and g_ent is not None:
-            outs.append(res.entropy)
-            seeds.append(g_ent.to(res.entropy.dtype))
-        d_logits = torch.autograd.grad(outs, [logits], seeds)[0] if outs else None
+    if not head or head == {"logits_precision": "fp32"}:
+        res, formed = logprobs_from_logits_grad_(logits, labels, grad_of, temperature, entropy, backend=backend)
+        logp, ent, d_logits = res.logp, res.entropy, (logits if formed else None)
+    else:
+        with torch.enable_grad():
+            logits.requires_grad_()
+            res = logprobs_from_logits(logits, labels, temperature, entropy, backend=backend, **head)
+            logp = res.logp.detach()
+            ent = res.entropy.detach() if entropy else None
+            g_logp, g_ent = grad_of(logp, ent)
+            outs, seeds = [], []
+            if g_logp is not None:
+                outs.append(res.logp)
+                seeds.append(g_logp.to(res.logp.dtype))
+            if entropy and g_ent is not None:
+                outs.append(res.entropy)
+                seeds.append(g_ent.to(res.entropy.dtype))
+            d_logits = torch.autograd.grad(outs, [logits], seeds)[0] if outs else None
     with torch.no_grad():  # the inputs require grad: no graph of the gradient's own GEMMs
         if d_logits is not None:
             grads.add(d_logits, rows, weight, where)

@@ -73,6 +73,10 @@ to bf16 (to nearest even) and y = bf16(acc + b) (fp64 inputs: each rounding thro
                            entropy [N], grad_entropy [N] or None) -> grad_logits [N,V]
     (logits' dtype, a fresh contiguous tensor whatever the logits' strides), dz as above
     with one target per row (G_n = g_n). No scalar parameters.
+  logprobs_from_logits_bwd_(logits, ... as logprobs_from_logits_bwd) -> ()
+    the same dz written over the logits, which must be contiguous; support NONE or MASK
+    (a THRESHOLD support keeps a target by its z, which the kernel has overwritten). For a
+    caller whose logits are a scratch buffer: the gradient takes no memory of its own.
 
 Sampling support (docs/logprobs.md, "Sampling support"): the four kernels above also take
 ``support`` (after ``sorted_targets`` / ``targets`` in the forward kernels, after
@@ -122,7 +126,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import einops
 import torch
@@ -743,14 +747,44 @@ def _from_logits_bwd(
 ) -> torch.Tensor:
     """grad_logits [N, V] of the kernel contract: a fresh contiguous tensor (the gradient of
     an expanded view of the logits is summed by autograd, not here)."""
-    params = LogprobsBwdParams(support_mode=SupportMode(support_mode))
-    args = (logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, support, *params.pack())
-    return _dispatch.run("logprobs_from_logits_bwd", backend, logits.device, *args)
+    args = (logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, support)
+    return _dispatch.run("logprobs_from_logits_bwd", backend, logits.device, *args, *_bwd_params(support_mode))
+
+
+def _bwd_params(support_mode: int) -> tuple:
+    return LogprobsBwdParams(support_mode=SupportMode(support_mode)).pack()
 
 
 @_from_logits_bwd.register_fake
 def _(logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, support, support_mode, backend):
     return logits.new_empty(logits.shape)
+
+
+@torch.library.custom_op("rlvr_kernels::logprobs_from_logits_bwd_", mutates_args=("logits",))
+def _from_logits_bwd_inplace(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    grad_logp: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_entropy: Optional[torch.Tensor],
+    support: Optional[torch.Tensor],
+    support_mode: int,
+    backend: str,
+) -> None:
+    """``rlvr_kernels::logprobs_from_logits_bwd`` written over ``logits`` (kernel contract)."""
+    if not logits.is_contiguous():
+        raise ValueError("logits: expected a contiguous tensor (its gradient is written over it)")
+    if SupportMode(support_mode) == SupportMode.THRESHOLD:
+        raise ValueError("support_mode: a THRESHOLD support is not supported in place")
+    args = (logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, support)
+    _dispatch.run("logprobs_from_logits_bwd_", backend, logits.device, *args, *_bwd_params(support_mode))
+
+
+@_from_logits_bwd_inplace.register_fake
+def _(logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, support, support_mode, backend):
+    return None
 
 
 def _from_logits_setup_context(ctx, inputs, output):
@@ -1501,6 +1535,83 @@ def logprobs_from_logits(
     logp, entropy, _, _ = _from_logits(*args)
     logp = logp.reshape(x.lead)
     return LogprobsFromLogits(logp, _unsaved(entropy.reshape(x.lead)) if return_entropy else None)
+
+
+def logprobs_from_logits_grad_(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    grad_of: Callable[[torch.Tensor, Optional[torch.Tensor]], Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]],
+    temperature: Union[float, torch.Tensor] = 1.0,
+    return_entropy: bool = False,
+    *,
+    ignore_index: int = -100,
+    validate: bool = True,
+    backend: str = "auto",
+) -> Tuple[LogprobsFromLogits, bool]:
+    """Log-probs (and entropies) of ``targets`` under ``logits`` ``[N, V]`` and, in the same
+    call, the logits' gradient written over the logits: for a caller whose logits are a
+    scratch buffer of its own (an LM head taken a chunk of rows at a time), so that the
+    gradient needs no second ``[N, V]`` tensor.
+
+    ``grad_of(logp, entropy)`` gets the detached log-probs (entropies, or None) and returns the
+    loss's gradients with respect to them (each may be None: no gradient). Returns
+    (:class:`LogprobsFromLogits` (detached), whether a gradient was written); when
+    ``grad_of`` returns no gradient at all the logits are left as they were. The gradient is
+    the one ``logprobs_from_logits``' backward gives, bit for bit (the same kernels; the
+    reference backend runs the reference and copies its gradient in). ``logits``: 2-D,
+    contiguous, no autograd history wanted (read and overwritten outside it); no sampling
+    support and no ``logits_precision`` rounding (those keep ``logprobs_from_logits``).
+    """
+    _dispatch.check_backend(backend)
+    if not callable(grad_of):
+        raise TypeError("grad_of: expected a callable")
+    x = _validate_from_logits(logits, targets, temperature, ignore_index, validate)
+    if logits.dim() != 2 or not logits.is_contiguous():
+        raise ValueError(f"logits: expected a contiguous [N, V] tensor (written over), got shape {tuple(logits.shape)}")
+    flat_targets = targets.long()
+    _check_values(flat_targets, None, x.vocab, x.num_rows, ignore_index, validate)
+    if backend == "reference":
+        return _logits_grad_by_reference(logits, targets, grad_of, x.temperature, return_entropy, ignore_index)
+    with torch.no_grad():
+        inv_t = _inv_temperature(x.temperature, x.num_rows, logits.device, _compute_dtype(logits.dtype))
+        none = int(SupportMode.NONE)
+        logp, entropy, lse, _ = _from_logits(
+            logits, flat_targets, inv_t, int(ignore_index), bool(return_entropy), None, none, False, backend
+        )
+        out = LogprobsFromLogits(logp, entropy if return_entropy else None)
+        g_logp, g_ent = grad_of(out.logp, out.entropy)
+        if g_logp is None and (g_ent is None or not return_entropy):
+            return out, False
+        g = (torch.zeros_like(lse) if g_logp is None else g_logp.to(lse.dtype)).masked_fill(
+            flat_targets == ignore_index, 0.0
+        )
+        h = g_ent.to(lse.dtype).contiguous() if (g_ent is not None and return_entropy) else None
+        local = torch.where(flat_targets == ignore_index, torch.full_like(flat_targets, -1), flat_targets)
+        _from_logits_bwd_inplace(logits, local, inv_t, g.contiguous(), lse, entropy, h, None, none, backend)
+    return out, True
+
+
+def _logits_grad_by_reference(logits, targets, grad_of, temperature, return_entropy, ignore_index):
+    """``logprobs_from_logits_grad_`` on the reference: its autograd, the gradient copied in."""
+    ref = _dispatch.kernel("logprobs_from_logits", "reference")
+    with torch.enable_grad():
+        leaf = logits.detach().clone().requires_grad_()
+        res = ref(leaf, targets, temperature, return_entropy, ignore_index=ignore_index)
+        logp, entropy = (res[0], res[1]) if return_entropy else (res, None)
+        out = LogprobsFromLogits(logp.detach(), None if entropy is None else entropy.detach())
+        g_logp, g_ent = grad_of(out.logp, out.entropy)
+        outs, seeds = [], []
+        if g_logp is not None:
+            outs, seeds = [logp], [g_logp.to(logp.dtype)]
+        if entropy is not None and g_ent is not None:
+            outs.append(entropy)
+            seeds.append(g_ent.to(entropy.dtype))
+        if not outs:
+            return out, False
+        (grad,) = torch.autograd.grad(outs, [leaf], seeds)
+    with torch.no_grad():
+        logits.copy_(grad)
+    return out, True
 
 
 # ------------------------------------------------------------------ helpers

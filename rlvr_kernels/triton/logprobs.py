@@ -1381,12 +1381,35 @@ def logprobs_from_logits_bwd(
     logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, support, fparams, iparams
 ):
     """-> grad_logits [N, V], logits' dtype, contiguous (whatever the logits' row stride)."""
+    out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    _logits_bwd_into(
+        out, logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, support, fparams, iparams
+    )
+    return out
+
+
+def logprobs_from_logits_bwd_(
+    logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, support, fparams, iparams
+):
+    """The same gradient written over the logits (contiguous): a program loads its tile once, the
+    support test included, before it stores the tile's gradient."""
+    if not logits.is_contiguous():
+        raise ValueError("logprobs_from_logits_bwd_: logits must be contiguous (their gradient is written over them)")
+    if LogprobsBwdParams.unpack(fparams, iparams).support_mode == SupportMode.THRESHOLD:
+        raise ValueError("logprobs_from_logits_bwd_: a THRESHOLD support is not supported in place")
+    _logits_bwd_into(
+        logits, logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, support, fparams, iparams
+    )
+
+
+def _logits_bwd_into(
+    out, logits, targets, inv_temperature, grad_logp, lse, entropy, grad_entropy, support, fparams, iparams
+):
     p = LogprobsBwdParams.unpack(fparams, iparams)
     N, V = logits.shape
     _, CDT = compute_dtype(logits.dtype)
-    out = torch.empty((N, V), dtype=logits.dtype, device=logits.device)
     if N == 0:
-        return out
+        return
     cfg = _logits_block("logits_bwd", logits.dtype, logits.device, V)
     grid = (N, triton.cdiv(V, cfg["BLOCK"]))
     _logits_bwd_kernel[grid](
@@ -1406,7 +1429,6 @@ def logprobs_from_logits_bwd(
         SUPPORT=int(p.support_mode),
         **cfg,
     )
-    return out
 
 
 def _threshold_launch(dtype: torch.dtype, device: torch.device, V: int) -> dict:

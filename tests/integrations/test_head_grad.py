@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _memory import largest_allocation
+from _memory import allocations, largest_allocation
 from hypothesis import given
 from hypothesis import strategies as st
 
+import rlvr_kernels as rk
 from rlvr_kernels.integrations import _head_grad as hg
 from rlvr_kernels.testing._compare import compare
 
@@ -236,6 +237,28 @@ def test_logits_one_chunk_at_a_time(monkeypatch):
     largest = largest_allocation(step)
     assert largest <= 64 * v * 4, (largest, 64 * v * 4)
     assert largest < n * v * 4 // 4
+
+
+def test_one_logits_buffer_for_every_chunk(monkeypatch):
+    """Without head options the chunks share one ``[chunk, V]`` buffer and the logits' gradient
+    is written over it: no other allocation of that size, none from the kernels' output cache
+    (which holds a kernel output's block after the tensor dies)."""
+    n, v = 300, 2048
+    chunk = 64
+    rows, weight, labels, old, adv = _problem(n, h=8, v=v, dtype=torch.float32, seed=7)
+    monkeypatch.setattr(hg, "CHUNK_ELEMENTS", chunk * v)
+    loss = _ppo(old, adv)
+    rk.empty_cpu_cache()
+    before = rk.cpu_cache_stats()
+
+    def step():
+        _run(rows, weight, labels, loss, entropy=True)
+
+    big = [b for b in allocations(step) if b >= chunk * v * 4 // 2]
+    # five chunks of 60 rows: the buffer, once (the first chunk's size)
+    assert big == [60 * v * 4], big
+    after = rk.cpu_cache_stats()
+    assert after["cached_bytes"] + after["in_use_bytes"] - before["cached_bytes"] - before["in_use_bytes"] < chunk * v
 
 
 def test_bad_arguments():
