@@ -262,6 +262,53 @@ def test_grad_in_forward_auto(monkeypatch, model_dir, min_macs, formed):
     _close(ours, stock, 1e-5)
 
 
+def test_grad_in_forward_not_with_a_gradient_scaler(monkeypatch, model_dir):
+    """An engine with a gradient scaler (verl's fp16 path: its backward gets the loss times the
+    scale, which the probe does not see) takes linear_logprobs' backward: verl's numbers, the
+    head not formed in the forward, no row run again."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    td = _td(train=True)
+
+    def scaled_engine():
+        engine = _engine(monkeypatch, model_dir)
+        engine.scaler = ShardedGradScaler(device="cpu", init_scale=16.0)
+        return engine
+
+    stock = _train(scaled_engine(), td)
+    rk.apply(grad_in_forward=True)
+    before = dict(_head_grad.STATS)
+    ours = _train(scaled_engine(), td)
+    assert "verl.forward_step.grad_in_forward" not in call_counts(), call_counts()
+    assert call_counts()["verl.forward_step.loss_rows"] == 1
+    assert _head_grad.STATS == before
+    _close(ours, stock, 1e-5)
+
+
+@pytest.mark.parametrize("grad_in_forward", [True, False])
+def test_static_pad_to_length(monkeypatch, model_dir, grad_in_forward):
+    """verl's pad_to_length (the packed micro-batch right-padded to a bucket boundary, a static
+    pad_size > 0 that prepare_model_outputs cuts off): train_batch and infer_batch give verl's
+    numbers, the loss rows and the head formed in the forward as without the pad."""
+    td = _td(train=True)
+    assert _tokens(td) % 64, "the batch must not already end on the bucket"
+
+    def padded_engine():
+        engine = _engine(monkeypatch, model_dir)
+        engine.pad_to_length, engine.pad_to_length_bucket = True, 64
+        assert engine._get_packed_pad_size(_tokens(td)) > 0
+        return engine
+
+    stock = _train(padded_engine(), td), _infer(padded_engine(), _td())
+    rk.apply(grad_in_forward=grad_in_forward)
+    rerun = _head_grad.STATS["rerun_rows"]
+    ours = _train(padded_engine(), td), _infer(padded_engine(), _td())
+    assert call_counts()["verl.forward_step.loss_rows"] == 1
+    assert call_counts().get("verl.forward_step.grad_in_forward", 0) == int(grad_in_forward), call_counts()
+    assert _head_grad.STATS["rerun_rows"] == rerun
+    _close(ours, stock, 1e-5)
+
+
 def test_grad_in_forward_and_loss_rows_off(monkeypatch, model_dir):
     """apply(loss_rows_only=False, grad_in_forward=False): every row through linear_logprobs and
     its backward, verl's numbers; both are refused without the logit-free engine."""
