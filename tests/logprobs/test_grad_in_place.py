@@ -6,6 +6,8 @@ support included; what the in-place entry points refuse."""
 import pytest
 import torch
 from _backends import ALL, DEVICE
+from hypothesis import given
+from hypothesis import strategies as st
 
 import rlvr_kernels as rk
 from rlvr_kernels.contracts.logprobs import LogprobsBwdParams, LogprobsStatsParams, SupportMode
@@ -77,6 +79,29 @@ def test_equals_the_autograd_backward(backend, device, dtype, N, V, temperature,
     else:
         assert formed and buf.dtype == logits.dtype
         assert torch.equal(buf, want_grad), float((buf.double() - want_grad.double()).abs().max())
+
+
+@given(
+    n=st.integers(0, 24),
+    v=st.integers(1, 300),
+    dtype=st.sampled_from(DTYPES),
+    temperature=st.sampled_from([1.0, 0.6, "rows"]),
+    entropy=st.booleans(),
+    which=st.sampled_from(["g", "h", "gh", "none"]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_sizes_on_the_cpu_kernels(n, v, dtype, temperature, entropy, which, seed):
+    """Random shapes, dtypes, temperatures and gradients: the C++ kernels' in-place gradient is
+    the autograd backward's, bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    logits, targets, temperature, g, h = _case(gen, n, v, dtype, "cpu", temperature, ignore=True)
+    g_in = g if "g" in which else None
+    h_in = h if "h" in which else None
+    _, _, want = _by_autograd(logits, targets, temperature, entropy, g_in, h_in, "cpu")
+    buf = logits.clone()
+    res, formed = logprobs_from_logits_grad_(buf, targets, lambda lp, e: (g_in, h_in), temperature, entropy)
+    assert formed == (want is not None and (g_in is not None or entropy))
+    assert torch.equal(buf, want if formed else logits)
 
 
 def test_refuses_what_it_cannot_write_over():
