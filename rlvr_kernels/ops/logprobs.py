@@ -126,6 +126,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from typing import Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import einops
@@ -811,7 +812,7 @@ def _from_logits_backward(ctx, g_logp, g_entropy, g_lse, g_widened):
     if not _LogitsArgs(*ctx.needs_input_grad).logits:
         return _grads_by_name(_LogitsArgs)
     g, grad_entropy = _upstream(ctx, g_logp, g_entropy, s.targets, None, s.lse, s.outside)
-    local = torch.where(s.targets == ctx.ignore_index, torch.full_like(s.targets, -1), s.targets)
+    local = _local_sorted_targets(s.targets, None, ctx.ignore_index, 0)
     grad = _from_logits_bwd(
         s.logits,
         local,
@@ -1582,12 +1583,10 @@ def logprobs_from_logits_grad_(
         g_logp, g_ent = grad_of(out.logp, out.entropy)
         if g_logp is None and (g_ent is None or not return_entropy):
             return out, False
-        g = (torch.zeros_like(lse) if g_logp is None else g_logp.to(lse.dtype)).masked_fill(
-            flat_targets == ignore_index, 0.0
-        )
-        h = g_ent.to(lse.dtype).contiguous() if (g_ent is not None and return_entropy) else None
-        local = torch.where(flat_targets == ignore_index, torch.full_like(flat_targets, -1), flat_targets)
-        _from_logits_bwd_inplace(logits, local, inv_t, g.contiguous(), lse, entropy, h, None, none, backend)
+        as_ctx = types.SimpleNamespace(ignore_index=ignore_index, return_entropy=return_entropy)
+        g, h = _upstream(as_ctx, g_logp, g_ent, flat_targets, None, lse)
+        local = _local_sorted_targets(flat_targets, None, ignore_index, 0)
+        _from_logits_bwd_inplace(logits, local, inv_t, g, lse, entropy, h, None, none, backend)
     return out, True
 
 
